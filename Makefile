@@ -1,0 +1,33 @@
+# Set-up and common tasks. `make run` generates with the embedded default model; `make test` runs the suite.
+PYTHON ?= $(shell for p in python3.12 python3; do \
+  if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then echo $$p; exit; fi; done; \
+  if command -v pyenv >/dev/null 2>&1; then v=$$(pyenv versions --bare | grep '^3\.12' | tail -1); [ -n "$$v" ] && echo "$$(pyenv root)/versions/$$v/bin/python3.12"; fi)
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv install install-test run chat serve test clean
+
+$(BIN)/python:
+	@test -n "$(PYTHON)" || { echo "error: no Python 3.12 found (install one, or pass PYTHON=/path/to/python3.12)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+venv: $(BIN)/python
+
+install: venv
+	$(BIN)/python -m pip install -q -e .
+
+install-test: venv
+	$(BIN)/python -m pip install -q -e '.[test]'
+
+run: install
+	$(BIN)/python -m atlasjax chat "What is the capital of France?"
+
+serve: install
+	$(BIN)/python -m atlasjax serve
+
+test: install-test
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

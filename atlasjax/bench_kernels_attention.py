@@ -1,0 +1,141 @@
+"""GPU benchmark of the paged attention kernels: `python -m atlasjax.bench_kernels_attention`.
+
+Measures the two ceilings in the same run (device-to-device copy bandwidth, dense bf16 matmul
+rate), then times decode (batch 32 x 4096 and batch 1 x 32768) and ragged prefill (one 4096-token
+prompt) against those ceilings, jax's Triton paged_attention where its constraints allow, and the
+jnp references. Prints a table; `--json PATH` also writes the numbers.
+"""
+
+import argparse
+import datetime
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.ragged_attention import ragged_paged_attention
+
+
+def time_fn(fn, *args, iters=20, reps=5):
+  """Median seconds per call: `iters` async back-to-back calls per rep, synchronized at the end."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / iters)
+  return float(np.median(times))
+
+
+def copy_bandwidth():
+  x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.bfloat16)  # 2 GiB
+  t = time_fn(jax.jit(lambda a: a + 1), x, iters=10)
+  return 2 * x.nbytes / t
+
+
+def matmul_rate(n=8192):
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+  t = time_fn(jax.jit(lambda x, y: x @ y), a, b, iters=10)
+  return 2 * n**3 / t
+
+
+def decode_case(num_seqs, ctx, num_kv_heads=8, group=4, head_dim=128, page_size=16, seed=0):
+  rng = np.random.default_rng(seed)
+  pages_per_seq = ctx // page_size
+  num_pages = num_seqs * pages_per_seq
+  table = rng.permutation(num_pages).reshape(num_seqs, pages_per_seq).astype(np.int32)
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (num_seqs, num_kv_heads * group, head_dim), jnp.bfloat16)
+  shape = (num_kv_heads, num_pages, page_size, head_dim)
+  k = jax.random.normal(keys[1], shape, jnp.bfloat16)
+  v = jax.random.normal(keys[2], shape, jnp.bfloat16)
+  return q, k, v, jnp.asarray(table), jnp.full((num_seqs,), ctx, jnp.int32)
+
+
+def rel_err(a, b):
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def bench_decode(num_seqs, ctx, page_size, bw, rows, baselines=True):
+  case = decode_case(num_seqs, ctx, page_size=page_size)
+  q, k, _, _, _ = case
+  nbytes = 2 * k.nbytes + 2 * q.nbytes
+  name = f"decode b={num_seqs} ctx={ctx} page={page_size}"
+  ref = paged_decode_attention(*case, backend="reference")
+  fns = {"pallas (mosaic gpu)": lambda *a: paged_decode_attention(*a, backend="pallas")}
+  if baselines:
+    fns["jnp reference"] = lambda *a: paged_decode_attention(*a, backend="reference")
+    from jax.experimental.pallas.ops.gpu import paged_attention as triton_pa
+    for splits in (16, 1):
+      fns[f"jax triton paged_attention k_splits={splits}"] = jax.jit(
+          lambda q, k, v, t, l, s=splits: triton_pa.paged_attention(q, k, v, t, l, k_splits=s))
+  for label, fn in fns.items():
+    try:
+      err = rel_err(fn(*case), ref)
+      t = time_fn(fn, *case)
+      rows.append(dict(case=name, impl=label, us=t * 1e6, gbps=nbytes / t / 1e9,
+                       frac_copy_bw=nbytes / t / bw, rel_err=err))
+    except Exception as e:  # a baseline's constraints may not allow the shape
+      rows.append(dict(case=name, impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+
+
+def bench_prefill(num_tokens, mm_rate, rows, page_size=64, num_kv_heads=8, group=4, head_dim=128):
+  case = decode_case(1, num_tokens, num_kv_heads, group, head_dim, page_size, seed=1)
+  _, k, v, table, lens = case
+  q = jax.random.normal(jax.random.key(7), (num_tokens, num_kv_heads * group, head_dim),
+                        jnp.bfloat16)
+  args = (q, k, v, table, lens, jnp.asarray([0, num_tokens], jnp.int32),
+          jnp.asarray([1], jnp.int32))
+  flops = 2 * 2 * num_tokens * num_tokens / 2 * num_kv_heads * group * head_dim  # causal
+  name = f"prefill 1x{num_tokens} page={page_size}"
+  ref = ragged_paged_attention(*args, backend="reference")
+  for label, backend in (("pallas (mosaic gpu)", "pallas"), ("jnp reference", "reference")):
+    fn = lambda *a, b=backend: ragged_paged_attention(*a, backend=b)
+    try:
+      err = rel_err(fn(*args), ref)
+      t = time_fn(fn, *args, iters=5)
+      rows.append(dict(case=name, impl=label, us=t * 1e6, tflops=flops / t / 1e12,
+                       frac_matmul=flops / t / mm_rate, rel_err=err))
+    except Exception as e:
+      rows.append(dict(case=name, impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--json", help="also write the results here")
+  args = parser.parse_args()
+  bw, mm = copy_bandwidth(), matmul_rate()
+  print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"copy {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+  rows = []
+  for page_size in (16, 64):
+    bench_decode(32, 4096, page_size, bw, rows)
+  bench_decode(1, 32768, 16, bw, rows, baselines=True)
+  bench_decode(1, 32768, 64, bw, rows, baselines=False)
+  bench_prefill(4096, mm, rows)
+  for r in rows:
+    if "error" in r:
+      print(f"{r['case']:32s} {r['impl']:42s} ERROR {r['error']}")
+    elif "gbps" in r:
+      print(f"{r['case']:32s} {r['impl']:42s} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s "
+            f"{100 * r['frac_copy_bw']:5.1f}% of copy  err {r['rel_err']:.1e}")
+    else:
+      print(f"{r['case']:32s} {r['impl']:42s} {r['us']:9.1f} us {r['tflops']:7.1f} TFLOP/s "
+            f"{100 * r['frac_matmul']:5.1f}% of matmul  err {r['rel_err']:.1e}")
+  if args.json:
+    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                date=datetime.date.today().isoformat(), copy_gbps=bw / 1e9,
+                matmul_tflops=mm / 1e12)
+    with open(args.json, "w") as f:
+      json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,313 @@
+"""LLMEngine: requests in, token deltas out, one `step()` at a time (single-threaded).
+
+A step asks the scheduler for work, packs it into the fixed bucket shapes, dispatches the
+prefill and decode steps (both asynchronously, then reads their tokens), and turns tokens into
+text deltas with incremental detokenization and stop checks. Finished and aborted requests give
+their pages back at once. `LLM` drives it synchronously; `AsyncLLM` runs it in a thread.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from atlasjax import metrics
+from atlasjax.engine_config import EngineConfig
+from atlasjax.errors import EngineConfigError, InvalidRequestError
+from atlasjax.outputs import Logprob, StreamDelta
+from atlasjax.page_pool import PagePool
+from atlasjax.request import Request, Status
+from atlasjax.runner import ModelRunner
+from atlasjax.sampling import pack_rows
+from atlasjax.sampling_params import SamplingParams
+from atlasjax.scheduler import Scheduler, SchedulerOutput
+from atlasjax.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("atlasjax.engine")
+
+
+def resolve_dtype(name: str):
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return jnp.dtype(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded=None):
+        from atlasjax.model_source import load_for_engine  # noqa: PLC0415
+        self.config = config
+        self.dtype = resolve_dtype(config.dtype)
+        self.loaded = loaded or load_for_engine(config, self.dtype)
+        self.model_config = cfg = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
+        num_pages = config.num_pages or self._auto_num_pages()
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        if num_pages < pages_per_seq:
+            raise EngineConfigError(
+                f"the KV pool ({num_pages} pages of {config.page_size} tokens) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} ({pages_per_seq} pages): lower max_model_len or add pages")
+        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(cfg, self.loaded.params, dtype=self.dtype, num_pages=num_pages,
+                                  page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
+                                  attn_backend=config.attention_backend)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
+        self.requests: dict[str, list[Request]] = {}   # request id -> its n sequences
+        self._detok: dict[Request, IncrementalDetokenizer] = {}
+        self._rng = random.Random(config.seed)
+        self.stats = metrics.EngineStats()
+
+    def _auto_num_pages(self) -> int:
+        cfg, ps = self.model_config, self.config.page_size
+        bytes_per_page = 2 * cfg.num_layers * cfg.num_kv_heads * ps * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            reserve = 4 * self.config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)  # logits, sampling, activations
+            return max(1, int((free - reserve) * self.config.gpu_memory_utilization) // bytes_per_page)
+        # No device memory statistics (CPU): room for every slot at full length, at most 2 GiB.
+        want = self.config.max_num_seqs * -(-self.max_model_len // ps)
+        return max(1, min(want, (2 << 30) // bytes_per_page))
+
+    # ---- requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> list[Request]:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = self._tokenize(prompt)
+        max_tokens = self._check_length(len(token_ids), params)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        seqs = []
+        for i in range(params.n):
+            seed = base_seed if i == 0 else hash((base_seed, i)) & 0x7FFFFFFF
+            req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
+                          max_tokens, self.eos_token_ids, arrival_time or time.monotonic())
+            req.index, req.parent_id = i, request_id
+            if self.tokenizer is not None:
+                self._detok[req] = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            seqs.append(req)
+            self.scheduler.add(req)
+        self.requests[request_id] = seqs
+        self.stats.num_requests += 1
+        return seqs
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise InvalidRequestError(f"the prompt has {prompt_len} tokens, more than max_model_len={limit} allows "
+                                      f"(at most {limit - 1} leaving room for one generated token)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequestError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                                      f"{prompt_len + max_tokens} exceeds max_model_len={limit}")
+        if -(-(prompt_len + max_tokens) // self.pool.page_size) > self.pool.num_pages:
+            raise InvalidRequestError("the request cannot fit in the KV cache even on its own")
+        return max_tokens
+
+    def abort(self, request_id: str) -> bool:
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for req in seqs:
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+            self._detok.pop(req, None)
+        self.stats.num_aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one iteration
+    def step(self) -> list[StreamDelta]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        for req in sched.admitted:
+            self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids))
+        prefill_out = self._run_prefill(sched) if sched.prefills else None
+        decode_out = self._run_decode(sched) if sched.decodes else None
+        deltas: list[StreamDelta] = []
+        if prefill_out is not None:
+            deltas += self._process_prefill(sched, prefill_out)
+        if decode_out is not None:
+            deltas += self._process_decode(sched, decode_out)
+        self.stats.record_step(time.perf_counter() - t0, sched, self)
+        return deltas
+
+    def _run_prefill(self, sched: SchedulerOutput):
+        ps, s = self.pool.page_size, self.config.max_num_seqs
+        total = sum(c.num_tokens for c in sched.prefills)
+        t = self.runner.bucket_for(total)
+        b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+                 slot_mapping=np.full(t, self.pool.num_pages * ps, np.int32),
+                 page_table=np.zeros((s, self.runner.pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
+                 query_start=np.zeros(s + 1, np.int32), num_seqs=np.int32(len(sched.prefills)),
+                 sample_rows=np.zeros(s, np.int32), slot_ids=np.zeros(s, np.int32), commit=np.zeros(s, bool),
+                 next_tokens=np.full(t, -1, np.int32))
+        rows, row = [None] * s, 0
+        want_prompt_lp = False
+        for i, c in enumerate(sched.prefills):
+            req, n = c.request, c.num_tokens
+            ids = req.all_token_ids
+            pos = np.arange(c.start, c.start + n)
+            pages = np.asarray(req.pages, np.int32)
+            b["tokens"][row:row + n] = ids[c.start:c.start + n]
+            b["positions"][row:row + n] = pos
+            b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
+            b["page_table"][i, :len(pages)] = pages
+            b["seq_lens"][i] = c.start + n
+            b["sample_rows"][i] = row + n - 1
+            b["slot_ids"][i] = req.slot
+            b["commit"][i] = c.completes_prompt
+            nxt = ids[c.start + 1:c.start + n + 1]
+            b["next_tokens"][row:row + len(nxt)] = nxt
+            want_prompt_lp |= req.params.prompt_logprobs is not None and req.num_preemptions == 0
+            rows[i] = (req.params, req.seed, len(req.output_token_ids), req.eos_token_ids)
+            row += n
+            b["query_start"][i + 1:] = row
+        f, ints = pack_rows(rows, s)
+        return self.runner.prefill(b, f, ints, with_prompt_logprobs=want_prompt_lp)
+
+    def _run_decode(self, sched: SchedulerOutput):
+        s = self.config.max_num_seqs
+        tokens = np.zeros(s, np.int32)
+        page_table = np.zeros((s, self.runner.pages_per_seq), np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        rows = [None] * s
+        for req in sched.decodes:
+            tokens[req.slot] = req.all_token_ids[-1]
+            page_table[req.slot, :len(req.pages)] = req.pages
+            seq_lens[req.slot] = req.num_tokens
+            rows[req.slot] = (req.params, req.seed, len(req.output_token_ids), req.eos_token_ids)
+        f, ints = pack_rows(rows, s)
+        return self.runner.decode(tokens, page_table, seq_lens, f, ints)
+
+    # ---- results
+    def _process_prefill(self, sched: SchedulerOutput, out) -> list[StreamDelta]:
+        host = jax.device_get(out)
+        deltas = []
+        row = 0
+        for i, c in enumerate(sched.prefills):
+            req = c.request
+            req.num_computed_tokens = c.start + c.num_tokens
+            if host.prompt is not None and req.params.prompt_logprobs is not None and req.num_preemptions == 0:
+                self._record_prompt_logprobs(req, c, host.prompt, row)
+            row += c.num_tokens
+            self.stats.prompt_tokens += c.num_tokens
+            if c.completes_prompt and not req.is_finished:
+                deltas.append(self._append_token(req, host, i))
+        return deltas
+
+    def _process_decode(self, sched: SchedulerOutput, out) -> list[StreamDelta]:
+        host = jax.device_get(out)
+        deltas = []
+        for req in sched.decodes:
+            req.num_computed_tokens = req.num_tokens
+            if not req.is_finished:
+                deltas.append(self._append_token(req, host, req.slot))
+        return deltas
+
+    def _append_token(self, req: Request, host, row: int) -> StreamDelta:
+        token = int(host.tokens[row])
+        req.output_token_ids.append(token)
+        self.stats.generation_tokens += 1
+        p = req.params
+        new_lp = None
+        if p.logprobs is not None:
+            new_lp = [self._logprob_dict(token, float(host.logprob[row]), host.top_vals[row], host.top_ids[row],
+                                         p.logprobs)]
+            req.logprobs.extend(new_lp)
+        num_out = len(req.output_token_ids)
+        finish, stop_reason = None, None
+        is_stop_token = (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if is_stop_token and num_out > p.min_tokens - 1:
+            finish, stop_reason = "stop", token
+        text = ""
+        detok = self._detok.get(req)
+        if detok is not None and not is_stop_token:
+            text = detok.add(token)
+        prev_len = len(req.text)
+        req.text += text
+        if finish is None and p.stop and num_out >= p.min_tokens:
+            hit = _find_stop(req.text, p.stop, prev_len)
+            if hit is not None:
+                idx, s = hit
+                req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
+                finish, stop_reason = "stop", s
+        if finish is None and (num_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            finish = "length"
+        # Hold back text that might still become a stop string.
+        emitted = req.emitted_chars
+        hold = 0 if finish or not p.stop else max(len(s) for s in p.stop) - 1
+        upto = max(emitted, len(req.text) - hold)
+        new_text = req.text[emitted:upto]
+        req.emitted_chars = upto
+        if finish:
+            req.stop_reason = stop_reason
+            self.scheduler.finish(req, finish)
+            self.stats.record_finish(req)
+        return StreamDelta(req.parent_id, req.index, [token], new_text, bool(finish), finish, stop_reason, new_lp,
+                           len(req.prompt_token_ids), num_out, req.num_cached_tokens or 0)
+
+    def _logprob_dict(self, token, lp, top_vals, top_ids, k) -> dict[int, Logprob]:
+        d = {}
+        for rank, (tid, val) in enumerate(zip(top_ids[:k], top_vals[:k]), start=1):
+            d[int(tid)] = Logprob(float(val), rank, self._tok_str(tid))
+        if token not in d:
+            d[token] = Logprob(lp, None, self._tok_str(token))
+        return d
+
+    def _tok_str(self, tid):
+        return self.tokenizer.decode([int(tid)], skip_special_tokens=False) if self.tokenizer else None
+
+    def _record_prompt_logprobs(self, req: Request, c, prompt_out, row: int) -> None:
+        chosen, vals, ids = prompt_out
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        k = req.params.prompt_logprobs
+        n_prompt = len(req.prompt_token_ids)
+        for j in range(c.num_tokens):
+            pos = c.start + j + 1          # the prompt token this row predicts
+            if pos >= n_prompt:
+                break
+            tok = req.prompt_token_ids[pos]
+            req.prompt_logprobs.append(self._logprob_dict(tok, float(chosen[row + j]), vals[row + j],
+                                                          ids[row + j], k))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping (its pages are already free)."""
+        for req in self.requests.pop(request_id, []):
+            self._detok.pop(req, None)
+
+
+def _find_stop(text: str, stops: list[str], prev_len: int):
+    best = None
+    for s in stops:
+        idx = text.find(s, max(0, prev_len - len(s) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    return best

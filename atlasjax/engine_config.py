@@ -1,0 +1,52 @@
+"""EngineConfig: how the engine is sized (slots, pages, buckets), validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+
+from atlasjax.errors import EngineConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None                 # HF dir, .gguf, saved atlasjax checkpoint; None = embedded default
+    dtype: str = "auto"                      # auto: bfloat16 on GPU, float32 elsewhere
+    max_num_seqs: int = 16
+    max_model_len: int | None = None         # default: min(model's max positions, 4096)
+    page_size: int = 16
+    num_pages: int | None = None             # default: sized from free device memory
+    gpu_memory_utilization: float = 0.85     # fraction of free device memory the KV pool may take (GPU)
+    max_num_batched_tokens: int = 512        # token budget per step (prefill chunks + decodes)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_backend: str = "auto"          # auto | pallas | reference
+    quantization: str | None = None          # None | int8 | fp8 | int4
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        def bad(msg):
+            raise EngineConfigError(msg)
+        for name in ("max_num_seqs", "page_size", "max_num_batched_tokens", "tensor_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.page_size & (self.page_size - 1):
+            bad(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 1:
+            bad(f"num_pages must be >= 1, got {self.num_pages}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "pallas", "reference"):
+            bad(f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}")
+        if self.quantization not in (None, "int8", "fp8", "int4"):
+            bad(f"quantization must be None, int8, fp8 or int4, got {self.quantization!r}")
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Padded token counts the prefill step is compiled for: powers of two up to the budget."""
+        buckets, b = [], 16
+        while b < self.max_num_batched_tokens:
+            buckets.append(b)
+            b *= 2
+        return tuple(buckets) + (self.max_num_batched_tokens,)

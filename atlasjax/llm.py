@@ -1,0 +1,91 @@
+"""`LLM`: the offline, synchronous API (vLLM-like) over the continuous-batching engine."""
+from __future__ import annotations
+
+import itertools
+import sys
+
+from atlasjax.engine import LLMEngine
+from atlasjax.engine_config import EngineConfig
+from atlasjax.errors import InvalidRequestError
+from atlasjax.outputs import CompletionOutput, RequestOutput
+from atlasjax.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model and generate from it.
+
+    model: None (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, a .gguf
+    file, or a directory saved with `LLM.save`. Other keywords are EngineConfig fields.
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. One output per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                ids.append((rid, prompt))
+        except Exception:
+            for rid, _ in ids:     # a bad prompt in the batch: nothing stays queued
+                self.engine.abort(rid)
+            raise
+        seqs = {rid: self.engine.requests[rid] for rid, _ in ids}
+        done = 0
+        while self.engine.has_unfinished():
+            self.engine.step()
+            if use_tqdm:
+                now = sum(all(r.is_finished for r in s) for s in seqs.values())
+                if now != done:
+                    done = now
+                    print(f"\rgenerate: {done}/{len(ids)} requests", end="", file=sys.stderr, flush=True)
+        if use_tqdm:
+            print(file=sys.stderr)
+        outputs = [self._output(rid, prompt, seqs[rid]) for rid, prompt in ids]
+        for rid, _ in ids:
+            self.engine.release(rid)
+        return outputs
+
+    def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer, so it cannot chat")
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})),
+            add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _output(self, rid, prompt, seqs) -> RequestOutput:
+        first = seqs[0]
+        outs = []
+        for req in seqs:
+            lps = req.logprobs if req.params.logprobs is not None else None
+            cum = sum(d[t].logprob for d, t in zip(lps, req.output_token_ids)) if lps else None
+            outs.append(CompletionOutput(req.index, req.text, list(req.output_token_ids), req.finish_reason,
+                                         req.stop_reason, lps, cum))
+        return RequestOutput(rid, prompt if isinstance(prompt, str) else None, list(first.prompt_token_ids), outs,
+                             finished=True, num_cached_tokens=first.num_cached_tokens or 0,
+                             prompt_logprobs=first.prompt_logprobs)

@@ -1,0 +1,187 @@
+"""Checkpoint loading: HF safetensors directories and GGUF files -> (ModelConfig, params).
+
+Tensors are read one at a time (safetensors memory-maps; GGUF is memory-mapped by the gguf
+package), checked against the model's expected param shapes, cast to the engine dtype (or
+quantized) and placed in the param tree. Any missing, unexpected or mis-shaped tensor, or a
+truncated file, raises CheckpointError naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from atlasjax.config import ModelConfig, from_hf_config
+from atlasjax.errors import CheckpointError, UnsupportedModelError
+from models import get_family
+from models.transformer import abstract_params
+
+log = logging.getLogger("atlasjax.loader")
+
+# (hf_name, loader) where loader() returns the tensor as a numpy/jax array in HF layout
+NamedTensor = tuple[str, Callable[[], np.ndarray]]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict
+    tokenizer: object | None      # atlasjax.tokenizer.Tokenizer, or None if the checkpoint has none
+    source: str
+
+
+def model_format(path: str) -> str:
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return "gguf"
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "config.json")):
+            return "hf"
+        if os.path.exists(os.path.join(path, "atlasjax_checkpoint.json")):
+            return "orbax"
+        raise CheckpointError(f"{path} is a directory without config.json (not a Hugging Face model directory)")
+    if os.path.exists(path):
+        raise UnsupportedModelError(f"{path}: unsupported model file (expected a .gguf file or an HF directory)")
+    raise CheckpointError(f"model path {path!r} does not exist")
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted({os.path.join(model_dir, v) for v in weight_map.values()})
+        for f in files:
+            if not os.path.exists(f):
+                raise CheckpointError(f"shard {os.path.basename(f)} listed in {index} is missing")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: str) -> Iterator[NamedTensor]:
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+    for path in _safetensors_files(model_dir):
+        try:
+            handle = safe_open(path, framework="flax")
+            names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {path}: {e} (truncated or corrupt file?)") from e
+
+        def read(name=None, handle=handle, path=path):
+            try:
+                return handle.get_tensor(name)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e
+        for name in names:
+            yield name, (lambda n=name, r=read: r(n))
+
+
+def assemble_params(cfg: ModelConfig, tensors: Iterator[NamedTensor], dtype,
+                    convert: Callable | None = None) -> dict:
+    """Place checkpoint tensors into the model's param tree, validating names and shapes.
+
+    convert(path, array) may replace the default cast (used for quantization at load).
+    """
+    family = get_family(cfg.family)
+    expected = nn.unbox(abstract_params(cfg, dtype))
+    flat_expected = {path: leaf for path, leaf in _flatten(expected)}
+    params: dict = {}
+    loaded: set = set()
+    for name, read in tensors:
+        mapped = family.param_path(name)
+        if mapped is None:
+            if family.is_ignored(name):
+                continue
+            raise CheckpointError(f"unexpected tensor {name!r} in checkpoint for a {cfg.family} model")
+        path, transpose = mapped
+        if path not in flat_expected:
+            if path == ("lm_head", "kernel") and cfg.tie_word_embeddings:
+                continue  # tied checkpoints sometimes store the head too
+            raise CheckpointError(f"unexpected tensor {name!r} (no such parameter {'/'.join(path)} in this config)")
+        array = read()
+        want = flat_expected[path].shape
+        got = tuple(array.shape[::-1]) if transpose else tuple(array.shape)
+        if got != want:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, expected "
+                                  f"{want[::-1] if transpose else want}")
+        array = jnp.asarray(array)
+        if transpose:
+            array = array.T
+        value = convert(path, array) if convert else None
+        _set(params, path, array.astype(dtype) if value is None else value)
+        loaded.add(path)
+    missing = [p for p in flat_expected if p not in loaded]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. "
+                              + ", ".join("/".join(p) for p in missing[:5]))
+    return params
+
+
+def load_hf(model_dir: str, dtype, convert=None) -> tuple[ModelConfig, dict]:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = from_hf_config(json.load(f))
+    return cfg, assemble_params(cfg, iter_safetensors(model_dir), dtype, convert)
+
+
+def _flatten(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
+    """Random weights built directly on the device (benchmarks / presets)."""
+    model_shapes = nn.unbox(abstract_params(cfg, dtype))
+    leaves, treedef = jax.tree_util.tree_flatten(model_shapes)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    @jax.jit
+    def make(keys):
+        out = []
+        for k, leaf in zip(keys, leaves):
+            if len(leaf.shape) == 1:   # norms and biases
+                out.append(jnp.ones(leaf.shape, leaf.dtype))
+            else:
+                out.append((jax.random.normal(k, leaf.shape, jnp.float32) * 0.02).astype(leaf.dtype))
+        return out
+    return jax.tree_util.tree_unflatten(treedef, make(keys))
+
+
+def load_model(path: str, dtype, convert=None) -> LoadedModel:
+    """Load any supported checkpoint: HF directory, .gguf file, or a saved atlasjax checkpoint."""
+    from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
+    fmt = model_format(path)
+    if fmt == "hf":
+        cfg, params = load_hf(path, dtype, convert)
+        return LoadedModel(cfg, params, Tokenizer.from_dir(path, cfg.eos_token_ids), path)
+    if fmt == "gguf":
+        from atlasjax.gguf_loader import load_gguf  # noqa: PLC0415
+        g = load_gguf(path)
+        cfg = from_hf_config(g.config)
+        tensors = ((name, t.dequantize) for name, t in g.tensors.items())
+        params = assemble_params(cfg, tensors, dtype, convert)
+        st = g.special_tokens
+        tok = Tokenizer(g.tokenizer, bos_token=st.get("bos_token"), eos_token=st.get("eos_token"),
+                        eos_token_ids=tuple(st.get("eos_token_ids") or cfg.eos_token_ids),
+                        add_bos=bool(st.get("add_bos_token")), chat_template=g.chat_template)
+        return LoadedModel(cfg, params, tok, path)
+    from atlasjax.checkpoint import load_checkpoint  # noqa: PLC0415
+    return load_checkpoint(path, dtype)

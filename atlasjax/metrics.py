@@ -1,0 +1,46 @@
+"""Engine counters and gauges (plain Python): what /metrics exports and benchmarks read."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_requests: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    prompt_tokens: int = 0          # prompt tokens computed (cache hits excluded)
+    cached_prompt_tokens: int = 0   # prompt tokens served by the prefix cache
+    generation_tokens: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    last_step_seconds: float = 0.0
+    step_seconds: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1000))
+
+    def record_step(self, seconds: float, sched, engine) -> None:
+        self.num_steps += 1
+        self.last_step_seconds = seconds
+        self.step_seconds.append(seconds)
+        self.refresh(engine)
+
+    def refresh(self, engine) -> None:
+        s, pool = engine.scheduler, engine.pool
+        self.num_running, self.num_waiting = len(s.running), len(s.waiting)
+        self.pages_used, self.pages_free = pool.num_used_pages, pool.num_free_pages
+        self.num_preemptions = s.num_preemptions
+        self.prefix_cache_queries, self.prefix_cache_hits = pool.num_queried_pages, pool.num_hit_pages
+
+    def record_finish(self, req) -> None:
+        self.num_finished += 1
+        self.cached_prompt_tokens += req.num_cached_tokens or 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,24 @@
+"""Resolve what the engine loads: the embedded default, a path, and optional quantization at load."""
+from __future__ import annotations
+
+from atlasjax.default_model import ensure_default_model
+from atlasjax.loader import LoadedModel, load_model
+
+QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantizing_converter(fmt: str):
+    """convert(path, array) for assemble_params: quantize linear projections, leave the rest."""
+    from atlasjax.quantization import quantize  # noqa: PLC0415
+
+    def convert(path, array):
+        if path[-1] == "kernel" and path[-2] in QUANTIZED_PROJECTIONS:
+            return quantize(array, fmt)
+        return None
+    return convert
+
+
+def load_for_engine(config, dtype) -> LoadedModel:
+    path = config.model or ensure_default_model()
+    convert = quantizing_converter(config.quantization) if config.quantization else None
+    return load_model(path, dtype, convert)

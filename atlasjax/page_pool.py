@@ -1,0 +1,104 @@
+"""Host-side page allocator with content-addressed prefix caching (plain Python, no jax).
+
+Pages are reference counted. A page whose count drops to zero goes to the back of an LRU free
+queue but keeps its content hash, so a later request with the same prefix can take it back
+(a prefix-cache hit); allocation takes from the front, evicting the oldest cached content.
+A full page's key is (hash of the previous page's key, its token ids), so equal keys mean equal
+prefixes (dict equality compares the tokens; only the parent hash is a digest).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self.free_queue: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        self.page_key: dict[int, tuple] = {}        # page -> content key (cached pages only)
+        self.cached: dict[tuple, int] = {}          # content key -> page
+        self.num_hit_queries = 0
+        self.num_hit_pages = 0
+        self.num_queried_pages = 0
+
+    # ---- accounting
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self.free_queue)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self.free_queue)
+
+    # ---- allocation
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise MemoryError(f"need {n} pages, {len(self.free_queue)} free")
+        pages = []
+        for _ in range(n):
+            page, _ = self.free_queue.popitem(last=False)
+            key = self.page_key.pop(page, None)
+            if key is not None and self.cached.get(key) == page:
+                del self.cached[key]            # evict the oldest cached content
+            self.ref_counts[page] = 1
+            pages.append(page)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        # Tail pages first, so they are evicted before the shared prefix pages.
+        for page in reversed(pages):
+            self.ref_counts[page] -= 1
+            assert self.ref_counts[page] >= 0, f"page {page} freed twice"
+            if self.ref_counts[page] == 0:
+                self.free_queue[page] = None
+
+    # ---- prefix cache
+    def extend_keys(self, keys: list[tuple], token_ids) -> list[tuple]:
+        """Append to `keys` the keys of every further full page of token_ids (incremental)."""
+        ps = self.page_size
+        for i in range(len(keys), len(token_ids) // ps):
+            parent = hash(keys[-1]) if keys else 0
+            keys.append((parent, tuple(token_ids[i * ps:(i + 1) * ps])))
+        return keys
+
+    def lookup(self, keys: list[tuple]) -> list[int]:
+        """Longest run of cached pages for these full-page keys; takes a reference on each."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for key in keys:
+            page = self.cached.get(key)
+            if page is None:
+                break
+            hits.append(page)
+        self.num_hit_queries += 1
+        self.num_queried_pages += len(keys)
+        self.num_hit_pages += len(hits)
+        for page in hits:
+            if self.ref_counts[page] == 0:
+                del self.free_queue[page]
+            self.ref_counts[page] += 1
+        return hits
+
+    def register(self, pages: list[int], keys: list[tuple], first: int, last: int) -> None:
+        """Record the content (keys) of full pages [first, last) of a sequence's `pages`."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(first, last):
+            if keys[i] not in self.cached and pages[i] not in self.page_key:
+                self.cached[keys[i]] = pages[i]
+                self.page_key[pages[i]] = keys[i]
+
+    def reset_prefix_cache(self) -> None:
+        for page in list(self.page_key):
+            if self.ref_counts[page] == 0:
+                key = self.page_key.pop(page)
+                self.cached.pop(key, None)

@@ -1,0 +1,59 @@
+"""Request state as the scheduler and engine see it (plain Python, no jax)."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from atlasjax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_keys: list[tuple] = dataclasses.field(default_factory=list)
+    num_registered_pages: int = 0
+    slot: int = -1                        # row in the device-side per-slot state
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # outputs kept for the caller
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None
+    text: str = ""
+    emitted_chars: int = 0                # text already streamed (the rest may still become a stop string)
+    index: int = 0                        # which of the parent request's n completions
+    parent_id: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still computing K/V for known tokens (prompt, or prompt + outputs after preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

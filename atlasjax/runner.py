@@ -1,0 +1,161 @@
+"""The jitted steps: the only place (outside kernel entry points) where `jax.jit` appears.
+
+Device state (donated to every step, so it is updated in place and never copied):
+  kv:          per layer (k_pages, v_pages) [kv_heads, num_pages, page_size, head_dim]
+  counts:      [max_num_seqs, vocab] int32, generated-token counts per slot (penalties)
+  prompt_mask: [max_num_seqs, vocab] bool, tokens seen in the prompt per slot (repetition penalty)
+
+Steps are compiled ahead of time (`jit(...).lower(...).compile()`) per shape bucket, so every
+compile is explicit, logged and counted, and a shape outside the buckets is an error rather than
+a silent recompile.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from atlasjax import sampling
+from models.attention import AttentionMetadata
+from models.transformer import Transformer, init_kv_cache
+
+log = logging.getLogger("atlasjax.compile")
+
+
+@flax.struct.dataclass
+class DeviceState:
+    kv: tuple
+    counts: jax.Array
+    prompt_mask: jax.Array
+
+
+@flax.struct.dataclass
+class StepOutput:
+    tokens: jax.Array        # [rows] int32
+    logprob: jax.Array       # [rows] f32 (chosen token, raw distribution)
+    top_vals: jax.Array      # [rows, MAX_LOGPROBS]
+    top_ids: jax.Array
+    prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
+
+
+def _decode_step(model: Transformer, params, state: DeviceState, tokens, page_table, seq_lens, st):
+    # [S] tokens at position seq_lens - 1 of each slot; seq_lens == 0 marks an inactive slot.
+    page_size = state.kv[0][0].shape[2]
+    num_slots = state.kv[0][0].shape[1] * page_size
+    positions = jnp.maximum(seq_lens - 1, 0)
+    pages = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
+    slot_mapping = jnp.where(seq_lens > 0, pages * page_size + positions % page_size, num_slots)
+    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens)
+    hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
+    logits = model.apply({"params": params}, hidden, method=Transformer.logits)
+    rows = jnp.arange(tokens.shape[0])
+    new_tokens, lp, tv, ti = sampling.sample(logits, state.counts, state.prompt_mask, st)
+    counts = state.counts.at[rows, new_tokens].add((seq_lens > 0).astype(jnp.int32))
+    return DeviceState(kv, counts, state.prompt_mask), StepOutput(new_tokens, lp, tv, ti)
+
+
+def _prefill_step(model: Transformer, with_prompt_logprobs: bool, params, state: DeviceState, tokens, positions,
+                  slot_mapping, page_table, seq_lens, query_start, num_seqs, sample_rows, slot_ids, commit,
+                  next_tokens, st):
+    # Packed chunks of up to S sequences: [T] tokens; logits only at each sequence's last row.
+    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
+                             query_start=query_start, num_seqs=num_seqs)
+    hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
+    logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
+    safe_slots = jnp.where(commit, slot_ids, 0)
+    new_tokens, lp, tv, ti = sampling.sample(logits, state.counts[safe_slots], state.prompt_mask[safe_slots], st)
+    drop = state.counts.shape[0]   # out-of-range slot: scatter dropped
+    counts = state.counts.at[jnp.where(commit, slot_ids, drop), new_tokens].add(1, mode="drop")
+    out = StepOutput(new_tokens, lp, tv, ti)
+    if with_prompt_logprobs:
+        all_logits = model.apply({"params": params}, hidden, method=Transformer.logits)
+        out = out.replace(prompt=sampling.prompt_logprobs(all_logits, next_tokens))
+    return DeviceState(kv, counts, state.prompt_mask), out
+
+
+def _admit(state: DeviceState, slot, tokens, prompt_len, total_len):
+    # Reset a slot's penalty state for a (re)admitted request: prompt mask from tokens[:total_len]
+    # (prompt + earlier outputs after preemption), generated counts from tokens[prompt_len:total_len].
+    idx = jnp.arange(tokens.shape[0])
+    vocab = state.counts.shape[1]
+    in_seq = idx < total_len
+    mask = jnp.zeros((vocab,), bool).at[tokens].max(in_seq)
+    counts = jnp.zeros((vocab,), jnp.int32).at[tokens].add((in_seq & (idx >= prompt_len)).astype(jnp.int32))
+    return state.replace(counts=state.counts.at[slot].set(counts), prompt_mask=state.prompt_mask.at[slot].set(mask))
+
+
+class ModelRunner:
+    """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
+
+    def __init__(self, cfg, params, *, dtype, num_pages: int, page_size: int, max_num_seqs: int,
+                 max_model_len: int, prefill_buckets: tuple[int, ...], attn_backend: str = "auto"):
+        self.cfg = cfg
+        self.params = params
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.pages_per_seq = -(-max_model_len // page_size)
+        self.prefill_buckets = tuple(sorted(prefill_buckets))
+        self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
+        vocab = cfg.vocab_size
+        self.state = DeviceState(kv=init_kv_cache(cfg, num_pages, page_size, dtype),
+                                 counts=jnp.zeros((max_num_seqs, vocab), jnp.int32),
+                                 prompt_mask=jnp.zeros((max_num_seqs, vocab), bool))
+        self.num_compiles = 0
+        self.compile_seconds = 0.0
+        self._compiled: dict = {}
+
+    # ---- compilation
+    def _compile(self, key, fn, donate, *args):
+        if key in self._compiled:
+            return self._compiled[key]
+        t0 = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        dt = time.perf_counter() - t0
+        self.num_compiles += 1
+        self.compile_seconds += dt
+        log.info("compiled %s in %.2fs (compile #%d)", key, dt, self.num_compiles,
+                 extra={"event": "compile", "step": key[0], "shape": key[1:], "seconds": round(dt, 3)})
+        self._compiled[key] = compiled
+        return compiled
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.prefill_buckets:
+            if num_tokens <= b:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed the largest prefill bucket {self.prefill_buckets[-1]}")
+
+    def _st(self, f, i):
+        return sampling.SamplingTensors(jnp.asarray(f), jnp.asarray(i))
+
+    # ---- steps (all asynchronous: they return device arrays)
+    def decode(self, tokens, page_table, seq_lens, f, i) -> StepOutput:
+        args = (self.params, self.state, jnp.asarray(tokens), jnp.asarray(page_table), jnp.asarray(seq_lens),
+                self._st(f, i))
+        step = self._compile(("decode", self.max_num_seqs), functools.partial(_decode_step, self.model), (1,), *args)
+        self.state, out = step(*args)
+        return out
+
+    def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
+        t = batch["tokens"].shape[0]
+        names = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
+                 "sample_rows", "slot_ids", "commit", "next_tokens")
+        args = (self.params, self.state, *(jnp.asarray(batch[n]) for n in names), self._st(f, i))
+        step = self._compile(("prefill", t, with_prompt_logprobs),
+                             functools.partial(_prefill_step, self.model, with_prompt_logprobs), (1,), *args)
+        self.state, out = step(*args)
+        return out
+
+    def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
+        buf = np.zeros((self.max_model_len,), np.int32)
+        n = min(len(token_ids), self.max_model_len)
+        buf[:n] = token_ids[:n]
+        args = (self.state, jnp.int32(slot), jnp.asarray(buf), jnp.int32(prompt_len), jnp.int32(n))
+        step = self._compile(("admit", self.max_model_len), _admit, (0,), *args)
+        self.state = step(*args)

@@ -1,0 +1,104 @@
+"""Building blocks shared by every model family: linear (the one matmul entry), RMSNorm, RoPE, MLP.
+
+Parameters are created with logical axis names (`embed, heads, kv_heads, head_dim, mlp, vocab`)
+so that tensor parallelism is a rules table (atlasjax/sharding.py), not a model rewrite.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def is_quantized(w) -> bool:
+    return hasattr(w, "qweight")
+
+
+def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """The one matmul entry. x: [tokens, in]; w: [in, out] array or a quantized weight pytree."""
+    out_dtype = out_dtype or x.dtype
+    if is_quantized(w):
+        from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
+        return quantized_matmul(x, w).astype(out_dtype)
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias). kernel: [in, out] tagged with logical axes."""
+    features: int
+    axes: tuple[str, str]
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    out_dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x):  # [tokens, in]
+        kernel = self.param("kernel", nn.with_logical_partitioning(_init, self.axes),
+                            (x.shape[-1], self.features), self.dtype)
+        y = matmul(x, kernel, self.out_dtype)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
+                              (self.features,), self.dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    axis_name: str = "embed"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                           (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * xf.astype(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    hidden_size: int
+    intermediate_size: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [tokens, embed]
+        gate = Linear(self.intermediate_size, ("embed", "mlp"), dtype=self.dtype, name="gate_proj")(x)
+        up = Linear(self.intermediate_size, ("embed", "mlp"), dtype=self.dtype, name="up_proj")(x)
+        return Linear(self.hidden_size, ("mlp", "embed"), dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+
+
+def rope_inv_freq(cfg) -> jax.Array:
+    """Inverse frequencies [head_dim // 2], with `linear` or `llama3` scaling applied."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv = inv / rs.factor
+    elif rs.rope_type == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * inv / rs.factor + smooth * inv
+        inv = jnp.where(wavelen > low_wavelen, inv / rs.factor,
+                        jnp.where(wavelen < high_wavelen, inv, smoothed))
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention). x: [tokens, heads, head_dim]; positions: [tokens]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [tokens, head_dim // 2]
+    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(freqs)] * 2, axis=-1)[:, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)

@@ -1,0 +1,127 @@
+"""The decoder-only transformer shared by the llama, qwen2 and qwen3 families.
+
+Pure functional: `Transformer(cfg).apply({"params": params}, tokens, positions, kv_caches, meta)`
+returns `(hidden, kv_caches)`; `.apply(..., hidden, method=Transformer.logits)` gives f32 logits.
+Family differences are config flags (qkv bias for qwen2, per-head q/k RMSNorm for qwen3); the
+family files (llama.py, qwen2.py, qwen3.py) own checkpoint naming. Layers are unrolled (one
+param subtree and one KV page pool per layer) so each layer's pool is a separate donated buffer
+that kernels read directly.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.attention import AttentionMetadata, attention, write_kv
+from models.layers import MLP, Linear, RMSNorm, apply_rope, rope_inv_freq
+
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]   # per layer (k_pages, v_pages)
+
+
+class Attention(nn.Module):
+    cfg: object
+    attn_backend: str = "auto"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, kv, meta: AttentionMetadata):
+        cfg = self.cfg
+        t = x.shape[0]
+        hd = cfg.head_dim
+        q = Linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, self.dtype, name="q_proj")(x)
+        k = Linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, self.dtype, name="k_proj")(x)
+        v = Linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, self.dtype, name="v_proj")(x)
+        q = q.reshape(t, cfg.num_heads, hd)      # [tokens, heads, head_dim]
+        k = k.reshape(t, cfg.num_kv_heads, hd)   # [tokens, kv_heads, head_dim]
+        v = v.reshape(t, cfg.num_kv_heads, hd)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)
+        inv_freq = rope_inv_freq(cfg)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        # K/V land in the donated pool before attention reads it: a chunk attends to itself too.
+        k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
+        out = attention(q, k_pages, v_pages, meta, backend=self.attn_backend)
+        out = Linear(cfg.hidden_size, ("heads", "embed"), False, self.dtype, name="o_proj")(
+            out.reshape(t, cfg.num_heads * hd))
+        return out, (k_pages, v_pages)
+
+
+class DecoderLayer(nn.Module):
+    cfg: object
+    attn_backend: str = "auto"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, kv, meta):
+        cfg = self.cfg
+        h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="input_layernorm")(x)
+        h, kv = Attention(cfg, self.attn_backend, self.dtype, name="self_attn")(h, positions, kv, meta)
+        x = x + h
+        h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="post_attention_layernorm")(x)
+        x = x + MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, name="mlp")(h)
+        return x, kv
+
+
+class Transformer(nn.Module):
+    cfg: object
+    attn_backend: str = "auto"
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed_tokens = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
+        self.layers = [DecoderLayer(cfg, self.attn_backend, self.dtype, name=f"layers_{i}")
+                       for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.vocab_size, ("embed", "vocab"), dtype=self.dtype, out_dtype=jnp.float32)
+
+    def __call__(self, tokens, positions, kv_caches: KVCache, meta: AttentionMetadata):
+        """tokens, positions: [num_tokens] int32 -> (hidden [num_tokens, embed], kv_caches)."""
+        x = self.embed_tokens(tokens)
+        new_caches = []
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x, kv = layer(x, positions, kv_caches[i], meta)
+            new_caches.append(kv)
+        return self.norm(x), tuple(new_caches)
+
+    def init_all(self, tokens, positions, kv_caches, meta):
+        """Touches every parameter (used by `init` to create the full tree)."""
+        hidden, _ = self(tokens, positions, kv_caches, meta)
+        return self.logits(hidden)
+
+    def logits(self, hidden):
+        """hidden: [n, embed] -> f32 logits [n, vocab]."""
+        if self.cfg.tie_word_embeddings:
+            return jnp.dot(hidden, self.embed_tokens.embedding.T.astype(hidden.dtype),
+                           preferred_element_type=jnp.float32)
+        return self.lm_head(hidden)
+
+
+def init_kv_cache(cfg, num_pages: int, page_size: int, dtype) -> KVCache:
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def abstract_params(cfg, dtype=jnp.float32, attn_backend="reference"):
+    """Param tree of ShapeDtypeStructs wrapped in flax LogicallyPartitioned boxes (no memory)."""
+    model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
+    kv = init_kv_cache_abstract(cfg, dtype)
+    meta = AttentionMetadata(slot_mapping=jnp.zeros((1,), jnp.int32), page_table=jnp.zeros((1, 1), jnp.int32),
+                             seq_lens=jnp.ones((1,), jnp.int32))
+
+    def init(rng):
+        return model.init(rng, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), kv, meta,
+                          method=Transformer.init_all)["params"]
+    return jax.eval_shape(init, jax.random.key(0))
+
+
+def init_kv_cache_abstract(cfg, dtype):
+    shape = (cfg.num_kv_heads, 1, 1, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))

@@ -1,0 +1,56 @@
+"""Tiny random Hugging Face models (float32, saved as safetensors) for reference comparisons."""
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            max_position_embeddings=1024, rms_norm_eps=1e-5)
+
+CASES = {
+    # name: (config class, overrides)
+    "llama_gqa4": (transformers.LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=2,
+                                                  tie_word_embeddings=False)),
+    "llama_tied_mha": (transformers.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4,
+                                                      tie_word_embeddings=True)),
+    "llama31_rope": (transformers.LlamaConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "qwen2": (transformers.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2,
+                                            tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                            tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(name: str, out_dir: str, seed: int = 0):
+    """Create, save (safetensors) and return the torch model for CASES[name]."""
+    cls, overrides = CASES[name]
+    torch.manual_seed(seed)
+    config = cls(**{**BASE, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default init so logits are not all near-uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model
+
+
+def hf_logprobs(model, token_ids: list[int]):
+    """log_softmax logits [len, vocab] of a single sequence, float64 for comparisons."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1).numpy()
+
+
+def hf_greedy(model, token_ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([token_ids]), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, pad_token_id=0)
+    return out[0, len(token_ids):].tolist()
