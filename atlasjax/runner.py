@@ -152,6 +152,20 @@ class ModelRunner:
         self.state, out = step(*args)
         return out
 
+    def warmup(self) -> None:
+        """Compile every step shape serving can use (decode, each prefill bucket, admit) without running them."""
+        s, p = self.max_num_seqs, self.pages_per_seq
+        f, i = sampling.pack_rows([], s)
+        z = functools.partial(np.zeros, dtype=np.int32)
+        self._compile(("decode", s), functools.partial(_decode_step, self.model), (1,), self.params, self.state,
+                      z(s), z((s, p)), z(s), self._st(f, i))
+        for t in self.prefill_buckets:
+            args = (self.params, self.state, z(t), z(t), z(t), z((s, p)), z(s), z(s + 1), np.int32(0), z(s), z(s),
+                    np.zeros(s, bool), z(t), self._st(f, i))
+            self._compile(("prefill", t, False), functools.partial(_prefill_step, self.model, False), (1,), *args)
+        self._compile(("admit", self.max_model_len), _admit, (0,), self.state, np.int32(0), z(self.max_model_len),
+                      np.int32(0), np.int32(0))
+
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)
         n = min(len(token_ids), self.max_model_len)

@@ -1,0 +1,110 @@
+"""Command line: `python -m atlasjax generate|chat|serve ...` (run with --help for each)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory, .gguf file or saved atlasjax checkpoint (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--num-pages", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling(args):
+    from atlasjax.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, stop=args.stop)
+
+
+def _run_generate(args, chat: bool) -> None:
+    from atlasjax.llm import LLM
+    params = _sampling(args)
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    print(f"atlasjax: model loaded in {time.perf_counter() - t0:.1f}s; compiling and generating ...",
+          file=sys.stderr, flush=True)
+    t1 = time.perf_counter()
+    if chat:
+        outs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params)
+    else:
+        outs = llm.generate(list(args.prompt), params)
+    dt = time.perf_counter() - t1
+    for out in outs:
+        print(out.outputs[0].text)
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"atlasjax: {n} tokens in {dt:.2f}s ({llm.engine.runner.num_compiles} compiles, "
+          f"{llm.engine.runner.compile_seconds:.1f}s of them)", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m atlasjax", description="atlasjax: JAX LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("generate", "complete one or more prompts"), ("chat", "one chat turn with the model")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("prompt", nargs="+")
+        add_engine_args(p)
+        _add_sampling_args(p)
+    p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    add_engine_args(p)
+    try:
+        from serving.cli import add_server_args
+        add_server_args(p)
+    except ImportError:
+        pass
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every compile")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from atlasjax.errors import AtlasJaxError
+    try:
+        if args.command == "serve":
+            from serving.cli import serve
+            return serve(args) or 0
+        _run_generate(args, chat=args.command == "chat")
+    except AtlasJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

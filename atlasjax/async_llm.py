@@ -1,0 +1,137 @@
+"""AsyncLLM: the engine on its own thread, with an asyncio streaming API (what the server uses).
+
+One thread owns the device and runs `LLMEngine.step()` whenever there is work. Callers on an
+asyncio loop submit requests through a thread-safe inbox and receive `StreamDelta`s through a
+per-request asyncio queue. Leaving the iterator early (client disconnect, cancellation) aborts
+the request, which frees its pages and slot at the engine's next iteration.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from atlasjax.engine import LLMEngine
+from atlasjax.engine_config import EngineConfig
+from atlasjax.errors import AtlasJaxError
+from atlasjax.outputs import StreamDelta
+from atlasjax.sampling_params import SamplingParams
+
+log = logging.getLogger("atlasjax.async")
+
+
+class QueueFullError(AtlasJaxError):
+    """Too many requests are waiting; retry later (HTTP 503)."""
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, *, max_waiting: int = 256, engine: LLMEngine | None = None,
+                 **engine_kwargs):
+        self.engine = engine or LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.max_waiting = max_waiting
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="atlasjax-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams)
+
+    # ---- public API
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (all n completions interleaved, by .index)."""
+        if self._error is not None:
+            raise RuntimeError(f"the engine thread failed: {self._error!r}")
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if self.engine.stats.num_waiting + len(self._inbox) >= self.max_waiting:
+            raise QueueFullError(f"{self.max_waiting} requests are already waiting")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._submit(("add", request_id, prompt, params))
+        remaining = params.n
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            # Finished: forget it. Not finished (consumer left): abort, which frees its pages.
+            self._submit(("release" if remaining == 0 else "abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the engine thread; with drain, after the in-flight requests finish."""
+        with self._wake:
+            self._stopping = "drain" if drain else "now"
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ---- engine thread
+    def _submit(self, cmd) -> None:
+        with self._wake:
+            self._inbox.append(cmd)
+            self._wake.notify()
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not engine.has_unfinished() and not self._stopping:
+                        self._wake.wait()
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                    stopping = self._stopping
+                for cmd in commands:
+                    self._handle(cmd)
+                if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
+                    return
+                for delta in engine.step():
+                    self._deliver(delta.request_id, delta)
+        except BaseException as e:  # noqa: BLE001 (report to every waiter, then stop)
+            log.exception("engine thread failed")
+            self._error = e
+            for rid in list(self._streams):
+                self._deliver(rid, RuntimeError(f"engine failure: {e!r}"))
+
+    def _handle(self, cmd) -> None:
+        kind, request_id = cmd[0], cmd[1]
+        if kind == "add":
+            try:
+                self.engine.add_request(request_id, cmd[2], cmd[3])
+            except AtlasJaxError as e:
+                self._deliver(request_id, e)
+        elif kind == "abort":
+            self.engine.abort(request_id)
+        elif kind == "release":
+            self.engine.release(request_id)

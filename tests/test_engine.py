@@ -1,0 +1,139 @@
+"""Continuous batching end to end on a tiny real model: isolation, preemption, aborts, prefix cache, n>1."""
+import numpy as np
+import pytest
+
+from atlasjax import LLM, InvalidRequestError, SamplingParams
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_factory):
+    return hf_model_factory("llama_gqa4")[1]
+
+
+def _engine(model_dir, **kw):
+    args = dict(max_num_seqs=8, max_model_len=128, page_size=8, max_num_batched_tokens=64)
+    args.update(kw)
+    return LLM(model_dir, **args).engine
+
+
+def _workload(n=64, seed=0):
+    rs = np.random.RandomState(seed)
+    return [([int(t) for t in rs.randint(0, 512, size=rs.randint(1, 60))], int(rs.randint(1, 24)),
+             int(rs.randint(0, 40))) for _ in range(n)]   # (prompt, max_tokens, arrival step)
+
+
+def _run_staggered(engine, work):
+    pending = sorted(enumerate(work), key=lambda x: x[1][2])
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][2] <= step:
+            i, (prompt, n, _) = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, **GREEDY))
+        engine.step()
+        step += 1
+    outs = [engine.requests[f"r{i}"][0].output_token_ids for i in range(len(work))]
+    for i in range(len(work)):
+        engine.release(f"r{i}")
+    return outs
+
+
+def _alone(engine, work):
+    outs = []
+    for i, (prompt, n, _) in enumerate(work):
+        engine.add_request(f"a{i}", prompt, SamplingParams(max_tokens=n, **GREEDY))
+        while engine.has_unfinished():
+            engine.step()
+        outs.append(engine.requests[f"a{i}"][0].output_token_ids)
+        engine.release(f"a{i}")
+    return outs
+
+
+def _assert_idle(engine):
+    assert engine.pool.num_free_pages == engine.pool.num_pages
+    assert all(c == 0 for c in engine.pool.ref_counts)
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs))
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_64_staggered_requests_equal_their_solo_runs(model_dir):
+    engine = _engine(model_dir, enable_prefix_caching=False)
+    work = _workload()
+    assert _run_staggered(engine, work) == _alone(engine, work)
+    _assert_idle(engine)
+
+
+def test_small_pool_preempts_and_still_matches(model_dir):
+    engine = _engine(model_dir, num_pages=24, enable_prefix_caching=False)   # 8 slots x 128 tokens would need 128
+    work = _workload(n=24, seed=1)
+    staggered = _run_staggered(engine, work)
+    assert engine.scheduler.num_preemptions > 0
+    assert staggered == _alone(engine, work)
+    _assert_idle(engine)
+
+
+def test_abort_mid_generation_returns_every_page(model_dir):
+    engine = _engine(model_dir)
+    for i in range(6):
+        engine.add_request(f"x{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=50, **GREEDY))
+    for _ in range(5):
+        engine.step()
+    assert engine.pool.num_used_pages > 0
+    for i in range(0, 6, 2):
+        assert engine.abort(f"x{i}")
+    while engine.has_unfinished():
+        engine.step()
+    for i in range(1, 6, 2):
+        engine.release(f"x{i}")
+    engine.pool.reset_prefix_cache()
+    _assert_idle(engine)
+    assert not engine.abort("no-such-request")
+
+
+def test_shared_prefix_hits_the_cache_with_the_same_output(model_dir):
+    engine = _engine(model_dir)
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._ids = engine, iter(range(1000))
+    prompt = list(range(10, 10 + 3 * 8 + 5))       # 3 full pages of 8 + 5 tokens
+    first = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
+    second = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 3 * 8
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    off = LLM(model_dir, max_num_seqs=8, max_model_len=128, page_size=8, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    off.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))
+    assert off.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0].num_cached_tokens == 0
+
+
+def test_parallel_sampling_n4_is_seeded(model_dir):
+    llm = LLM(model_dir, max_num_seqs=8, max_model_len=128, page_size=8, max_num_batched_tokens=64)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    a = llm.generate([list(range(1, 20))], params)[0]
+    b = llm.generate([list(range(1, 20))], params)[0]
+    assert len(a.outputs) == 4 and [o.index for o in a.outputs] == [0, 1, 2, 3]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1      # own seed stream each
+    assert b.num_cached_tokens == 16                              # the prompt's 2 full pages were shared
+
+
+def test_no_compile_after_warmup_in_a_mixed_workload(model_dir):
+    engine = _engine(model_dir)
+    engine.runner.warmup()
+    before = engine.runner.num_compiles
+    _run_staggered(engine, _workload(n=16, seed=3))
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._ids = engine, iter(range(1000))
+    llm.generate([[1, 2, 3], list(range(50))], [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1),
+                                                 SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=3)])
+    assert engine.runner.num_compiles == before
+
+
+def test_request_that_can_never_fit_is_rejected(model_dir):
+    engine = _engine(model_dir)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine.add_request("big", list(range(100)), SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine.add_request("huge", list(range(200)), SamplingParams(max_tokens=1))
+    _assert_idle(engine)
