@@ -1,0 +1,102 @@
+"""On-device sampling semantics, per row in one batch."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from atlasjax import LLM, SamplingParams
+from atlasjax.sampling import SamplingTensors, pack_rows, sample
+from tests.hf_models import hf_greedy
+
+V = 32
+
+
+def _sample(logits, rows, counts=None, prompt_mask=None):
+    logits = jnp.asarray(logits, jnp.float32)
+    n = logits.shape[0]
+    f, i = pack_rows(rows, n)
+    counts = jnp.zeros((n, V), jnp.int32) if counts is None else jnp.asarray(counts)
+    prompt_mask = jnp.zeros((n, V), bool) if prompt_mask is None else jnp.asarray(prompt_mask)
+    return [np.asarray(x) for x in sample(logits, counts, prompt_mask, SamplingTensors(jnp.asarray(f), jnp.asarray(i)))]
+
+
+def _row(seed=0, step=0, eos=(), **kw):
+    return (SamplingParams(**kw), seed, step, eos)
+
+
+def test_greedy_and_filters_that_leave_one_token():
+    logits = np.random.RandomState(0).randn(5, V)
+    rows = [_row(temperature=0), _row(temperature=1, top_k=1), _row(temperature=1, top_p=1e-6),
+            _row(temperature=1, min_p=1.0), _row(temperature=5, top_k=1, top_p=0.5)]
+    tokens, *_ = _sample(logits, rows)
+    assert (tokens == logits.argmax(-1)).all()
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = np.tile(np.arange(V, dtype=np.float32) * 0.01, (64, 1))     # nearly uniform
+    tokens, *_ = _sample(logits, [_row(seed=s, temperature=1, top_k=3) for s in range(64)])
+    assert set(tokens.tolist()) <= {V - 1, V - 2, V - 3} and len(set(tokens.tolist())) > 1
+
+
+def test_same_seed_same_token_different_seeds_differ():
+    logits = np.zeros((16, V), np.float32)
+    a, *_ = _sample(logits, [_row(seed=7, step=3, temperature=1)] * 16)
+    b, *_ = _sample(logits, [_row(seed=s, step=3, temperature=1) for s in range(16)])
+    assert len(set(a.tolist())) == 1 and len(set(b.tolist())) > 4
+
+
+def test_penalties():
+    logits = np.zeros((3, V), np.float32)
+    logits[:, 5] = 1.0
+    logits[:, 6] = 0.9
+    counts = np.zeros((3, V), np.int32)
+    counts[:, 5] = 2
+    rows = [_row(temperature=0, frequency_penalty=0.1), _row(temperature=0, presence_penalty=0.05),
+            _row(temperature=0, repetition_penalty=1.2)]
+    tokens, *_ = _sample(logits, rows, counts=counts)
+    # 1.0 - 0.1*2 = 0.8 < 0.9; 1.0 - 0.05 = 0.95 > 0.9; 1.0 / 1.2 = 0.83 < 0.9
+    assert tokens.tolist() == [6, 5, 6]
+    mask = np.zeros((1, V), bool)
+    mask[0, 5] = True                                                  # seen in the prompt only
+    tokens, *_ = _sample(logits[:1], [_row(temperature=0, repetition_penalty=1.2)], prompt_mask=mask)
+    assert tokens.tolist() == [6]
+
+
+def test_min_tokens_blocks_stop_ids_until_reached():
+    logits = np.zeros((3, V), np.float32)
+    logits[:, 2] = 5.0     # the eos id is the most likely
+    rows = [_row(temperature=0, min_tokens=3, step=1, eos=(2,)), _row(temperature=0, min_tokens=3, step=3, eos=(2,)),
+            _row(temperature=0, min_tokens=3, step=0, eos=(2,), ignore_eos=True)]
+    tokens, *_ = _sample(logits, rows)
+    assert tokens[0] != 2 and tokens[1] == 2 and tokens[2] == 2
+
+
+def test_logprobs_are_raw_and_sorted():
+    logits = np.random.RandomState(1).randn(2, V)
+    tokens, chosen, top_vals, top_ids = _sample(logits, [_row(temperature=0, logprobs=5), _row(temperature=2.0)])
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert np.allclose(chosen, ref[np.arange(2), tokens], atol=1e-5)
+    assert (top_ids[0, :5] == np.argsort(-ref[0])[:5]).all()
+    assert np.allclose(top_vals[0, :5], np.sort(ref[0])[::-1][:5], atol=1e-5)
+
+
+def test_repetition_penalty_matches_hf_generate(hf_model_factory):
+    import torch
+    hf, path = hf_model_factory("llama_gqa4")
+    llm = LLM(path, max_model_len=128, max_num_seqs=2)
+    prompt = [5, 9, 5, 9, 100, 7]
+    ours = llm.generate([prompt], SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=16,
+                                                 ignore_eos=True))[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          repetition_penalty=1.5, pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == ref
+    assert ours != hf_greedy(hf, prompt, 16)      # the penalty changed something
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_seeded_generation_is_reproducible_across_batches(hf_model_factory, n):
+    llm = LLM(hf_model_factory("llama_gqa4")[1], max_model_len=128, max_num_seqs=4)
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True, n=n)
+    alone = llm.generate([[1, 2, 3]], p)[0]
+    batched = llm.generate([[4, 5], [1, 2, 3]], [SamplingParams(temperature=1.0, max_tokens=10), p])[1]
+    assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in batched.outputs]

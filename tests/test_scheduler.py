@@ -1,0 +1,84 @@
+"""Scheduler and page pool on their own (plain Python, no jax)."""
+import sys
+
+from atlasjax.page_pool import PagePool
+from atlasjax.request import Request
+from atlasjax.sampling_params import SamplingParams
+from atlasjax.scheduler import Scheduler
+
+
+def _req(rid, n_prompt, max_tokens=8):
+    return Request(rid, list(range(100, 100 + n_prompt)), SamplingParams(max_tokens=max_tokens), 0, max_tokens)
+
+
+def _sched(num_pages=16, page_size=4, max_num_seqs=4, budget=16, caching=True):
+    return Scheduler(PagePool(num_pages, page_size, caching), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget)
+
+
+def test_no_jax_import():
+    assert "atlasjax.scheduler" in sys.modules and "jax" not in {m.split(".")[0] for m in
+                                                                  ("atlasjax.page_pool", "atlasjax.scheduler")}
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_decodes_keep_flowing():
+    s = _sched(budget=8)
+    a = _req("a", 3)
+    s.add(a)
+    out = s.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.prefills] == [("a", 0, 3)]
+    a.num_computed_tokens = 3
+    a.output_token_ids.append(1)
+    b = _req("b", 20)
+    s.add(b)
+    out = s.schedule()
+    assert out.decodes == [a] and [(c.start, c.num_tokens) for c in out.prefills] == [(0, 7)]  # 8 - 1 decode token
+    b.num_computed_tokens = 7
+    out = s.schedule()
+    assert out.decodes == [a] and [(c.start, c.num_tokens) for c in out.prefills] == [(7, 7)]
+
+
+def test_preempts_the_newest_when_pages_run_out():
+    s = _sched(num_pages=4, page_size=4, budget=64)
+    a, b = _req("a", 7), _req("b", 7)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    for r in (a, b):
+        r.output_token_ids += [1, 1]      # 9 tokens, 8 computed: both pages of each request are full
+        r.num_computed_tokens = 8
+    out = s.schedule()
+    # each needs a 3rd page for token 9 but none is free: b (newest) gives way, a proceeds
+    assert out.preempted == [b] and out.decodes == [a] and s.waiting[0] is b and b.num_computed_tokens == 0
+    s.finish(a, "stop")
+    assert s.pool.num_free_pages == 4 and sorted(s.free_slots) == [0, 1, 2, 3]
+
+
+def test_prefix_pages_are_shared_and_reference_counted():
+    s = _sched(num_pages=16, page_size=4)
+    a = _req("a", 10)
+    s.add(a)
+    s.schedule()
+    a.num_computed_tokens = 10
+    b = _req("b", 10)
+    s.add(b)
+    out = s.schedule()
+    assert b.num_cached_tokens == 8 and b.pages[:2] == a.pages[:2]
+    assert [(c.start, c.num_tokens) for c in out.prefills if c.request is b] == [(8, 2)]
+    assert s.pool.ref_counts[a.pages[0]] == 2
+    s.finish(a, "stop")
+    s.finish(b, "stop")
+    assert s.pool.num_free_pages == 16 and all(c == 0 for c in s.pool.ref_counts)
+    assert len(s.pool.cached) == 2      # content stays cached until evicted
+
+
+def test_lru_eviction_reuses_oldest_cached_pages():
+    pool = PagePool(4, 2)
+    pages = pool.allocate(4)
+    keys = pool.extend_keys([], [1, 2, 3, 4, 5, 6, 7, 8])
+    pool.register(pages, keys, 0, 4)
+    pool.free(pages)
+    assert pool.lookup(keys[:2]) == pages[:2]            # hit
+    pool.free(pages[:2])
+    new = pool.allocate(1)                                # evicts the least recently freed cached page
+    assert new[0] not in pool.page_key and len(pool.cached) == 3

@@ -1,0 +1,41 @@
+"""Tokenizer wrapper: incremental detokenization and sandboxed chat templates."""
+import os
+
+import pytest
+
+from atlasjax.errors import InvalidRequestError
+from atlasjax.tokenizer import IncrementalDetokenizer, Tokenizer
+
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "assets")
+needs_assets = pytest.mark.skipif(not os.path.isdir(ASSETS), reason="../shared/assets (test tokenizers) not present")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return Tokenizer.from_dir(os.path.join(ASSETS, "tokenizers", "qwen3"))
+
+
+@needs_assets
+def test_incremental_detokenization_never_splits_characters(qwen3):
+    text = "naïve café — 東京タワー 🙂🚀 ok"
+    ids = qwen3.encode(text)
+    detok = IncrementalDetokenizer(qwen3, [])
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@needs_assets
+def test_chat_template_renders_and_is_sandboxed(qwen3):
+    text = qwen3.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in text
+    evil = Tokenizer(qwen3.tok, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(InvalidRequestError, match="chat template"):
+        evil.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_no_template_is_a_clear_error():
+    import tokenizers
+    tok = Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE()))
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
