@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import flax.struct
 import jax
-import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.ragged_attention import ragged_paged_attention
 
 
 @flax.struct.dataclass
@@ -49,8 +51,6 @@ def attention(q, k_pages, v_pages, meta: AttentionMetadata, *, backend: str = "a
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]
     """
-    from models import _tmp_attention_reference as tmp  # noqa: PLC0415
-    paged_decode_attention, ragged_paged_attention = tmp.decode, tmp.ragged
     if meta.is_decode:
         return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, backend=backend)
     return ragged_paged_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start,

@@ -1,0 +1,271 @@
+"""Decode attention over a paged KV cache (Pallas, Mosaic GPU backend).
+
+Owns `paged_decode_attention`: one new query token per sequence attends to every token its page
+table points at. Data flow of the Pallas path:
+
+  q [seqs, heads, D] -> grouped per KV head and padded to a 64-row wgmma tile
+  -> kernel grid (kv_heads, splits, seqs): each program streams the pages of one split of one
+     sequence through shared memory (TMA, `num_stages` deep), computes S = Q K^T and O += P V
+     with wgmma and an online softmax in f32
+  -> one split: normalized output; several splits (flash-decoding, for few sequences with long
+     contexts): per-split normalized partials + base-2 logsumexp, merged by a small jnp combine.
+
+KV layout (fixed, the model code depends on it): k_pages, v_pages are
+[num_kv_heads, num_pages, page_size, head_dim]; token j of sequence s lives in page
+page_table[s, j // page_size], row j % page_size. seq_lens[s] == 0 marks an inactive slot: its
+programs issue no K/V loads and its output is zeros.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_ROWS = 64  # wgmma M: the query heads of one KV head are padded to one 64-row tile
+_LOG2E = math.log2(math.e)
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *,
+                   page_size, block_kv, blocks_per_split, num_stages, sm_scale, p_in_smem):
+  """One program: one KV head x one split of the context x one sequence."""
+  kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
+  head_dim = q_ref.shape[-1]
+  dtype = k_ref.dtype
+  pages_per_block = block_kv // page_size
+  num_pages = k_ref.shape[1]
+  seq_len = lens_ref[seq]
+  start = split * (blocks_per_split * block_kv)
+  end = jnp.minimum(seq_len, start + blocks_per_split * block_kv)
+  num_steps = jnp.maximum(pl.cdiv(end - start, block_kv), 0)
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def fetch(step, slot, k_smem, v_smem, k_bars, v_bars):
+    first_page = (start + step * block_kv) // page_size
+    for i in range(pages_per_block):
+      # Pages past the end of the sequence may hold anything: clamp, then mask the scores.
+      page = jnp.clip(table_ref[seq, first_page + i], 0, num_pages - 1)
+      rows = pl.ds(i * page_size, page_size)
+      plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bars.at[slot])
+
+  def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
+    for s in range(num_stages):
+      pl.when(s < num_steps)(functools.partial(fetch, s, s, k_smem, v_smem, k_bars, v_bars))
+    m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def step_fn(step, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, num_stages)
+      plgpu.barrier_wait(k_bars.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32))
+      # Scores in base 2: exp2 with the scale folded into one multiply.
+      s = s * (sm_scale * _LOG2E)
+      pos = start + step * block_kv + plgpu.broadcasted_iota(
+          jnp.int32, (_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(pos < end, s, -jnp.inf)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      plgpu.barrier_wait(v_bars.at[slot])
+
+      def pv(acc_ref):
+        if p_smem is None:
+          plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+        else:  # the interpreter's wgmma reads A from shared memory only
+          p_smem[...] = p.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+        return acc_ref[...]
+      # A fresh accumulator plus a register add (rather than run_state on `acc`) keeps the
+      # kernel runnable in the Mosaic GPU interpreter; the add is noise next to the loads.
+      acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+      # Both products have completed: the slot is free for the step num_stages ahead.
+      nxt = step + num_stages
+      pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot, k_smem, v_smem, k_bars, v_bars))
+      return acc, m_new, l_i
+
+    return lax.fori_loop(0, num_steps, step_fn, (acc, m_i, l_i))
+
+  def body(q_smem, q_bar):
+    @pl.when(num_steps > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem, q_bar)
+      plgpu.barrier_wait(q_bar)
+
+    acc, m_i, l_i = pl.run_scoped(
+        functools.partial(attend, q_smem),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
+        *([plgpu.SMEM((_ROWS, block_kv), dtype, transforms=transforms)] if p_in_smem else []),
+    )
+    # Inactive or empty splits: acc == 0 and l == 0, so the output is 0 and the lse -inf.
+    out = acc / lax.broadcast_in_dim(jnp.maximum(l_i, 1e-30), acc.shape, [0])
+
+    def store(o_smem):
+      o_smem[...] = out.astype(o_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, kv_head, split])
+      plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(store, plgpu.SMEM((_ROWS, head_dim), o_ref.dtype))
+
+    if lse_ref is not None:
+      def store_lse(lse_smem):
+        lse_smem[...] = m_i + jnp.log2(l_i)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, kv_head, split])
+        plgpu.wait_smem_to_gmem(0)
+      pl.run_scoped(store_lse, plgpu.SMEM((_ROWS,), jnp.float32))
+
+  pl.run_scoped(body, plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms),
+                plgpu.Barrier(num_barriers=1))
+
+
+def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_kv,
+                   num_splits, num_stages, interpret):
+  num_seqs, num_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
+  blocks_per_split = pl.cdiv(max_blocks, num_splits)
+  num_splits = pl.cdiv(max_blocks, blocks_per_split)
+  num_stages = max(1, min(num_stages, blocks_per_split))
+  # Pad the group of query heads of each KV head to one 64-row tile (decode q is tiny).
+  qg = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - group), (0, 0)))
+  # The page table is padded so the last block's page lookups stay in bounds.
+  pages_needed = max_blocks * (block_kv // page_size)
+  table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))
+  split_out = num_splits > 1
+  out_type = [jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, _ROWS, head_dim),
+                                   jnp.float32 if split_out else q.dtype)]
+  if split_out:
+    out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, _ROWS), jnp.float32))
+
+  def paged_decode_attention_kernel(*refs):  # named so profiles are readable
+    refs = refs if split_out else (*refs, None)
+    _decode_kernel(*refs, page_size=page_size, block_kv=block_kv,
+                   blocks_per_split=blocks_per_split, num_stages=num_stages, sm_scale=sm_scale,
+                   p_in_smem=bool(interpret))
+  outs = plgpu.kernel(
+      paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
+      grid_names=("kv_heads", "splits", "seqs"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )(qg, k_pages, v_pages, table, seq_lens)
+  if split_out:
+    out, lse = outs
+    out, lse = out[:, :, :, :group], lse[:, :, :, :group]
+    lse_max = lse.max(axis=2, keepdims=True)
+    weights = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))
+    denom = jnp.maximum(weights.sum(axis=2), 1e-30)
+    out = (out * weights[..., None]).sum(axis=2) / denom[..., None]
+  else:
+    out = outs[0][:, :, 0, :group]
+  return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=132):
+  """About one wave of programs (measured best on H100 for 1 x 32k: 16 splits over 8 KV heads);
+  splits of at least 8 blocks so the combine stays cheap."""
+  want = pl.cdiv(num_sms, num_seqs * num_kv_heads)
+  return max(1, min(want, max_blocks // 8))
+
+
+def can_use_pallas(q, k_pages):
+  """Whether the Pallas kernel supports these shapes and dtypes (else use the reference)."""
+  num_heads, head_dim = q.shape[-2:]
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  return (k_pages.dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
+          and num_heads // num_kv_heads <= _ROWS and page_size % 8 == 0 and page_size <= 256)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "backend", "interpret", "block_kv", "num_splits", "num_stages"))
+def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
+                           backend="auto", interpret=False, block_kv=None, num_splits=None,
+                           num_stages=None):
+  """Attention of one query token per sequence over its pages.
+
+  Args:
+    q: [num_seqs, num_heads, head_dim] queries (any float dtype).
+    k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], bf16/f16 (f32: reference).
+    page_table: [num_seqs, pages_per_seq] int32 page ids.
+    seq_lens: [num_seqs] int32 context lengths (new token included); 0 = inactive slot.
+    sm_scale: softmax scale, default head_dim ** -0.5.
+    backend: "pallas", "reference", or "auto" (Pallas on GPU when the shapes allow it).
+    interpret: Pallas interpret mode (e.g. `plgpu.InterpretGPUParams()`), for CPU tests.
+    block_kv, num_splits, num_stages: tunables (KV tokens per step, context splits, pipeline
+      depth); defaults chosen from the shapes.
+  Returns:
+    [num_seqs, num_heads, head_dim] in q.dtype; zeros for inactive slots.
+  """
+  num_seqs, num_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  if k_pages.shape != v_pages.shape or k_pages.shape[-1] != head_dim:
+    raise ValueError(f"bad KV shapes {k_pages.shape=} {v_pages.shape=} for {q.shape=}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"{num_heads=} is not a multiple of {num_kv_heads=}")
+  if page_table.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+    raise ValueError(f"bad metadata {page_table.shape=} {seq_lens.shape=} for {num_seqs=}")
+  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  if backend == "auto":
+    use_pallas = jax.default_backend() == "gpu" and can_use_pallas(q, k_pages)
+    backend = "pallas" if use_pallas else "reference"
+  if backend == "reference":
+    return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
+                                            sm_scale=sm_scale)
+  if backend != "pallas":
+    raise ValueError(f"unknown {backend=}")
+  if not can_use_pallas(q, k_pages):
+    raise ValueError(f"Pallas decode does not support {q.shape=} {k_pages.shape=} {k_pages.dtype}")
+  block_kv = block_kv or max(page_size, 64)
+  if block_kv % page_size or block_kv > 256:
+    raise ValueError(f"{block_kv=} must be a multiple of {page_size=} and at most 256")
+  max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
+  num_splits = num_splits or _default_num_splits(num_seqs, num_kv_heads, max_blocks)
+  num_stages = num_stages or 2  # H100 sweep: 2 beats 3-4 (two programs fit per SM)
+  return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32),
+                        seq_lens.astype(jnp.int32), sm_scale=sm_scale, block_kv=block_kv,
+                        num_splits=num_splits, num_stages=num_stages, interpret=interpret)
+
+
+def paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None):
+  """Plain-jnp decode attention in f32: gathers each sequence's pages, masks past seq_len.
+
+  Memory: one gathered copy of the page-table-sized context per sequence (what XLA fuses it into).
+  """
+  num_seqs, num_heads, head_dim = q.shape  # [num_seqs, num_heads, head_dim]
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  group = num_heads // num_kv_heads
+  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  ctx = page_table.shape[1] * page_size
+
+  def one_seq(q_s, pages, length):
+    k = k_pages[:, pages].reshape(num_kv_heads, ctx, head_dim).astype(jnp.float32)
+    v = v_pages[:, pages].reshape(num_kv_heads, ctx, head_dim).astype(jnp.float32)
+    qg = q_s.reshape(num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    s = jnp.einsum("hgd,hkd->hgk", qg, k, precision=lax.Precision.HIGHEST)
+    s = jnp.where(jnp.arange(ctx) < length, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = p.sum(axis=-1, keepdims=True)
+    o = jnp.einsum("hgk,hkd->hgd", p, v, precision=lax.Precision.HIGHEST)
+    o = o / jnp.where(l > 0, l, 1.0)
+    return o.reshape(num_heads, head_dim)
+
+  out = lax.map(lambda args: one_seq(*args), (q, page_table, seq_lens))
+  return out.astype(q.dtype)
