@@ -86,7 +86,8 @@ def bench_decode(num_seqs, ctx, page_size, bw, rows, baselines=True):
       rows.append(dict(case=name, impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
 
 
-def bench_prefill(num_tokens, mm_rate, rows, page_size=64, num_kv_heads=8, group=4, head_dim=128):
+def bench_prefill(num_tokens, mm_rate, rows, page_size=64, num_kv_heads=8, group=4, head_dim=128,
+                  with_reference=True, **tunables):
   case = decode_case(1, num_tokens, num_kv_heads, group, head_dim, page_size, seed=1)
   _, k, v, table, lens = case
   q = jax.random.normal(jax.random.key(7), (num_tokens, num_kv_heads * group, head_dim),
@@ -96,8 +97,11 @@ def bench_prefill(num_tokens, mm_rate, rows, page_size=64, num_kv_heads=8, group
   flops = 2 * 2 * num_tokens * num_tokens / 2 * num_kv_heads * group * head_dim  # causal
   name = f"prefill 1x{num_tokens} page={page_size}"
   ref = ragged_paged_attention(*args, backend="reference")
-  for label, backend in (("pallas (mosaic gpu)", "pallas"), ("jnp reference", "reference")):
-    fn = lambda *a, b=backend: ragged_paged_attention(*a, backend=b)
+  impls = [(f"pallas (mosaic gpu) {tunables or ''}", "pallas", tunables)]
+  if with_reference:
+    impls.append(("jnp reference", "reference", {}))
+  for label, backend, kw in impls:
+    fn = lambda *a, b=backend, kw=kw: ragged_paged_attention(*a, backend=b, **kw)
     try:
       err = rel_err(fn(*args), ref)
       t = time_fn(fn, *args, iters=5)
@@ -107,9 +111,31 @@ def bench_prefill(num_tokens, mm_rate, rows, page_size=64, num_kv_heads=8, group
       rows.append(dict(case=name, impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
 
 
+def sweep(bw, mm, rows):
+  """Tunable sweep: prefill block_kv x stages, decode splits / stages."""
+  case = decode_case(1, 32768, page_size=64)
+  nbytes = 2 * case[1].nbytes + 2 * case[0].nbytes
+  for splits in (16, 33, 66, 132):
+    fn = lambda *a, n=splits: paged_decode_attention(*a, backend="pallas", num_splits=n)
+    t = time_fn(fn, *case)
+    rows.append(dict(case="sweep decode b=1 ctx=32768 page=64", impl=f"num_splits={splits}",
+                     us=t * 1e6, gbps=nbytes / t / 1e9, frac_copy_bw=nbytes / t / bw, rel_err=0.0))
+  case = decode_case(32, 4096, page_size=64)
+  nbytes = 2 * case[1].nbytes + 2 * case[0].nbytes
+  for stages, block in ((2, 64), (4, 64), (2, 128), (3, 128)):
+    fn = lambda *a, n=stages, b=block: paged_decode_attention(
+        *a, backend="pallas", num_stages=n, block_kv=b)
+    t = time_fn(fn, *case)
+    rows.append(dict(case="sweep decode b=32 ctx=4096 page=64", impl=f"stages={stages} block={block}",
+                     us=t * 1e6, gbps=nbytes / t / 1e9, frac_copy_bw=nbytes / t / bw, rel_err=0.0))
+  for block, stages in ((64, 2), (64, 4), (128, 2), (128, 3)):
+    bench_prefill(4096, mm, rows, block_kv=block, num_stages=stages, with_reference=False)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--json", help="also write the results here")
+  parser.add_argument("--sweep", action="store_true", help="also sweep the kernels' tunables")
   args = parser.parse_args()
   bw, mm = copy_bandwidth(), matmul_rate()
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -120,14 +146,16 @@ def main():
   bench_decode(1, 32768, 16, bw, rows, baselines=True)
   bench_decode(1, 32768, 64, bw, rows, baselines=False)
   bench_prefill(4096, mm, rows)
+  if args.sweep:
+    sweep(bw, mm, rows)
   for r in rows:
     if "error" in r:
-      print(f"{r['case']:32s} {r['impl']:42s} ERROR {r['error']}")
+      print(f"{r['case']:32s} {r['impl']:44s} ERROR {r['error']}")
     elif "gbps" in r:
-      print(f"{r['case']:32s} {r['impl']:42s} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s "
+      print(f"{r['case']:32s} {r['impl']:44s} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s "
             f"{100 * r['frac_copy_bw']:5.1f}% of copy  err {r['rel_err']:.1e}")
     else:
-      print(f"{r['case']:32s} {r['impl']:42s} {r['us']:9.1f} us {r['tflops']:7.1f} TFLOP/s "
+      print(f"{r['case']:32s} {r['impl']:44s} {r['us']:9.1f} us {r['tflops']:7.1f} TFLOP/s "
             f"{100 * r['frac_matmul']:5.1f}% of matmul  err {r['rel_err']:.1e}")
   if args.json:
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,

@@ -1,0 +1,142 @@
+"""GPU benchmark of the fused dequantize-matmul kernels: `python -m atlasjax.bench_kernels_quant`.
+
+Decode (M=1) on Llama-3.1-8B projection shapes: achieved bytes/s against a device-to-device copy
+measured in the same run, and time against the bf16 XLA dot; prefill (M=2048): fused kernel and
+dequantize + XLA dot against the bf16 XLA dot. Kernel times come from CUPTI
+(`jax.experimental.mosaic.gpu.profiler.measure`, sum of all kernels of one call, median of
+iterations). Several weight copies are rotated so the 50 MB L2 never holds the weight.
+Writes a JSON of every number to $OUT (or the working directory) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+from atlasjax.quantization import QuantizedWeight, dequantize, quantize
+from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
+
+DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # (K, N)
+FORMATS = [("int8", None, True), ("fp8", None, True), ("int4", 128, True), ("int4", 128, False)]
+MIN_ROTATION_BYTES = 256 << 20
+
+
+def device_ms(fn, *args, iterations: int = 20) -> float:
+    """Median CUPTI time (ms) of all kernels that one call of the jitted fn launches."""
+    fn(*args)  # compile + warm up
+    _, times = profiler.measure(fn, iterations=iterations)(*args)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (bytes read + bytes written)."""
+    x = jnp.arange(1 << 29, dtype=jnp.uint32)
+    ms = device_ms(jax.jit(lambda a: a ^ 1), x)
+    return 2 * x.nbytes / (ms * 1e-3)
+
+
+def weight_bytes(qw: QuantizedWeight) -> int:
+    n = qw.qweight.size // 2 if qw.format == "int4" else qw.qweight.size
+    return n + qw.scales.nbytes + (0 if qw.zeros is None else qw.zeros.nbytes)
+
+
+def rotated(fn):
+    """One jitted call that applies fn to each weight copy (defeats L2 reuse); returns all outputs."""
+    return jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+
+
+def bench_decode(k, n, m, results, configs):
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
+    ws = [w + i for i in range(copies)]
+    bf16_ms = device_ms(rotated(lambda x, w: x @ w), x, ws) / copies
+    row = {"K": k, "N": n, "M": m, "bf16_us": bf16_ms * 1e3, "bf16_bytes": w.nbytes}
+    for fmt, g, sym in FORMATS:
+        qw = quantize(w, fmt, group_size=g, symmetric=sym)
+        copies = max(2, -(-MIN_ROTATION_BYTES // weight_bytes(qw)))
+        qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
+        ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)), np.float32)
+        name = f"{fmt}{'' if g is None else f'_g{g}'}{'' if sym else '_asym'}"
+        for cname, cfg in configs.items():
+            try:
+                fn = lambda x, w, cfg=cfg: quantized_matmul(x, w, backend="pallas", config=cfg)
+                y = np.asarray(fn(x, qw), np.float32)
+                err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                ms = device_ms(rotated(fn), x, qws) / copies
+                moved = weight_bytes(qw) + x.nbytes + m * n * 2
+                row[f"{name}/{cname}"] = {"us": ms * 1e3, "bytes": moved, "rel_err": err}
+            except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
+                row[f"{name}/{cname}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    results["decode"].append(row)
+    return row
+
+
+def bench_prefill(k, n, m, results):
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    row = {"K": k, "N": n, "M": m, "bf16_us": device_ms(jax.jit(lambda x, w: x @ w), x, w) * 1e3}
+    for fmt, g, sym in FORMATS[:3]:
+        qw = quantize(w, fmt, group_size=g, symmetric=sym)
+        for path, kw in [("pallas_tm128", dict(prefill="pallas")),
+                         ("pallas_tm256", dict(prefill="pallas", config=QuantMatmulConfig(tile_m=256))),
+                         ("xla_dequant_dot", dict(prefill="xla"))]:
+            try:
+                fn = jax.jit(lambda x, w, kw=kw: quantized_matmul(x, w, backend="pallas", **kw))
+                row[f"{fmt}/{path}"] = {"us": device_ms(fn, x, qw, iterations=10) * 1e3}
+            except Exception as e:  # noqa: BLE001
+                row[f"{fmt}/{path}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    results["prefill"].append(row)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="first decode shape only, no prefill")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    t0 = time.time()
+    dev = jax.devices()[0]
+    results = {"device": dev.device_kind, "jax": jax.__version__,
+               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+               "decode": [], "prefill": []}
+    results["copy_GBps"] = copy_bandwidth() / 1e9
+    print(f"{dev.device_kind}  jax {jax.__version__}  copy {results['copy_GBps']:.0f} GB/s", flush=True)
+    configs = {"default": QuantMatmulConfig(), "steps8": QuantMatmulConfig(max_concurrent_steps=8)}
+    for k, n in DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES:
+        row = bench_decode(k, n, 1, results, configs)
+        for key, v in row.items():
+            if isinstance(v, dict):
+                if "error" in v:
+                    print(f"decode K={k} N={n} {key}: {v['error']}", flush=True)
+                else:
+                    gbps = v["bytes"] / v["us"] / 1e3
+                    print(f"decode K={k:6d} N={n:6d} {key:22s} {v['us']:8.1f} us  {gbps:6.0f} GB/s "
+                          f"({100 * gbps / results['copy_GBps']:4.0f}% of copy)  x{row['bf16_us'] / v['us']:.2f} "
+                          f"vs bf16 ({row['bf16_us']:.1f} us)  err {v['rel_err']:.1e}", flush=True)
+        print(f"  [{time.time() - t0:.0f}s]", flush=True)
+    if not args.quick:
+        for k, n in [(4096, 6144), (4096, 28672), (14336, 4096)]:
+            row = bench_prefill(k, n, 2048, results)
+            for key, v in row.items():
+                if isinstance(v, dict):
+                    msg = v.get("error") or f"{v['us']:8.1f} us  = {v['us'] / row['bf16_us']:.2f}x bf16 ({row['bf16_us']:.1f} us)"
+                    print(f"prefill M=2048 K={k} N={n} {key:22s} {msg}", flush=True)
+            print(f"  [{time.time() - t0:.0f}s]", flush=True)
+    with open(os.path.join(args.out, "bench_quant.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Weight-only quantization formats: the `QuantizedWeight` pytree, quantize / dequantize, GGUF blocks.
+
+One `QuantizedWeight` holds one linear layer's weight, logically `W[K, N]` with `y = x @ W`
+(K = in_features, N = out_features). The fused kernels in `pallas_kernels/quantized_matmul.py`
+consume it; `dequantize` is the exact meaning of every format.
+
+Storage layout (the same for every format, chosen for the kernels):
+- `qweight`: `[N_pad, K_pad]`, output-channel major with K contiguous (the Hugging Face / GGUF
+  layout, i.e. W transposed). The kernels compute `y.T = W.T @ x.T` with the weight tile as the
+  register operand of the matrix instruction, so this is the layout they stream.
+  dtype: `int8` ("int8"), `float8_e4m3fn` ("fp8"), `int4` ("int4": signed nibbles q in [-8, 7],
+  packed two per byte in device memory by XLA).
+- `scales`: `[K_pad // group_size, N_pad]` float32, one row per K-group.
+- `zeros`: `[K_pad // group_size, N_pad]` float32 or None. Only "int4" uses it; it is the additive
+  offset of the group ("min" in GGUF Q4_1), not an integer zero point.
+- Padding: `N_pad` is `N` rounded up to `N_ALIGN`, `K_pad` is `K` rounded up to `K_ALIGN` (and to a
+  multiple of `group_size`). Padded entries dequantize to 0. The Llama/Qwen shapes need none.
+
+Dequantization, per element (k, n) with g = k // group_size:
+- "int8", "fp8":           w = float(q) * scales[g, n]
+- "int4", zeros is None:   w = float(q) * scales[g, n]                (symmetric, GGUF Q4_0)
+- "int4", with zeros:      w = float(q + 8) * scales[g, n] + zeros[g, n]   (asymmetric, GGUF Q4_1)
+These are exact in float32 for GGUF Q8_0 / Q4_0 / Q4_1 blocks (`from_gguf_blocks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS = ("int8", "fp8", "int4")
+N_ALIGN = 128  # output-channel padding: the kernels' widest N tile
+K_ALIGN = 256  # input-channel padding: the kernels' widest K step
+DEFAULT_GROUP_SIZE = {"int8": None, "fp8": None, "int4": 128}  # None: per output channel
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+DEFAULT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# GGML quantization type ids (gguf.GGMLQuantizationType) for the block formats read here.
+_GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+_GGUF_BLOCK = 32
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["qweight", "scales", "zeros"],
+    meta_fields=["format", "group_size", "shape"],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized matrix, logically W[K, N] (see the module docstring for the layout).
+
+    Attributes:
+      qweight: [N_pad, K_pad] int8 | float8_e4m3fn | int4.
+      scales: [K_pad // group_size, N_pad] float32.
+      zeros: [K_pad // group_size, N_pad] float32 additive offsets ("int4" asymmetric) or None.
+      format: "int8" | "fp8" | "int4" (static).
+      group_size: K-group size; per-channel formats use group_size = K_pad (static).
+      shape: logical (K, N) (static).
+    """
+
+    qweight: jax.Array
+    scales: jax.Array
+    zeros: jax.Array | None
+    format: str
+    group_size: int
+    shape: tuple[int, int]
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        """(K_pad, N_pad) of the stored arrays."""
+        n_pad, k_pad = self.qweight.shape
+        return k_pad, n_pad
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[0]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_sizes(k: int, n: int, group_size: int | None) -> tuple[int, int, int]:
+    """(K_pad, N_pad, group_size) for a logical K x N weight; group_size None means per channel."""
+    k_pad = _round_up(k, K_ALIGN)
+    if group_size is None:
+        return k_pad, _round_up(n, N_ALIGN), k_pad
+    k_pad = _round_up(k, math.lcm(K_ALIGN, group_size))
+    return k_pad, _round_up(n, N_ALIGN), group_size
+
+
+def _validate_group(fmt: str, group_size: int | None) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+    if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
+        raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "symmetric", "k_pad", "n_pad"))
+def _quantize_padded(w, *, fmt, group_size, symmetric, k_pad, n_pad):
+    # w: [K, N] float -> groups along K: [G, group_size, N_pad]
+    k, n = w.shape
+    w = jnp.pad(w.astype(jnp.float32), ((0, k_pad - k), (0, n_pad - n)))
+    wg = w.reshape(k_pad // group_size, group_size, n_pad)
+    zeros = None
+    if fmt == "int4" and not symmetric:
+        lo, hi = wg.min(axis=1), wg.max(axis=1)  # [G, N_pad]
+        scales = (hi - lo) / 15.0
+        inv = jnp.where(scales > 0, 1.0 / jnp.where(scales > 0, scales, 1.0), 0.0)
+        u = jnp.clip(jnp.round((wg - lo[:, None]) * inv[:, None]), 0, 15)
+        q = (u - 8).astype(jnp.int4)
+        zeros = lo
+    else:
+        qmax = {"int8": 127.0, "fp8": FP8_MAX, "int4": 7.0}[fmt]
+        scales = jnp.abs(wg).max(axis=1) / qmax  # [G, N_pad]
+        inv = jnp.where(scales > 0, 1.0 / jnp.where(scales > 0, scales, 1.0), 0.0)
+        scaled = wg * inv[:, None]
+        if fmt == "fp8":
+            q = jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+        else:
+            q = jnp.clip(jnp.round(scaled), -qmax - (fmt == "int4"), qmax)
+            q = q.astype(jnp.int8 if fmt == "int8" else jnp.int4)
+    qweight = q.reshape(k_pad, n_pad).T  # [N_pad, K_pad]
+    return qweight, scales, zeros
+
+
+def quantize(
+    w: jax.Array | np.ndarray,
+    format: str,
+    *,
+    group_size: int | None = None,
+    symmetric: bool = True,
+) -> QuantizedWeight:
+    """Quantizes a float weight W[K, N] (y = x @ W).
+
+    Args:
+      w: [K, N] float (any float dtype).
+      format: "int8" (symmetric), "fp8" (e4m3, symmetric) or "int4" (symmetric or asymmetric).
+      group_size: K-group size (power of two >= 16); default per output channel for int8/fp8 and
+        128 for int4.
+      symmetric: int4 only: False stores a per-group offset in `zeros`.
+    Returns:
+      The QuantizedWeight; `dequantize` of it approximates w.
+    """
+    group_size = DEFAULT_GROUP_SIZE.get(format) if group_size is None else group_size
+    _validate_group(format, group_size)
+    if not symmetric and format != "int4":
+        raise ValueError(f"format {format!r} is symmetric only; asymmetric is int4")
+    if w.ndim != 2:
+        raise ValueError(f"expected a [K, N] matrix, got shape {w.shape}")
+    k, n = w.shape
+    k_pad, n_pad, group_size = padded_sizes(k, n, group_size)
+    qweight, scales, zeros = _quantize_padded(
+        jnp.asarray(w), fmt=format, group_size=group_size, symmetric=symmetric,
+        k_pad=k_pad, n_pad=n_pad)
+    return QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n))
+
+
+def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The logical weight W[K, N] in `dtype` (computed in float32)."""
+    k, n = qw.shape
+    k_pad, n_pad = qw.padded_shape
+    g = qw.group_size
+    q = qw.qweight.T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
+    if qw.zeros is not None:
+        w = (q + 8.0) * qw.scales[:, None, :] + qw.zeros[:, None, :]
+    else:
+        w = q * qw.scales[:, None, :]
+    return w.reshape(k_pad, n_pad)[:k, :n].astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF block formats
+# ---------------------------------------------------------------------------------------------
+
+
+def _gguf_type_name(qtype: Any) -> str:
+    name = getattr(qtype, "name", None)
+    if name is None and isinstance(qtype, str):
+        name = qtype.upper()
+    if name is None:
+        name = {v: k for k, v in _GGUF_TYPES.items()}.get(int(qtype))
+    if name not in _GGUF_TYPES:
+        raise ValueError(f"GGUF type {qtype!r} is not supported here; supported: {list(_GGUF_TYPES)}")
+    return name
+
+
+def _split_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] packed bytes -> [..., 32] values 0..15: element j is byte j's low nibble, j+16 its high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> QuantizedWeight:
+    """Reads a GGUF Q8_0 / Q4_0 / Q4_1 linear weight as it is stored, without requantizing.
+
+    Args:
+      raw: the tensor's block bytes, any shape with N * K / 32 blocks in row order (GGUFReader
+        gives [N, bytes_per_row] uint8).
+      qtype: gguf.GGMLQuantizationType (or its int id or name).
+      shape_hf: (out_features N, in_features K), the Hugging Face [N, K] shape.
+    Returns:
+      QuantizedWeight of logical shape (K, N) with group_size 32; its `dequantize` equals
+      `gguf.quants.dequantize(raw, qtype).T` exactly in float32.
+    """
+    name = _gguf_type_name(qtype)
+    n, k = shape_hf
+    if k % _GGUF_BLOCK:
+        raise ValueError(f"in_features {k} is not a multiple of the GGUF block size 32")
+    type_size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[name]
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // _GGUF_BLOCK, type_size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    zeros = None
+    if name == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8)  # [N, K/32, 32]
+    else:
+        offset = 4 if name == "Q4_1" else 2
+        q = (_split_nibbles(blocks[..., offset:]).astype(np.int8) - 8)
+        if name == "Q4_1":
+            zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    k_pad, n_pad, _ = padded_sizes(k, n, _GGUF_BLOCK)
+    q = np.pad(q.reshape(n, k), ((0, n_pad - n), (0, k_pad - k)))
+    pad_groups = ((0, (k_pad - k) // _GGUF_BLOCK), (0, n_pad - n))
+    scales = np.pad(d.T, pad_groups)
+    fmt = "int8" if name == "Q8_0" else "int4"
+    qweight = jnp.asarray(q.astype(jnp.int4) if fmt == "int4" else q)
+    return QuantizedWeight(
+        qweight, jnp.asarray(scales), None if zeros is None else jnp.asarray(np.pad(zeros.T, pad_groups)),
+        fmt, _GGUF_BLOCK, (k, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole parameter trees
+# ---------------------------------------------------------------------------------------------
+
+
+def is_projection_kernel(path: tuple[str, ...], leaf: Any) -> bool:
+    """Default `quantize_params` predicate: a 2-D "kernel" under an attention / MLP projection."""
+    return (bool(path) and path[-1] == "kernel" and getattr(leaf, "ndim", 0) == 2
+            and any(p in DEFAULT_PROJECTIONS for p in path[:-1]))
+
+
+def quantize_params(
+    params: Mapping[str, Any],
+    format: str,
+    *,
+    include: Callable[[tuple[str, ...], Any], bool] = is_projection_kernel,
+    group_size: int | None = None,
+    symmetric: bool = True,
+) -> dict[str, Any]:
+    """Returns a copy of a nested-dict param tree with selected [K, N] kernels quantized.
+
+    Args:
+      params: nested dicts of arrays (Flax layout: Dense kernels are [in, out] = [K, N]).
+      format, group_size, symmetric: as for `quantize`.
+      include: predicate(path, leaf) -> bool; the default takes every 2-D "kernel" under
+        q/k/v/o_proj and gate/up/down_proj, never embeddings or lm_head.
+    """
+
+    def walk(node: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(node, Mapping):
+            return {key: walk(value, path + (str(key),)) for key, value in node.items()}
+        if include(path, node):
+            return quantize(node, format, group_size=group_size, symmetric=symmetric)
+        return node
+
+    return walk(params, ())

@@ -1,0 +1,254 @@
+"""Fused dequantize-matmul for weight-only quantized linears (W8A16 int8/fp8, W4A16 int4).
+
+y[M, N] = x[M, K] @ W[K, N], W a `atlasjax.quantization.QuantizedWeight`.
+
+Kernel (Mosaic GPU, Hopper wgmma), "swap AB": the weight is stored [N, K] (K contiguous), so the
+kernel computes y.T = W.T @ x.T. Each warpgroup owns 64 output channels; per K step it
+1. TMA-loads the quantized tile W.T[64, tile_k] and x[m_pad, tile_k] into shared memory
+   (a `plgpu.emit_pipeline`, several steps in flight: decode is a stream over the weight);
+2. converts the tile to bf16 in registers (int8/int4/fp8 -> bf16 is exact; Mosaic GPU picks the
+   fast conversions) and issues one wgmma with it as the register A operand and x.T as the
+   shared-memory B operand (M of the product = 64 weight rows, N = m_pad >= 8 activation rows);
+3. multiplies the step's f32 partial by the group's scale row and adds it to the carry.
+The dequantized weight never leaves registers. K is split across a second grid axis when the
+N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
+The asymmetric int4 offset term sum_g zeros[g, n] * sum_{k in g} x[m, k] is a [M, G] x [G, N]
+product, done by XLA next to the kernel.
+
+Prefill (M > 16) defaults to dequantize-to-bf16 + XLA dot, which measured 1.3-1.4x the bf16 dot
+against ~2.1x for this kernel with 128-row M tiles (`docs/perf_quant.md`); `prefill="pallas"` keeps
+the fused kernel. Mosaic GPU did the whole job; no Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from atlasjax.quantization import QuantizedWeight, dequantize
+
+TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
+MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantMatmulConfig:
+    """Tunables of the fused kernel. Validated against a weight in `_check_config`."""
+
+    tile_k: int = 128  # K elements per pipeline step (capped at the group size)
+    num_k_splits: int | None = None  # None: enough splits to give every SM work
+    max_concurrent_steps: int = 4  # pipeline depth (TMA loads in flight per warpgroup)
+    tile_m: int = 128  # activation rows per tile when M > 16 (multiple of 8, <= 256)
+
+    def __post_init__(self):
+        if self.tile_k % 16 or self.tile_k <= 0:
+            raise ValueError(f"tile_k must be a positive multiple of 16, got {self.tile_k}")
+        if self.tile_m % 8 or not 8 <= self.tile_m <= MAX_TILE_M:
+            raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
+        if self.max_concurrent_steps < 1:
+            raise ValueError("max_concurrent_steps must be >= 1")
+
+
+def _swizzled(rows_bits: int, elem_bits: int, what: str):
+    swizzle = plgpu.find_swizzle(rows_bits, what)
+    return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _elem_bits(dtype) -> int:
+    return 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
+                            steps_per_split, steps_per_group, per_channel, max_concurrent_steps):
+    """One (N tile, M tile, K split) block: out[split, n_tile, m_tile] = sum over its K steps.
+
+    Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
+    out_gmem [splits, N_pad, M_pad] f32; out_smem [TILE_N, m_tile] f32 scratch; a_smem
+    [TILE_N, tile_k] bf16 scratch or None: when given (interpret mode, whose wgmma reads only
+    shared memory), the dequantized tile is staged there instead of feeding wgmma from registers.
+    """
+    n_idx, m_idx, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
+    n_slice = pl.ds(n_idx * TILE_N, TILE_N)
+    m_slice = pl.ds(m_idx * m_tile, m_tile)
+    first_step = split * steps_per_split
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    w_bits = _elem_bits(w_gmem.dtype)
+
+    def dequantized(w_smem):  # [TILE_N, tile_k] -> bf16 registers; exact for int8/int4/e4m3
+        a = w_smem[...]
+        if a.dtype == jnp.float8_e4m3fn:  # sm_90 has no e4m3 -> bf16 cvt; e4m3 -> f16 is exact
+            a = a.astype(jnp.float16)
+        return a.astype(jnp.bfloat16)
+
+    def mma(acc_ref, w_smem, x_smem):
+        a = dequantized(w_smem)
+        if a_smem is not None:
+            a_smem[...] = a
+            plgpu.commit_smem()
+            a = a_smem
+        plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+        plgpu.wgmma_wait(0)  # x_smem is released to the pipeline when the step returns
+
+    def scaled(part, s_ref):
+        scale = plgpu.load(s_ref, layout=row_layout)  # [TILE_N]
+        return part * lax.broadcast_in_dim(scale, part.shape, [0])
+
+    in_specs = [
+        plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, first_step + k),
+                        transforms=_swizzled(tile_k * w_bits, w_bits, "weight")),
+        plgpu.BlockSpec((m_tile, tile_k), lambda k: (0, first_step + k),
+                        transforms=_swizzled(tile_k * 16, 16, "x")),
+    ]
+    operands = (w_gmem.at[n_slice], x_gmem.at[m_slice])
+    scale_spec = plgpu.BlockSpec((1, TILE_N), lambda k: ((first_step + k) // steps_per_group, 0))
+    if per_channel:
+        # One accumulator for all K steps; the channel scale is applied once at the end.
+        def step_per_channel(acc_ref, w_smem, x_smem, s_smem, scale):
+            del scale
+            mma(acc_ref, w_smem, x_smem)
+            return plgpu.load(s_smem.at[0], layout=row_layout)  # the carry: [TILE_N] scales
+
+        def body(acc_ref):
+            scale = plgpu.emit_pipeline(
+                lambda _, *refs: step_per_channel(acc_ref, *refs),
+                grid=(steps_per_split,), in_specs=in_specs + [scale_spec],
+                max_concurrent_steps=max_concurrent_steps,
+                init_carry=plgpu.layout_cast(jnp.zeros((TILE_N,), jnp.float32), row_layout),
+            )(*operands, s_gmem.at[:, n_slice])
+            part = acc_ref[...]
+            return part * lax.broadcast_in_dim(scale, part.shape, [0])
+
+        acc = pl.run_scoped(body, plgpu.ACC((TILE_N, m_tile), jnp.float32))
+    else:
+        # K groups: each step is one group (tile_k <= group_size); scale its partial product.
+        def step(_, w_smem, x_smem, s_smem, acc):
+            part = pl.run_scoped(lambda part_ref: (mma(part_ref, w_smem, x_smem), part_ref[...])[1],
+                                 plgpu.ACC((TILE_N, m_tile), jnp.float32))
+            return acc + scaled(part, s_smem.at[0])
+
+        acc = plgpu.emit_pipeline(
+            step, grid=(steps_per_split,),
+            in_specs=in_specs + [scale_spec],
+            max_concurrent_steps=max_concurrent_steps,
+            init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
+        )(*operands, s_gmem.at[:, n_slice])
+    out_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, n_slice, m_slice])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _num_sms() -> int:
+    try:
+        return jax.devices()[0].core_count
+    except (AttributeError, RuntimeError):
+        return 132
+
+
+def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: int, interpret):
+    """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile. Returns y.T partials summed: [N_pad, M_pad] f32."""
+    k_pad, n_pad = qw.padded_shape
+    m_pad = xp.shape[0]
+    tile_k = min(config.tile_k, qw.group_size)
+    num_steps = k_pad // tile_k
+    num_blocks = (n_pad // TILE_N) * (m_pad // m_tile)
+    splits = config.num_k_splits
+    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 steps
+        splits = max(1, min(num_steps // 8, -(-2 * _num_sms() // num_blocks)))
+    while num_steps % splits:
+        splits -= 1
+    kernel = functools.partial(
+        quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
+        steps_per_group=qw.group_size // tile_k, per_channel=qw.scales.shape[0] == 1,
+        max_concurrent_steps=config.max_concurrent_steps)
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),
+        scratch_types=[plgpu.SMEM((TILE_N, m_tile), jnp.float32)] + ([
+            plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
+        ] if interpret else []),
+        grid=(n_pad // TILE_N, m_pad // m_tile, splits),
+        grid_names=("n", "m", "split"),
+        interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
+        kernel_name=f"quantized_matmul_{qw.format}",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return call(qw.qweight, xp, qw.scales).sum(axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry
+# ---------------------------------------------------------------------------------------------
+
+
+def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    k_pad, n_pad = qw.padded_shape
+    tile_k = min(config.tile_k, qw.group_size)
+    # A weight tile row must span >= 32 bytes (the smallest swizzle): int4 with groups of 32 does
+    # not (an unswizzled variant lowered but computed garbage on the H100, 2026-11-21).
+    return (n_pad % TILE_N == 0 and k_pad % tile_k == 0 and qw.group_size % tile_k == 0
+            and tile_k * _elem_bits(qw.qweight.dtype) >= 256
+            and qw.scales.shape == (k_pad // qw.group_size, n_pad))
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "interpret", "out_dtype", "config", "prefill"))
+def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto", interpret=False,
+                     out_dtype=None, config: QuantMatmulConfig = QuantMatmulConfig(),
+                     prefill: str = "xla") -> jax.Array:
+    """y = x @ W for a quantized W.
+
+    Args:
+      x: [M, K] bf16 or f32 (computed as bf16 activations, f32 accumulation).
+      qw: QuantizedWeight of logical shape (K, N).
+      backend: "pallas" (the Mosaic GPU kernel), "reference" (dequantize + dot), or "auto"
+        (pallas on a GPU backend or when `interpret` is set, the reference elsewhere).
+      interpret: False, True or plgpu.InterpretGPUParams(): run the kernel in interpret mode.
+      out_dtype: dtype of y (default x.dtype).
+      config: kernel tunables.
+      prefill: for M > 16, "xla" (dequantize to bf16, then an XLA dot: measured faster, see
+        docs/perf_quant.md) or "pallas" (the fused kernel, tile_m rows per tile). Weights whose
+        layout the kernel cannot stream (int4 with group 32) also take the "xla" path.
+    Returns:
+      y: [M, N] in out_dtype.
+    """
+    m, k = x.shape
+    if k != qw.shape[0]:
+        raise ValueError(f"x has K={k} but the weight is {qw.shape} (K, N)")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if backend == "auto":
+        backend = "pallas" if (interpret or jax.default_backend() == "gpu") else "reference"
+    if backend not in ("pallas", "reference"):
+        raise ValueError(f"unknown backend {backend!r}")
+    if backend == "reference":
+        return quantized_matmul_reference(x, qw).astype(out_dtype)
+    if (m > 16 and prefill == "xla") or not _can_use_pallas(qw, config):
+        w = dequantize(qw, jnp.bfloat16)
+        return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    k_pad, n_pad = qw.padded_shape
+    m_tile = -(-m // 8) * 8 if m <= 16 else min(config.tile_m, -(-m // 8) * 8)
+    m_pad = -(-m // m_tile) * m_tile
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))  # [M_pad, K_pad]
+    y = _pallas_matmul(xp, qw, config, m_tile, interpret).T  # [M_pad, N_pad] f32
+    if qw.zeros is not None:  # asymmetric int4: w = q * s + (8 s + zeros)
+        g = qw.group_size
+        x_sums = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1)  # [M_pad, G]
+        y = y + jnp.dot(x_sums, 8.0 * qw.scales + qw.zeros, precision=lax.Precision.HIGHEST)
+    return y[:m, : qw.shape[1]].astype(out_dtype)
+
+
+def quantized_matmul_reference(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """Plain jnp: dequantize W to f32, then x @ W with f32 accumulation. x: [M, K] -> [M, N] f32."""
+    w = dequantize(qw, jnp.float32)
+    return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
