@@ -22,6 +22,7 @@ import numpy as np
 from atlasjax.config import ModelConfig, from_hf_config
 from atlasjax.errors import CheckpointError, UnsupportedModelError
 from models import get_family
+from models.layers import is_quantized
 from models.transformer import abstract_params
 
 log = logging.getLogger("atlasjax.loader")
@@ -110,6 +111,12 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[NamedTensor], dtype,
             raise CheckpointError(f"unexpected tensor {name!r} (no such parameter {'/'.join(path)} in this config)")
         array = read()
         want = flat_expected[path].shape
+        if is_quantized(array):       # already a [K, N] QuantizedWeight (GGUF blocks kept as they are)
+            if tuple(array.shape) != want:
+                raise CheckpointError(f"tensor {name!r} has logical shape {array.shape}, expected {want}")
+            _set(params, path, array)
+            loaded.add(path)
+            continue
         got = tuple(array.shape[::-1]) if transpose else tuple(array.shape)
         if got != want:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, expected "
@@ -165,7 +172,33 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(treedef, make(keys))
 
 
-def load_model(path: str, dtype, convert=None) -> LoadedModel:
+GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")      # block formats the quantized matmul consumes as they are
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _gguf_reader(name: str, t, keep_quantized: bool):
+    """Loader for one GGUF tensor: projection weights in Q8_0/Q4_0/Q4_1 stay quantized."""
+    mapped = name.split(".")
+    if not (keep_quantized and t.qtype.name in GGUF_NATIVE and len(t.shape) == 2 and mapped[-1] == "weight"
+            and mapped[-2] in PROJECTIONS):
+        return t.dequantize
+
+    def read():
+        from atlasjax.gguf_loader import unpermute_heads  # noqa: PLC0415
+        from atlasjax.quantization import from_gguf_blocks  # noqa: PLC0415
+        qw = from_gguf_blocks(np.asarray(t.raw), t.qtype, t.shape)
+        if t.permute_heads is not None:   # undo llama.cpp's q/k row order on the output channels
+            n = t.shape[0]
+            perm = unpermute_heads(np.arange(n), t.permute_heads)
+            full = np.arange(qw.qweight.shape[0])
+            full[:n] = perm
+            qw = dataclasses.replace(qw, qweight=qw.qweight[full], scales=qw.scales[:, full],
+                                     zeros=None if qw.zeros is None else qw.zeros[:, full])
+        return qw
+    return read
+
+
+def load_model(path: str, dtype, convert=None, keep_gguf_quantized: bool = True) -> LoadedModel:
     """Load any supported checkpoint: HF directory, .gguf file, or a saved atlasjax checkpoint."""
     from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
     fmt = model_format(path)
@@ -176,7 +209,8 @@ def load_model(path: str, dtype, convert=None) -> LoadedModel:
         from atlasjax.gguf_loader import load_gguf  # noqa: PLC0415
         g = load_gguf(path)
         cfg = from_hf_config(g.config)
-        tensors = ((name, t.dequantize) for name, t in g.tensors.items())
+        tensors = ((name, _gguf_reader(name, t, keep_gguf_quantized and convert is None))
+                   for name, t in g.tensors.items())
         params = assemble_params(cfg, tensors, dtype, convert)
         st = g.special_tokens
         tok = Tokenizer(g.tokenizer, bos_token=st.get("bos_token"), eos_token=st.get("eos_token"),

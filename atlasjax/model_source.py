@@ -4,7 +4,7 @@ from __future__ import annotations
 from atlasjax.default_model import ensure_default_model
 from atlasjax.loader import LoadedModel, load_model
 
-QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from atlasjax.loader import PROJECTIONS as QUANTIZED_PROJECTIONS
 
 
 def quantizing_converter(fmt: str):
@@ -13,7 +13,8 @@ def quantizing_converter(fmt: str):
 
     def convert(path, array):
         if path[-1] == "kernel" and path[-2] in QUANTIZED_PROJECTIONS:
-            return quantize(array, fmt)
+            # int4: asymmetric (scale + offset per group of 128), clearly better than symmetric for RTN.
+            return quantize(array, fmt, symmetric=fmt != "int4")
         return None
     return convert
 
@@ -21,4 +22,4 @@ def quantizing_converter(fmt: str):
 def load_for_engine(config, dtype) -> LoadedModel:
     path = config.model or ensure_default_model()
     convert = quantizing_converter(config.quantization) if config.quantization else None
-    return load_model(path, dtype, convert)
+    return load_model(path, dtype, convert, keep_gguf_quantized=config.keep_gguf_quantized)

@@ -37,8 +37,12 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [tokens, in]
-        kernel = self.param("kernel", nn.with_logical_partitioning(_init, self.axes),
-                            (x.shape[-1], self.features), self.dtype)
+        if self.has_variable("params", "kernel"):
+            # Given params may hold a quantized weight pytree, whose leaves flax must not shape-check.
+            kernel = self.get_variable("params", "kernel")
+        else:
+            kernel = self.param("kernel", nn.with_logical_partitioning(_init, self.axes),
+                                (x.shape[-1], self.features), self.dtype)
         y = matmul(x, kernel, self.out_dtype)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),

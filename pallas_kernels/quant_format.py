@@ -1,0 +1,62 @@
+"""The `QuantizedWeight` pytree and its exact meaning (`dequantize`), shared by the kernels.
+
+Layout and dequantization rules are documented in atlasjax/quantization.py, which creates these
+(quantize at load, GGUF blocks); this module sits below it so kernels need not import the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["qweight", "scales", "zeros"],
+    meta_fields=["format", "group_size", "shape"],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized matrix, logically W[K, N] (see the module docstring for the layout).
+
+    Attributes:
+      qweight: [N_pad, K_pad] int8 | float8_e4m3fn | int4.
+      scales: [K_pad // group_size, N_pad] float32.
+      zeros: [K_pad // group_size, N_pad] float32 additive offsets ("int4" asymmetric) or None.
+      format: "int8" | "fp8" | "int4" (static).
+      group_size: K-group size; per-channel formats use group_size = K_pad (static).
+      shape: logical (K, N) (static).
+    """
+
+    qweight: jax.Array
+    scales: jax.Array
+    zeros: jax.Array | None
+    format: str
+    group_size: int
+    shape: tuple[int, int]
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        """(K_pad, N_pad) of the stored arrays."""
+        n_pad, k_pad = self.qweight.shape
+        return k_pad, n_pad
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[0]
+
+
+
+def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The logical weight W[K, N] in `dtype` (computed in float32)."""
+    k, n = qw.shape
+    k_pad, n_pad = qw.padded_shape
+    g = qw.group_size
+    q = qw.qweight.T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
+    if qw.zeros is not None:
+        w = (q + 8.0) * qw.scales[:, None, :] + qw.zeros[:, None, :]
+    else:
+        w = q * qw.scales[:, None, :]
+    return w.reshape(k_pad, n_pad)[:k, :n].astype(dtype)
