@@ -16,15 +16,11 @@ from collections.abc import AsyncIterator
 
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
-from atlasjax.errors import AtlasJaxError
+from atlasjax.errors import AtlasJaxError, QueueFullError  # noqa: F401 (re-exported)
 from atlasjax.outputs import StreamDelta
 from atlasjax.sampling_params import SamplingParams
 
 log = logging.getLogger("atlasjax.async")
-
-
-class QueueFullError(AtlasJaxError):
-    """Too many requests are waiting; retry later (HTTP 503)."""
 
 
 class AsyncLLM:
@@ -48,6 +44,11 @@ class AsyncLLM:
     @property
     def stats(self):
         return self.engine.stats
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine thread has died (the server then reports 503 on /health)."""
+        return self._error is None and self._thread.is_alive()
 
     @property
     def num_pending(self) -> int:
@@ -114,6 +115,8 @@ class AsyncLLM:
                     stopping = self._stopping
                 for cmd in commands:
                     self._handle(cmd)
+                if commands:
+                    engine.stats.refresh(engine)   # gauges stay true after aborts with no step
                 if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
                     return
                 for delta in engine.step():

@@ -135,6 +135,7 @@ class LLMEngine:
                 self.scheduler.finish(req, "abort")
             self._detok.pop(req, None)
         self.stats.num_aborted += 1
+        self.stats.refresh(self)
         return True
 
     def has_unfinished(self) -> bool:

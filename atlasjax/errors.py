@@ -19,3 +19,7 @@ class InvalidRequestError(AtlasJaxError, ValueError):
 
 class EngineConfigError(AtlasJaxError, ValueError):
     """Engine configuration is inconsistent (e.g. the page pool cannot hold one sequence)."""
+
+
+class QueueFullError(AtlasJaxError):
+    """Too many requests are waiting; retry later (HTTP 503)."""

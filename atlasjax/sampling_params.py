@@ -48,7 +48,7 @@ class SamplingParams:
             bad(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
             bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
@@ -57,9 +57,9 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < 2**31):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens < 2**31 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
@@ -67,6 +67,8 @@ class SamplingParams:
                 bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative token ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported")
         if any(not s for s in self.stop):

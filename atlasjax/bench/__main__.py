@@ -1,0 +1,109 @@
+"""`python -m atlasjax.bench latency|throughput|serve|kernels ...` (each mode has --help)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from atlasjax.bench.presets import PRESETS, progress
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the embedded model)")
+    src.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                     help="a published architecture with random weights built on the device (no download)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bfloat16 on GPU, float32 on CPU")
+    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"], help="weight-only")
+    g.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("engine (unset: the mode's default, then EngineConfig's)")
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--page-size", type=int, default=16)
+    e.add_argument("--num-pages", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    p.add_argument("--compare", default=None, choices=["hf"],
+                   help="also run Hugging Face transformers on the same shapes and print the ratio")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", default=None, help="write every figure to this JSON file")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every compile to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from atlasjax.bench import kernels, latency, serve, throughput  # noqa: PLC0415
+    parser = argparse.ArgumentParser(prog="python -m atlasjax.bench", description="atlasjax benchmarks")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("latency", help="one fixed batch: TTFT, TPOT, tok/s (median, p10, p90)")
+    _add_model_args(p)
+    latency.add_args(p)
+    _add_common(p)
+    p = sub.add_parser("throughput", help="N requests through the engine at once: requests/s, tok/s")
+    _add_model_args(p)
+    throughput.add_args(p)
+    _add_common(p)
+    p = sub.add_parser("serve", help="load generator against an OpenAI-compatible server (HTTP streaming)")
+    serve.add_args(p)
+    _add_common(p)
+    p = sub.add_parser("kernels", help="copy bandwidth, matmul rate, and the kernel benchmarks")
+    kernels.add_args(p)
+    _add_common(p)
+    return parser
+
+
+def _hf_comparison(args) -> dict | None:
+    from atlasjax.bench import hf_compare  # noqa: PLC0415
+    from atlasjax.bench.presets import model_config  # noqa: PLC0415
+    if not hf_compare.is_available():
+        progress("--compare hf: torch/transformers are not importable; skipping the comparison")
+        return dict(error="torch or transformers not importable")
+    cfg = model_config(args)
+    if args.mode == "latency":
+        bs, n_in, n_out, iters = args.batch_size, args.input_len, args.output_len, args.num_iters
+    else:
+        bs, n_in, n_out, iters = args.max_num_seqs or 16, args.input_len, args.output_len, 1
+    progress(f"--compare hf: transformers on {bs} x {n_in} in / {n_out} out (before JAX takes the device)")
+    return hf_compare.run_subprocess(cfg, batch_size=bs, input_len=n_in, output_len=n_out, num_iters=iters,
+                                     dtype=args.dtype, seed=args.seed)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from atlasjax.bench import report  # noqa: PLC0415
+    if args.mode == "serve":
+        # The server may share this machine's GPU: take device memory only as needed.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        from atlasjax.bench import serve  # noqa: PLC0415
+        rep, tables, used_device = serve.run(args)
+        report.finish(rep, argv, args.output, tables, with_device=used_device)
+        return 1 if rep["results"]["completed"] == 0 else 0
+    hf = _hf_comparison(args) if getattr(args, "compare", None) == "hf" else None
+    from atlasjax.bench.roofline import measure_ceilings  # noqa: PLC0415
+    progress("measuring device ceilings (copy bandwidth, matmul rate)")
+    ceilings = measure_ceilings()
+    progress(f"copy {ceilings['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, {ceilings['matmul_dtype']} matmul "
+             f"{ceilings['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s")
+    if args.mode == "kernels":
+        from atlasjax.bench import kernels  # noqa: PLC0415
+        rep, tables = kernels.run(args, ceilings)
+    elif args.mode == "latency":
+        from atlasjax.bench import latency  # noqa: PLC0415
+        rep, tables = latency.run(args, ceilings, hf)
+    else:
+        from atlasjax.bench import throughput  # noqa: PLC0415
+        rep, tables = throughput.run(args, ceilings, hf)
+    report.finish(rep, argv, args.output, tables)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""`latency` mode: one fixed batch through the engine, timed step by step.
+
+Each iteration submits `batch_size` requests of `input_len` random prompt tokens (greedy,
+ignore_eos, exactly `output_len` new tokens) and drives `engine.step()` until they finish.
+Each step reads its sampled tokens back to the host, so host clocks around a step time it fully.
+- TTFT: from the first step to the end of the step that gave the last request its first token
+  (the prefill step or steps, with admission);
+- TPOT: each pure decode step (every request has a token already): one new token per request;
+- decode tok/s: batch_size / TPOT; end-to-end latency and output tok/s per iteration.
+Warm-up iterations run the same shapes first, so every compile happens before timing.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from atlasjax.bench import roofline
+from atlasjax.bench.presets import build_engine, progress
+from atlasjax.bench.report import fmt, roofline_rows, stats_rows, summarize, table
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("latency")
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--num-iters", type=int, default=5)
+    g.add_argument("--num-warmup", type=int, default=1)
+
+
+def engine_overrides(args) -> dict:
+    """Latency defaults: slots = batch, KV pool and max_model_len sized to the batch, prefill in one step."""
+    bs, total = args.batch_size, args.input_len + args.output_len
+    max_len = args.max_model_len or total
+    pages = -(-max_len // args.page_size)
+    return dict(max_num_seqs=args.max_num_seqs or bs, max_model_len=max_len,
+                num_pages=args.num_pages or bs * pages + 1,
+                max_num_batched_tokens=args.max_num_batched_tokens or max(16, min(bs * args.input_len, 16384)))
+
+
+def _iteration(engine, args, rng, tag: str) -> dict:
+    from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    ids = [f"{tag}-{b}" for b in range(args.batch_size)]
+    for rid in ids:
+        engine.add_request(rid, rng.integers(0, vocab, args.input_len).tolist(), params)
+    reqs = [engine.requests[rid][0] for rid in ids]
+    ttft, decode_steps, num_steps = None, [], 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        is_decode = all(r.output_token_ids for r in reqs)
+        ts = time.perf_counter()
+        engine.step()
+        te = time.perf_counter()
+        num_steps += 1
+        if is_decode:
+            decode_steps.append(te - ts)
+        elif ttft is None and all(r.output_token_ids for r in reqs):
+            ttft = te - t0
+    e2e = time.perf_counter() - t0
+    num_out = sum(len(r.output_token_ids) for r in reqs)
+    for rid in ids:
+        engine.release(rid)
+    return dict(ttft=ttft, decode_steps=decode_steps, e2e=e2e, num_output_tokens=num_out, num_steps=num_steps)
+
+
+def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
+    engine = build_engine(args, **engine_overrides(args))
+    rng = np.random.default_rng(args.seed)
+    runner = engine.runner
+    for i in range(args.num_warmup):
+        t = time.perf_counter()
+        _iteration(engine, args, rng, f"warmup{i}")
+        progress(f"warm-up {i + 1}/{args.num_warmup}: {time.perf_counter() - t:.1f}s "
+                 f"({runner.num_compiles} compiles, {runner.compile_seconds:.1f}s)")
+    compiles_before = runner.num_compiles
+    iters = []
+    for i in range(args.num_iters):
+        it = _iteration(engine, args, rng, f"iter{i}")
+        iters.append(it)
+        tpot = np.median(it["decode_steps"]) if it["decode_steps"] else float("nan")
+        progress(f"iteration {i + 1}/{args.num_iters}: TTFT {it['ttft'] * 1e3:.1f} ms, "
+                 f"TPOT {tpot * 1e3:.2f} ms, e2e {it['e2e']:.2f}s")
+    bs = args.batch_size
+    steps = [s for it in iters for s in it["decode_steps"]]
+    results = dict(
+        ttft_s=summarize([it["ttft"] for it in iters]),
+        tpot_s=summarize(steps),
+        decode_tokens_per_s=summarize([bs / s for s in steps]),
+        e2e_latency_s=summarize([it["e2e"] for it in iters]),
+        output_tokens_per_s=summarize([it["num_output_tokens"] / it["e2e"] for it in iters]),
+        num_decode_steps=len(steps), num_compiles_while_timed=runner.num_compiles - compiles_before,
+        num_compiles=runner.num_compiles, compile_seconds=runner.compile_seconds)
+    roof = _roofline(engine, args, results, ceilings)
+    report = dict(mode="latency", settings=_settings(engine, args), results=results, roofline=roof)
+    tables = [_table(args, results, _label(engine, args))]
+    if hf:
+        report["compare"] = _compare(results, hf)
+        tables.append(_compare_table(report["compare"]))
+    tables.append(table("roofline", ["figure", "value", "note"], roofline_rows(roof)))
+    return report, tables
+
+
+def _settings(engine, args) -> dict:
+    import dataclasses  # noqa: PLC0415
+    return dict(model=engine.loaded.source, batch_size=args.batch_size, input_len=args.input_len,
+                output_len=args.output_len, num_iters=args.num_iters, num_warmup=args.num_warmup,
+                dtype=str(np.dtype(engine.dtype)), quantization=args.quantization,
+                engine=dataclasses.asdict(engine.config), model_config=dataclasses.asdict(engine.model_config))
+
+
+def _roofline(engine, args, results, ceilings) -> dict:
+    cfg, bs = engine.model_config, args.batch_size
+    item = np.dtype(engine.dtype).itemsize
+    w = roofline.weight_bytes_per_step(engine.runner.params, cfg, bs, item)
+    ctx = args.input_len + args.output_len / 2            # mean context over the decode steps
+    roof = dict(ceilings=ceilings)
+    roof["decode_step"] = roofline.achieved(roofline.decode_cost(cfg, w, item, bs, ctx),
+                                            results["tpot_s"]["median"], ceilings)
+    roof["prefill"] = roofline.achieved(roofline.prefill_cost(cfg, w, item, [args.input_len] * bs),
+                                        results["ttft_s"]["median"], ceilings)
+    return roof
+
+
+def _label(engine, args) -> str:
+    return f"{engine.loaded.source} {args.quantization or np.dtype(engine.dtype).name}"
+
+
+def _table(args, r, label: str) -> str:
+    rows = stats_rows([("TTFT", r["ttft_s"], "ms", 1e3), ("TPOT (decode step)", r["tpot_s"], "ms", 1e3),
+                       ("decode tok/s (batch / TPOT)", r["decode_tokens_per_s"], "tok/s", 1),
+                       ("end-to-end latency", r["e2e_latency_s"], "s", 1),
+                       ("output tok/s (end to end)", r["output_tokens_per_s"], "tok/s", 1)],
+                      cols=("median", "p10", "p90", "mean"))
+    title = (f"latency: {label}, batch {args.batch_size}, {args.input_len} in / {args.output_len} out, "
+             f"{args.num_iters} iterations ({r['num_decode_steps']} decode steps)")
+    return table(title, ["figure", "median", "p10", "p90", "mean", "unit"], rows)
+
+
+def _compare(r, hf: dict) -> dict:
+    def ratio(a, b):
+        return a / b if a and b else None
+    ours_tpot, ours_ttft = r["tpot_s"]["median"], r["ttft_s"]["median"]
+    return dict(hf=hf, tpot_speedup=ratio(hf.get("tpot_s"), ours_tpot),
+                ttft_speedup=ratio(hf.get("ttft_s"), ours_ttft),
+                atlasjax_tpot_s=ours_tpot, atlasjax_ttft_s=ours_ttft)
+
+
+def _compare_table(c) -> str:
+    hf = c["hf"]
+    rows = [["TTFT", fmt(c["atlasjax_ttft_s"], "", 1e3), fmt(hf.get("ttft_s"), "", 1e3),
+             fmt(c["ttft_speedup"], "x")],
+            ["TPOT", fmt(c["atlasjax_tpot_s"], "", 1e3), fmt(hf.get("tpot_s"), "", 1e3),
+             fmt(c["tpot_speedup"], "x")]]
+    return table(f"vs Hugging Face transformers {hf.get('transformers')} ({hf.get('mode')}), ms",
+                 ["figure", "atlasjax", "hf", "hf / atlasjax"], rows)

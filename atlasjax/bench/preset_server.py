@@ -1,0 +1,37 @@
+"""`python -m atlasjax serve` on a preset: random weights of a published shape, nothing downloaded.
+
+    python -m atlasjax.bench.preset_server --preset llama-3.1-8b [serve flags: --port, --max-num-seqs ...]
+
+It runs the real server (`atlasjax.__main__.main(["serve", ...])`) and only swaps what the engine
+loads: `atlasjax.model_source.load_for_engine` returns the preset (quantized with the server's
+own --quantization), with the synthetic word tokenizer of `presets.synthetic_tokenizer`, so
+every token streams as its own chunk. The served model name defaults to the preset's name.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from atlasjax.bench.presets import PRESETS, load_preset, progress
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    args, rest = p.parse_known_args(argv)
+
+    import atlasjax.model_source  # noqa: PLC0415
+
+    def load_for_engine(config, dtype):
+        progress(f"serving preset {args.preset} with random weights"
+                 + (f" ({config.quantization})" if config.quantization else ""))
+        return load_preset(args.preset, dtype, config.quantization, config.seed)
+    atlasjax.model_source.load_for_engine = load_for_engine
+    if "--served-model-name" not in rest:
+        rest += ["--served-model-name", args.preset]
+    from atlasjax.__main__ import main as atlasjax_main  # noqa: PLC0415
+    return atlasjax_main(["serve", *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Model presets (published architectures with random weights) and building an engine for a benchmark.
+
+A preset is a `ModelConfig` with the exact shapes of a published checkpoint, so the bytes, FLOPs
+and kernels match the real model while nothing is downloaded: `load_preset` builds the weights
+directly on the device with `atlasjax.loader.random_params`. The config table is plain Python
+(no jax), so the HF comparison subprocess can read it without initializing a JAX backend.
+"""
+from __future__ import annotations
+
+import sys
+
+from atlasjax.config import ModelConfig, RopeScaling
+
+_LLAMA3 = dict(family="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+               bos_token_id=128000, eos_token_ids=(128001, 128008, 128009))
+
+
+def _llama3_rope(factor: float) -> RopeScaling:
+    return RopeScaling("llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama-3.2-1b": ModelConfig(**_LLAMA3, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                                num_kv_heads=8, head_dim=64, rope_scaling=_llama3_rope(32.0),
+                                tie_word_embeddings=True),
+    "llama-3.2-3b": ModelConfig(**_LLAMA3, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
+                                num_kv_heads=8, head_dim=128, rope_scaling=_llama3_rope(32.0),
+                                tie_word_embeddings=True),
+    "llama-3.1-8b": ModelConfig(**_LLAMA3, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                                num_kv_heads=8, head_dim=128, rope_scaling=_llama3_rope(8.0),
+                                tie_word_embeddings=False),
+    "qwen3-8b": ModelConfig(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                            rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+                            qk_norm=True, eos_token_ids=(151645,)),
+    # the embedded default (SmolLM2-135M-Instruct)
+    "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=(2,)),
+    # for tests: compiles in about a second on a CPU
+    "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+                        tie_word_embeddings=False),
+}
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def quantization_available() -> bool:
+    try:
+        import atlasjax.quantization  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def synthetic_tokenizer(cfg: ModelConfig):
+    """A word-level tokenizer for a preset: token i is the word "w{i}" (unknown words: w0).
+
+    Every token decodes to non-empty text, so servers stream one chunk per token and text
+    prompts ("w17 w4 ...") work; detokenization costs what a small real tokenizer costs.
+    """
+    import tokenizers  # noqa: PLC0415
+
+    from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
+    model = tokenizers.models.WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tok, eos_token_ids=cfg.eos_token_ids)
+
+
+def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0):
+    """LoadedModel with random weights of preset `name`, built on the default device."""
+    from atlasjax.loader import LoadedModel, random_params  # noqa: PLC0415
+    cfg = PRESETS[name]
+    params = random_params(cfg, dtype, seed)
+    if quantization:
+        from atlasjax.quantization import quantize_params  # noqa: PLC0415
+        params = quantize_params(params, quantization)
+    return LoadedModel(cfg, params, tokenizer=synthetic_tokenizer(cfg), source=f"preset:{name}")
+
+
+def build_engine(args, **overrides):
+    """An LLMEngine from the common bench flags (`--preset` or `--model`, engine flags); overrides win."""
+    import jax  # noqa: PLC0415
+
+    from atlasjax.engine import LLMEngine, resolve_dtype  # noqa: PLC0415
+    from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
+    if args.quantization and not quantization_available():
+        raise SystemExit("--quantization is unavailable: atlasjax.quantization cannot be imported")
+    kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+              quantization=args.quantization, seed=args.seed)
+    kw.update(overrides)
+    kw = {k: v for k, v in kw.items() if v is not None}     # unset flags: EngineConfig's defaults
+    loaded = None
+    if args.preset:
+        kw["quantization"] = None    # the preset is quantized here, not by the checkpoint loader
+        what = f"preset {args.preset}" + (f" ({args.quantization})" if args.quantization else "")
+        progress(f"building {what} with random weights on {jax.devices()[0].device_kind}")
+        loaded = load_preset(args.preset, resolve_dtype(args.dtype), args.quantization, args.seed)
+        jax.block_until_ready(loaded.params)
+    else:
+        progress(f"loading {args.model or 'the embedded default model'}")
+    return LLMEngine(EngineConfig(**kw), loaded=loaded)
+
+
+def model_config(args) -> ModelConfig:
+    """The ModelConfig the flags name, without loading weights (HF dirs: config.json)."""
+    if args.preset:
+        return PRESETS[args.preset]
+    if args.model and not args.model.endswith(".gguf"):
+        from atlasjax.config import load_hf_config  # noqa: PLC0415
+        return load_hf_config(args.model)
+    if args.model is None:
+        return PRESETS["smollm2-135m"]
+    raise SystemExit("this needs the model's shape: pass --preset, or --model with a Hugging Face directory")

@@ -1,0 +1,79 @@
+"""The ASGI app: routes, middleware and error handlers around one AsyncLLM.
+
+    app = create_app(AsyncLLM(model), served_model_name="my-model", api_key="secret")
+
+Handlers live in openai_routes.py, anthropic_routes.py and utility_routes.py; they reach the
+engine through `app.state.server` (state.py) and the bridge (bridge.py). Every error, raised by
+a handler, the router (404/405) or a middleware (401/413), leaves in the error shape of the
+API its path belongs to; an unexpected exception is logged and answered 500 in that shape, and
+the server keeps serving.
+"""
+from __future__ import annotations
+
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+
+from serving import anthropic_routes, openai_routes, utility_routes
+from serving.bridge import ClientDisconnected
+from serving.errors import APIError, error_response
+from serving.metrics import ServerMetrics
+from serving.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
+from serving.state import ServerState
+
+log = logging.getLogger("atlasjax.serving")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+CLIENT_CLOSED_REQUEST = 499      # nginx's status for "the client went away"; only metrics see it
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc, request.url.path)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"no route {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return error_response(APIError(exc.status_code, message, headers=exc.headers), request.url.path)
+
+
+async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return error_response(APIError(500, f"internal server error: {type(exc).__name__}"), request.url.path)
+
+
+def create_app(engine, *, served_model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None) -> Starlette:
+    """Build the server app.
+
+    Args:
+      engine: a running atlasjax.AsyncLLM (the caller owns it and shuts it down).
+      served_model_name: the only value accepted in requests' "model" field.
+      api_key: when set, every route except /health and /openapi.json needs it.
+      max_body_bytes: larger request bodies get 413.
+      cors_origins: allowed browser origins; None or empty disables CORS.
+    """
+    metrics = ServerMetrics(engine.engine)
+    routes = openai_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
+    known_paths = {r.path for r in routes if "{" not in r.path}
+    middleware = []
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"]))
+    middleware.append(Middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths))
+    if api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key, open_paths=utility_routes.OPEN_PATHS))
+    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=max_body_bytes))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _disconnected, Exception: _unexpected})
+    app.state.server = ServerState(engine, served_model_name, metrics)
+    return app

@@ -1,0 +1,161 @@
+"""The bridge from request handlers to AsyncLLM: submit, stream, collect, notice disconnects.
+
+A handler describes its work as `Job`s (one engine request each: a tokenized prompt and its
+SamplingParams, n completions). `stream_jobs` merges their deltas into one async iterator of
+(job index, StreamDelta), recording TTFT / inter-token latency / token counts on the way.
+Leaving that iterator (client gone, error, cancellation) leaves every engine iterator, and
+AsyncLLM aborts what is unfinished, which frees its pages.
+
+Errors must reach the client as an HTTP status, so handlers wait for the first delta before
+sending headers (`first_delta`), racing it against the client disconnecting; non-streaming
+handlers race the whole collection (`until_disconnect`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable
+
+from starlette.requests import Request
+
+from atlasjax.outputs import Logprob, StreamDelta
+from atlasjax.sampling_params import SamplingParams
+from serving.errors import from_engine_error
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was complete."""
+
+
+@dataclasses.dataclass
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished sequence, accumulated from its deltas."""
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text += delta.new_text
+        self.token_ids += delta.new_token_ids
+        self.logprobs += delta.new_logprobs or []
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Deltas of all jobs, merged; engine errors are raised as APIError."""
+    start = time.perf_counter()
+    last_token_time: dict[tuple[int, int], float] = {}
+    merged = _merge(llm, jobs)
+    try:
+        async with contextlib.aclosing(merged):
+            async for job_index, delta in merged:
+                now = time.perf_counter()
+                key = (job_index, delta.index)
+                if delta.new_token_ids:
+                    metrics.observe_token(now - last_token_time[key] if key in last_token_time else None,
+                                          now - start, len(delta.new_token_ids))
+                    last_token_time[key] = now
+                yield job_index, delta
+    except Exception as e:  # noqa: BLE001 (everything the engine raises becomes an HTTP error)
+        raise from_engine_error(e) from e
+    finally:
+        if last_token_time:     # the prompts were processed
+            metrics.add_prompt_tokens(sum(len(job.prompt_ids) for job in jobs))
+
+
+async def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    if len(jobs) == 1:
+        job = jobs[0]
+        # aclosing: leaving this generator early must close (abort) the engine's at once, not at GC
+        async with contextlib.aclosing(llm.generate(job.prompt_ids, job.params, job.request_id)) as gen:
+            async for delta in gen:
+                yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async with contextlib.aclosing(llm.generate(job.prompt_ids, job.params, job.request_id)) as gen:
+                async for delta in gen:
+                    queue.put_nowait((i, delta))
+            queue.put_nowait((i, None))
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+            queue.put_nowait((i, e))
+            raise
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:       # cancelling a pump leaves its engine iterator, which aborts it
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client has disconnected (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Await `work`, or cancel it and raise ClientDisconnected if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def first_delta(request: Request, deltas: AsyncIterator):
+    """The first item of `deltas` (so errors become an HTTP status), or ClientDisconnected."""
+    try:
+        return await until_disconnect(request, deltas.__anext__())
+    except ClientDisconnected:
+        await deltas.aclose()
+        raise
+
+
+async def with_first(first, rest: AsyncIterator) -> AsyncIterator:
+    """`first`, then the rest of the stream it was taken from (the caller closes `rest`)."""
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def collect(deltas: AsyncIterator[tuple[int, StreamDelta]], num_jobs: int, n: int) -> list[list[Completion]]:
+    """Drain a merged stream into completions[job][index]."""
+    completions = [[Completion() for _ in range(n)] for _ in range(num_jobs)]
+    async with contextlib.aclosing(deltas):
+        async for job_index, delta in deltas:
+            completions[job_index][delta.index].add(delta)
+    return completions

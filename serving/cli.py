@@ -1,0 +1,109 @@
+"""`python -m atlasjax serve`: load, warm up, serve with uvicorn, drain on SIGINT/SIGTERM.
+
+atlasjax/__main__.py adds the engine flags and calls `add_server_args` and `serve`. Startup:
+bind the socket (so a busy port fails before the model loads, and --port 0 picks a free one),
+build AsyncLLM, send one tiny request through it (compiles the smallest prefill bucket and the
+decode step), then start uvicorn on that socket and log "atlasjax: ready on http://HOST:PORT".
+A signal makes uvicorn stop accepting and wait for in-flight responses (up to
+--graceful-timeout seconds, after which they are cancelled and their requests aborted); then
+the engine is drained and shut down and serve() returns 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+
+from serving.app import DEFAULT_MAX_BODY_BYTES, create_app
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="port (0: pick a free one, printed when ready)")
+    g.add_argument("--api-key", default=None,
+                   help="require this key (Authorization: Bearer or x-api-key); default: $ATLASJAX_API_KEY")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: from the model path)")
+    g.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    g.add_argument("--cors-origins", default=None,
+                   help="comma-separated origins allowed by CORS (default: CORS off)")
+    g.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds to let in-flight requests finish on shutdown")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def served_model_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    name = os.path.basename(os.path.normpath(model))
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def warm_up(llm) -> None:
+    """One tiny greedy request, so the first client does not pay for the first compiles."""
+    from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
+    ids = (llm.tokenizer.encode("Hello", add_special_tokens=False) if llm.tokenizer else [])[:4] or [0]
+    async for _ in llm.generate(ids, SamplingParams(max_tokens=2, temperature=0.0), "atlasjax-warmup"):
+        pass
+
+
+def _make_server(config, url: str):
+    import uvicorn  # noqa: PLC0415
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(f"atlasjax: ready on {url}", file=sys.stderr, flush=True)
+    return Server(config)
+
+
+def serve(args) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from atlasjax.__main__ import engine_kwargs  # noqa: PLC0415
+    from atlasjax.async_llm import AsyncLLM  # noqa: PLC0415
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    llm = AsyncLLM(max_waiting=args.max_waiting, **engine_kwargs(args))
+    try:
+        asyncio.run(warm_up(llm))
+        origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
+        app = create_app(llm, served_model_name=args.served_model_name or served_model_name(args.model),
+                         api_key=args.api_key or os.environ.get("ATLASJAX_API_KEY") or None,
+                         max_body_bytes=args.max_body_bytes, cors_origins=origins)
+        config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
+                                access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
+        server = _make_server(config, url)
+        # uvicorn re-raises the signal it caught once it has shut down; by then we only want to
+        # finish the drain below and return, so that re-raise must land in a harmless handler.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        server.run(sockets=[sock])
+    finally:
+        llm.shutdown(drain=True, timeout=args.graceful_timeout)
+        sock.close()
+    print("atlasjax: server stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,75 @@
+"""Prometheus metrics for one app: its own registry, HTTP/token/latency series, engine gauges.
+
+Request handlers feed the counters and histograms (through the bridge); engine state is read
+at scrape time by `EngineCollector`: pages and queue lengths live from the pool and scheduler
+(these change on abort even when no step runs), cumulative counters from `engine.stats`.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        engine, stats = self.engine, self.engine.stats
+        pool, scheduler = engine.pool, engine.scheduler
+        free = pool.num_free_pages
+        gauges = (
+            ("atlasjax_num_requests_running", "Sequences holding a batch slot", len(scheduler.running)),
+            ("atlasjax_num_requests_waiting", "Sequences waiting for a slot", len(scheduler.waiting)),
+            ("atlasjax_kv_pages_used", "KV cache pages in use", pool.num_pages - free),
+            ("atlasjax_kv_pages_free", "KV cache pages free (cached prefixes included)", free),
+            ("atlasjax_kv_pages_total", "KV cache pages in the pool", pool.num_pages),
+            ("atlasjax_prefix_cache_hit_rate", "Prefix cache hits / queries, in pages", stats.prefix_cache_hit_rate),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = (
+            ("atlasjax_prefix_cache_queries", "Full prompt pages looked up in the prefix cache",
+             stats.prefix_cache_queries),
+            ("atlasjax_prefix_cache_hits", "Prompt pages served by the prefix cache", stats.prefix_cache_hits),
+            ("atlasjax_num_preemptions", "Sequences preempted for lack of KV pages", stats.num_preemptions),
+            ("atlasjax_engine_steps", "Engine steps run", stats.num_steps),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("atlasjax_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("atlasjax_prompt_tokens", "Prompt tokens of processed requests", registry=r)
+        self.generation_tokens = Counter("atlasjax_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("atlasjax_time_to_first_token_seconds", "Submission to the engine to first token, per sequence",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("atlasjax_inter_token_latency_seconds", "Time between tokens of one sequence",
+                             buckets=ITL_BUCKETS, registry=r)
+        r.register(EngineCollector(engine))
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_token(self, since_previous: float | None, since_start: float, num_tokens: int) -> None:
+        """One delta of one sequence: its first token (TTFT) or a later one (inter-token latency)."""
+        if since_previous is None:
+            self.ttft.observe(since_start)
+        else:
+            self.itl.observe(since_previous)
+        self.generation_tokens.inc(num_tokens)
+
+    def add_prompt_tokens(self, num_tokens: int) -> None:
+        self.prompt_tokens.inc(num_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,245 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Each handler parses and validates the body (protocol.py), tokenizes, checks the length, turns
+the request into bridge `Job`s and either collects the completions into one JSON response or
+streams `chat.completion.chunk` / `text_completion` events as SSE, ending with `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
+from serving.errors import APIError, error_body, invalid
+from serving.openai_shapes import CompletionLogprobs, chat_logprobs, usage
+from serving.protocol import (MAX_N, Fields, check_model, completion_prompts, sampling_params,
+                              text_content)
+from atlasjax.sampling_params import MAX_LOGPROBS
+from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+async def list_models(request: Request) -> JSONResponse:
+    state = server_state(request)
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    state = server_state(request)
+    if request.path_params["model"] != state.model_name:
+        raise APIError(404, f"the model '{request.path_params['model']}' does not exist", code="model_not_found")
+    return JSONResponse(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "atlasjax",
+            "max_model_len": state.max_model_len}
+
+
+# ---- /v1/chat/completions
+def _chat_messages(f: Fields) -> list[dict]:
+    messages = f.body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"'messages[{i}]' must be an object", param="messages")
+        role = m.get("role")
+        if role in ("tool", "function") or m.get("tool_calls"):
+            raise invalid("tools and function calling are not supported yet", param="messages")
+        if role not in CHAT_ROLES:
+            raise invalid(f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}", param="messages")
+        content = m.get("content")
+        text = "" if content is None and role == "assistant" else text_content(content, f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": text})
+    return out
+
+
+def _reject_unsupported(f: Fields) -> None:
+    if f.body.get("tools") or f.body.get("functions"):
+        raise invalid("tools and function calling are not supported yet", param="tools")
+    tool_choice = f.body.get("tool_choice")
+    if tool_choice not in (None, "none"):
+        raise invalid("tool_choice is not supported yet (only 'none')", param="tool_choice")
+    fmt = f.object("response_format")
+    if fmt is not None and fmt.get("type") != "text":
+        raise invalid("structured outputs (response_format other than text) are not supported yet",
+                      param="response_format")
+
+
+def _include_usage(f: Fields, stream: bool) -> bool:
+    options = f.object("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return Fields(options).bool("include_usage")
+
+
+async def chat_completions(request: Request):
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    model = check_model(f, state.model_name)
+    _reject_unsupported(f)
+    messages = _chat_messages(f)
+    n = f.int("n", 1, lo=1, hi=MAX_N)
+    want_logprobs = f.bool("logprobs")
+    top_k = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top_k is not None and not want_logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    max_tokens = f.int("max_completion_tokens", None, lo=1)
+    max_tokens = f.int("max_tokens", None, lo=1) if max_tokens is None else max_tokens
+    stream = f.bool("stream")
+    include_usage = _include_usage(f, stream)
+    params = sampling_params(f, n=n, max_tokens=max_tokens, max_model_len=state.max_model_len,
+                             logprobs=(top_k or 0) if want_logprobs else None)
+    prompt_ids = await state.chat_prompt(messages)
+    state.check_prompt(prompt_ids, params, "messages")
+    rid = new_id("chatcmpl-")
+    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params)], state.metrics)
+    head = {"id": rid, "created": int(time.time()), "model": model}
+    if stream:
+        first = await first_delta(request, deltas)
+        events = _chat_events(request, head, first, deltas, n, len(prompt_ids), top_k or 0, want_logprobs,
+                              include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    completions = (await until_disconnect(request, collect(deltas, 1, n)))[0]
+    choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_k or 0) if want_logprobs else None,
+                "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
+    num_generated = sum(len(c.token_ids) for c in completions)
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                         "usage": usage(len(prompt_ids), num_generated)})
+
+
+async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k, want_logprobs, include_usage):
+    chunk = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+    num_generated = 0
+    async with contextlib.aclosing(deltas):
+        for i in range(n):
+            yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}], **extra})
+        try:
+            async for _, delta in with_first(first, deltas):
+                num_generated += len(delta.new_token_ids)
+                if not (delta.new_text or delta.finished or (want_logprobs and delta.new_token_ids)):
+                    continue
+                choice = {"index": delta.index, "delta": {"content": delta.new_text} if delta.new_text else {},
+                          "logprobs": chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], top_k)
+                          if want_logprobs else None,
+                          "finish_reason": delta.finish_reason if delta.finished else None}
+                yield sse({**chunk, "choices": [choice], **extra})
+        except APIError as e:
+            yield _sse_error(e, request)
+            return
+    if include_usage:
+        yield sse({**chunk, "choices": [], "usage": usage(num_prompt_tokens, num_generated)})
+    yield "data: [DONE]\n\n"
+
+
+# ---- /v1/completions
+async def completions(request: Request):
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    model = check_model(f, state.model_name)
+    prompts = completion_prompts(f)
+    n = f.int("n", 1, lo=1, hi=MAX_N)
+    if f.body.get("best_of") not in (None, n):
+        raise invalid("'best_of' is not supported", param="best_of")
+    logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    echo = f.bool("echo")
+    if f.str("suffix"):
+        raise invalid("'suffix' is not supported", param="suffix")
+    stream = f.bool("stream")
+    include_usage = _include_usage(f, stream)
+    params = sampling_params(f, n=n, max_tokens=f.int("max_tokens", 16, lo=1), logprobs=logprobs,
+                             max_model_len=state.max_model_len)
+    prompt_ids = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
+    for ids in prompt_ids:
+        state.check_prompt(ids, params, "prompt")
+    rid = new_id("cmpl-")
+    jobs = [Job(rid if len(prompts) == 1 else f"{rid}-{i}", ids, params) for i, ids in enumerate(prompt_ids)]
+    deltas = stream_jobs(state.llm, jobs, state.metrics)
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+    echoes = [_echo(state, p, ids) if echo else None for p, ids in zip(prompts, prompt_ids)]
+    num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+    if stream:
+        first = await first_delta(request, deltas)
+        events = _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
+                                    include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    results = await until_disconnect(request, collect(deltas, len(jobs), n))
+    choices = []
+    for j, job_completions in enumerate(results):
+        for i, c in enumerate(job_completions):
+            text, lp = c.text, None
+            if logprobs is not None:
+                builder = CompletionLogprobs()
+                lp = builder.prompt(echoes[j][1]) if echoes[j] else None
+                lp = CompletionLogprobs.merge(lp, builder.generated(c.token_ids, c.logprobs))
+            if echoes[j]:
+                text = echoes[j][0] + text
+            choices.append({"index": j * n + i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+    num_generated = sum(len(c.token_ids) for job_completions in results for c in job_completions)
+    return JSONResponse({**head, "choices": choices, "usage": usage(num_prompt_tokens, num_generated)})
+
+
+def _echo(state: ServerState, prompt, ids: list[int]) -> tuple[str, list[str]]:
+    """(prompt text, per-token texts) echoed before a completion."""
+    tok = state.tokenizer
+    text = prompt if isinstance(prompt, str) else (tok.decode(ids) if tok else "")
+    token_texts = [tok.decode([t], skip_special_tokens=False) if tok else f"token_id:{t}" for t in ids]
+    return text, token_texts
+
+
+async def _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
+                             include_usage):
+    extra = {"usage": None} if include_usage else {}
+    builders: dict[int, CompletionLogprobs] = {}
+    num_generated = 0
+    async with contextlib.aclosing(deltas):
+        for j, echo in enumerate(echoes):
+            for i in range(n if echo else 0):
+                builder = builders[j * n + i] = CompletionLogprobs()
+                lp = builder.prompt(echo[1]) if logprobs is not None else None
+                yield sse({**head, "choices": [{"index": j * n + i, "text": echo[0], "logprobs": lp,
+                                                "finish_reason": None}], **extra})
+        try:
+            async for j, delta in with_first(first, deltas):
+                num_generated += len(delta.new_token_ids)
+                index = j * n + delta.index
+                if not (delta.new_text or delta.finished or (logprobs is not None and delta.new_token_ids)):
+                    continue
+                lp = None
+                if logprobs is not None:
+                    builder = builders.setdefault(index, CompletionLogprobs())
+                    lp = builder.generated(delta.new_token_ids, delta.new_logprobs or [])
+                yield sse({**head, "choices": [{"index": index, "text": delta.new_text, "logprobs": lp,
+                                                "finish_reason": delta.finish_reason if delta.finished else None}],
+                           **extra})
+        except APIError as e:
+            yield _sse_error(e, request)
+            return
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, num_generated)})
+    yield "data: [DONE]\n\n"
+
+
+def _sse_error(err: APIError, request: Request) -> str:
+    """An error after the headers went out: OpenAI clients raise on a data event holding "error"."""
+    return sse(error_body(err, request.url.path))
+
+
+ROUTES = [
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]

@@ -1,0 +1,83 @@
+"""OpenAI response pieces: usage, chat logprobs, legacy completion logprobs.
+
+Engine logprobs arrive per generated token as {token_id: Logprob(logprob, rank, decoded_token)}
+holding the top-k (ranked 1..k) plus the chosen token. JSON has no -inf, so values are clamped
+to -9999 (as vLLM does).
+"""
+from __future__ import annotations
+
+import math
+
+from atlasjax.outputs import Logprob
+
+MIN_LOGPROB = -9999.0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finite(logprob: float) -> float:
+    return MIN_LOGPROB if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
+
+
+def _token_text(lp: Logprob, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda item: item[1].rank)
+    return ranked[:k]
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_k: int) -> dict:
+    """{"content": [{token, logprob, bytes, top_logprobs}]} for the given generated tokens."""
+    def item(token_id: int, lp: Logprob) -> dict:
+        text = _token_text(lp, token_id)
+        return {"token": text, "logprob": finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        content.append({**item(token_id, entry[token_id]),
+                        "top_logprobs": [item(t, lp) for t, lp in _ranked(entry, top_k)]})
+    return {"content": content}
+
+
+class CompletionLogprobs:
+    """Accumulates the legacy {tokens, token_logprobs, top_logprobs, text_offset} of one choice."""
+
+    def __init__(self, text_offset: int = 0):
+        self.offset = text_offset
+
+    def prompt(self, token_texts: list[str]) -> dict:
+        """Echoed prompt tokens: their logprobs are not computed (null)."""
+        out = self._empty()
+        for text in token_texts:
+            self._push(out, text, None, None)
+        return out
+
+    def generated(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict:
+        out = self._empty()
+        for token_id, entry in zip(token_ids, entries):
+            chosen = entry[token_id]
+            top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()}
+            self._push(out, _token_text(chosen, token_id), finite(chosen.logprob), top)
+        return out
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _push(self, out: dict, text: str, logprob, top) -> None:
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(self.offset)
+        self.offset += len(text)
+
+    @staticmethod
+    def merge(a: dict | None, b: dict) -> dict:
+        if a is None:
+            return b
+        return {key: a[key] + b[key] for key in a}

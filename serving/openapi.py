@@ -1,0 +1,85 @@
+"""The OpenAPI 3.1 description served at /openapi.json, written by hand from one table.
+
+Request bodies list the fields the server reads (protocol.py validates them); responses name
+the success shape and the error statuses a client should expect.
+"""
+from __future__ import annotations
+
+STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+STOP = {"oneOf": [STR, {"type": "array", "items": STR}]}
+TEXT_OR_PARTS = {"oneOf": [STR, {"type": "array", "items": {"type": "object", "properties": {
+    "type": {"const": "text"}, "text": STR}}}]}
+SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "presence_penalty": NUM,
+            "frequency_penalty": NUM, "repetition_penalty": NUM, "seed": INT, "stop": STOP, "n": INT,
+            "min_tokens": INT, "ignore_eos": BOOL, "stop_token_ids": {"type": "array", "items": INT},
+            "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}}}
+MESSAGE = {"type": "object", "required": ["role", "content"],
+           "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": TEXT_OR_PARTS}}
+
+
+def _obj(required: list[str], **properties) -> dict:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+SCHEMAS = {
+    "CompletionRequest": _obj(["prompt"], model=STR, prompt={"oneOf": [
+        STR, {"type": "array", "items": STR}, {"type": "array", "items": INT},
+        {"type": "array", "items": {"type": "array", "items": INT}}]}, max_tokens=INT, logprobs=INT, echo=BOOL,
+        **SAMPLING),
+    "ChatCompletionRequest": _obj(["messages"], model=STR, messages={"type": "array", "items": MESSAGE},
+                                  max_tokens=INT, max_completion_tokens=INT, logprobs=BOOL, top_logprobs=INT,
+                                  response_format={"type": "object", "properties": {"type": {"const": "text"}}},
+                                  **SAMPLING),
+    "MessagesRequest": _obj(["messages", "max_tokens"], model=STR, system=TEXT_OR_PARTS, max_tokens=INT,
+                            messages={"type": "array", "items": _obj(["role", "content"], role={
+                                "enum": ["user", "assistant"]}, content=TEXT_OR_PARTS)},
+                            stop_sequences={"type": "array", "items": STR}, temperature=NUM, top_p=NUM, top_k=INT,
+                            stream=BOOL),
+    "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
+                            add_special_tokens=BOOL),
+    "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),
+    "Error": _obj(["error"], error=_obj(["message", "type"], message=STR, type=STR, param=STR, code=STR)),
+}
+
+# path -> (method, summary, request schema or None, streams SSE?)
+OPERATIONS = {
+    "/v1/models": ("get", "List the served model", None, False),
+    "/v1/models/{model}": ("get", "Describe the served model", None, False),
+    "/v1/completions": ("post", "OpenAI text completion", "CompletionRequest", True),
+    "/v1/chat/completions": ("post", "OpenAI chat completion", "ChatCompletionRequest", True),
+    "/v1/messages": ("post", "Anthropic Messages API", "MessagesRequest", True),
+    "/v1/messages/count_tokens": ("post", "Anthropic token count of a Messages request", "MessagesRequest", False),
+    "/tokenize": ("post", "Text or chat messages to token ids", "TokenizeRequest", False),
+    "/detokenize": ("post", "Token ids to text", "DetokenizeRequest", False),
+    "/health": ("get", "Liveness and engine occupancy (no API key needed)", None, False),
+    "/metrics": ("get", "Prometheus metrics (text exposition format)", None, False),
+    "/openapi.json": ("get", "This document", None, False),
+}
+ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "413": "Request body too large",
+          "503": "Queue full; retry after the Retry-After header's seconds"}
+
+
+def _operation(summary: str, schema: str | None, streams: bool) -> dict:
+    content = {"application/json": {}}
+    if streams:
+        content["text/event-stream"] = {}
+    op = {"summary": summary, "responses": {"200": {"description": "Success", "content": content}}}
+    if schema is not None:
+        op["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
+        err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+        op["responses"].update({code: {"description": text, "content": err} for code, text in ERRORS.items()})
+    return op
+
+
+def openapi_schema() -> dict:
+    paths = {path: {method: _operation(summary, schema, streams)}
+             for path, (method, summary, schema, streams) in OPERATIONS.items()}
+    return {"openapi": "3.1.0",
+            "info": {"title": "atlasjax", "version": "0.1.0",
+                     "description": "OpenAI- and Anthropic-compatible inference server"},
+            "components": {"schemas": SCHEMAS,
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                               "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
+            "security": [{"bearer": []}, {"apiKey": []}],
+            "paths": paths}

@@ -1,0 +1,190 @@
+"""Request parsing and validation shared by the OpenAI and Anthropic routes.
+
+A request body goes: raw bytes -> `parse_json_object` -> `Fields` (typed access, every mistake a
+400 naming the field) -> `SamplingParams` (which checks the ranges) plus prompts or chat
+messages. Nothing here talks to the engine; handlers tokenize and submit.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from atlasjax.errors import InvalidRequestError
+from atlasjax.sampling_params import SamplingParams
+from serving.errors import invalid
+
+INT32_MAX = 2**31 - 1
+MAX_N = 128                 # completions per prompt
+MAX_STOP_STRINGS = 64
+MISSING = object()
+
+
+def parse_json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise invalid(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+class Fields:
+    """Typed, optional access to the fields of one JSON object. null counts as absent."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def raw(self, name: str, default=None):
+        value = self.body.get(name)
+        return default if value is None else value
+
+    def int(self, name: str, default=None, *, lo: int | None = None, hi: int | None = None):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(f"'{name}' must be an integer, got {_show(value)}", param=name)
+        _check_range(name, value, lo, hi)
+        return value
+
+    def float(self, name: str, default=None, *, lo: float | None = None, hi: float | None = None):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise invalid(f"'{name}' must be a finite number, got {_show(value)}", param=name)
+        _check_range(name, value, lo, hi)
+        return float(value)
+
+    def bool(self, name: str, default: bool = False) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(f"'{name}' must be true or false, got {_show(value)}", param=name)
+        return value
+
+    def str(self, name: str, default=None):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise invalid(f"'{name}' must be a string, got {_show(value)}", param=name)
+        return value
+
+    def object(self, name: str) -> dict | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise invalid(f"'{name}' must be an object, got {_show(value)}", param=name)
+        return value
+
+    def str_list(self, name: str, *, max_items: int) -> list[str]:
+        """A string or a list of strings (stop sequences)."""
+        value = self.body.get(name)
+        if value is None:
+            return []
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise invalid(f"'{name}' must be a string or a list of strings", param=name)
+        if len(items) > max_items:
+            raise invalid(f"'{name}' has {len(items)} entries; at most {max_items} are supported", param=name)
+        if any(not s for s in items):
+            raise invalid(f"'{name}' entries must be non-empty strings", param=name)
+        return items
+
+
+def _show(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_range(name, value, lo, hi) -> None:
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise invalid(f"'{name}' must be in {bounds}, got {value}", param=name)
+
+
+def check_model(f: Fields, served_model_name: str) -> str:
+    model = f.str("model", served_model_name)
+    if model != served_model_name:
+        raise invalid(f"the model '{model}' does not exist; this server serves '{served_model_name}'",
+                      param="model", code="model_not_found")
+    return model
+
+
+def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, logprobs: int | None = None,
+                    stop_field: str = "stop", n: int = 1) -> SamplingParams:
+    """The sampling fields OpenAI and vLLM clients send (absent ones keep OpenAI's defaults)."""
+    kwargs = dict(
+        n=n, max_tokens=max_tokens, logprobs=logprobs,
+        temperature=f.float("temperature", 1.0),
+        top_p=f.float("top_p", 1.0),
+        top_k=f.int("top_k", 0, lo=-1, hi=INT32_MAX),
+        min_p=f.float("min_p", 0.0),
+        presence_penalty=f.float("presence_penalty", 0.0),
+        frequency_penalty=f.float("frequency_penalty", 0.0),
+        repetition_penalty=f.float("repetition_penalty", 1.0),
+        seed=f.int("seed"),
+        stop=f.str_list(stop_field, max_items=MAX_STOP_STRINGS),
+        stop_token_ids=_token_ids(f, "stop_token_ids"),
+        min_tokens=f.int("min_tokens", 0, lo=0, hi=max_model_len),
+        ignore_eos=f.bool("ignore_eos"),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+        include_stop_str_in_output=f.bool("include_stop_str_in_output"),
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as e:
+        raise invalid(str(e)) from None
+
+
+def _token_ids(f: Fields, name: str) -> list[int]:
+    value = f.raw(name, [])
+    if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
+        raise invalid(f"'{name}' must be a list of token ids", param=name)
+    return value
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+
+
+def completion_prompts(f: Fields) -> list[str | list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    value = f.body.get("prompt")
+    if isinstance(value, str):
+        prompts = [value]
+    elif isinstance(value, list) and value and all(_is_token_id(t) for t in value):
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        prompts = value
+    elif isinstance(value, list) and value and all(
+            isinstance(p, list) and all(_is_token_id(t) for t in p) for p in value):
+        prompts = value
+    else:
+        raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                      "token-id lists", param="prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise invalid("'prompt' must not be empty", param="prompt")
+    return prompts
+
+
+def text_content(content, param: str, allowed_types=("text",)) -> str:
+    """A message's content: a string, or a list of text parts (joined with newlines)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"'{param}' must be a string or a list of content parts", param=param)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"'{param}[{i}]' must be an object with a 'type'", param=param)
+        if part["type"] not in allowed_types:
+            raise invalid(f"content parts of type '{part['type']}' are not supported; only text is", param=param)
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"'{param}[{i}].text' must be a string", param=param)
+        texts.append(part["text"])
+    return "\n".join(texts)

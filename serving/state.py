@@ -1,0 +1,98 @@
+"""What every handler needs: the engine, the served name, metrics, and prompt preparation.
+
+`ServerState` lives on `app.state.server`. It tokenizes (off the event loop: long prompts and
+chat templates take real CPU time) and checks a prompt against max_model_len before anything
+is submitted, so length errors name the field they come from.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+
+from atlasjax.errors import InvalidRequestError
+from atlasjax.sampling_params import SamplingParams
+from serving.errors import invalid
+from serving.metrics import ServerMetrics
+from serving.protocol import parse_json_object
+
+
+@dataclasses.dataclass
+class ServerState:
+    llm: object                     # atlasjax.AsyncLLM
+    model_name: str
+    metrics: ServerMetrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.engine.model_config.vocab_size
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise invalid("this model has no tokenizer: send token ids instead of text")
+        return self.tokenizer
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self.require_tokenizer()
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+
+    async def chat_prompt(self, messages: list[dict], param: str = "messages") -> list[int]:
+        """Render the chat template to text, then tokenize it without adding special tokens again."""
+        tok = self.require_tokenizer()
+
+        def render() -> list[int]:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        try:
+            return await asyncio.to_thread(render)
+        except InvalidRequestError as e:
+            raise invalid(str(e), param=param) from None
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
+        if not ids:
+            raise invalid("the prompt is empty", param=param)
+        if max(ids) >= self.vocab_size:
+            raise invalid(f"prompt token ids must be in [0, {self.vocab_size})", param=param)
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise invalid(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise invalid(f"the prompt has {len(ids)} tokens; max_model_len={limit} allows at most {limit - 1}",
+                          param=param, code="context_length_exceeded")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise invalid(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                          f"max_model_len={limit}", param="max_tokens", code="context_length_exceeded")
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def read_json(request: Request) -> dict:
+    return parse_json_object(await request.body())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def sse(data: dict, event: str | None = None) -> str:
+    """One server-sent event (OpenAI sends data only; Anthropic names each event)."""
+    payload = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    return f"event: {event}\ndata: {payload}\n\n" if event else f"data: {payload}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,79 @@
+"""Operational routes: /health, /metrics, /tokenize, /detokenize, /openapi.json.
+
+/health and /openapi.json stay open when an API key is set; the others need it.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serving.errors import invalid
+from serving.openapi import openapi_schema
+from serving.protocol import INT32_MAX, Fields, check_model, text_content
+from serving.state import read_json, server_state
+
+OPEN_PATHS = {"/health", "/openapi.json"}
+
+
+async def health(request: Request) -> JSONResponse:
+    state = server_state(request)
+    engine = state.llm.engine
+    failure = None if state.llm.is_healthy else (state.llm._error or "engine thread stopped")
+    body = {"status": "ok" if failure is None else "error", "model": state.model_name,
+            "num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
+            "kv_pages_free": engine.pool.num_free_pages, "kv_pages_total": engine.pool.num_pages}
+    if failure is not None:
+        body["error"] = repr(failure)
+    return JSONResponse(body, status_code=200 if failure is None else 503)
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = server_state(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    """{"prompt": text} or {"messages": [...]} (rendered with the chat template) -> token ids."""
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    check_model(f, state.model_name)
+    if f.body.get("messages") is not None:
+        messages = f.body["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise invalid("'messages' must be a list of objects", param="messages")
+        ids = await state.chat_prompt([{"role": m.get("role"), "content": text_content(
+            m.get("content"), f"messages[{i}].content")} for i, m in enumerate(messages)])
+    else:
+        prompt = f.str("prompt", "")
+        ids = await state.encode(prompt, f.bool("add_special_tokens", True))
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    check_model(f, state.model_name)
+    tokens = f.raw("tokens", [])
+    vocab = state.vocab_size
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < min(vocab, INT32_MAX) for t in tokens):
+        raise invalid(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+    tok = state.require_tokenizer()
+    text = await asyncio.to_thread(tok.decode, tokens, f.bool("skip_special_tokens", False))
+    return JSONResponse({"prompt": text})
+
+
+async def openapi(request: Request) -> JSONResponse:
+    return JSONResponse(openapi_schema())
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+]

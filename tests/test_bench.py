@@ -1,0 +1,187 @@
+"""`python -m atlasjax.bench`: every mode end to end on the tiny preset (CPU), JSON with all fields.
+
+The serve mode runs against the real server (`python -m atlasjax serve`, through
+`atlasjax.bench.preset_server` so it serves the tiny preset) on loopback; the server starts when
+this module does, so it compiles while the other modes run.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from atlasjax.bench import report, roofline, serve
+from atlasjax.bench.__main__ import main
+from atlasjax.bench.presets import PRESETS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_SERVING = importlib.util.find_spec("serving.cli") is not None
+HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A live `python -m atlasjax serve` on the tiny preset; yields its base URL (or None)."""
+    if not HAS_SERVING:
+        yield None
+        return
+    cmd = [sys.executable, "-m", "atlasjax.bench.preset_server", "--preset", "tiny", "--port", "0",
+           "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    state = {"proc": proc}
+    yield state
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _start_server_early(server):
+    yield
+
+
+def run_bench(tmp_path, *argv) -> dict:
+    out = tmp_path / "result.json"
+    assert main([*argv, "--output", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def check_common(rep: dict, mode: str) -> None:
+    assert rep["mode"] == mode
+    env = rep["environment"]
+    for key in ("device", "jax", "jaxlib", "flax", "git_commit", "command", "timestamp"):
+        assert env.get(key), key
+    assert env["command"].startswith("python") and f"atlasjax.bench {mode}" in env["command"]
+    ceil = rep["roofline"]["ceilings"]
+    assert ceil["copy_bandwidth_Bps"] > 1e8 and ceil["matmul_flops_per_s"] > 1e8
+
+
+def test_latency_mode(tmp_path, capsys):
+    argv = ["latency", "--preset", "tiny", "--batch-size", "2", "--input-len", "12", "--output-len", "6",
+            "--num-iters", "2"]
+    rep = run_bench(tmp_path, *argv, *(["--compare", "hf"] if HAS_TORCH else []))
+    check_common(rep, "latency")
+    r = rep["results"]
+    assert r["num_decode_steps"] == 2 * 5                       # output_len - 1 decode steps per iteration
+    for name in ("ttft_s", "tpot_s", "decode_tokens_per_s", "e2e_latency_s", "output_tokens_per_s"):
+        s = r[name]
+        assert 0 < s["p10"] <= s["median"] <= s["p90"], name
+    assert r["num_compiles_while_timed"] == 0                   # the warm-up compiled every shape
+    dec = rep["roofline"]["decode_step"]
+    assert dec["batch"] == 2 and dec["context"] == 12 + 3
+    assert 0 < dec["frac_copy_bandwidth"] and 0 < dec["frac_matmul_rate"] and dec["bound"] in ("memory", "compute")
+    assert rep["roofline"]["prefill"]["tokens"] == 24
+    if HAS_TORCH:
+        assert rep["compare"]["hf"]["tpot_s"] > 0 and rep["compare"]["tpot_speedup"] > 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "TPOT" in out and "roofline" in out
+
+
+def test_throughput_mode_random_prompts(tmp_path):
+    rep = run_bench(tmp_path, "throughput", "--preset", "tiny", "--num-prompts", "6", "--input-len", "10",
+                    "--output-len", "8", "--range-ratio", "0.5", "--max-num-seqs", "4",
+                    "--max-num-batched-tokens", "16")
+    check_common(rep, "throughput")
+    r = rep["results"]
+    assert r["num_requests"] == 6 and 6 * 5 <= r["prompt_tokens"] <= 6 * 15
+    assert 6 * 4 <= r["output_tokens"] <= 6 * 12
+    assert r["requests_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"] > 0
+    assert r["num_compiles_while_timed"] == 0
+    assert rep["roofline"]["run"]["frac_copy_bandwidth"] > 0
+
+
+def test_throughput_mode_dataset(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "w1 w2 w3 w4 w5", "output_len": 3}, {"prompt_token_ids": [7] * 9, "output_len": 5},
+            {"prompt": "w9 " * 20}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rep = run_bench(tmp_path, "throughput", "--preset", "tiny", "--dataset", str(data), "--output-len", "4",
+                    "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--no-warmup")
+    r = rep["results"]
+    assert r["num_requests"] == 3 and r["prompt_tokens"] == 5 + 9 + 20
+    assert r["output_tokens"] == 3 + 5 + 4                    # ignore_eos: exactly the asked lengths
+
+
+def test_kernels_mode(tmp_path):
+    rep = run_bench(tmp_path, "kernels", "--preset", "tiny", "--prefill-tokens", "32")
+    check_common(rep, "kernels")
+    dense = rep["results"]["dense"]
+    assert {d["case"].split()[0] for d in dense} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert all(d["seconds"] > 0 and d["frac_copy_bandwidth"] > 0 for d in dense)
+    assert "needs a GPU" in rep["results"]["attention"]["skipped"]
+
+
+@pytest.mark.skipif(not HAS_SERVING, reason="serving not available")
+def test_serve_mode_against_atlasjax_server(tmp_path, server):
+    proc = server["proc"]
+    deadline = time.time() + 90
+    url = None
+    while url is None and time.time() < deadline:       # the server prints its URL once it has warmed up
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}")
+        m = re.search(r"ready on (http://\S+)", line)
+        url = m.group(1) if m else None
+    assert url, "the server did not become ready in 90s"
+    threading.Thread(target=proc.stderr.read, daemon=True).start()   # keep its stderr pipe from filling
+    rep = run_bench(tmp_path, "serve", "--base-url", url, "--num-prompts", "8", "--max-concurrency", "3",
+                    "--request-rate", "40", "--input-len", "10", "--output-len", "6", "--range-ratio", "0.3",
+                    "--preset", "tiny", "--num-warmups", "2")
+    r = rep["results"]
+    assert r["completed"] == 8 and r["failed"] == 0 and r["peak_concurrency"] <= 3
+    assert rep["settings"]["model"] == "tiny"
+    out_lens = [n for _, _, n in serve.make_prompts(_Args(10, 6, 0.3, 8, 2))][2:]
+    assert r["total_output_tokens"] == sum(out_lens)          # ignore_eos honoured, usage counted
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+        assert r[name]["n"] > 0 and 0 < r[name]["median"] <= r[name]["p99"], name
+    assert r["itl_s"]["n"] == sum(n - 1 for n in out_lens)    # one chunk per token: n - 1 gaps
+    assert r["ttft_s"]["median"] < r["e2el_s"]["median"]
+    assert r["request_throughput"] > 0 and r["total_token_throughput"] > r["output_throughput"] > 0
+    assert rep["roofline"]["roofline_output_tokens_per_s"] > 0
+
+
+class _Args:
+    def __init__(self, input_len, output_len, range_ratio, num_prompts, num_warmups):
+        self.input_len, self.output_len, self.range_ratio = input_len, output_len, range_ratio
+        self.num_prompts, self.num_warmups, self.seed = num_prompts, num_warmups, 0
+        self.prompt_format, self.vocab_size, self.preset = "ids", None, "tiny"
+
+
+def test_serve_metrics_definitions():
+    outs = [dict(ttft=0.1, itl=[0.02, 0.03, 0.05], e2el=0.2, output_tokens=4, prompt_tokens=10, error=None),
+            dict(ttft=0.3, itl=[], e2el=0.3, output_tokens=1, prompt_tokens=None, error=None),
+            dict(ttft=None, itl=[], e2el=None, output_tokens=None, prompt_tokens=None, error="HTTP 500: boom")]
+    m = serve.metrics(outs, [(None, 10, 4), (None, 7, 1), (None, 5, 4)], duration=2.0)
+    assert m["completed"] == 2 and m["failed"] == 1 and m["errors"] == ["HTTP 500: boom"]
+    assert m["tpot_s"]["n"] == 1 and m["tpot_s"]["mean"] == pytest.approx((0.2 - 0.1) / 3)
+    assert m["itl_s"]["n"] == 3 and m["e2el_s"]["median"] == pytest.approx(0.25)
+    assert m["total_input_tokens"] == 17 and m["total_output_tokens"] == 5
+    assert m["request_throughput"] == 1.0 and m["total_token_throughput"] == pytest.approx(11.0)
+
+
+def test_roofline_counts_match_the_llama_8b_anchor():
+    cfg = PRESETS["llama-3.1-8b"]
+    w = roofline.estimate_weight_bytes(cfg, 2)
+    assert w == pytest.approx(15.01e9, rel=2e-3)                # PERFORMANCE_ANCHORS.md: 15.01 GB per step
+    d = roofline.decode_cost(cfg, w, 2, batch=1, context=128)
+    assert d["kv_bytes"] == 128 * 2 * 32 * 8 * 128 * 2
+    matmul_weights = (w - 4096 * 2) / 2 - 32 * 2 * 4096 - 4096    # less the embedding row and the norms
+    assert d["flops"] == pytest.approx(2 * matmul_weights + 4 * 128 * 32 * 32 * 128)
+    q = roofline.estimate_weight_bytes(cfg, 2, "int8")
+    assert 0.5 < q / w < 0.6                                    # projections at 1 byte, embeddings stay bf16
+
+
+def test_summarize_percentiles():
+    s = report.summarize([4.0, 1.0, 3.0, 2.0, float("nan"), None])
+    assert s["n"] == 4 and s["median"] == 2.5 and s["mean"] == 2.5
+    assert s["p10"] == pytest.approx(1.3) and s["p90"] == pytest.approx(3.7)
+    assert report.summarize([])["median"] is None

@@ -1,0 +1,241 @@
+"""The OpenAI-compatible API through the official `openai` SDK against a live server.
+
+Greedy outputs must equal `LLM.generate` / `LLM.chat` on the same model (computed in this
+process); usage must match the tokenizer; streaming must equal non-streaming; 32 concurrent
+streams must each get their own output; a client that drops mid-stream must give its pages back.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_util import API_KEY, MODEL_NAME, greedy_reference, main_server, metric_value, reference_llm
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    return main_server(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return reference_llm(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def chat_reference(llm, messages, max_tokens, **kwargs):
+    from atlasjax import SamplingParams
+    return llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs))[0]
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
+def test_chat_greedy_equals_llm_with_usage(client, llm):
+    ref = chat_reference(llm, CHAT, 10)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=10, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids) == 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 10
+
+
+def test_chat_stream_equals_llm_with_usage(client, llm):
+    ref = chat_reference(llm, CHAT, 10)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=10,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_completion_prompt_forms_equal_llm(client, llm):
+    prompts = ["The quick brown fox", "Once upon a time"]
+    refs = greedy_reference(llm, prompts, 8)
+    ids = list(refs[1].prompt_token_ids)
+    r = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in refs]
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs)
+    assert r.usage.completion_tokens == 16
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == refs[1].outputs[0].text and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL_NAME, prompt=[ids, ids], max_tokens=8, temperature=0, echo=True)
+    assert [c.text for c in r.choices] == [prompts[1] + refs[1].outputs[0].text] * 2
+
+
+def test_completion_stream_multiple_prompts_with_usage(client, llm):
+    prompts = ["Hello world", "Numbers: one two"]
+    refs = greedy_reference(llm, prompts, 6)
+    texts = {0: "", 1: ""}
+    finishes, usage = {}, None
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert texts == {i: o.outputs[0].text for i, o in enumerate(refs)}
+    assert finishes == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs)
+
+
+def test_stop_string_cuts_text(client, llm):
+    full = chat_reference(llm, CHAT, 16).outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    expected = full[:full.index(stop)]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0,
+                                            stop=stop, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n2_sampled_choices_and_usage(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, temperature=1.0,
+                                       seed=7, logprobs=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    again = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, temperature=1.0,
+                                           seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]  # seeded
+
+
+def test_chat_logprobs_match_llm(client, llm):
+    ref = chat_reference(llm, CHAT, 5, logprobs=3).outputs[0]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry, token_id, ref_lp in zip(content, ref.token_ids, ref.logprobs):
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(ref_lp[token_id].logprob, abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token    # greedy picks the most likely token
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+
+
+def test_completion_legacy_logprobs_with_echo(client, llm):
+    prompt = "The quick brown fox"
+    num_prompt = len(llm.tokenizer.encode(prompt))
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                  echo=True)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == num_prompt + 4
+    assert lp.token_logprobs[:num_prompt] == [None] * num_prompt
+    assert all(isinstance(x, float) for x in lp.token_logprobs[num_prompt:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[num_prompt:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert r.choices[0].text.startswith(prompt)
+
+
+def test_32_concurrent_streams_get_their_own_outputs(server, llm):
+    prompts = [f"Client {i} asks about topic {i * 7 % 13}" for i in range(32)]
+    refs = greedy_reference(llm, prompts, 8)
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=180)
+
+    async def one(prompt):
+        text, finish = "", None
+        stream = await aclient.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                                  stream=True)
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+    results = asyncio.run(run_all())
+    assert [text for text, _ in results] == [o.outputs[0].text for o in refs]
+    assert all(finish == "length" for _, finish in results)
+    assert len({text for text, _ in results}) > 1
+
+
+def wait_pages_back_to_idle(url: str) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        free, total = metric_value(metrics, "atlasjax_kv_pages_free"), metric_value(metrics, "atlasjax_kv_pages_total")
+        if free == total and metric_value(metrics, "atlasjax_num_requests_running") == 0:
+            return
+        assert time.monotonic() < deadline, f"pages not freed after the client left: {free}/{total}"
+        time.sleep(0.1)
+
+
+def generated_tokens(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return metric_value(metrics, "atlasjax_generation_tokens_total")
+
+
+def test_client_disconnect_aborts_and_frees_pages(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = generated_tokens(server.url)
+    idle = httpx.get(server.url + "/health").json()
+    assert idle["kv_pages_free"] == idle["kv_pages_total"]
+    body = {"model": MODEL_NAME, "prompt": "Keep talking", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        events = r.iter_lines()
+        assert [line for line, _ in zip(events, range(6)) if line.startswith("data: ")]
+        busy = httpx.get(server.url + "/health").json()
+        assert busy["num_running"] == 1 and busy["kv_pages_free"] < busy["kv_pages_total"]
+    wait_pages_back_to_idle(server.url)
+    # Non-streaming: the client gives up (read timeout) while the server is still generating.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=headers, timeout=1.5)
+    wait_pages_back_to_idle(server.url)
+    time.sleep(0.5)
+    assert generated_tokens(server.url) - before < 200      # neither request ran to its 200 tokens
+
+
+def test_tokenize_detokenize_round_trip(server, llm):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    text = "Hello, tokenizer!"
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL_NAME, "prompt": text}, headers=headers).json()
+    assert r["tokens"] == llm.tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=headers).json()
+    assert back["prompt"] == text
+    chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}, headers=headers).json()
+    assert chat["count"] == len(chat_reference(llm, CHAT, 1).prompt_token_ids)
+
+
+def test_metrics_and_openapi(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
+    r = httpx.get(server.url + "/metrics", headers=headers)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in ("atlasjax_http_requests_total", "atlasjax_prompt_tokens_total", "atlasjax_generation_tokens_total",
+                 "atlasjax_time_to_first_token_seconds_bucket", "atlasjax_inter_token_latency_seconds_bucket",
+                 "atlasjax_num_requests_waiting", "atlasjax_kv_pages_used", "atlasjax_prefix_cache_hit_rate",
+                 "atlasjax_prefix_cache_queries_total", "atlasjax_prefix_cache_hits_total",
+                 "atlasjax_num_preemptions_total"):
+        assert name in r.text, name
+    assert 'atlasjax_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in r.text
+    assert metric_value(r.text, "atlasjax_generation_tokens_total") > 0
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/metrics"} <= set(spec["paths"])
