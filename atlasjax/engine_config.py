@@ -20,7 +20,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"          # auto | pallas | reference
     quantization: str | None = None          # None | int8 | fp8 | int4 (quantize linear projections at load)
-    keep_gguf_quantized: bool = True         # GGUF Q8_0/Q4_0/Q4_1 projections stay in their blocks on device
+    keep_gguf_quantized: bool | None = None  # GGUF Q8_0/Q4_0/Q4_1 projections stay quantized; None: on GPU only
+                                             # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
 
     def __post_init__(self):

@@ -22,4 +22,8 @@ def quantizing_converter(fmt: str):
 def load_for_engine(config, dtype) -> LoadedModel:
     path = config.model or ensure_default_model()
     convert = quantizing_converter(config.quantization) if config.quantization else None
-    return load_model(path, dtype, convert, keep_gguf_quantized=config.keep_gguf_quantized)
+    keep = config.keep_gguf_quantized
+    if keep is None:
+        import jax  # noqa: PLC0415
+        keep = jax.default_backend() == "gpu"
+    return load_model(path, dtype, convert, keep_gguf_quantized=keep)

@@ -41,7 +41,7 @@ def reference(default_model_path):
 
 @pytest.mark.parametrize("mode", ["gguf-q4_1", "int8", "fp8", "int4"])
 def test_mean_kl_to_the_unquantized_model(default_model_path, reference, mode):
-    kwargs = {} if mode == "gguf-q4_1" else dict(quantization=mode)
+    kwargs = dict(keep_gguf_quantized=True) if mode == "gguf-q4_1" else dict(quantization=mode)
     llm = LLM(default_model_path, max_num_seqs=2, max_model_len=256, **kwargs)
     ids, ref = reference
     kls = []
@@ -53,7 +53,7 @@ def test_mean_kl_to_the_unquantized_model(default_model_path, reference, mode):
     assert kl <= KL_BOUNDS[mode] + 1e-4, f"{mode} KL {kl}"
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(quantization="int8")], ids=["own-4bit", "int8"])
+@pytest.mark.parametrize("kwargs", [dict(keep_gguf_quantized=True), dict(quantization="int8")], ids=["own-4bit", "int8"])
 def test_quantized_default_still_answers_paris(default_model_path, kwargs):
     llm = LLM(default_model_path, max_num_seqs=2, max_model_len=256, **kwargs)
     leaf = llm.engine.loaded.params["layers_0"]["mlp"]["down_proj"]["kernel"]
