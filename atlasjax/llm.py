@@ -29,6 +29,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def save(self, directory: str) -> None:
+        """Write the loaded (possibly quantized) params + tokenizer so `LLM(directory)` loads them directly."""
+        from atlasjax.checkpoint import save_checkpoint  # noqa: PLC0415
+        save_checkpoint(self.engine.loaded, directory)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. One output per prompt."""
