@@ -15,21 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from atlasjax.bench.roofline import time_fn
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.ragged_attention import ragged_paged_attention
-
-
-def time_fn(fn, *args, iters=20, reps=5):
-  """Median seconds per call: `iters` async back-to-back calls per rep, synchronized at the end."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters)
-  return float(np.median(times))
 
 
 def copy_bandwidth():
