@@ -12,6 +12,7 @@ a silent recompile.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 
@@ -120,8 +121,9 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         self.num_compiles += 1
         self.compile_seconds += dt
-        log.info("compiled %s in %.2fs (compile #%d)", key, dt, self.num_compiles,
-                 extra={"event": "compile", "step": key[0], "shape": key[1:], "seconds": round(dt, 3)})
+        # One structured (JSON) line per compile, so logs can be counted and grepped.
+        log.info("compile %s", json.dumps({"step": key[0], "shape": list(key[1:]), "seconds": round(dt, 3),
+                                           "num_compiles": self.num_compiles}))
         self._compiled[key] = compiled
         return compiled
 
