@@ -86,21 +86,33 @@ def measure(spec: dict) -> dict:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=0, **extra)
+                                 pad_token_id=0, logits_processor=transformers.LogitsProcessorList([stamp]),
+                                 **extra)
         if on_gpu:
             torch.cuda.synchronize()
         assert out.shape[1] == n_in + n, out.shape
         return time.perf_counter() - t0
 
+    stamps: list[float] = []
+
+    def stamp(input_ids, scores):
+        # Called once per generated token: a timestamp per step gives TPOT without subtracting noisy totals.
+        if on_gpu:
+            torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+        return scores
+
     for i in range(2 if on_gpu else 1):       # the first runs compile (GPU)
         t = generate(n_out)
         print(f"[bench/hf] warm-up {i + 1}: {t:.2f}s", file=sys.stderr, flush=True)
-    ttfts, totals = [], []
+    ttfts, totals, gaps = [], [], []
     for _ in range(spec["num_iters"]):
         ttfts.append(generate(1))
+        stamps.clear()
         totals.append(generate(n_out))
+        gaps += [b - a for a, b in zip(stamps, stamps[1:])]   # one gap per decode step, timed directly
     ttft, total = sorted(ttfts)[len(ttfts) // 2], sorted(totals)[len(totals) // 2]
-    tpot = (total - ttft) / (n_out - 1) if n_out > 1 else None
+    tpot = sorted(gaps)[len(gaps) // 2] if gaps else None
     return dict(mode=f"{'static cache + auto torch.compile' if on_gpu else 'eager'}, {name}, {device}",
                 transformers=transformers.__version__, torch=torch.__version__,
                 device=torch.cuda.get_device_name() if on_gpu else "cpu", batch_size=bs, input_len=n_in,
