@@ -22,6 +22,13 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over an existing engine (shares its cache, slots and compiled steps)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -173,14 +173,14 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
 
 
 GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")      # block formats the quantized matmul consumes as they are
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _gguf_reader(name: str, t, keep_quantized: bool):
     """Loader for one GGUF tensor: projection weights in Q8_0/Q4_0/Q4_1 stay quantized."""
-    mapped = name.split(".")
-    if not (keep_quantized and t.qtype.name in GGUF_NATIVE and len(t.shape) == 2 and mapped[-1] == "weight"
-            and mapped[-2] in PROJECTIONS):
+    from atlasjax.quantization import DEFAULT_PROJECTIONS  # noqa: PLC0415
+    parts = name.split(".")
+    if not (keep_quantized and t.qtype.name in GGUF_NATIVE and len(t.shape) == 2 and parts[-1] == "weight"
+            and parts[-2] in DEFAULT_PROJECTIONS):
         return t.dequantize
 
     def read():

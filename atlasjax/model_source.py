@@ -4,15 +4,14 @@ from __future__ import annotations
 from atlasjax.default_model import ensure_default_model
 from atlasjax.loader import LoadedModel, load_model
 
-from atlasjax.loader import PROJECTIONS as QUANTIZED_PROJECTIONS
 
 
 def quantizing_converter(fmt: str):
     """convert(path, array) for assemble_params: quantize linear projections, leave the rest."""
-    from atlasjax.quantization import quantize  # noqa: PLC0415
+    from atlasjax.quantization import is_projection_kernel, quantize  # noqa: PLC0415
 
     def convert(path, array):
-        if path[-1] == "kernel" and path[-2] in QUANTIZED_PROJECTIONS:
+        if is_projection_kernel(path, array):
             # int4: asymmetric (scale + offset per group of 128), clearly better than symmetric for RTN.
             return quantize(array, fmt, symmetric=fmt != "int4")
         return None

@@ -93,8 +93,7 @@ def test_abort_mid_generation_returns_every_page(model_dir):
 
 def test_shared_prefix_hits_the_cache_with_the_same_output(model_dir):
     engine = _engine(model_dir)
-    llm = LLM.__new__(LLM)
-    llm.engine, llm._ids = engine, iter(range(1000))
+    llm = LLM.from_engine(engine)
     prompt = list(range(10, 10 + 3 * 8 + 5))       # 3 full pages of 8 + 5 tokens
     first = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
     second = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
@@ -123,8 +122,7 @@ def test_no_compile_after_warmup_in_a_mixed_workload(model_dir):
     engine.runner.warmup()
     before = engine.runner.num_compiles
     _run_staggered(engine, _workload(n=16, seed=3))
-    llm = LLM.__new__(LLM)
-    llm.engine, llm._ids = engine, iter(range(1000))
+    llm = LLM.from_engine(engine)
     llm.generate([[1, 2, 3], list(range(50))], [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1),
                                                  SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=3)])
     assert engine.runner.num_compiles == before
