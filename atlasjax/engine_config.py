@@ -42,6 +42,8 @@ class EngineConfig:
             bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "pallas", "reference"):
             bad(f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}")
+        if self.tensor_parallel_size != 1:
+            bad("tensor_parallel_size > 1 is not implemented yet (single device only)")
         if self.quantization not in (None, "int8", "fp8", "int4"):
             bad(f"quantization must be None, int8, fp8 or int4, got {self.quantization!r}")
 
