@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.online_softmax import online_softmax_update, pv_product
+
 _ROWS = 64  # wgmma M: the query heads of one KV head are padded to one 64-row tile
 _LOG2E = math.log2(math.e)
 
@@ -73,24 +75,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *,
       pos = start + step * block_kv + plgpu.broadcasted_iota(
           jnp.int32, (_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
       s = jnp.where(pos < end, s, -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc)
       plgpu.barrier_wait(v_bars.at[slot])
-
-      def pv(acc_ref):
-        if p_smem is None:
-          plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
-        else:  # the interpreter's wgmma reads A from shared memory only
-          p_smem[...] = p.astype(dtype)
-          plgpu.commit_smem()
-          plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-        return acc_ref[...]
-      # A fresh accumulator plus a register add (rather than run_state on `acc`) keeps the
-      # kernel runnable in the Mosaic GPU interpreter; the add is noise next to the loads.
-      acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+      acc = acc + pv_product(p, v_smem.at[slot], p_smem, _ROWS, head_dim)
       # Both products have completed: the slot is free for the step num_stages ahead.
       nxt = step + num_stages
       pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot, k_smem, v_smem, k_bars, v_bars))

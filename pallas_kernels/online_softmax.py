@@ -1,0 +1,39 @@
+"""The flash-attention inner step shared by the paged decode and ragged prefill kernels.
+
+Scores are in base 2 (the caller folds sm_scale * log2(e) into one multiply); the running row max
+`m`, row sum `l` and output accumulator `acc` are f32 registers of a 64-row wgmma tile.
+"""
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def online_softmax_update(s, m_i, l_i, acc):
+    """One block of scores s [rows, block_kv] -> (p, m_new, l_new, rescaled acc)."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, m_new, l_i, acc
+
+
+def pv_product(p, v_tile, p_smem, rows: int, head_dim: int):
+    """P [rows, block_kv] @ V tile (shared memory) -> [rows, head_dim] f32, with wgmma.
+
+    P stays in registers natively; `p_smem` is given only in interpret mode, whose wgmma reads
+    its first operand from shared memory. A fresh accumulator plus a register add (rather than
+    run_state on the caller's acc) keeps the kernel runnable in the Mosaic GPU interpreter.
+    """
+    dtype = v_tile.dtype
+
+    def pv(acc_ref):
+        if p_smem is None:
+            plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
+        else:
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, p_smem, v_tile)
+        return acc_ref[...]
+    return pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
