@@ -38,10 +38,11 @@ def resolve_dtype(name: str):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
-        from atlasjax.model_source import load_for_engine  # noqa: PLC0415
+        from atlasjax.model_source import load_for_engine, shard_loaded  # noqa: PLC0415
         self.config = config
         self.dtype = resolve_dtype(config.dtype)
-        self.loaded = loaded or load_for_engine(config, self.dtype)
+        self.loaded = shard_loaded(loaded or load_for_engine(config, self.dtype), config.tensor_parallel_size,
+                                   self.dtype)
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
@@ -57,7 +58,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, self.loaded.params, dtype=self.dtype, num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
-                                  attn_backend=config.attention_backend)
+                                  attn_backend=config.attention_backend, plan=self.loaded.plan)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
         self.requests: dict[str, list[Request]] = {}   # request id -> its n sequences
         self._detok: dict[Request, IncrementalDetokenizer] = {}
@@ -66,7 +67,9 @@ class LLMEngine:
 
     def _auto_num_pages(self) -> int:
         cfg, ps = self.model_config, self.config.page_size
-        bytes_per_page = 2 * cfg.num_layers * cfg.num_kv_heads * ps * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+        plan = self.loaded.plan   # under tensor parallelism each device holds its KV heads' share of a page
+        kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
+        bytes_per_page = 2 * cfg.num_layers * kv_heads * ps * cfg.head_dim * jnp.dtype(self.dtype).itemsize
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)

@@ -17,6 +17,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85     # fraction of free device memory the KV pool may take (GPU)
     max_num_batched_tokens: int = 512        # token budget per step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True            # schedule step N+1 while step N runs (False: one step at a time)
     seed: int = 0
     attention_backend: str = "auto"          # auto | pallas | reference
     quantization: str | None = None          # None | int8 | fp8 | int4 (quantize linear projections at load)
@@ -42,8 +43,8 @@ class EngineConfig:
             bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "pallas", "reference"):
             bad(f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}")
-        if self.tensor_parallel_size != 1:
-            bad("tensor_parallel_size > 1 is not implemented yet (single device only)")
+        if not isinstance(self.async_scheduling, bool):
+            bad(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.quantization not in (None, "int8", "fp8", "int4"):
             bad(f"quantization must be None, int8, fp8 or int4, got {self.quantization!r}")
 

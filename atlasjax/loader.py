@@ -27,8 +27,24 @@ from models.transformer import abstract_params
 
 log = logging.getLogger("atlasjax.loader")
 
-# (hf_name, loader) where loader() returns the tensor as a numpy/jax array in HF layout
+# (hf_name, reader): reader() returns the tensor (numpy/jax array in HF layout, or a QuantizedWeight).
+# A `TensorReader` also tells its shape and can read slices, which sharded loading uses.
 NamedTensor = tuple[str, Callable[[], np.ndarray]]
+
+
+class TensorReader:
+    """A checkpoint tensor not read yet: `shape` (HF layout), `reader()`, and optionally
+    `read_range(axis, start, stop)` reading only a slice. `quantized`: reader() gives a QuantizedWeight."""
+
+    def __init__(self, shape, read, read_range=None, quantized: bool = False):
+        self.shape = tuple(shape)
+        self._read = read
+        if read_range is not None:
+            self.read_range = read_range
+        self.quantized = quantized
+
+    def __call__(self):
+        return self._read()
 
 
 @dataclasses.dataclass
@@ -37,6 +53,7 @@ class LoadedModel:
     params: dict
     tokenizer: object | None      # atlasjax.tokenizer.Tokenizer, or None if the checkpoint has none
     source: str
+    plan: object | None = None    # atlasjax.sharding.TensorParallel when the params are sharded over a mesh
 
 
 def model_format(path: str) -> str:
@@ -73,29 +90,44 @@ def iter_safetensors(model_dir: str) -> Iterator[NamedTensor]:
     from safetensors import SafetensorError, safe_open  # noqa: PLC0415
     for path in _safetensors_files(model_dir):
         try:
-            handle = safe_open(path, framework="flax")
+            handle = safe_open(path, framework="numpy")
             names = list(handle.keys())
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"cannot read {path}: {e} (truncated or corrupt file?)") from e
 
-        def read(name=None, handle=handle, path=path):
+        def read(name, index=None, handle=handle, path=path):
             try:
-                return handle.get_tensor(name)
+                if index is None:
+                    return handle.get_tensor(name)
+                return handle.get_slice(name)[index]
             except (SafetensorError, OSError, ValueError) as e:
                 raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e
+
+        def read_range(axis, start, stop, name, r=read):
+            return r(name, (slice(None),) * axis + (slice(start, stop),))
         for name in names:
-            yield name, (lambda n=name, r=read: r(n))
+            try:
+                shape = handle.get_slice(name).get_shape()
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e
+            yield name, TensorReader(shape, lambda n=name, r=read: r(n),
+                                     lambda a, b, c, n=name: read_range(a, b, c, n))
 
 
 def assemble_params(cfg: ModelConfig, tensors: Iterator[NamedTensor], dtype,
-                    convert: Callable | None = None) -> dict:
+                    convert: Callable | None = None, plan=None) -> dict:
     """Place checkpoint tensors into the model's param tree, validating names and shapes.
 
     convert(path, array) may replace the default cast (used for quantization at load).
+    plan (atlasjax.sharding.TensorParallel): place each tensor sharded over the mesh instead, each
+    device receiving only its slice (read as a slice where the reader can).
     """
     family = get_family(cfg.family)
     expected = nn.unbox(abstract_params(cfg, dtype))
     flat_expected = {path: leaf for path, leaf in _flatten(expected)}
+    if plan is not None:
+        from atlasjax.sharding import InMemory, logical_axes  # noqa: PLC0415
+        logical = dict(_flatten(logical_axes(cfg, dtype)))
     params: dict = {}
     loaded: set = set()
     for name, read in tensors:
@@ -109,23 +141,18 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[NamedTensor], dtype,
             if path == ("lm_head", "kernel") and cfg.tie_word_embeddings:
                 continue  # tied checkpoints sometimes store the head too
             raise CheckpointError(f"unexpected tensor {name!r} (no such parameter {'/'.join(path)} in this config)")
-        array = read()
         want = flat_expected[path].shape
-        if is_quantized(array):       # already a [K, N] QuantizedWeight (GGUF blocks kept as they are)
-            if tuple(array.shape) != want:
-                raise CheckpointError(f"tensor {name!r} has logical shape {array.shape}, expected {want}")
-            _set(params, path, array)
+        if (plan is not None and convert is None and hasattr(read, "shape")
+                and not getattr(read, "quantized", False)):
+            _check_shape(name, read.shape, want, transpose)
+            _set(params, path, plan.place_array(logical[path], read, transpose, dtype))
             loaded.add(path)
             continue
-        got = tuple(array.shape[::-1]) if transpose else tuple(array.shape)
-        if got != want:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, expected "
-                                  f"{want[::-1] if transpose else want}")
-        array = jnp.asarray(array)
-        if transpose:
-            array = array.T
-        value = convert(path, array) if convert else None
-        _set(params, path, array.astype(dtype) if value is None else value)
+        value = _materialize(name, read(), want, transpose, dtype, path, convert)
+        if plan is not None:
+            value = (plan.place_quantized(value, logical[path]) if is_quantized(value)
+                     else plan.place_array(logical[path], InMemory(np.asarray(value)), False, dtype))
+        _set(params, path, value)
         loaded.add(path)
     missing = [p for p in flat_expected if p not in loaded]
     if missing:
@@ -134,10 +161,38 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[NamedTensor], dtype,
     return params
 
 
-def load_hf(model_dir: str, dtype, convert=None) -> tuple[ModelConfig, dict]:
+def _check_shape(name, shape, want, transpose) -> None:
+    got = tuple(shape[::-1]) if transpose else tuple(shape)
+    if got != tuple(want):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, expected "
+                              f"{tuple(want[::-1]) if transpose else tuple(want)}")
+
+
+def _materialize(name, array, want, transpose, dtype, path, convert):
+    """One tensor read whole: checked, transposed to [in, out], cast (or converted, e.g. quantized)."""
+    if is_quantized(array):       # already a [K, N] QuantizedWeight (GGUF blocks kept as they are)
+        if tuple(array.shape) != want:
+            raise CheckpointError(f"tensor {name!r} has logical shape {array.shape}, expected {want}")
+        return array
+    _check_shape(name, array.shape, want, transpose)
+    array = jnp.asarray(array)
+    if transpose:
+        array = array.T
+    value = convert(path, array) if convert else None
+    return array.astype(dtype) if value is None else value
+
+
+def _plan_for(cfg: ModelConfig, mesh):
+    if mesh is None:
+        return None
+    from atlasjax.sharding import TensorParallel  # noqa: PLC0415
+    return TensorParallel(mesh, cfg)
+
+
+def load_hf(model_dir: str, dtype, convert=None, mesh=None) -> tuple[ModelConfig, dict]:
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = from_hf_config(json.load(f))
-    return cfg, assemble_params(cfg, iter_safetensors(model_dir), dtype, convert)
+    return cfg, assemble_params(cfg, iter_safetensors(model_dir), dtype, convert, _plan_for(cfg, mesh))
 
 
 def _flatten(tree, prefix=()):
@@ -181,7 +236,7 @@ def _gguf_reader(name: str, t, keep_quantized: bool):
     parts = name.split(".")
     if not (keep_quantized and t.qtype.name in GGUF_NATIVE and len(t.shape) == 2 and parts[-1] == "weight"
             and parts[-2] in DEFAULT_PROJECTIONS):
-        return t.dequantize
+        return TensorReader(t.shape, t.dequantize)
 
     def read():
         from atlasjax.gguf_loader import unpermute_heads  # noqa: PLC0415
@@ -195,27 +250,38 @@ def _gguf_reader(name: str, t, keep_quantized: bool):
             qw = dataclasses.replace(qw, qweight=qw.qweight[full], scales=qw.scales[:, full],
                                      zeros=None if qw.zeros is None else qw.zeros[:, full])
         return qw
-    return read
+    return TensorReader(t.shape, read, quantized=True)
 
 
-def load_model(path: str, dtype, convert=None, keep_gguf_quantized: bool = True) -> LoadedModel:
-    """Load any supported checkpoint: HF directory, .gguf file, or a saved atlasjax checkpoint."""
+def load_model(path: str, dtype, convert=None, keep_gguf_quantized: bool = True, mesh=None) -> LoadedModel:
+    """Load any supported checkpoint: HF directory, .gguf file, or a saved atlasjax checkpoint.
+
+    mesh: shard the params over it (tensor parallelism, atlasjax/sharding.py) while loading.
+    """
     from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
     fmt = model_format(path)
     if fmt == "hf":
-        cfg, params = load_hf(path, dtype, convert)
-        return LoadedModel(cfg, params, Tokenizer.from_dir(path, cfg.eos_token_ids), path)
+        cfg, params = load_hf(path, dtype, convert, mesh)
+        return LoadedModel(cfg, params, Tokenizer.from_dir(path, cfg.eos_token_ids), path, _plan_for(cfg, mesh))
     if fmt == "gguf":
         from atlasjax.gguf_loader import load_gguf  # noqa: PLC0415
         g = load_gguf(path)
         cfg = from_hf_config(g.config)
         tensors = ((name, _gguf_reader(name, t, keep_gguf_quantized and convert is None))
                    for name, t in g.tensors.items())
-        params = assemble_params(cfg, tensors, dtype, convert)
+        plan = _plan_for(cfg, mesh)
+        params = assemble_params(cfg, tensors, dtype, convert, plan)
         st = g.special_tokens
         tok = Tokenizer(g.tokenizer, bos_token=st.get("bos_token"), eos_token=st.get("eos_token"),
                         eos_token_ids=tuple(st.get("eos_token_ids") or cfg.eos_token_ids),
                         add_bos=bool(st.get("add_bos_token")), chat_template=g.chat_template)
-        return LoadedModel(cfg, params, tok, path)
+        return LoadedModel(cfg, params, tok, path, plan)
     from atlasjax.checkpoint import load_checkpoint  # noqa: PLC0415
-    return load_checkpoint(path, dtype)
+    loaded = load_checkpoint(path, dtype)
+    if mesh is None:
+        return loaded
+    # A saved atlasjax checkpoint is restored whole, then placed tensor by tensor.
+    from atlasjax.sharding import logical_axes  # noqa: PLC0415
+    plan = _plan_for(loaded.config, mesh)
+    params = plan.shard_params(loaded.params, logical_axes(loaded.config, dtype))
+    return dataclasses.replace(loaded, params=params, plan=plan)

@@ -19,10 +19,27 @@ def quantizing_converter(fmt: str):
 
 
 def load_for_engine(config, dtype) -> LoadedModel:
+    """Load config.model; with tensor_parallel_size > 1, sharded over a new mesh while it loads."""
+    import jax  # noqa: PLC0415
     path = config.model or ensure_default_model()
     convert = quantizing_converter(config.quantization) if config.quantization else None
     keep = config.keep_gguf_quantized
     if keep is None:
-        import jax  # noqa: PLC0415
         keep = jax.default_backend() == "gpu"
-    return load_model(path, dtype, convert, keep_gguf_quantized=keep)
+    mesh = None
+    if config.tensor_parallel_size > 1:
+        from atlasjax.sharding import make_mesh  # noqa: PLC0415
+        mesh = make_mesh(config.tensor_parallel_size)
+    return load_model(path, dtype, convert, keep_gguf_quantized=keep, mesh=mesh)
+
+
+def shard_loaded(loaded: LoadedModel, tensor_parallel_size: int, dtype) -> LoadedModel:
+    """A model loaded on one device (e.g. a benchmark preset), placed over a tensor-parallel mesh."""
+    import dataclasses  # noqa: PLC0415
+
+    from atlasjax.sharding import TensorParallel, logical_axes, make_mesh  # noqa: PLC0415
+    if tensor_parallel_size == 1 or loaded.plan is not None:
+        return loaded
+    plan = TensorParallel(make_mesh(tensor_parallel_size), loaded.config)
+    return dataclasses.replace(loaded, params=plan.shard_params(loaded.params, logical_axes(loaded.config, dtype)),
+                               plan=plan)

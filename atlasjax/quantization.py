@@ -134,6 +134,41 @@ def quantize(
     return QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n))
 
 
+def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
+    """The block W[start:start+size, :] (dim 0, along K) or W[:, start:start+size] (dim 1, along N)
+    of a quantized weight, as its own QuantizedWeight (host arrays, padded as `quantize` pads).
+
+    The quantized values and scales are the original ones, so a split weight computes exactly what
+    the whole one does (tensor parallelism). Splitting K needs whole groups unless scales are per
+    channel (then every block keeps the channel scales).
+    """
+    from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    k, n = qw.shape
+    g = qw.group_size
+    per_channel = qw.num_groups == 1
+    qweight, scales = np.asarray(qw.qweight), np.asarray(qw.scales)
+    zeros = None if qw.zeros is None else np.asarray(qw.zeros)
+    if dim == 1:
+        new_k, new_n = k, size
+        qweight = qweight[start:start + size]
+        scales = scales[:, start:start + size]
+        zeros = None if zeros is None else zeros[:, start:start + size]
+    else:
+        if not per_channel and (start % g or size % g):
+            raise EngineConfigError(f"cannot split a {qw.format} weight with {g}-wide groups at rows "
+                                    f"[{start}, {start + size}) for tensor parallelism")
+        new_k, new_n = size, n
+        qweight = qweight[:, start:start + size]
+        if not per_channel:
+            scales = scales[start // g:(start + size) // g]
+            zeros = None if zeros is None else zeros[start // g:(start + size) // g]
+    k_pad, n_pad, group_size = padded_sizes(new_k, new_n, None if per_channel else g)
+    qweight = np.pad(qweight, ((0, n_pad - qweight.shape[0]), (0, k_pad - qweight.shape[1])))
+    pad_groups = ((0, k_pad // group_size - scales.shape[0]), (0, n_pad - scales.shape[1]))
+    return QuantizedWeight(qweight, np.pad(scales, pad_groups), None if zeros is None else np.pad(zeros, pad_groups),
+                           qw.format, group_size, (new_k, new_n))
+
+
 # ---------------------------------------------------------------------------------------------
 # GGUF block formats
 # ---------------------------------------------------------------------------------------------

@@ -94,8 +94,10 @@ class ModelRunner:
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
     def __init__(self, cfg, params, *, dtype, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_model_len: int, prefill_buckets: tuple[int, ...], attn_backend: str = "auto"):
+                 max_model_len: int, prefill_buckets: tuple[int, ...], attn_backend: str = "auto", plan=None):
+        """plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1)."""
         self.cfg = cfg
+        self.plan = plan
         self.params = params
         self.page_size = page_size
         self.num_pages = num_pages
@@ -103,11 +105,20 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.prefill_buckets = tuple(sorted(prefill_buckets))
-        self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
         vocab = cfg.vocab_size
-        self.state = DeviceState(kv=init_kv_cache(cfg, num_pages, page_size, dtype),
-                                 counts=jnp.zeros((max_num_seqs, vocab), jnp.int32),
-                                 prompt_mask=jnp.zeros((max_num_seqs, vocab), bool))
+        if plan is None:
+            self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
+            kv = init_kv_cache(cfg, num_pages, page_size, dtype)
+        else:
+            # Every device runs the same model code on its shard (inside shard_map); the KV pools are
+            # split over KV heads; host inputs and the per-slot sampling state are replicated.
+            from atlasjax.sharding import ShardedModel, logical_axes  # noqa: PLC0415
+            local = Transformer(cfg, attn_backend=attn_backend, dtype=dtype, parallel=plan.parallel)
+            self.model = ShardedModel(local, plan, plan.param_specs(params, logical_axes(cfg, dtype)))
+            kv = jax.jit(functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, plan.num_kv_heads),
+                         out_shardings=plan.kv_sharding)()
+        self.state = DeviceState(kv=kv, **self._on_mesh(dict(counts=jnp.zeros((max_num_seqs, vocab), jnp.int32),
+                                                             prompt_mask=jnp.zeros((max_num_seqs, vocab), bool))))
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self._compiled: dict = {}
@@ -117,15 +128,29 @@ class ModelRunner:
         if key in self._compiled:
             return self._compiled[key]
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*self._on_mesh(args)).compile()
         dt = time.perf_counter() - t0
         self.num_compiles += 1
         self.compile_seconds += dt
         # One structured (JSON) line per compile, so logs can be counted and grepped.
         log.info("compile %s", json.dumps({"step": key[0], "shape": list(key[1:]), "seconds": round(dt, 3),
                                            "num_compiles": self.num_compiles}))
+        if self.plan is not None:
+            compiled = functools.partial(self._call_on_mesh, compiled)
         self._compiled[key] = compiled
         return compiled
+
+    def _on_mesh(self, tree):
+        """Tensor parallel: host inputs (and arrays on one device) become replicated over the mesh;
+        params and device state keep their shardings. Identity on one device."""
+        if self.plan is None:
+            return tree
+        mesh_devices = set(self.plan.mesh.devices.flat)
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == mesh_devices
+                            else jax.device_put(x, self.plan.replicated), tree)
+
+    def _call_on_mesh(self, compiled, *args):
+        return compiled(*self._on_mesh(args))
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.prefill_buckets:

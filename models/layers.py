@@ -5,11 +5,14 @@ so that tensor parallelism is a rules table (atlasjax/sharding.py), not a model 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from models.parallel import Parallel
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -27,28 +30,54 @@ def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+def given_or_param(module: nn.Module, name: str, init, axes: tuple[str, ...], shape: tuple[int, ...], dtype):
+    """The given parameter as it is (a per-device shard, or a quantized pytree, neither of which
+    flax may shape-check against `shape`), or a new one with logical axes when initializing."""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
 class Linear(nn.Module):
-    """y = x @ kernel (+ bias). kernel: [in, out] tagged with logical axes."""
+    """y = x @ kernel (+ bias). kernel: [in, out] tagged with logical axes.
+
+    Under tensor parallelism the kernel is a shard; contracting over a split `in` axis
+    (row-parallel) leaves partial sums, all-reduced here before the bias.
+    """
     features: int
     axes: tuple[str, str]
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     out_dtype: jnp.dtype | None = None
+    parallel: Parallel = Parallel()
 
     @nn.compact
     def __call__(self, x):  # [tokens, in]
-        if self.has_variable("params", "kernel"):
-            # Given params may hold a quantized weight pytree, whose leaves flax must not shape-check.
-            kernel = self.get_variable("params", "kernel")
-        else:
-            kernel = self.param("kernel", nn.with_logical_partitioning(_init, self.axes),
-                                (x.shape[-1], self.features), self.dtype)
-        y = matmul(x, kernel, self.out_dtype)
+        kernel = given_or_param(self, "kernel", _init, self.axes, (x.shape[-1], self.features), self.dtype)
+        y = self.parallel.reduce(matmul(x, kernel, self.out_dtype), self.axes[0])
         if self.use_bias:
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
-                              (self.features,), self.dtype)
+            bias = given_or_param(self, "bias", nn.initializers.zeros, self.axes[1:], (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)
         return y
+
+
+class Embed(nn.Module):
+    """Token embedding [vocab, embed]; `attend` is the tied LM head (hidden @ table.T)."""
+    vocab_size: int
+    features: int
+    dtype: jnp.dtype = jnp.float32
+    parallel: Parallel = Parallel()
+
+    def setup(self):
+        self.embedding = given_or_param(self, "embedding", nn.initializers.normal(0.02), ("vocab", "embed"),
+                                        (self.vocab_size, self.features), self.dtype)
+
+    def __call__(self, tokens):
+        return self.parallel.embed(self.embedding, tokens).astype(self.dtype)
+
+    def attend(self, hidden):
+        """hidden [n, embed] -> f32 logits over this device's vocab rows [n, vocab (shard)]."""
+        return jnp.dot(hidden, self.embedding.T.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nn.Module):
@@ -70,12 +99,14 @@ class MLP(nn.Module):
     hidden_size: int
     intermediate_size: int
     dtype: jnp.dtype = jnp.float32
+    parallel: Parallel = Parallel()
 
     @nn.compact
     def __call__(self, x):  # [tokens, embed]
-        gate = Linear(self.intermediate_size, ("embed", "mlp"), dtype=self.dtype, name="gate_proj")(x)
-        up = Linear(self.intermediate_size, ("embed", "mlp"), dtype=self.dtype, name="up_proj")(x)
-        return Linear(self.hidden_size, ("mlp", "embed"), dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+        linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
+        gate = linear(self.intermediate_size, ("embed", "mlp"), name="gate_proj")(x)
+        up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x)
+        return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)
 
 
 def rope_inv_freq(cfg) -> jax.Array:

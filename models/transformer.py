@@ -2,6 +2,8 @@
 
 Pure functional: `Transformer(cfg).apply({"params": params}, tokens, positions, kv_caches, meta)`
 returns `(hidden, kv_caches)`; `.apply(..., hidden, method=Transformer.logits)` gives f32 logits.
+Under tensor parallelism the same code runs per device on its shard (head counts come from the
+shard's weights, never from the config); `parallel` (models/parallel.py) supplies the collectives.
 Family differences are config flags (qkv bias for qwen2, per-head q/k RMSNorm for qwen3); the
 family files (llama.py, qwen2.py, qwen3.py) own checkpoint naming. Layers are unrolled (one
 param subtree and one KV page pool per layer) so each layer's pool is a separate donated buffer
@@ -9,12 +11,15 @@ that kernels read directly.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, attention, write_kv
-from models.layers import MLP, Linear, RMSNorm, apply_rope, rope_inv_freq
+from models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inv_freq
+from models.parallel import Parallel
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]   # per layer (k_pages, v_pages)
 
@@ -23,18 +28,20 @@ class Attention(nn.Module):
     cfg: object
     attn_backend: str = "auto"
     dtype: jnp.dtype = jnp.float32
+    parallel: Parallel = Parallel()
 
     @nn.compact
     def __call__(self, x, positions, kv, meta: AttentionMetadata):
         cfg = self.cfg
         t = x.shape[0]
         hd = cfg.head_dim
-        q = Linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, self.dtype, name="q_proj")(x)
-        k = Linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, self.dtype, name="k_proj")(x)
-        v = Linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, self.dtype, name="v_proj")(x)
-        q = q.reshape(t, cfg.num_heads, hd)      # [tokens, heads, head_dim]
-        k = k.reshape(t, cfg.num_kv_heads, hd)   # [tokens, kv_heads, head_dim]
-        v = v.reshape(t, cfg.num_kv_heads, hd)
+        linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
+        q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x)
+        k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(x)
+        v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(x)
+        q = q.reshape(t, -1, hd)   # [tokens, heads (this shard's), head_dim]
+        k = k.reshape(t, -1, hd)   # [tokens, kv_heads (this shard's), head_dim]
+        v = v.reshape(t, -1, hd)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)
@@ -44,8 +51,7 @@ class Attention(nn.Module):
         # K/V land in the donated pool before attention reads it: a chunk attends to itself too.
         k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
         out = attention(q, k_pages, v_pages, meta, backend=self.attn_backend)
-        out = Linear(cfg.hidden_size, ("heads", "embed"), False, self.dtype, name="o_proj")(
-            out.reshape(t, cfg.num_heads * hd))
+        out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1))
         return out, (k_pages, v_pages)
 
 
@@ -53,15 +59,16 @@ class DecoderLayer(nn.Module):
     cfg: object
     attn_backend: str = "auto"
     dtype: jnp.dtype = jnp.float32
+    parallel: Parallel = Parallel()
 
     @nn.compact
     def __call__(self, x, positions, kv, meta):
         cfg = self.cfg
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="input_layernorm")(x)
-        h, kv = Attention(cfg, self.attn_backend, self.dtype, name="self_attn")(h, positions, kv, meta)
+        h, kv = Attention(cfg, self.attn_backend, self.dtype, self.parallel, name="self_attn")(h, positions, kv, meta)
         x = x + h
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="post_attention_layernorm")(x)
-        x = x + MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, name="mlp")(h)
+        x = x + MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.parallel, name="mlp")(h)
         return x, kv
 
 
@@ -69,17 +76,17 @@ class Transformer(nn.Module):
     cfg: object
     attn_backend: str = "auto"
     dtype: jnp.dtype = jnp.float32
+    parallel: Parallel = Parallel()
 
     def setup(self):
         cfg = self.cfg
-        self.embed_tokens = nn.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
-            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
-        self.layers = [DecoderLayer(cfg, self.attn_backend, self.dtype, name=f"layers_{i}")
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.parallel)
+        self.layers = [DecoderLayer(cfg, self.attn_backend, self.dtype, self.parallel, name=f"layers_{i}")
                        for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.vocab_size, ("embed", "vocab"), dtype=self.dtype, out_dtype=jnp.float32)
+            self.lm_head = Linear(cfg.vocab_size, ("embed", "vocab"), dtype=self.dtype, out_dtype=jnp.float32,
+                                  parallel=self.parallel)
 
     def __call__(self, tokens, positions, kv_caches: KVCache, meta: AttentionMetadata):
         """tokens, positions: [num_tokens] int32 -> (hidden [num_tokens, embed], kv_caches)."""
@@ -97,15 +104,18 @@ class Transformer(nn.Module):
         return self.logits(hidden)
 
     def logits(self, hidden):
-        """hidden: [n, embed] -> f32 logits [n, vocab]."""
+        """hidden: [n, embed] -> f32 logits [n, vocab] (whole on every device under tensor parallelism)."""
         if self.cfg.tie_word_embeddings:
-            return jnp.dot(hidden, self.embed_tokens.embedding.T.astype(hidden.dtype),
-                           preferred_element_type=jnp.float32)
-        return self.lm_head(hidden)
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        # A vocab-split head is gathered; rows padded to split the vocab evenly are dropped.
+        return self.parallel.gather(logits, "vocab")[:, :self.cfg.vocab_size]
 
 
-def init_kv_cache(cfg, num_pages: int, page_size: int, dtype) -> KVCache:
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+def init_kv_cache(cfg, num_pages: int, page_size: int, dtype, num_kv_heads: int | None = None) -> KVCache:
+    """Zeroed page pools; num_kv_heads overrides the config's (KV heads replicated for tensor parallelism)."""
+    shape = (num_kv_heads or cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
 
 

@@ -1,0 +1,271 @@
+"""Tensor parallelism: the device mesh, the one rules table, sharded placement, and shard_map.
+
+Layout (Megatron): q/k/v and gate/up are column-parallel (split over heads / mlp), o_proj and
+down_proj row-parallel (one all-reduce after each), the embedding and LM head vocab-parallel (a
+masked lookup + all-reduce; logits all-gathered so sampling sees the whole distribution). The KV
+page pools are split over KV heads. Everything here follows from `LOGICAL_AXIS_RULES`; the model
+files only name logical axes.
+
+KV heads when there are fewer than devices (`num_kv_heads < tp`, e.g. 8B with 8 KV heads at
+TP=16, or a 1-KV-head model at TP=2): each KV head is replicated `tp // num_kv_heads` times so that
+every device holds exactly one (the k/v projections are widened at load, so device d computes
+and caches KV head `d // replicas`). Otherwise `num_kv_heads % tp == 0` and each device holds
+`num_kv_heads // tp` of them. `num_heads % tp == 0` and `intermediate_size % tp == 0` are
+required; a vocab that does not split evenly is padded with zero rows (logits of the padding are
+dropped before sampling).
+
+The whole forward pass (embedding to logits) runs inside one `shard_map` over the `model` axis:
+Pallas kernels need manual axes anyway, and it makes every collective explicit (one psum per
+row-parallel projection, one for the embedding, one all-gather for the logits). Sampling runs on
+the gathered logits, replicated, under plain jit.
+
+Loading is sharded: each device receives only its slice of each tensor (safetensors slices are
+read directly; other sources read one whole tensor at a time on the host). Quantized projections
+are split per device into independent `QuantizedWeight`s stacked on a leading device axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from atlasjax.errors import EngineConfigError
+from models.layers import is_quantized
+from models.parallel import Parallel
+
+MESH_AXES = ("data", "model", "expert")   # data: replicas (1 for now); expert: for MoE (1 for now)
+TP_AXIS = "model"
+
+# logical axis -> mesh axis (None: replicated). The only place model axes meet mesh axes.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", TP_AXIS),      # embedding rows, LM head columns
+    ("heads", TP_AXIS),      # q_proj columns, o_proj rows
+    ("kv_heads", TP_AXIS),   # k_proj / v_proj columns, KV page pools
+    ("mlp", TP_AXIS),        # gate_proj / up_proj columns, down_proj rows
+    ("embed", None),
+    ("head_dim", None),
+)
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    if tensor_parallel_size > len(devices):
+        raise EngineConfigError(f"tensor_parallel_size={tensor_parallel_size} but only {len(devices)} "
+                                f"device(s) are visible ({devices[0].platform})")
+    grid = np.asarray(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size, 1)
+    return Mesh(grid, MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """How one model is split over the `model` axis of a mesh."""
+    mesh: Mesh
+    cfg: object   # ModelConfig
+
+    def __post_init__(self):
+        cfg, tp = self.cfg, self.size
+        problems = []
+        if cfg.num_heads % tp:
+            problems.append(f"num_heads={cfg.num_heads} is not divisible by it")
+        kvh = cfg.num_kv_heads
+        if (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
+            problems.append(f"num_kv_heads={kvh} neither divides nor is a multiple of it")
+        if cfg.intermediate_size % tp:
+            problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by it")
+        if problems:
+            raise EngineConfigError(f"tensor_parallel_size={tp} does not fit this model: " + "; ".join(problems))
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[TP_AXIS]
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many devices hold each KV head (1 unless num_kv_heads < tp)."""
+        return max(1, self.size // self.cfg.num_kv_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of the sharded pool and k/v projections, replicas included."""
+        return self.cfg.num_kv_heads * self.kv_replicas
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.cfg.vocab_size // self.size) * self.size
+
+    @property
+    def parallel(self) -> Parallel:
+        return Parallel(tuple((logical, mesh) for logical, mesh in LOGICAL_AXIS_RULES if mesh))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    @property
+    def kv_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(TP_AXIS))
+
+    # ---- per-parameter layout
+    def spec(self, logical: tuple[str, ...]) -> P:
+        return P(*nn.logical_to_mesh_axes(logical, LOGICAL_AXIS_RULES))
+
+    def global_shape(self, logical: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The placed (possibly widened / padded) shape of a checkpoint tensor of `shape`."""
+        out = list(shape)
+        for i, name in enumerate(logical):
+            if name == "kv_heads" and self.kv_replicas > 1:
+                out[i] = self.num_kv_heads * self.cfg.head_dim
+            elif name == "vocab":
+                out[i] = self.padded_vocab
+        return tuple(out)
+
+    def source_range(self, name: str, shard: int, full: int) -> tuple[int, int]:
+        """[start, stop) along a split axis of the checkpoint tensor that shard `shard` holds."""
+        if name == "kv_heads" and self.kv_replicas > 1:
+            hd = self.cfg.head_dim
+            head = shard // self.kv_replicas
+            return head * hd, (head + 1) * hd
+        if name == "vocab":
+            local = self.padded_vocab // self.size
+            return min(shard * local, full), min((shard + 1) * local, full)
+        local = full // self.size
+        return shard * local, (shard + 1) * local
+
+    # ---- placing tensors
+    def place_array(self, logical: tuple[str, ...], reader, transpose: bool, dtype) -> jax.Array:
+        """Put one checkpoint tensor on the mesh, each device receiving only its slice.
+
+        reader: `.shape` (checkpoint layout), `reader()` reads it whole, and `reader.read_range(axis,
+        start, stop)`, where present, reads a slice (safetensors); otherwise the tensor is read
+        whole once on the host and sliced there.
+        """
+        spec = self.spec(logical)
+        split = [i for i, axis in enumerate(spec) if axis is not None]
+        if not split:
+            return jax.device_put(_read(reader, transpose).astype(dtype), self.replicated)
+        dim = split[0]
+        src_dim = len(logical) - 1 - dim if transpose else dim
+        full = reader.shape[src_dim]
+        shape = self.global_shape(logical, tuple(reader.shape[::-1] if transpose else reader.shape))
+        local = shape[dim] // self.size
+        whole = functools.cache(lambda: _read(reader, transpose))
+
+        def callback(index):
+            start, stop = self.source_range(logical[dim], (index[dim].start or 0) // local, full)
+            if hasattr(reader, "read_range"):
+                part = np.asarray(reader.read_range(src_dim, start, stop))
+                part = part.T if transpose else part
+            else:
+                part = np.take(whole(), np.arange(start, stop), axis=dim)
+            if part.shape[dim] < local:   # the padded end of a vocab that does not split evenly
+                pad = [(0, 0)] * part.ndim
+                pad[dim] = (0, local - part.shape[dim])
+                part = np.pad(part, pad)
+            return part.astype(dtype)
+        return jax.make_array_from_callback(shape, NamedSharding(self.mesh, spec), callback)
+
+    def place_quantized(self, qw, logical: tuple[str, ...]):
+        """Split a QuantizedWeight [K, N] along its split axis into one QuantizedWeight per device,
+        stored stacked on a leading device axis (each device holds its own, unpadded-between, copy)."""
+        from atlasjax.quantization import slice_quantized  # noqa: PLC0415
+        split = [i for i, axis in enumerate(self.spec(logical)) if axis is not None]
+        if not split:
+            raise EngineConfigError(f"a replicated quantized weight {logical} is not supported under tensor "
+                                    "parallelism")
+        dim = split[0]
+
+        @functools.cache
+        def shard(d: int):
+            start, stop = self.source_range(logical[dim], d, qw.shape[dim])
+            return slice_quantized(qw, dim, start, stop - start)
+
+        first = shard(0)
+        sharding = NamedSharding(self.mesh, P(TP_AXIS))
+
+        def stacked(name):
+            leaf = getattr(first, name)
+            if leaf is None:
+                return None
+            return jax.make_array_from_callback(
+                (self.size, *leaf.shape), sharding, lambda index: np.asarray(getattr(shard(index[0].start or 0), name))[None])
+        return dataclasses.replace(first, qweight=stacked("qweight"), scales=stacked("scales"), zeros=stacked("zeros"))
+
+    def shard_params(self, params: dict, logical_tree: dict) -> dict:
+        """Place an already-built param tree (host or one device) on the mesh, tensor by tensor."""
+        def walk(node, logical):
+            if isinstance(node, dict):
+                return {k: walk(v, logical[k]) for k, v in node.items()}
+            if is_quantized(node):
+                return self.place_quantized(node, logical)
+            return self.place_array(logical, InMemory(node), False, node.dtype)
+        return walk(params, logical_tree)
+
+    # ---- shard_map
+    def param_specs(self, params: dict, logical_tree: dict):
+        """in_specs for the param tree: logical specs; stacked quantized leaves split on their device axis."""
+        def walk(node, logical):
+            if isinstance(node, dict):
+                return {k: walk(v, logical[k]) for k, v in node.items()}
+            if is_quantized(node):
+                return jax.tree.map(lambda _: P(TP_AXIS), node)
+            return self.spec(logical)
+        return walk(params, logical_tree)
+
+
+def _read(reader, transpose: bool) -> np.ndarray:
+    array = np.asarray(reader())
+    return array.T if transpose else array
+
+
+class InMemory:
+    """A tensor reader over an array already in memory."""
+    def __init__(self, array):
+        self.array = array
+        self.shape = tuple(array.shape)
+
+    def __call__(self):
+        return self.array
+
+
+def local_params(params):
+    """Inside shard_map: drop the leading device axis of stacked per-device quantized weights."""
+    return jax.tree.map(lambda q: jax.tree.map(lambda leaf: leaf[0], q) if is_quantized(q) else q,
+                        params, is_leaf=is_quantized)
+
+
+class ShardedModel:
+    """A Transformer whose `apply` runs per device inside shard_map (same call signature)."""
+
+    def __init__(self, model, plan: TensorParallel, param_specs):
+        self.model = model
+        self.plan = plan
+        self.param_specs = {"params": param_specs}
+
+    def apply(self, variables, *args, method=None):
+        mesh, kv_spec = self.plan.mesh, P(TP_AXIS)
+        if method is None:   # forward: (tokens, positions, kv_caches, meta) -> (hidden, kv_caches)
+            tokens, positions, kv, meta = args
+            kv_specs = jax.tree.map(lambda _: kv_spec, kv)
+
+            def forward(v, kv, rest):
+                return self.model.apply({"params": local_params(v["params"])}, rest[0], rest[1], kv, rest[2])
+            return jax.shard_map(forward, mesh=mesh, in_specs=(self.param_specs, kv_specs, P()),
+                                 out_specs=(P(), kv_specs), check_vma=False)(variables, kv, (tokens, positions, meta))
+
+        def other(v, rest):
+            return self.model.apply({"params": local_params(v["params"])}, *rest, method=method)
+        return jax.shard_map(other, mesh=mesh, in_specs=(self.param_specs, P()), out_specs=P(),
+                             check_vma=False)(variables, args)
+
+
+def logical_axes(cfg, dtype) -> dict:
+    """path tree -> logical axis names of every parameter (from the model's own annotations)."""
+    from models.transformer import abstract_params  # noqa: PLC0415
+    boxed = abstract_params(cfg, dtype)
+    return jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
