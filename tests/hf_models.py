@@ -26,9 +26,19 @@ CASES = {
 }
 
 
+# Shapes for tensor parallelism up to 8 devices: 8 query heads; fewer KV heads than devices; a vocab
+# that does not split evenly over 8 (padded); qkv bias (qwen2); q/k norm and tied embeddings (qwen3).
+TP_CASES = {
+    "qwen3_tp": (transformers.Qwen3Config, dict(num_attention_heads=8, num_key_value_heads=1, head_dim=16,
+                                               vocab_size=500, tie_word_embeddings=True)),
+    "qwen2_tp": (transformers.Qwen2Config, dict(num_attention_heads=8, num_key_value_heads=2, vocab_size=500,
+                                               tie_word_embeddings=False)),
+}
+
+
 def make_hf_model(name: str, out_dir: str, seed: int = 0):
-    """Create, save (safetensors) and return the torch model for CASES[name]."""
-    cls, overrides = CASES[name]
+    """Create, save (safetensors) and return the torch model for CASES[name] (or TP_CASES[name])."""
+    cls, overrides = {**CASES, **TP_CASES}[name]
     torch.manual_seed(seed)
     config = cls(**{**BASE, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,0 +1,132 @@
+"""Tensor parallelism on 8 CPU devices (XLA_FLAGS in conftest): TP 2/4/8 equals the single-device engine.
+
+Cases: llama with 8 heads / 2 KV heads (KV heads replicated at TP 4 and 8), qwen3 with 1 KV head,
+q/k norm, tied embeddings and a 500-token vocab (padded to split over 8), qwen2 with qkv bias.
+"""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+import atlasjax.loader as loader
+from atlasjax import LLM, SamplingParams
+from atlasjax.errors import EngineConfigError
+from models.layers import is_quantized
+from tests.gguf_writer_util import Q, write_gguf_from_hf
+
+ENGINE = dict(max_num_seqs=4, max_model_len=96, page_size=16, max_num_batched_tokens=32)
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+PROMPT_LENS = (3, 19, 45)   # 45 > the 32-token budget: chunked prefill
+
+
+def _prompts(vocab: int, seed: int = 0):
+    rs = np.random.RandomState(seed)
+    return [[int(t) for t in rs.randint(0, vocab, size=n)] for n in PROMPT_LENS]
+
+
+def _run(llm, prompts):
+    outs = llm.generate(prompts, PARAMS)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    gen_lp = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    prompt_lp = [[d[p].logprob for d, p in zip(o.prompt_logprobs[1:], prompt[1:])] for o, prompt in zip(outs, prompts)]
+    return tokens, gen_lp, prompt_lp
+
+
+def _assert_same(got, want, label):
+    tokens, gen_lp, prompt_lp = got
+    assert tokens == want[0], f"{label}: greedy tokens differ from the single-device engine"
+    for a, b in zip(gen_lp + prompt_lp, want[1] + want[2]):
+        np.testing.assert_allclose(a, b, atol=1e-4, err_msg=label)
+
+
+@pytest.fixture(scope="module", params=["llama_gqa4", "qwen3_tp", "qwen2_tp"])
+def case(request, hf_model_factory):
+    _, path = hf_model_factory(request.param)
+    vocab = 512 if request.param == "llama_gqa4" else 500
+    prompts = _prompts(vocab)
+    return request.param, path, prompts, _run(LLM(path, **ENGINE), prompts)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_equals_single_device(case, tp):
+    name, path, prompts, reference = case
+    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+    _assert_same(_run(llm, prompts), reference, f"{name} TP={tp}")
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages   # every page returned
+
+
+def _spec_dims(array) -> list[int]:
+    """Which dims of a placed array are split over the `model` mesh axis."""
+    assert isinstance(array.sharding, NamedSharding)
+    return [i for i, axis in enumerate(array.sharding.spec) if axis == "model"]
+
+
+def test_every_big_matrix_and_the_kv_pool_are_sharded(hf_model_factory):
+    _, path = hf_model_factory("llama_gqa4")
+    tp = 4
+    engine = LLM(path, tensor_parallel_size=tp, **ENGINE).engine
+    params = engine.runner.params
+    expect = {("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): 1}
+    for i in range(2):
+        for proj, dim in (("q_proj", 1), ("k_proj", 1), ("v_proj", 1), ("o_proj", 0)):
+            expect[(f"layers_{i}", "self_attn", proj, "kernel")] = dim
+        for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 0)):
+            expect[(f"layers_{i}", "mlp", proj, "kernel")] = dim
+    flat = dict(loader._flatten(params))
+    for path_, leaf in flat.items():
+        if path_ in expect:
+            dim = expect[path_]
+            assert _spec_dims(leaf) == [dim], path_
+            shard = leaf.addressable_shards[0].data.shape
+            assert shard[dim] * tp == leaf.shape[dim], f"{path_}: each device must hold 1/{tp}, got {shard}"
+        else:   # norms: small vectors, replicated
+            assert leaf.ndim == 1 and leaf.sharding.is_fully_replicated, path_
+    assert set(expect) <= set(flat)
+    # 2 KV heads over 4 devices: each head replicated twice, one per device.
+    for k_pages, v_pages in engine.runner.state.kv:
+        for pool in (k_pages, v_pages):
+            assert _spec_dims(pool) == [0] and pool.shape[0] == tp
+            assert pool.addressable_shards[0].data.shape[0] == 1
+
+
+def test_safetensors_are_read_in_slices(hf_model_factory, monkeypatch):
+    """No sharded tensor is read whole: each device's slice comes straight from the file."""
+    _, path = hf_model_factory("qwen2_tp")
+    whole_reads = []
+    original = loader.TensorReader.__call__
+
+    def spy(self):
+        whole_reads.append(self.shape)
+        return original(self)
+    monkeypatch.setattr(loader.TensorReader, "__call__", spy)
+    LLM(path, tensor_parallel_size=2, **ENGINE)
+    assert whole_reads and all(len(shape) == 1 for shape in whole_reads), whole_reads   # only norm vectors
+
+
+def test_int8_quantized_model_splits_per_device(hf_model_factory):
+    name, prompts = "llama_gqa4", _prompts(512, seed=3)
+    _, path = hf_model_factory(name)
+    one = _run(LLM(path, quantization="int8", **ENGINE), prompts)
+    llm = LLM(path, quantization="int8", tensor_parallel_size=2, **ENGINE)
+    q = llm.engine.runner.params["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert is_quantized(q) and q.qweight.shape[0] == 2 and _spec_dims(q.qweight) == [0]
+    _assert_same(_run(llm, prompts), one, "int8 TP=2")
+
+
+def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path):
+    hf, path = hf_model_factory("llama_gqa4")
+    gguf_path = tmp_path / "tiny.gguf"
+    write_gguf_from_hf(path, hf.config, gguf_path, qtype=Q.Q8_0)
+    prompts = _prompts(256, seed=4)   # the writer's byte vocabulary is not used: token ids go in directly
+    one = _run(LLM(str(gguf_path), keep_gguf_quantized=True, **ENGINE), prompts)
+    llm = LLM(str(gguf_path), keep_gguf_quantized=True, tensor_parallel_size=2, **ENGINE)   # K/2 keeps whole 32-blocks
+    assert is_quantized(llm.engine.runner.params["layers_1"]["self_attn"]["k_proj"]["kernel"])
+    _assert_same(_run(llm, prompts), one, "GGUF Q8_0 TP=2")
+
+
+@pytest.mark.parametrize("tp, message", [(3, "num_heads=8 is not divisible"), (16, "only 8 device")])
+def test_impossible_tensor_parallel_size_is_a_clear_error(hf_model_factory, tp, message):
+    _, path = hf_model_factory("llama_gqa4")
+    with pytest.raises(EngineConfigError, match=message):
+        LLM(path, tensor_parallel_size=tp, **ENGINE)
+    assert len(jax.devices()) == 8
