@@ -8,6 +8,7 @@ truncated file, raises CheckpointError naming it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import logging
@@ -209,20 +210,29 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
-def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
-    """Random weights built directly on the device (benchmarks / presets)."""
+def random_params(cfg: ModelConfig, dtype, seed: int = 0, plan=None) -> dict:
+    """Random weights built directly on the device (benchmarks / presets); with a TensorParallel
+    `plan`, built directly sharded over its mesh (each device makes only its shard)."""
     model_shapes = nn.unbox(abstract_params(cfg, dtype))
     leaves, treedef = jax.tree_util.tree_flatten(model_shapes)
+    shapes = [leaf.shape for leaf in leaves]
+    out_shardings = None
+    if plan is not None:
+        from atlasjax.sharding import logical_axes  # noqa: PLC0415
+        from jax.sharding import NamedSharding  # noqa: PLC0415
+        names = jax.tree_util.tree_leaves(logical_axes(cfg, dtype), is_leaf=lambda x: isinstance(x, tuple))
+        shapes = [plan.global_shape(n, s) for n, s in zip(names, shapes)]
+        out_shardings = [NamedSharding(plan.mesh, plan.spec(n)) for n in names]
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=out_shardings)
     def make(keys):
         out = []
-        for k, leaf in zip(keys, leaves):
-            if len(leaf.shape) == 1:   # norms and biases
-                out.append(jnp.ones(leaf.shape, leaf.dtype))
+        for k, leaf, shape in zip(keys, leaves, shapes):
+            if len(shape) == 1:   # norms and biases
+                out.append(jnp.ones(shape, leaf.dtype))
             else:
-                out.append((jax.random.normal(k, leaf.shape, jnp.float32) * 0.02).astype(leaf.dtype))
+                out.append((jax.random.normal(k, shape, jnp.float32) * 0.02).astype(leaf.dtype))
         return out
     return jax.tree_util.tree_unflatten(treedef, make(keys))
 

@@ -42,7 +42,7 @@ class Linear(nn.Module):
     """y = x @ kernel (+ bias). kernel: [in, out] tagged with logical axes.
 
     Under tensor parallelism the kernel is a shard; contracting over a split `in` axis
-    (row-parallel) leaves partial sums, all-reduced here before the bias.
+    (row-parallel) leaves partial sums, all-reduced here (in float32) before the bias.
     """
     features: int
     axes: tuple[str, str]
@@ -54,7 +54,12 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):  # [tokens, in]
         kernel = given_or_param(self, "kernel", _init, self.axes, (x.shape[-1], self.features), self.dtype)
-        y = self.parallel.reduce(matmul(x, kernel, self.out_dtype), self.axes[0])
+        if self.parallel.mesh_axis(self.axes[0]) is None:
+            y = matmul(x, kernel, self.out_dtype)
+        else:
+            # Partial sums are all-reduced in float32 and rounded once, as one device's f32-accumulated
+            # matmul is: bf16 outputs then match the single-device engine (2x bytes on a tiny all-reduce).
+            y = self.parallel.reduce(matmul(x, kernel, jnp.float32), self.axes[0]).astype(self.out_dtype or x.dtype)
         if self.use_bias:
             bias = given_or_param(self, "bias", nn.initializers.zeros, self.axes[1:], (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)

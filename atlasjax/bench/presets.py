@@ -72,15 +72,22 @@ def synthetic_tokenizer(cfg: ModelConfig):
     return Tokenizer(tok, eos_token_ids=cfg.eos_token_ids)
 
 
-def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0):
-    """LoadedModel with random weights of preset `name`, built on the default device."""
+def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0, tensor_parallel_size: int = 1):
+    """LoadedModel with random weights of preset `name`, built on the default device, or built
+    sharded over a tensor-parallel mesh (the same values either way: threefry is sharding-invariant)."""
     from atlasjax.loader import LoadedModel, random_params  # noqa: PLC0415
+    from atlasjax.model_source import shard_loaded  # noqa: PLC0415
     cfg = PRESETS[name]
-    params = random_params(cfg, dtype, seed)
+    plan = None
+    if tensor_parallel_size > 1 and not quantization:
+        from atlasjax.sharding import TensorParallel, make_mesh  # noqa: PLC0415
+        plan = TensorParallel(make_mesh(tensor_parallel_size), cfg)
+    params = random_params(cfg, dtype, seed, plan)
     if quantization:
         from atlasjax.quantization import quantize_params  # noqa: PLC0415
         params = quantize_params(params, quantization)
-    return LoadedModel(cfg, params, tokenizer=synthetic_tokenizer(cfg), source=f"preset:{name}")
+    loaded = LoadedModel(cfg, params, tokenizer=synthetic_tokenizer(cfg), source=f"preset:{name}", plan=plan)
+    return shard_loaded(loaded, tensor_parallel_size, dtype)   # quantized presets: split after quantizing
 
 
 def build_engine(args, **overrides):
@@ -94,7 +101,7 @@ def build_engine(args, **overrides):
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-              quantization=args.quantization, seed=args.seed)
+              quantization=args.quantization, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}     # unset flags: EngineConfig's defaults
     loaded = None
@@ -102,7 +109,8 @@ def build_engine(args, **overrides):
         kw["quantization"] = None    # the preset is quantized here, not by the checkpoint loader
         what = f"preset {args.preset}" + (f" ({args.quantization})" if args.quantization else "")
         progress(f"building {what} with random weights on {jax.devices()[0].device_kind}")
-        loaded = load_preset(args.preset, resolve_dtype(args.dtype), args.quantization, args.seed)
+        loaded = load_preset(args.preset, resolve_dtype(args.dtype), args.quantization, args.seed,
+                             args.tensor_parallel_size)
         jax.block_until_ready(loaded.params)
     else:
         progress(f"loading {args.model or 'the embedded default model'}")
