@@ -1,12 +1,25 @@
 """LLMEngine: requests in, token deltas out, one `step()` at a time (single-threaded).
 
 A step asks the scheduler for work, packs it into the fixed bucket shapes, dispatches the
-prefill and decode steps (both asynchronously, then reads their tokens), and turns tokens into
-text deltas with incremental detokenization and stop checks. Finished and aborted requests give
-their pages back at once. `LLM` drives it synchronously; `AsyncLLM` runs it in a thread.
+prefill and decode steps, reads their tokens back and turns them into text deltas with
+incremental detokenization and stop checks. `LLM` drives it synchronously; `AsyncLLM` runs it
+in a thread.
+
+Asynchronous scheduling (the default): `step()` schedules and dispatches step N+1 before it reads
+step N back, so the host work (scheduling, packing, detokenization, stop checks) runs while the
+device computes. The cost is a one-step lag:
+- step N+1's decode takes the tokens step N sampled straight from the device (`Request`'s pending
+  token: the scheduler counts it, the decode gathers it by row);
+- a request that step N finishes (stop token, stop string, max_tokens) or that is aborted was
+  already scheduled into step N+1: that step's token for it is dropped unread (no output, logprob,
+  usage or delta), and its pages and slot return only once step N+1 has run (the slot's penalty
+  row is reset by the next admission, which runs after it on the device);
+- a request whose pending token is its last (max_tokens) is not scheduled again.
+With `async_scheduling=False` each step is read back before the next is scheduled.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -21,13 +34,34 @@ from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request, Status
-from atlasjax.runner import ModelRunner
+from atlasjax.runner import ModelRunner, StepOutput
 from atlasjax.sampling import pack_rows
-from atlasjax.sampling_params import SamplingParams
+from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("atlasjax.engine")
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step whose outputs have not been read back yet."""
+    sched: SchedulerOutput
+    prefill: StepOutput | None
+    decode: StepOutput | None
+    record_prompt_logprobs: list[bool]     # per prefill chunk
+    sample_rows: dict[Request, int]        # request -> row of its new token in [prefill rows | decode rows]
+    with_logprobs: bool                    # some sampled row asked for logprobs: read them back too
+
+
+@dataclasses.dataclass
+class _HostOutput:
+    """A step's outputs on the host, prefill rows then decode rows (max_num_seqs each)."""
+    tokens: np.ndarray
+    logprob: np.ndarray | None
+    top_vals: np.ndarray | None
+    top_ids: np.ndarray | None
+    prompt: tuple | None
 
 
 def resolve_dtype(name: str):
@@ -64,6 +98,8 @@ class LLMEngine:
         self._detok: dict[Request, IncrementalDetokenizer] = {}
         self._rng = random.Random(config.seed)
         self.stats = metrics.EngineStats()
+        self._async_scheduling = config.async_scheduling
+        self._in_flight: _Launched | None = None     # async: the step dispatched by the previous step() call
 
     def _auto_num_pages(self) -> int:
         cfg, ps = self.model_config, self.config.page_size
@@ -142,25 +178,53 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        """Switch modes (benchmarks compare them on one engine); only between steps with none in flight."""
+        if self._in_flight is not None:
+            raise RuntimeError("a step is in flight: run step() until has_unfinished() is False first")
+        self._async_scheduling = bool(on)
 
     # ---- one iteration
     def step(self) -> list[StreamDelta]:
+        """Schedule and dispatch a step; return the deltas of the step read back now: this one
+        (synchronous) or the one dispatched by the previous call (asynchronous)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        launched = None if sched.is_empty else self._launch(sched)
+        if self._async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        if launched is None and done is None:
             return []
-        for req in sched.admitted:
-            self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids))
-        prefill_out = self._run_prefill(sched) if sched.prefills else None
-        decode_out = self._run_decode(sched) if sched.decodes else None
-        deltas: list[StreamDelta] = []
-        if prefill_out is not None:
-            deltas += self._process_prefill(sched, prefill_out)
-        if decode_out is not None:
-            deltas += self._process_decode(sched, decode_out)
+        deltas = self._process(done) if done is not None else []
         self.stats.record_step(time.perf_counter() - t0, sched, self)
         return deltas
+
+    def _launch(self, sched: SchedulerOutput) -> _Launched:
+        """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device)."""
+        for req in sched.admitted:
+            self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids))
+        prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
+        decode_out = self._run_decode(sched) if sched.decodes else None
+        s = self.config.max_num_seqs
+        rows = {c.request: i for i, c in enumerate(sched.prefills) if c.completes_prompt}
+        rows.update((req, s + req.slot) for req in sched.decodes)
+        for req in rows:
+            req.num_pending_tokens += 1
+        self.scheduler.dispatched(sched)
+        launched = _Launched(sched, prefill_out, decode_out, record_lp, rows,
+                             any(r.params.logprobs is not None for r in rows))
+        for x in self._arrays_to_read(launched):
+            x.copy_to_host_async()      # start the transfers now; they complete when the step does
+        return launched
 
     def _run_prefill(self, sched: SchedulerOutput):
         ps, s = self.pool.page_size, self.config.max_num_seqs
@@ -173,9 +237,10 @@ class LLMEngine:
                  sample_rows=np.zeros(s, np.int32), slot_ids=np.zeros(s, np.int32), commit=np.zeros(s, bool),
                  next_tokens=np.full(t, -1, np.int32))
         rows, row = [None] * s, 0
-        want_prompt_lp = False
+        record_lp = []
         for i, c in enumerate(sched.prefills):
             req, n = c.request, c.num_tokens
+            assert not req.num_pending_tokens, "a prefilling request has no token on the device"
             ids = req.all_token_ids
             pos = np.arange(c.start, c.start + n)
             pages = np.asarray(req.pages, np.int32)
@@ -189,12 +254,13 @@ class LLMEngine:
             b["commit"][i] = c.completes_prompt
             nxt = ids[c.start + 1:c.start + n + 1]
             b["next_tokens"][row:row + len(nxt)] = nxt
-            want_prompt_lp |= req.params.prompt_logprobs is not None and req.num_preemptions == 0
-            rows[i] = (req.params, req.seed, len(req.output_token_ids), req.eos_token_ids)
+            # decided now: a preemption before this chunk is read back must not drop its rows
+            record_lp.append(req.params.prompt_logprobs is not None and req.num_preemptions == 0)
+            rows[i] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
             row += n
             b["query_start"][i + 1:] = row
         f, ints = pack_rows(rows, s)
-        return self.runner.prefill(b, f, ints, with_prompt_logprobs=want_prompt_lp)
+        return self.runner.prefill(b, f, ints, with_prompt_logprobs=any(record_lp)), record_lp
 
     def _run_decode(self, sched: SchedulerOutput):
         s = self.config.max_num_seqs
@@ -202,41 +268,66 @@ class LLMEngine:
         page_table = np.zeros((s, self.runner.pages_per_seq), np.int32)
         seq_lens = np.zeros(s, np.int32)
         rows = [None] * s
+        prev = self._in_flight
         for req in sched.decodes:
-            tokens[req.slot] = req.all_token_ids[-1]
+            if req.num_pending_tokens:    # its last token is still on the device: gather it there
+                tokens[req.slot] = -1 - prev.sample_rows[req]
+            else:
+                tokens[req.slot] = req.all_token_ids[-1]
             page_table[req.slot, :len(req.pages)] = req.pages
-            seq_lens[req.slot] = req.num_tokens
-            rows[req.slot] = (req.params, req.seed, len(req.output_token_ids), req.eos_token_ids)
+            seq_lens[req.slot] = req.num_total_tokens
+            rows[req.slot] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
         f, ints = pack_rows(rows, s)
-        return self.runner.decode(tokens, page_table, seq_lens, f, ints)
+        prev_tokens = (None, None) if prev is None else \
+            tuple(None if o is None else o.tokens for o in (prev.prefill, prev.decode))
+        return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens)
 
     # ---- results
-    def _process_prefill(self, sched: SchedulerOutput, out) -> list[StreamDelta]:
-        host = jax.device_get(out)
-        deltas = []
-        row = 0
-        for i, c in enumerate(sched.prefills):
+    def _arrays_to_read(self, step: _Launched) -> list[jax.Array]:
+        """Only what the host needs: tokens, and logprobs when some row asked for them."""
+        arrays = []
+        for out in (step.prefill, step.decode):
+            if out is not None:
+                arrays.append(out.tokens)
+                if step.with_logprobs:
+                    arrays += [out.logprob, out.top_vals, out.top_ids]
+        if step.prefill is not None and step.prefill.prompt is not None:
+            arrays += list(step.prefill.prompt)
+        return arrays
+
+    def _read_back(self, step: _Launched) -> _HostOutput:
+        """The one blocking device-to-host transfer of a step (returns once the step has run)."""
+        s, k = self.config.max_num_seqs, MAX_LOGPROBS
+        want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
+                for o in (step.prefill, step.decode)]
+        got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
+        empty = (np.zeros(s, np.int32),
+                 (np.zeros(s, np.float32), np.zeros((s, k), np.float32), np.zeros((s, k), np.int32)))
+        parts = [empty if g is None else g for g in got]
+        host = _HostOutput(np.concatenate([p[0] for p in parts]), None, None, None, prompt)
+        if step.with_logprobs:
+            host.logprob, host.top_vals, host.top_ids = (np.concatenate([p[1][j] for p in parts]) for j in range(3))
+        return host
+
+    def _process(self, step: _Launched) -> list[StreamDelta]:
+        host = self._read_back(step)
+        self.scheduler.completed(step.sched)
+        deltas, row = [], 0
+        for i, c in enumerate(step.sched.prefills):
             req = c.request
-            req.num_computed_tokens = c.start + c.num_tokens
-            if host.prompt is not None and req.params.prompt_logprobs is not None and req.num_preemptions == 0:
+            if step.record_prompt_logprobs[i]:
                 self._record_prompt_logprobs(req, c, host.prompt, row)
             row += c.num_tokens
             self.stats.prompt_tokens += c.num_tokens
-            if c.completes_prompt and not req.is_finished:
-                deltas.append(self._append_token(req, host, i))
-        return deltas
-
-    def _process_decode(self, sched: SchedulerOutput, out) -> list[StreamDelta]:
-        host = jax.device_get(out)
-        deltas = []
-        for req in sched.decodes:
-            req.num_computed_tokens = req.num_tokens
+        for req, r in step.sample_rows.items():
+            # A request finished (or aborted) while this step ran: its token here is dropped unread.
             if not req.is_finished:
-                deltas.append(self._append_token(req, host, req.slot))
+                deltas.append(self._append_token(req, host, r))
         return deltas
 
-    def _append_token(self, req: Request, host, row: int) -> StreamDelta:
+    def _append_token(self, req: Request, host: _HostOutput, row: int) -> StreamDelta:
         token = int(host.tokens[row])
+        req.num_pending_tokens -= 1
         req.output_token_ids.append(token)
         self.stats.generation_tokens += 1
         p = req.params

@@ -24,7 +24,10 @@ class Request:
     arrival_time: float = 0.0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
-    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache or written by a dispatched step
+    num_pending_tokens: int = 0           # sampled by a dispatched step, value not read back yet (0 or 1)
+    num_steps_in_flight: int = 0          # dispatched steps not yet read back that write this request's pages
+    release_pending: bool = False         # finished while in flight: pages and slot return when those steps end
     pages: list[int] = dataclasses.field(default_factory=list)
     page_keys: list[tuple] = dataclasses.field(default_factory=list)
     num_registered_pages: int = 0
@@ -46,13 +49,23 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus the pending one (its value is still on the device)."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, pending included (the seed stream's position)."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_prefilling(self) -> bool:
         """Still computing K/V for known tokens (prompt, or prompt + outputs after preemption)."""
-        return self.num_computed_tokens < self.num_tokens - 1
+        return self.num_computed_tokens < self.num_total_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -44,8 +44,13 @@ class StepOutput:
     prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
 
 
-def _decode_step(model: Transformer, params, state: DeviceState, tokens, page_table, seq_lens, st):
-    # [S] tokens at position seq_lens - 1 of each slot; seq_lens == 0 marks an inactive slot.
+def _decode_step(model: Transformer, params, state: DeviceState, tokens, page_table, seq_lens, st, prev_prefill_tokens,
+                 prev_decode_tokens):
+    # [S] tokens at position seq_lens - 1 of each slot; seq_lens == 0 marks an inactive slot. A token
+    # -1 - r stands for row r of the previous step's sampled tokens (its prefill's [S], then its decode's
+    # [S]), still on the device: the host schedules this step before reading those back.
+    prev = jnp.concatenate([prev_prefill_tokens, prev_decode_tokens])
+    tokens = jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
     page_size = state.kv[0][0].shape[2]
     num_slots = state.kv[0][0].shape[1] * page_size
     positions = jnp.maximum(seq_lens - 1, 0)
@@ -162,12 +167,19 @@ class ModelRunner:
         return sampling.SamplingTensors(jnp.asarray(f), jnp.asarray(i))
 
     # ---- steps (all asynchronous: they return device arrays)
-    def decode(self, tokens, page_table, seq_lens, f, i) -> StepOutput:
+    def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None)) -> StepOutput:
+        """prev_tokens: the previous step's sampled tokens (prefill, decode; device arrays or None) that
+        negative entries of `tokens` point into (see _decode_step)."""
+        prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
         args = (self.params, self.state, jnp.asarray(tokens), jnp.asarray(page_table), jnp.asarray(seq_lens),
-                self._st(f, i))
+                self._st(f, i), *prev)
         step = self._compile(("decode", self.max_num_seqs), functools.partial(_decode_step, self.model), (1,), *args)
         self.state, out = step(*args)
         return out
+
+    @functools.cached_property
+    def _no_prev_tokens(self):
+        return jnp.zeros((self.max_num_seqs,), jnp.int32)
 
     def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
         t = batch["tokens"].shape[0]
@@ -185,7 +197,7 @@ class ModelRunner:
         f, i = sampling.pack_rows([], s)
         z = functools.partial(np.zeros, dtype=np.int32)
         self._compile(("decode", s), functools.partial(_decode_step, self.model), (1,), self.params, self.state,
-                      z(s), z((s, p)), z(s), self._st(f, i))
+                      z(s), z((s, p)), z(s), self._st(f, i), z(s), z(s))
         for t in self.prefill_buckets:
             args = (self.params, self.state, z(t), z(t), z(t), z((s, p)), z(s), z(s + 1), np.int32(0), z(s), z(s),
                     np.zeros(s, bool), z(t), self._st(f, i))

@@ -4,6 +4,13 @@ Plain Python, no jax. Each `schedule()` call returns which running requests deco
 and which requests prefill which chunk; pages are allocated here (prefix-cache hits first).
 When pages run out during decode, the newest running request is preempted: its pages are freed
 and it goes back to the front of the queue, to be recomputed from its tokens later.
+
+Asynchronous scheduling: step N+1 is scheduled before step N's tokens are read back, so a request
+may have one *pending* token (sampled on the device, value unknown). Scheduling counts it
+(`Request.num_total_tokens`): the next decode feeds it from the device and needs a page for it;
+`num_computed_tokens` advances when a step is scheduled. The engine brackets each step with
+`dispatched(out)` and `completed(out)`; a request that finishes while a dispatched step still
+writes its pages keeps its pages and slot until that step completes.
 """
 from __future__ import annotations
 
@@ -19,11 +26,11 @@ class PrefillChunk:
     request: Request
     start: int        # first token index computed in this chunk
     num_tokens: int
+    completes_prompt: bool = dataclasses.field(init=False)
 
-    @property
-    def completes_prompt(self) -> bool:
-        """True when this chunk reaches the last known token, so its logits yield a new token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self):
+        # Fixed when scheduled: the chunk reaches the last token, so its logits yield a new token.
+        self.completes_prompt = self.start + self.num_tokens == self.request.num_total_tokens
 
 
 @dataclasses.dataclass
@@ -36,6 +43,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.decodes + [c.request for c in self.prefills]
 
 
 class Scheduler:
@@ -66,13 +77,15 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue                              # preempted earlier in this loop
             if req.is_prefilling:
-                num = min(req.num_tokens - req.num_computed_tokens, budget)
+                num = min(req.num_total_tokens - req.num_computed_tokens, budget)
                 if num <= 0 or len(prefills) >= self.max_prefill_seqs:
                     continue
                 if self._reserve(req, req.num_computed_tokens + num, preempted):
                     prefills.append(PrefillChunk(req, req.num_computed_tokens, num))
                     budget -= num
-            elif self._reserve(req, req.num_tokens, preempted):
+            elif req.num_generated >= req.max_tokens:
+                continue                              # its pending token is its last: nothing to decode
+            elif self._reserve(req, req.num_total_tokens, preempted):
                 decodes.append(req)
                 budget -= 1
         decodes = [r for r in decodes if r.status is Status.RUNNING]
@@ -80,15 +93,22 @@ class Scheduler:
         if not preempted:  # admit new work only when nothing had to give way this step
             self._admit(budget, prefills, admitted)
         for chunk in prefills:
-            self._register_pages(chunk.request, chunk.start + chunk.num_tokens)
+            self._computed(chunk.request, chunk.start + chunk.num_tokens)
         for req in decodes:
-            self._register_pages(req, req.num_tokens)
+            self._computed(req, req.num_total_tokens)
         return SchedulerOutput(decodes, prefills, admitted, preempted)
+
+    def _computed(self, req: Request, num_computed: int) -> None:
+        """The step being scheduled writes K/V up to num_computed; register the full pages of known tokens."""
+        req.num_computed_tokens = num_computed
+        self._register_pages(req, min(num_computed, req.num_tokens))
 
     def _admit(self, budget: int, prefills: list[PrefillChunk], admitted: list[Request]) -> None:
         ps = self.pool.page_size
         while self.waiting and self.free_slots and budget > 0 and len(prefills) < self.max_prefill_seqs:
             req = self.waiting[0]
+            if req.num_pending_tokens:
+                break                                # preempted with a token still on the device: next step
             if not req.pages:
                 keys = self.pool.extend_keys(req.page_keys, req.all_token_ids)
                 # Leave at least one token to compute (its logits give the next token), starting on a page boundary.
@@ -137,9 +157,27 @@ class Scheduler:
             self.pool.register(req.pages, req.page_keys, req.num_registered_pages, full)
             req.num_registered_pages = full
 
+    # ---- steps in flight
+    def dispatched(self, out: SchedulerOutput) -> None:
+        """The engine launched this step: its requests' pages are written until `completed(out)`."""
+        for req in out.requests:
+            req.num_steps_in_flight += 1
+
+    def completed(self, out: SchedulerOutput) -> None:
+        """The step has run on the device: finished requests it was still writing give their pages back."""
+        for req in out.requests:
+            req.num_steps_in_flight -= 1
+            if req.release_pending and req.num_steps_in_flight == 0:
+                req.release_pending = False
+                self._free_resources(req)
+
     # ---- state changes after a step
     def preempt(self, req: Request) -> None:
-        self._release(req)
+        # Freed at once (preemption exists to get pages now) even if a dispatched step still writes them:
+        # steps are chained through the donated cache, so that write lands before any later step's write
+        # or read, and what it writes into a registered page is that page's true content.
+        self.running.remove(req)
+        self._free_resources(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -152,12 +190,15 @@ class Scheduler:
                 self.pool.free(req.pages)
                 req.pages = []
         elif req.status is Status.RUNNING:
-            self._release(req)
+            self.running.remove(req)
+            if req.num_steps_in_flight:
+                req.release_pending = True           # a dispatched step still writes them: see completed()
+            else:
+                self._free_resources(req)
         req.status = Status.FINISHED
         req.finish_reason = req.finish_reason or reason
 
-    def _release(self, req: Request) -> None:
-        self.running.remove(req)
+    def _free_resources(self, req: Request) -> None:
         self.pool.free(req.pages)
         req.pages, req.num_computed_tokens, req.num_registered_pages = [], 0, 0
         self.free_slots.append(req.slot)

@@ -5,6 +5,8 @@ import pytest
 from atlasjax import LLM, InvalidRequestError, SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+# The key behaviours run with asynchronous scheduling (the default) and without it.
+BOTH_MODES = pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +59,18 @@ def _assert_idle(engine):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-def test_64_staggered_requests_equal_their_solo_runs(model_dir):
-    engine = _engine(model_dir, enable_prefix_caching=False)
+@BOTH_MODES
+def test_64_staggered_requests_equal_their_solo_runs(model_dir, async_scheduling):
+    engine = _engine(model_dir, enable_prefix_caching=False, async_scheduling=async_scheduling)
     work = _workload()
     assert _run_staggered(engine, work) == _alone(engine, work)
     _assert_idle(engine)
 
 
-def test_small_pool_preempts_and_still_matches(model_dir):
-    engine = _engine(model_dir, num_pages=24, enable_prefix_caching=False)   # 8 slots x 128 tokens would need 128
+@BOTH_MODES
+def test_small_pool_preempts_and_still_matches(model_dir, async_scheduling):
+    engine = _engine(model_dir, num_pages=24, enable_prefix_caching=False,   # 8 slots x 128 tokens would need 128
+                     async_scheduling=async_scheduling)
     work = _workload(n=24, seed=1)
     staggered = _run_staggered(engine, work)
     assert engine.scheduler.num_preemptions > 0
@@ -73,8 +78,9 @@ def test_small_pool_preempts_and_still_matches(model_dir):
     _assert_idle(engine)
 
 
-def test_abort_mid_generation_returns_every_page(model_dir):
-    engine = _engine(model_dir)
+@BOTH_MODES
+def test_abort_mid_generation_returns_every_page(model_dir, async_scheduling):
+    engine = _engine(model_dir, async_scheduling=async_scheduling)
     for i in range(6):
         engine.add_request(f"x{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=50, **GREEDY))
     for _ in range(5):
@@ -91,8 +97,9 @@ def test_abort_mid_generation_returns_every_page(model_dir):
     assert not engine.abort("no-such-request")
 
 
-def test_shared_prefix_hits_the_cache_with_the_same_output(model_dir):
-    engine = _engine(model_dir)
+@BOTH_MODES
+def test_shared_prefix_hits_the_cache_with_the_same_output(model_dir, async_scheduling):
+    engine = _engine(model_dir, async_scheduling=async_scheduling)
     llm = LLM.from_engine(engine)
     prompt = list(range(10, 10 + 3 * 8 + 5))       # 3 full pages of 8 + 5 tokens
     first = llm.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
@@ -106,8 +113,10 @@ def test_shared_prefix_hits_the_cache_with_the_same_output(model_dir):
     assert off.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0].num_cached_tokens == 0
 
 
-def test_parallel_sampling_n4_is_seeded(model_dir):
-    llm = LLM(model_dir, max_num_seqs=8, max_model_len=128, page_size=8, max_num_batched_tokens=64)
+@BOTH_MODES
+def test_parallel_sampling_n4_is_seeded(model_dir, async_scheduling):
+    llm = LLM(model_dir, max_num_seqs=8, max_model_len=128, page_size=8, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     a = llm.generate([list(range(1, 20))], params)[0]
     b = llm.generate([list(range(1, 20))], params)[0]

@@ -82,3 +82,78 @@ def test_lru_eviction_reuses_oldest_cached_pages():
     pool.free(pages[:2])
     new = pool.allocate(1)                                # evicts the least recently freed cached page
     assert new[0] not in pool.page_key and len(pool.cached) == 3
+
+
+def _dispatch(s, out):
+    """What the engine does when it launches a step: pending tokens for the rows that sample one."""
+    for req in out.decodes + [c.request for c in out.prefills if c.completes_prompt]:
+        req.num_pending_tokens += 1
+    s.dispatched(out)
+
+
+def _complete(s, out, token=1):
+    s.completed(out)
+    for req in out.decodes + [c.request for c in out.prefills if c.completes_prompt]:
+        if not req.is_finished:
+            req.num_pending_tokens -= 1
+            req.output_token_ids.append(token)
+
+
+def test_async_schedules_the_next_decode_before_the_pending_token_is_known():
+    s = _sched(page_size=4)
+    a = _req("a", 4, max_tokens=3)
+    s.add(a)
+    first = s.schedule()
+    _dispatch(s, first)
+    second = s.schedule()          # step 1 not read back: a's first token is pending
+    assert second.decodes == [a] and a.num_computed_tokens == 5 and len(a.pages) == 2   # a page for the pending token
+    _dispatch(s, second)
+    _complete(s, first)
+    assert a.output_token_ids == [1] and a.num_pending_tokens == 1 and a.num_total_tokens == 6
+    third = s.schedule()
+    assert third.decodes == [a] and a.num_computed_tokens == 6
+    _dispatch(s, third)
+    _complete(s, second)
+    assert s.schedule().is_empty   # its third token (pending) is its last: nothing more to compute
+
+
+def test_a_request_finished_while_in_flight_keeps_its_pages_until_the_step_completes():
+    s = _sched(num_pages=4, page_size=4)
+    a = _req("a", 4)
+    s.add(a)
+    first = s.schedule()
+    _dispatch(s, first)
+    second = s.schedule()
+    _dispatch(s, second)
+    _complete(s, first)
+    s.finish(a, "stop")                          # step 1's token was a stop token; step 2 still writes a's pages
+    assert a.is_finished and a not in s.running and s.pool.num_free_pages == 2 and a.slot not in s.free_slots
+    _complete(s, second)
+    assert s.pool.num_free_pages == 4 and sorted(s.free_slots) == [0, 1, 2, 3] and a.output_token_ids == [1]
+
+
+def test_preemption_counts_the_pending_tokens():
+    s = _sched(num_pages=4, page_size=4, budget=64)
+    a, b = _req("a", 7), _req("b", 7)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()
+    _dispatch(s, first)                          # 2 pages each, first tokens pending
+    second = s.schedule()                        # the pending token 8 still fits in page 2
+    assert second.decodes == [a, b] and not second.preempted
+    _dispatch(s, second)
+    _complete(s, first)
+    third = s.schedule()                         # 8 known + 1 pending: each needs a 3rd page, b gives way
+    assert third.preempted == [b] and third.decodes == [a] and len(a.pages) == 3
+    assert b.num_pending_tokens == 1 and s.waiting[0] is b and not b.pages
+
+
+def test_a_waiting_request_is_not_admitted_while_its_token_is_on_the_device():
+    s = _sched()
+    a = _req("a", 5)
+    a.num_pending_tokens = 1       # preempted while a dispatched step was still sampling for it
+    s.add(a)
+    assert s.schedule().is_empty
+    a.num_pending_tokens = 0
+    a.output_token_ids.append(1)
+    assert [(c.start, c.num_tokens) for c in s.schedule().prefills] == [(0, 6)]   # prompt + the token, recomputed
