@@ -212,29 +212,31 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 def random_params(cfg: ModelConfig, dtype, seed: int = 0, plan=None) -> dict:
     """Random weights built directly on the device (benchmarks / presets); with a TensorParallel
-    `plan`, built directly sharded over its mesh (each device makes only its shard)."""
+    `plan`, built directly sharded over its mesh (each device makes only its shard). One small jit
+    per distinct shape (a single jit over all leaves compiles for minutes on a GPU)."""
     model_shapes = nn.unbox(abstract_params(cfg, dtype))
     leaves, treedef = jax.tree_util.tree_flatten(model_shapes)
     shapes = [leaf.shape for leaf in leaves]
-    out_shardings = None
+    shardings = [None] * len(leaves)
     if plan is not None:
-        from atlasjax.sharding import logical_axes  # noqa: PLC0415
         from jax.sharding import NamedSharding  # noqa: PLC0415
+
+        from atlasjax.sharding import logical_axes  # noqa: PLC0415
         names = jax.tree_util.tree_leaves(logical_axes(cfg, dtype), is_leaf=lambda x: isinstance(x, tuple))
         shapes = [plan.global_shape(n, s) for n, s in zip(names, shapes)]
-        out_shardings = [NamedSharding(plan.mesh, plan.spec(n)) for n in names]
+        shardings = [NamedSharding(plan.mesh, plan.spec(n)) for n in names]
     keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [_random_leaf(k, shape, leaf.dtype, sharding) for k, shape, leaf, sharding in zip(keys, shapes, leaves, shardings)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
-    @functools.partial(jax.jit, out_shardings=out_shardings)
-    def make(keys):
-        out = []
-        for k, leaf, shape in zip(keys, leaves, shapes):
-            if len(shape) == 1:   # norms and biases
-                out.append(jnp.ones(shape, leaf.dtype))
-            else:
-                out.append((jax.random.normal(k, shape, jnp.float32) * 0.02).astype(leaf.dtype))
-        return out
-    return jax.tree_util.tree_unflatten(treedef, make(keys))
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_leaf(key, shape, dtype, sharding):
+    if len(shape) == 1:   # norms and biases
+        x = jnp.ones(shape, dtype)
+    else:
+        x = (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")      # block formats the quantized matmul consumes as they are

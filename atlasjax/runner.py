@@ -103,6 +103,9 @@ class ModelRunner:
         """plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1)."""
         self.cfg = cfg
         self.plan = plan
+        # Host inputs: on one device, transferred as they are passed; under TP, kept on the host
+        # until `_on_mesh` sends them all to every device in one batched transfer.
+        self._host = jnp.asarray if plan is None else np.asarray
         self.params = params
         self.page_size = page_size
         self.num_pages = num_pages
@@ -150,9 +153,15 @@ class ModelRunner:
         params and device state keep their shardings. Identity on one device."""
         if self.plan is None:
             return tree
-        mesh_devices = set(self.plan.mesh.devices.flat)
-        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.sharding.device_set == mesh_devices
-                            else jax.device_put(x, self.plan.replicated), tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        host = [i for i, x in enumerate(leaves) if not (isinstance(x, jax.Array) and x.sharding.device_set == self._mesh_devices)]
+        for i, x in zip(host, jax.device_put([leaves[i] for i in host], self.plan.replicated)):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    @functools.cached_property
+    def _mesh_devices(self):
+        return set(self.plan.mesh.devices.flat)
 
     def _call_on_mesh(self, compiled, *args):
         return compiled(*self._on_mesh(args))
@@ -164,14 +173,14 @@ class ModelRunner:
         raise ValueError(f"{num_tokens} tokens exceed the largest prefill bucket {self.prefill_buckets[-1]}")
 
     def _st(self, f, i):
-        return sampling.SamplingTensors(jnp.asarray(f), jnp.asarray(i))
+        return sampling.SamplingTensors(self._host(f), self._host(i))
 
     # ---- steps (all asynchronous: they return device arrays)
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None)) -> StepOutput:
         """prev_tokens: the previous step's sampled tokens (prefill, decode; device arrays or None) that
         negative entries of `tokens` point into (see _decode_step)."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
-        args = (self.params, self.state, jnp.asarray(tokens), jnp.asarray(page_table), jnp.asarray(seq_lens),
+        args = (self.params, self.state, self._host(tokens), self._host(page_table), self._host(seq_lens),
                 self._st(f, i), *prev)
         step = self._compile(("decode", self.max_num_seqs), functools.partial(_decode_step, self.model), (1,), *args)
         self.state, out = step(*args)
@@ -179,13 +188,13 @@ class ModelRunner:
 
     @functools.cached_property
     def _no_prev_tokens(self):
-        return jnp.zeros((self.max_num_seqs,), jnp.int32)
+        return self._on_mesh(jnp.zeros((self.max_num_seqs,), jnp.int32))
 
     def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
         t = batch["tokens"].shape[0]
         names = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
                  "sample_rows", "slot_ids", "commit", "next_tokens")
-        args = (self.params, self.state, *(jnp.asarray(batch[n]) for n in names), self._st(f, i))
+        args = (self.params, self.state, *(self._host(batch[n]) for n in names), self._st(f, i))
         step = self._compile(("prefill", t, with_prompt_logprobs),
                              functools.partial(_prefill_step, self.model, with_prompt_logprobs), (1,), *args)
         self.state, out = step(*args)
@@ -209,6 +218,6 @@ class ModelRunner:
         buf = np.zeros((self.max_model_len,), np.int32)
         n = min(len(token_ids), self.max_model_len)
         buf[:n] = token_ids[:n]
-        args = (self.state, jnp.int32(slot), jnp.asarray(buf), jnp.int32(prompt_len), jnp.int32(n))
+        args = (self.state, *map(self._host, (np.int32(slot), buf, np.int32(prompt_len), np.int32(n))))
         step = self._compile(("admit", self.max_model_len), _admit, (0,), *args)
         self.state = step(*args)

@@ -18,6 +18,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+if os.environ.get("MODE") == "f32":   # true f32 matmuls (no TF32), so only summation order differs
+    jax.config.update("jax_default_matmul_precision", "highest")
 import numpy as np
 
 from atlasjax.bench.presets import load_preset
@@ -101,7 +104,7 @@ def collective_time(trace_dir, steps):
         if e.get("ph") == "X" and "dur" in e:
             per_pid[e["pid"]][e["name"]] += e["dur"]
     out = {}
-    pat = re.compile(r"all-?reduce|all-?gather|nccl", re.I)
+    pat = re.compile(r"all-?reduce|all-?gather|nccl|psum|collective", re.I)
     for pid, counter in per_pid.items():
         name = names.get(pid, str(pid))
         if "gpu" not in name.lower() and "/device" not in name.lower():
@@ -109,7 +112,8 @@ def collective_time(trace_dir, steps):
         coll = sum(d for n, d in counter.items() if pat.search(n))
         out[name] = {"collective_ms_per_step": coll / 1e3 / steps,
                      "all_kernels_ms_per_step": sum(counter.values()) / 1e3 / steps,
-                     "top": [(n[:80], round(d / 1e3 / steps, 4)) for n, d in counter.most_common(12)]}
+                     "collective_kernels": sorted({n[:60] for n in counter if pat.search(n)})[:10],
+                     "top": [(n[:80], round(d / 1e3 / steps, 4)) for n, d in counter.most_common(25)]}
     return out
 
 
