@@ -18,6 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step back before scheduling the next (no host/device overlap; for debugging)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
     g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"])
     g.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -27,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
+                attention_backend=args.attention_backend,
                 quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
 
 

@@ -12,8 +12,9 @@ device computes. The cost is a one-step lag:
   token: the scheduler counts it, the decode gathers it by row);
 - a request that step N finishes (stop token, stop string, max_tokens) or that is aborted was
   already scheduled into step N+1: that step's token for it is dropped unread (no output, logprob,
-  usage or delta), and its pages and slot return only once step N+1 has run (the slot's penalty
-  row is reset by the next admission, which runs after it on the device);
+  usage or delta), and its pages return only once step N+1 has run. Its slot is free at once: the
+  next request's admit step resets the slot's penalty row (the dropped token's count included)
+  and runs after step N+1 on the device, as every step is chained through the donated state;
 - a request whose pending token is its last (max_tokens) is not scheduled again.
 With `async_scheduling=False` each step is read back before the next is scheduled.
 """
@@ -300,7 +301,9 @@ class LLMEngine:
         s, k = self.config.max_num_seqs, MAX_LOGPROBS
         want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
                 for o in (step.prefill, step.decode)]
+        t0 = time.perf_counter()
         got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
+        self.stats.read_wait_seconds += time.perf_counter() - t0
         empty = (np.zeros(s, np.int32),
                  (np.zeros(s, np.float32), np.zeros((s, k), np.float32), np.zeros((s, k), np.int32)))
         parts = [empty if g is None else g for g in got]

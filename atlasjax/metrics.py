@@ -22,6 +22,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     last_step_seconds: float = 0.0
+    read_wait_seconds: float = 0.0  # time the engine thread spent blocked reading step outputs back
     step_seconds: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1000))
 
     def record_step(self, seconds: float, sched, engine) -> None:

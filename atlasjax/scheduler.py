@@ -10,7 +10,8 @@ may have one *pending* token (sampled on the device, value unknown). Scheduling 
 (`Request.num_total_tokens`): the next decode feeds it from the device and needs a page for it;
 `num_computed_tokens` advances when a step is scheduled. The engine brackets each step with
 `dispatched(out)` and `completed(out)`; a request that finishes while a dispatched step still
-writes its pages keeps its pages and slot until that step completes.
+writes its pages keeps them until that step completes. Its slot is free at once: the next
+request's admit step (which resets the slot's penalty row) runs after that step on the device.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class Scheduler:
                     prefills.append(PrefillChunk(req, req.num_computed_tokens, num))
                     budget -= num
             elif req.num_generated >= req.max_tokens:
-                continue                              # its pending token is its last: nothing to decode
+                self._retire(req)                     # its pending token is its last: the engine finishes it
             elif self._reserve(req, req.num_total_tokens, preempted):
                 decodes.append(req)
                 budget -= 1
@@ -169,7 +170,7 @@ class Scheduler:
             req.num_steps_in_flight -= 1
             if req.release_pending and req.num_steps_in_flight == 0:
                 req.release_pending = False
-                self._free_resources(req)
+                self._free_pages(req)
 
     # ---- state changes after a step
     def preempt(self, req: Request) -> None:
@@ -177,7 +178,8 @@ class Scheduler:
         # steps are chained through the donated cache, so that write lands before any later step's write
         # or read, and what it writes into a registered page is that page's true content.
         self.running.remove(req)
-        self._free_resources(req)
+        self._free_pages(req)
+        self._free_slot(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -189,17 +191,25 @@ class Scheduler:
             if req.pages:
                 self.pool.free(req.pages)
                 req.pages = []
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
-            if req.num_steps_in_flight:
-                req.release_pending = True           # a dispatched step still writes them: see completed()
-            else:
-                self._free_resources(req)
+        elif req.status is Status.RUNNING and req in self.running:    # (not when retired already)
+            self._retire(req)
         req.status = Status.FINISHED
         req.finish_reason = req.finish_reason or reason
 
-    def _free_resources(self, req: Request) -> None:
+    def _retire(self, req: Request) -> None:
+        """Nothing more to schedule: out of the running set with its slot free at once; its pages are
+        freed when no dispatched step writes them any more (see completed())."""
+        self.running.remove(req)
+        self._free_slot(req)
+        if req.num_steps_in_flight:
+            req.release_pending = True
+        else:
+            self._free_pages(req)
+
+    def _free_pages(self, req: Request) -> None:
         self.pool.free(req.pages)
         req.pages, req.num_computed_tokens, req.num_registered_pages = [], 0, 0
+
+    def _free_slot(self, req: Request) -> None:
         self.free_slots.append(req.slot)
         req.slot = -1

@@ -110,9 +110,16 @@ def test_token_after_a_stop_is_dropped_and_the_slot_is_reused_cleanly(tiny):
     deltas = []
     while not a.is_finished:
         deltas += [d for d in engine.step() if d.request_id == "a"]
-    # Step N's token finished `a`, but step N+1 (in flight) was already decoding it.
+    # Step N's token finished `a`, but step N+1 (in flight) was already decoding it: its pages stay
+    # until that step completes, its slot is free now.
     assert engine._in_flight is not None and a in engine._in_flight.sample_rows
-    assert a.release_pending and a.pages and engine.scheduler.free_slots == []
+    assert a.release_pending and a.pages and engine.scheduler.free_slots == [0]
+    in_flight = engine._in_flight
+    deltas += [d for d in engine.step() if d.request_id == "a"]
+    b = engine.requests["b"][0]
+    # b took the slot in the step dispatched while N+1 (with a's dropped token) was in flight.
+    assert b.slot == 0 and b in engine._in_flight.sample_rows and in_flight is not engine._in_flight
+    assert not a.release_pending and not a.pages
     while engine.has_unfinished():
         deltas += [d for d in engine.step() if d.request_id == "a"]
     assert a.output_token_ids == free[:k + 1] and len(a.logprobs) == k + 1 and a.finish_reason == "stop"

@@ -89,9 +89,12 @@ def test_latency_mode(tmp_path, capsys):
 def test_throughput_mode_random_prompts(tmp_path):
     rep = run_bench(tmp_path, "throughput", "--preset", "tiny", "--num-prompts", "6", "--input-len", "10",
                     "--output-len", "8", "--range-ratio", "0.5", "--max-num-seqs", "4",
-                    "--max-num-batched-tokens", "16")
+                    "--max-num-batched-tokens", "16", "--compare-async")
     check_common(rep, "throughput")
     r = rep["results"]
+    c = rep["compare_async"]["summary"]          # same requests with async scheduling off, then on
+    assert c["outputs_identical"] and c["num_steps_on"] == c["num_steps_off"] > 0
+    assert c["mean_step_s_on"] > 0 and c["mean_step_s_off"] > 0 and c["host_per_step_s_off"] > 0
     assert r["num_requests"] == 6 and 6 * 5 <= r["prompt_tokens"] <= 6 * 15
     assert 6 * 4 <= r["output_tokens"] <= 6 * 12
     assert r["requests_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"] > 0
@@ -105,8 +108,10 @@ def test_throughput_mode_dataset(tmp_path):
             {"prompt": "w9 " * 20}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     rep = run_bench(tmp_path, "throughput", "--preset", "tiny", "--dataset", str(data), "--output-len", "4",
-                    "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--no-warmup")
+                    "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", "64", "--no-warmup",
+                    "--no-async-scheduling")
     r = rep["results"]
+    assert r["async_scheduling"] is False and rep["settings"]["engine"]["async_scheduling"] is False
     assert r["num_requests"] == 3 and r["prompt_tokens"] == 5 + 9 + 20
     assert r["output_tokens"] == 3 + 5 + 4                    # ignore_eos: exactly the asked lengths
 

@@ -115,6 +115,11 @@ def test_async_schedules_the_next_decode_before_the_pending_token_is_known():
     _dispatch(s, third)
     _complete(s, second)
     assert s.schedule().is_empty   # its third token (pending) is its last: nothing more to compute
+    # Retired: slot free for the next request now, pages once the step sampling that token completes.
+    assert a not in s.running and sorted(s.free_slots) == [0, 1, 2, 3] and a.release_pending and a.pages
+    _complete(s, third)
+    s.finish(a, "length")
+    assert a.output_token_ids == [1, 1, 1] and s.pool.num_free_pages == 16 and not s.has_work
 
 
 def test_a_request_finished_while_in_flight_keeps_its_pages_until_the_step_completes():
@@ -127,7 +132,8 @@ def test_a_request_finished_while_in_flight_keeps_its_pages_until_the_step_compl
     _dispatch(s, second)
     _complete(s, first)
     s.finish(a, "stop")                          # step 1's token was a stop token; step 2 still writes a's pages
-    assert a.is_finished and a not in s.running and s.pool.num_free_pages == 2 and a.slot not in s.free_slots
+    assert a.is_finished and a not in s.running and s.pool.num_free_pages == 2 and a.pages
+    assert sorted(s.free_slots) == [0, 1, 2, 3]  # the slot is free at once (the next admit resets its row)
     _complete(s, second)
     assert s.pool.num_free_pages == 4 and sorted(s.free_slots) == [0, 1, 2, 3] and a.output_token_ids == [1]
 

@@ -101,6 +101,7 @@ def build_engine(args, **overrides):
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+              async_scheduling=not getattr(args, "no_async_scheduling", False),
               quantization=args.quantization, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}     # unset flags: EngineConfig's defaults

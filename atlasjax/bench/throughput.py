@@ -7,6 +7,8 @@ object a line with "prompt" (text, needs a tokenizer) or "prompt_token_ids", and
 "output_len". Before timing, every prefill bucket up to the token budget and the decode step are
 compiled by short warm-up requests (compiles during the timed run are counted and reported).
 Figures: requests/s, output tok/s, total (prompt + output) tok/s over the timed run.
+`--compare-async` then runs the same requests with asynchronous scheduling off and on
+(atlasjax.bench.overlap) and reports the time per engine step of each.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 
 import numpy as np
 
-from atlasjax.bench import roofline
+from atlasjax.bench import overlap, roofline
 from atlasjax.bench.presets import build_engine, progress
 from atlasjax.bench.report import fmt, roofline_rows, table
 
@@ -28,6 +30,9 @@ def add_args(p) -> None:
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r) .. len*(1+r)")
     g.add_argument("--dataset", default=None, help="JSONL: {\"prompt\"|\"prompt_token_ids\", \"output_len\"?}")
     g.add_argument("--no-warmup", action="store_true", help="do not precompile the buckets before timing")
+    g.add_argument("--compare-async", action="store_true",
+                   help="then run the same requests with async scheduling off and on: time per engine step")
+    g.add_argument("--compare-repeats", type=int, default=1, help="off/on pairs --compare-async runs (alternating)")
 
 
 def sample_lengths(rng, n: int, mean: int, range_ratio: float) -> list[int]:
@@ -129,7 +134,8 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     elapsed = time.perf_counter() - t0
     n_in = sum(len(p) for p, _ in reqs)
     n_out = sum(len(r.output_token_ids) for r in seqs)
-    results = dict(elapsed_s=elapsed, num_requests=len(reqs), prompt_tokens=n_in, output_tokens=n_out,
+    results = dict(async_scheduling=engine.async_scheduling, elapsed_s=elapsed, num_requests=len(reqs),
+                   prompt_tokens=n_in, output_tokens=n_out,
                    requests_per_s=len(reqs) / elapsed, output_tokens_per_s=n_out / elapsed,
                    total_tokens_per_s=(n_in + n_out) / elapsed, num_steps=engine.stats.num_steps - steps_before,
                    num_forward_calls=counter.calls,
@@ -152,6 +158,10 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
                             [["output tok/s", fmt(results["output_tokens_per_s"]), fmt(hf.get("output_tokens_per_s")),
                               fmt(ratio, "x")]]))
     tables.append(table("roofline (whole timed run)", ["figure", "value", "note"], roofline_rows(roof)))
+    if args.compare_async:
+        report["compare_async"] = overlap.compare(engine, reqs, args.compare_repeats)
+        tables.append(overlap.compare_table(report["compare_async"], f"{len(reqs)} requests, "
+                                            f"max_num_seqs {engine.config.max_num_seqs}"))
     return report, tables
 
 
