@@ -22,8 +22,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="read each step back before scheduling the next (no host/device overlap; for debugging)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
     g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"])
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices to split the model over (multi-host: all devices of all processes)")
     g.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
+                             "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
+    d.add_argument("--coordinator-address", default=None, help="host:port of process 0's coordinator")
+    d.add_argument("--num-processes", type=int, default=None)
+    d.add_argument("--process-id", type=int, default=None)
 
 
 def engine_kwargs(args) -> dict:
@@ -69,11 +75,26 @@ def _run_generate(args, chat: bool) -> None:
     else:
         outs = llm.generate(list(args.prompt), params)
     dt = time.perf_counter() - t1
+    llm.engine.stop_followers()   # multi-host: the other processes may exit now
     for out in outs:
         print(out.outputs[0].text)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"atlasjax: {n} tokens in {dt:.2f}s ({llm.engine.runner.num_compiles} compiles, "
           f"{llm.engine.runner.compile_seconds:.1f}s of them)", file=sys.stderr)
+
+
+def _start_distributed(args) -> bool:
+    """Multi-host: initialize jax.distributed; on processes other than 0, build the engine and
+    follow process 0's steps (returns True when done). Single process: nothing (returns False)."""
+    from atlasjax import distributed
+    distributed.initialize(distributed.DistributedConfig.from_env(args.coordinator_address, args.num_processes,
+                                                                  args.process_id))
+    if not distributed.is_multiprocess() or distributed.is_leader():
+        return False
+    from atlasjax.engine import LLMEngine
+    from atlasjax.engine_config import EngineConfig
+    LLMEngine(EngineConfig(**engine_kwargs(args))).follow()
+    return True
 
 
 def main(argv=None) -> int:
@@ -97,6 +118,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from atlasjax.errors import AtlasJaxError
     try:
+        if _start_distributed(args):
+            return 0   # a follower process: it replayed process 0's steps until process 0 finished
         if args.command == "serve":
             from serving.cli import serve
             return serve(args) or 0

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import metrics
+from atlasjax import distributed, metrics
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.outputs import Logprob, StreamDelta
@@ -81,7 +81,7 @@ class LLMEngine:
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
-        num_pages = config.num_pages or self._auto_num_pages()
+        num_pages = distributed.broadcast_int(config.num_pages or self._auto_num_pages())   # all hosts agree
         pages_per_seq = -(-self.max_model_len // config.page_size)
         if num_pages < pages_per_seq:
             raise EngineConfigError(
@@ -94,6 +94,11 @@ class LLMEngine:
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
                                   attn_backend=config.attention_backend, plan=self.loaded.plan)
+        self._channel = None
+        if distributed.is_multiprocess():   # process 0 drives; the others replay its steps (`follow`)
+            self._channel = distributed.StepChannel()
+            if distributed.is_leader():
+                self.runner = distributed.BroadcastingRunner(self.runner, self._channel)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
         self.requests: dict[str, list[Request]] = {}   # request id -> its n sequences
         self._detok: dict[Request, IncrementalDetokenizer] = {}
@@ -107,7 +112,7 @@ class LLMEngine:
         plan = self.loaded.plan   # under tensor parallelism each device holds its KV heads' share of a page
         kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
         bytes_per_page = 2 * cfg.num_layers * kv_heads * ps * cfg.head_dim * jnp.dtype(self.dtype).itemsize
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             reserve = 4 * self.config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)  # logits, sampling, activations
@@ -115,6 +120,19 @@ class LLMEngine:
         # No device memory statistics (CPU): room for every slot at full length, at most 2 GiB.
         want = self.config.max_num_seqs * -(-self.max_model_len // ps)
         return max(1, min(want, (2 << 30) // bytes_per_page))
+
+    # ---- multi-host (atlasjax/distributed.py)
+    def follow(self) -> None:
+        """On a process other than 0: run process 0's device steps until it stops the followers."""
+        if self._channel is None or distributed.is_leader():
+            raise EngineConfigError("follow() is for processes other than 0 of a multi-host run")
+        distributed.follow(self.runner, self._channel)
+
+    def stop_followers(self) -> None:
+        """On process 0: let the other processes' `follow()` return (call once, when done)."""
+        if self._channel is not None and distributed.is_leader():
+            self.runner.stop_followers()
+            self._channel = None
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -105,6 +105,7 @@ def serve(args) -> int:
         server.run(sockets=[sock])
     finally:
         llm.shutdown(drain=True, timeout=args.graceful_timeout)
+        llm.engine.stop_followers()   # multi-host: the other processes may exit now
         sock.close()
     print("atlasjax: server stopped", file=sys.stderr, flush=True)
     return 0

@@ -1,0 +1,72 @@
+"""Multi-host on one machine: two processes on loopback (2 CPU devices each, gloo collectives) run
+the documented CLI launch; process 0's output equals a single-process, single-device run."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.server_util import tiny_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2", "--max-tokens", "12",
+        "--max-num-batched-tokens", "32"]
+PROMPTS = ["The capital of France is", "One two three four five six seven eight nine ten eleven twelve"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=ROOT, **extra)
+    return env
+
+
+def _without_gloo_lines(stdout: str) -> str:
+    """gloo (CPU collectives) prints its connection log to stdout from C++."""
+    return "".join(line for line in stdout.splitlines(keepends=True) if not line.startswith("[Gloo]"))
+
+
+def _generate(model, *extra, env):
+    return subprocess.Popen([sys.executable, "-m", "atlasjax", "generate", "--model", model, *ARGS, *extra, *PROMPTS],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory)
+
+
+def test_two_processes_tensor_parallel_equal_one_device(model_dir):
+    single = _generate(model_dir, env=_env(1))
+    want, err = single.communicate(timeout=300)
+    assert single.returncode == 0, err[-2000:]
+    port = _free_port()
+    procs = [_generate(model_dir, "--tensor-parallel-size", "4", env=_env(2, ATLASJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                                           ATLASJAX_NUM_PROCESSES="2",
+                                                                           ATLASJAX_PROCESS_ID=str(i)))
+             for i in range(2)]
+    results = []
+    for p in procs:
+        try:
+            results.append(p.communicate(timeout=400))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a multi-host process hung")
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    leader_out, follower_out = (_without_gloo_lines(r[0]) for r in results)
+    assert leader_out == want and want.strip()
+    assert follower_out == ""   # only process 0 answers
+
+
+def test_process_id_without_count_is_a_clear_error(model_dir):
+    p = _generate(model_dir, env=_env(1, ATLASJAX_COORDINATOR_ADDRESS="127.0.0.1:1", ATLASJAX_PROCESS_ID="0"))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "number of processes" in err
