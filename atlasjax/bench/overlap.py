@@ -3,14 +3,17 @@
 `timed_run` submits every request at once (greedy, ignore_eos, so each makes exactly its output
 length) and steps the engine until all finish, timing each `step()` call. `compare` runs it with
 async scheduling off and on, alternately, emptying the prefix cache between runs so every run
-computes the same prompts. Per step (wall time / steps scheduled): the part the engine thread
-spent blocked reading outputs back (waiting for the device) and the rest (host work: scheduling,
-packing, dispatch, detokenization, stop checks). Synchronous: step = host + device. Overlapped:
-step ~ max(host, device), and the wait shrinks by the host work it hides.
+computes the same prompts. Per step (wall time / steps scheduled; also the median `step()` call,
+a decode step when outputs are long): the part the engine thread spent blocked reading outputs
+back (waiting for the device) and the rest (host work: scheduling, packing, dispatch,
+detokenization, stop checks). Synchronous: step = host + device. Overlapped: step ~ max(host,
+device), and the wait shrinks by the host work it hides.
 """
 from __future__ import annotations
 
 import time
+
+import numpy as np
 
 from atlasjax.bench.presets import progress
 from atlasjax.bench.report import fmt, summarize, table
@@ -61,7 +64,8 @@ def timed_run(engine, reqs: list[tuple[list[int], int]], tag: str,
 
 
 def compare(engine, reqs, repeats: int = 1) -> dict:
-    """Alternate off / on `repeats` times; per-mode means of the figures, and whether outputs agree."""
+    """Alternate off / on `repeats` times; per-mode medians of the figures (a run disturbed by other work
+    on the machine does not move them), every run's figures, and whether all outputs agree."""
     runs, outputs = {False: [], True: []}, []
     counter = _ScheduledSteps(engine.scheduler)
     engine.pool.reset_prefix_cache()
@@ -75,10 +79,13 @@ def compare(engine, reqs, repeats: int = 1) -> dict:
             outputs.append(out)
     engine.async_scheduling = engine.config.async_scheduling
 
-    def mean(mode, key):
-        return sum(f[key] for f in runs[mode]) / len(runs[mode])
-    keys = ("mean_step_s", "host_per_step_s", "wait_per_step_s", "output_tokens_per_s", "num_steps")
-    summary = {f"{k}_{'on' if m else 'off'}": mean(m, k) for k in keys for m in (False, True)}
+    def median(mode, key):
+        return float(np.median([f[key] for f in runs[mode]]))
+    for fig in runs[False] + runs[True]:
+        fig["median_step_call_s"] = fig["step_call_s"]["median"]
+    keys = ("mean_step_s", "median_step_call_s", "host_per_step_s", "wait_per_step_s", "output_tokens_per_s",
+            "num_steps")
+    summary = {f"{k}_{'on' if m else 'off'}": median(m, k) for k in keys for m in (False, True)}
     summary["step_time_ratio_on_over_off"] = summary["mean_step_s_on"] / summary["mean_step_s_off"]
     summary["outputs_identical"] = all(o == outputs[0] for o in outputs)
     return dict(summary=summary, runs={"off": runs[False], "on": runs[True]}, repeats=repeats)
@@ -89,10 +96,11 @@ def compare_table(c: dict, label: str) -> str:
     rows = [[name, fmt(s[f"{key}_off"], "", scale), fmt(s[f"{key}_on"], "", scale),
              fmt(s[f"{key}_on"] / s[f"{key}_off"] if s[f"{key}_off"] else None, "x")]
             for name, key, scale in (("time per step (ms)", "mean_step_s", 1e3),
+                                     ("  median step() call (ms)", "median_step_call_s", 1e3),
                                      ("  host work per step (ms)", "host_per_step_s", 1e3),
                                      ("  blocked on read-back per step (ms)", "wait_per_step_s", 1e3),
                                      ("output tok/s", "output_tokens_per_s", 1),
                                      ("steps scheduled", "num_steps", 1))]
     rows.append(["outputs identical", "", "", "yes" if s["outputs_identical"] else "NO"])
-    return table(f"async scheduling off vs on: {label} (mean of {c['repeats']} run(s) each)",
+    return table(f"async scheduling off vs on: {label} (median of {c['repeats']} run(s) each)",
                  ["figure", "off", "on", "on / off"], rows)
