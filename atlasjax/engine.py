@@ -36,7 +36,7 @@ from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request, Status
 from atlasjax.runner import ModelRunner, StepOutput
-from atlasjax.sampling import pack_rows
+from atlasjax.sampling import pack_rows, plan_rows
 from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.tokenizer import IncrementalDetokenizer
@@ -299,7 +299,7 @@ class LLMEngine:
         f, ints = pack_rows(rows, s)
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.tokens for o in (prev.prefill, prev.decode))
-        return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens)
+        return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens, plan_rows(rows))
 
     # ---- results
     def _arrays_to_read(self, step: _Launched) -> list[jax.Array]:

@@ -44,7 +44,8 @@ class StepOutput:
     prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
 
 
-def _decode_step(model: Transformer, params, state: DeviceState, tokens, page_table, seq_lens, st, prev_prefill_tokens,
+def _decode_step(model: Transformer, plan: sampling.SamplingPlan, params, state: DeviceState, tokens, page_table,
+                 seq_lens, st, prev_prefill_tokens,
                  prev_decode_tokens):
     # [S] tokens at position seq_lens - 1 of each slot; seq_lens == 0 marks an inactive slot. A token
     # -1 - r stands for row r of the previous step's sampled tokens (its prefill's [S], then its decode's
@@ -60,7 +61,7 @@ def _decode_step(model: Transformer, params, state: DeviceState, tokens, page_ta
     hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     rows = jnp.arange(tokens.shape[0])
-    new_tokens, lp, tv, ti = sampling.sample(logits, state.counts, state.prompt_mask, st)
+    new_tokens, lp, tv, ti = sampling.sample(logits, state.counts, state.prompt_mask, st, plan)
     counts = state.counts.at[rows, new_tokens].add((seq_lens > 0).astype(jnp.int32))
     return DeviceState(kv, counts, state.prompt_mask), StepOutput(new_tokens, lp, tv, ti)
 
@@ -141,7 +142,8 @@ class ModelRunner:
         self.num_compiles += 1
         self.compile_seconds += dt
         # One structured (JSON) line per compile, so logs can be counted and grepped.
-        log.info("compile %s", json.dumps({"step": key[0], "shape": list(key[1:]), "seconds": round(dt, 3),
+        shape = [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
+        log.info("compile %s", json.dumps({"step": key[0], "shape": shape, "seconds": round(dt, 3),
                                            "num_compiles": self.num_compiles}))
         if self.plan is not None:
             compiled = functools.partial(self._call_on_mesh, compiled)
@@ -176,13 +178,15 @@ class ModelRunner:
         return sampling.SamplingTensors(self._host(f), self._host(i))
 
     # ---- steps (all asynchronous: they return device arrays)
-    def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None)) -> StepOutput:
+    def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
+               plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
         """prev_tokens: the previous step's sampled tokens (prefill, decode; device arrays or None) that
         negative entries of `tokens` point into (see _decode_step)."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
         args = (self.params, self.state, self._host(tokens), self._host(page_table), self._host(seq_lens),
                 self._st(f, i), *prev)
-        step = self._compile(("decode", self.max_num_seqs), functools.partial(_decode_step, self.model), (1,), *args)
+        step = self._compile(("decode", self.max_num_seqs, plan), functools.partial(_decode_step, self.model, plan),
+                             (1,), *args)
         self.state, out = step(*args)
         return out
 
@@ -205,8 +209,9 @@ class ModelRunner:
         s, p = self.max_num_seqs, self.pages_per_seq
         f, i = sampling.pack_rows([], s)
         z = functools.partial(np.zeros, dtype=np.int32)
-        self._compile(("decode", s), functools.partial(_decode_step, self.model), (1,), self.params, self.state,
-                      z(s), z((s, p)), z(s), self._st(f, i), z(s), z(s))
+        for plan in sampling.SamplingPlan.variants():
+            self._compile(("decode", s, plan), functools.partial(_decode_step, self.model, plan), (1,), self.params,
+                          self.state, z(s), z((s, p)), z(s), self._st(f, i), z(s), z(s))
         for t in self.prefill_buckets:
             args = (self.params, self.state, z(t), z(t), z(t), z((s, p)), z(s), z(s + 1), np.int32(0), z(s), z(s),
                     np.zeros(s, bool), z(t), self._st(f, i))

@@ -2,10 +2,15 @@
 
 Order per row: raw logprobs (reported) -> repetition / frequency / presence penalties ->
 min_tokens masking of stop ids -> greedy argmax, or temperature, top-k / top-p / min-p
-filtering and a seeded Gumbel-max draw. The sort needed by the filters runs only when some row
-uses one (lax.cond), and top-k logprobs only when some row asks for them.
+filtering and a seeded Gumbel-max draw.
+
+There is no data-dependent branch (a `lax.cond` makes the GPU runtime copy its predicate to the
+host and wait, which stalls dispatch). Instead the host picks a static `SamplingPlan` per step
+from its rows: the common all-greedy step is a bare argmax; anything else runs every stage.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -18,6 +23,33 @@ from atlasjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingP
 F_TEMP, F_TOP_P, F_MIN_P, F_PRES, F_FREQ, F_REP = range(6)
 I_TOP_K, I_SEED, I_STEP, I_LOGPROBS, I_MIN_TOKENS = range(5)
 NUM_F, NUM_I = 6, 5 + MAX_STOP_TOKEN_IDS
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingPlan:
+    """What a step's sampling must compute (static: one compiled variant per plan)."""
+    greedy: bool = False     # every row greedy, no penalties, no min_tokens blocking: argmax only
+    logprobs: bool = True    # some row wants logprobs (chosen token's and top-K)
+
+    @staticmethod
+    def variants() -> tuple[SamplingPlan, ...]:
+        return (SamplingPlan(True, False), SamplingPlan(True, True), FULL)
+
+
+FULL = SamplingPlan(False, True)
+
+
+def plan_rows(rows: list[tuple[SamplingParams, int, int, tuple[int, ...]] | None]) -> SamplingPlan:
+    """Host side: the cheapest plan that serves every row exactly."""
+    greedy, logprobs = True, False
+    for row in rows:
+        if row is None:
+            continue
+        p, _, step, _ = row
+        logprobs |= p.logprobs is not None
+        greedy &= (p.temperature == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0
+                   and p.presence_penalty == 0 and step >= p.min_tokens)
+    return SamplingPlan(True, logprobs) if greedy else FULL
 
 
 @flax.struct.dataclass
@@ -62,7 +94,8 @@ def _filter(logits, f, i):
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = cum_before < f[:, F_TOP_P:F_TOP_P + 1]
+    top_p = f[:, F_TOP_P:F_TOP_P + 1]
+    keep = (cum_before < top_p) | (top_p >= 1.0)   # top_p = 1 keeps all (cumsum rounding must not cut the tail)
     num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
     pth = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
     min_logit = sorted_desc[:, :1] + jnp.log(jnp.maximum(f[:, F_MIN_P:F_MIN_P + 1], 1e-30))
@@ -75,10 +108,26 @@ def _top_logprobs(logprobs):
     return vals, ids.astype(jnp.int32)
 
 
-def sample(logits, counts, prompt_mask, st: SamplingTensors):
-    """logits: [rows, vocab] f32 -> (tokens [rows], chosen logprob [rows], top vals/ids [rows, K])."""
+def _logprobs_of(logprobs, tokens):
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return (chosen, *_top_logprobs(logprobs))
+
+
+def _no_logprobs(rows):
+    return (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.int32))
+
+
+def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan = FULL):
+    """logits: [rows, vocab] f32 -> (tokens [rows], chosen logprob [rows], top vals/ids [rows, K]).
+
+    Logprobs are zeros unless `plan.logprobs`."""
     f, i = st.floats, st.ints
     rows, vocab = logits.shape
+    if plan.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        lp = _logprobs_of(jax.nn.log_softmax(logits, axis=-1), tokens) if plan.logprobs else _no_logprobs(rows)
+        return (tokens, *lp)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = apply_penalties(logits, counts, prompt_mask, f)
     # min_tokens: stop ids may not be chosen yet
@@ -89,18 +138,12 @@ def sample(logits, counts, prompt_mask, st: SamplingTensors):
     greedy = jnp.argmax(logits, axis=-1)
     temp = f[:, F_TEMP:F_TEMP + 1]
     scaled = logits / jnp.where(temp > 0, temp, 1.0)
-    needs_filter = jnp.any((i[:, I_TOP_K] > 0) | (f[:, F_TOP_P] < 1.0) | (f[:, F_MIN_P] > 0))
-    scaled = jax.lax.cond(needs_filter, lambda s: _filter(s, f, i), lambda s: s, scaled)
+    scaled = _filter(scaled, f, i)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(i[:, I_SEED], i[:, I_STEP])
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
     sampled = jnp.argmax(scaled + gumbel, axis=-1)
     tokens = jnp.where(f[:, F_TEMP] > 0, sampled, greedy).astype(jnp.int32)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_vals, top_ids = jax.lax.cond(
-        jnp.any(i[:, I_LOGPROBS] > 0), _top_logprobs,
-        lambda lp: (jnp.zeros((rows, MAX_LOGPROBS), jnp.float32), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32)),
-        logprobs)
-    return tokens, chosen, top_vals, top_ids
+    return (tokens, *(_logprobs_of(logprobs, tokens) if plan.logprobs else _no_logprobs(rows)))
 
 
 def prompt_logprobs(logits, next_tokens):

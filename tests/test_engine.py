@@ -149,10 +149,14 @@ def test_request_that_can_never_fit_is_rejected(model_dir):
 def test_every_compile_is_logged_as_one_structured_line(model_dir, caplog):
     import json
     import logging
+
+    from atlasjax.sampling import SamplingPlan
     caplog.set_level(logging.INFO, logger="atlasjax.compile")
     engine = _engine(model_dir)
     engine.runner.warmup()
     lines = [r.getMessage() for r in caplog.records if r.name == "atlasjax.compile"]
-    assert len(lines) == engine.runner.num_compiles == len(engine.config.prefill_buckets()) + 2
+    # decode: one per sampling plan; prefill: one per bucket; admit: one
+    num_decode = len(SamplingPlan.variants())
+    assert len(lines) == engine.runner.num_compiles == len(engine.config.prefill_buckets()) + num_decode + 1
     first = json.loads(lines[0].split(" ", 1)[1])
     assert first["step"] == "decode" and first["seconds"] > 0 and first["num_compiles"] == 1
