@@ -6,8 +6,10 @@ async scheduling off and on, alternately, emptying the prefix cache between runs
 computes the same prompts. Per step (wall time / steps scheduled; also the median `step()` call,
 a decode step when outputs are long): the part the engine thread spent blocked reading outputs
 back (waiting for the device) and the rest (host work: scheduling, packing, dispatch,
-detokenization, stop checks). Synchronous: step = host + device. Overlapped: step ~ max(host,
-device), and the wait shrinks by the host work it hides.
+detokenization, stop checks; also a dispatch that has to wait because the runtime's queue of
+computations ahead of the device is full, as when one step admits many requests: one `admit`
+computation each). Synchronous: step = host + device. Overlapped: step ~ max(host, device), and
+the wait shrinks by the host work it hides.
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ def compare_table(c: dict, label: str) -> str:
              fmt(s[f"{key}_on"] / s[f"{key}_off"] if s[f"{key}_off"] else None, "x")]
             for name, key, scale in (("time per step (ms)", "mean_step_s", 1e3),
                                      ("  median step() call (ms)", "median_step_call_s", 1e3),
-                                     ("  host work per step (ms)", "host_per_step_s", 1e3),
+                                     ("  host work + dispatch per step (ms)", "host_per_step_s", 1e3),
                                      ("  blocked on read-back per step (ms)", "wait_per_step_s", 1e3),
                                      ("output tok/s", "output_tokens_per_s", 1),
                                      ("steps scheduled", "num_steps", 1))]
