@@ -34,7 +34,7 @@ def engine(cfg, params, **kw):
     return LLMEngine(ec, loaded=LoadedModel(cfg, params, None, "random"))
 
 def decode_time(eng, bs, ctx=129, iters=30):
-    r = eng.runner; s = eng.config.max_num_seqs
+    r = eng.runner; s = eng.num_slots
     pps = -(-ctx // 16)
     tokens = np.ones(s, np.int32); pt = np.zeros((s, r.pages_per_seq), np.int32); lens = np.zeros(s, np.int32)
     for i in range(bs):

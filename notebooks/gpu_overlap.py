@@ -49,7 +49,7 @@ def make_engine(loaded, args, bs: int) -> LLMEngine:
 
 def device_step_s(engine, bs: int, ctx: int, iters: int = 30) -> float:
     """The decode step alone, dispatched back to back (inputs as the engine passes them, no read-back)."""
-    r, s = engine.runner, engine.config.max_num_seqs
+    r, s = engine.runner, engine.num_slots
     pps = -(-ctx // 16)
     tokens, lens = np.ones(s, np.int32), np.zeros(s, np.int32)
     pt = np.zeros((s, r.pages_per_seq), np.int32)
