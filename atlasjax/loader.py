@@ -127,7 +127,7 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[NamedTensor], dtype,
     expected = nn.unbox(abstract_params(cfg, dtype))
     flat_expected = {path: leaf for path, leaf in _flatten(expected)}
     if plan is not None:
-        from atlasjax.sharding import InMemory, logical_axes  # noqa: PLC0415
+        from atlasjax.sharding import logical_axes  # noqa: PLC0415
         logical = dict(_flatten(logical_axes(cfg, dtype)))
     params: dict = {}
     loaded: set = set()
@@ -152,7 +152,7 @@ def assemble_params(cfg: ModelConfig, tensors: Iterator[NamedTensor], dtype,
         value = _materialize(name, read(), want, transpose, dtype, path, convert)
         if plan is not None:
             value = (plan.place_quantized(value, logical[path]) if is_quantized(value)
-                     else plan.place_array(logical[path], InMemory(np.asarray(value)), False, dtype))
+                     else plan.place_array(logical[path], TensorReader(value.shape, lambda v=value: v), False, dtype))
         _set(params, path, value)
         loaded.add(path)
     missing = [p for p in flat_expected if p not in loaded]

@@ -45,8 +45,7 @@ class StepOutput:
 
 
 def _decode_step(model: Transformer, plan: sampling.SamplingPlan, params, state: DeviceState, tokens, page_table,
-                 seq_lens, st, prev_prefill_tokens,
-                 prev_decode_tokens):
+                 seq_lens, st, prev_prefill_tokens, prev_decode_tokens):
     # [S] tokens at position seq_lens - 1 of each slot; seq_lens == 0 marks an inactive slot. A token
     # -1 - r stands for row r of the previous step's sampled tokens (its prefill's [S], then its decode's
     # [S]), still on the device: the host schedules this step before reading those back.
@@ -156,7 +155,8 @@ class ModelRunner:
         if self.plan is None:
             return tree
         leaves, treedef = jax.tree.flatten(tree)
-        host = [i for i, x in enumerate(leaves) if not (isinstance(x, jax.Array) and x.sharding.device_set == self._mesh_devices)]
+        host = [i for i, x in enumerate(leaves)
+                if not (isinstance(x, jax.Array) and x.sharding.device_set == self._mesh_devices)]
         for i, x in zip(host, jax.device_put([leaves[i] for i in host], self.plan.replicated)):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
@@ -166,7 +166,8 @@ class ModelRunner:
         return set(self.plan.mesh.devices.flat)
 
     def _call_on_mesh(self, compiled, *args):
-        return compiled(*self._on_mesh(args))
+        # params and device state are on the mesh already (and large): only the host inputs move
+        return compiled(*(a if a is self.params or a is self.state else self._on_mesh(a) for a in args))
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.prefill_buckets:

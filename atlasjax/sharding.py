@@ -114,6 +114,10 @@ class TensorParallel:
     def spec(self, logical: tuple[str, ...]) -> P:
         return P(*nn.logical_to_mesh_axes(logical, LOGICAL_AXIS_RULES))
 
+    def split_dim(self, logical: tuple[str, ...]) -> int | None:
+        """The dimension split over the mesh (the rules split at most one per tensor), or None."""
+        return next((i for i, axis in enumerate(self.spec(logical)) if axis is not None), None)
+
     def global_shape(self, logical: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
         """The placed (possibly widened / padded) shape of a checkpoint tensor of `shape`."""
         out = list(shape)
@@ -144,11 +148,9 @@ class TensorParallel:
         start, stop)`, where present, reads a slice (safetensors); otherwise the tensor is read
         whole once on the host and sliced there.
         """
-        spec = self.spec(logical)
-        split = [i for i, axis in enumerate(spec) if axis is not None]
-        if not split:
+        dim = self.split_dim(logical)
+        if dim is None:
             return jax.device_put(_read(reader, transpose).astype(dtype), self.replicated)
-        dim = split[0]
         src_dim = len(logical) - 1 - dim if transpose else dim
         full = reader.shape[src_dim]
         shape = self.global_shape(logical, tuple(reader.shape[::-1] if transpose else reader.shape))
@@ -167,17 +169,16 @@ class TensorParallel:
                 pad[dim] = (0, local - part.shape[dim])
                 part = np.pad(part, pad)
             return part.astype(dtype)
-        return jax.make_array_from_callback(shape, NamedSharding(self.mesh, spec), callback)
+        return jax.make_array_from_callback(shape, NamedSharding(self.mesh, self.spec(logical)), callback)
 
     def place_quantized(self, qw, logical: tuple[str, ...]):
         """Split a QuantizedWeight [K, N] along its split axis into one QuantizedWeight per device,
         stored stacked on a leading device axis (each device holds its own, unpadded-between, copy)."""
         from atlasjax.quantization import slice_quantized  # noqa: PLC0415
-        split = [i for i, axis in enumerate(self.spec(logical)) if axis is not None]
-        if not split:
+        dim = self.split_dim(logical)
+        if dim is None:
             raise EngineConfigError(f"a replicated quantized weight {logical} is not supported under tensor "
                                     "parallelism")
-        dim = split[0]
 
         @functools.cache
         def shard(d: int):
@@ -202,7 +203,8 @@ class TensorParallel:
                 return {k: walk(v, logical[k]) for k, v in node.items()}
             if is_quantized(node):
                 return self.place_quantized(node, logical)
-            return self.place_array(logical, InMemory(node), False, node.dtype)
+            from atlasjax.loader import TensorReader  # noqa: PLC0415
+            return self.place_array(logical, TensorReader(node.shape, lambda: node), False, node.dtype)
         return walk(params, logical_tree)
 
     # ---- shard_map
@@ -220,16 +222,6 @@ class TensorParallel:
 def _read(reader, transpose: bool) -> np.ndarray:
     array = np.asarray(reader())
     return array.T if transpose else array
-
-
-class InMemory:
-    """A tensor reader over an array already in memory."""
-    def __init__(self, array):
-        self.array = array
-        self.shape = tuple(array.shape)
-
-    def __call__(self):
-        return self.array
 
 
 def local_params(params):
@@ -263,8 +255,10 @@ class ShardedModel:
                              check_vma=False)(variables, args)
 
 
+@functools.cache
 def logical_axes(cfg, dtype) -> dict:
-    """path tree -> logical axis names of every parameter (from the model's own annotations)."""
+    """path tree -> logical axis names of every parameter (from the model's own annotations).
+    Cached: loading, the runner and presets all ask for it; callers must not mutate it."""
     from models.transformer import abstract_params  # noqa: PLC0415
     boxed = abstract_params(cfg, dtype)
     return jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
