@@ -1,4 +1,4 @@
-"""The flash-attention inner step shared by the paged decode and ragged prefill kernels.
+"""The flash-attention pieces shared by the paged decode and ragged prefill kernels.
 
 Scores are in base 2 (the caller folds sm_scale * log2(e) into one multiply); the running row max
 `m`, row sum `l` and output accumulator `acc` are f32 registers of a 64-row wgmma tile.
@@ -37,3 +37,14 @@ def pv_product(p, v_tile, p_smem, rows: int, head_dim: int):
             plgpu.wgmma(acc_ref, p_smem, v_tile)
         return acc_ref[...]
     return pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
+
+
+def kv_pipeline_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, transforms, pages_per_block: int,
+                        rows: int, p_in_smem: bool) -> tuple:
+    """Scoped scratch of the K/V pipeline, in `attend`'s argument order: K and V stage buffers
+    [num_stages, block_kv, head_dim], their TMA barriers (one arrival per page of a block), and
+    the P tile in shared memory where wgmma needs it (interpret mode)."""
+    buffers = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms)
+    barriers = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages)
+    p_tile = [plgpu.SMEM((rows, block_kv), dtype, transforms=transforms)] if p_in_smem else []
+    return (buffers, buffers, barriers, barriers, *p_tile)

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.online_softmax import online_softmax_update, pv_product
+from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
 
 _ROWS = 64  # wgmma M: the query heads of one KV head are padded to one 64-row tile
 _LOG2E = math.log2(math.e)
@@ -93,11 +93,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *,
 
     acc, m_i, l_i = pl.run_scoped(
         functools.partial(attend, q_smem),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
-        *([plgpu.SMEM((_ROWS, block_kv), dtype, transforms=transforms)] if p_in_smem else []),
+        *kv_pipeline_scratch(num_stages, block_kv, head_dim, dtype, transforms, pages_per_block, _ROWS, p_in_smem),
     )
     # Inactive or empty splits: acc == 0 and l == 0, so the output is 0 and the lse -inf.
     out = acc / lax.broadcast_in_dim(jnp.maximum(l_i, 1e-30), acc.shape, [0])

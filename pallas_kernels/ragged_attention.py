@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.online_softmax import online_softmax_update, pv_product
+from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
 
 _ROWS = 64  # wgmma M
 _LOG2E = math.log2(math.e)
@@ -94,11 +94,7 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, *, group, pa
 
     acc, _, l_i = pl.run_scoped(
         functools.partial(attend, q_smem),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
-        *([plgpu.SMEM((_ROWS, block_kv), dtype, transforms=transforms)] if p_in_smem else []),
+        *kv_pipeline_scratch(num_stages, block_kv, head_dim, dtype, transforms, pages_per_block, _ROWS, p_in_smem),
     )
     out = acc / lax.broadcast_in_dim(jnp.maximum(l_i, 1e-30), acc.shape, [0])
     q_smem[...] = out.astype(q_smem.dtype)  # q is consumed: reuse its tile for the output
