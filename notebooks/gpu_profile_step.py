@@ -1,0 +1,155 @@
+"""GPU: where one decode step's time goes (Llama-3.1-8B shapes, random weights, bs=1).
+
+Runs engine steps in steady state (async scheduling, tokens read back each step, as the bench does),
+then a `jax.profiler` trace of STEPS steps, and reports per step: wall time, GPU busy time (union of
+kernel intervals), idle time between kernels, kernel count, and the kernels grouped by name.
+The same decode step dispatched back to back with inputs already on the device gives the floor.
+
+  JAX_PLATFORMS=cuda QUANT=int8 python notebooks/gpu_profile_step.py   (QUANT empty: bf16)
+Writes $OUT/profile_<quant or bf16><TAG>.json.
+"""
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from atlasjax.bench.presets import load_preset
+from atlasjax.engine import LLMEngine
+from atlasjax.engine_config import EngineConfig
+from atlasjax.sampling_params import SamplingParams
+
+OUT = os.environ.get("OUT", "/tmp")
+QUANT = os.environ.get("QUANT") or None
+PRESET = os.environ.get("PRESET", "llama-3.1-8b")
+BS = int(os.environ.get("BS", "1"))
+STEPS = 10
+NAME = f"profile_{QUANT or 'bf16'}_bs{BS}{os.environ.get('TAG', '')}"
+res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT, "bs": BS,
+       "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def log(key, value):
+    res[key] = value
+    print(key, json.dumps(value), flush=True)
+    with open(f"{OUT}/{NAME}.json", "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def category(name):
+    n = name.lower()
+    for cat, pat in (("gemm", r"gemm|gemv|cublas|cutlass|xmma|matmul|dot|sm90"), ("attention", r"attention|paged"),
+                     ("quantized_matmul", r"quant|dequant"), ("memcpy", r"memcpy|memset"),
+                     ("reduce_fusion", r"reduce"), ("scatter", r"scatter|dynamic.update"), ("fusion", r"fusion")):
+        if re.search(pat, n):
+            return cat
+    return "other"
+
+
+def analyse(trace_dir, steps):
+    files = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+    with gzip.open(sorted(files)[-1]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = [e for e in events if e.get("ph") == "X" and "dur" in e
+           and ("gpu" in names.get(e["pid"], "").lower() or "/device" in names.get(e["pid"], "").lower())]
+    if not gpu:
+        return {"error": "no GPU events", "processes": sorted(set(names.values()))[:20]}
+    gpu.sort(key=lambda e: e["ts"])
+    busy, end = 0.0, None
+    gaps = []
+    for e in gpu:
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if end is None or s >= end:
+            if end is not None:
+                gaps.append(s - end)
+            busy += e["dur"]
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    span = end - gpu[0]["ts"]
+    by_name = collections.Counter()
+    count = collections.Counter()
+    by_cat = collections.Counter()
+    for e in gpu:
+        by_name[e["name"][:90]] += e["dur"]
+        count[e["name"][:90]] += 1
+        by_cat[category(e["name"])] += e["dur"]
+    big_gaps = sorted(gaps, reverse=True)[:12]
+    return {"span_ms_per_step": span / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
+            "idle_ms_per_step": (span - busy) / 1e3 / steps, "kernels_per_step": len(gpu) / steps,
+            "gaps_over_5us_per_step": sum(1 for g in gaps if g > 5) / steps,
+            "gap_ms_over_5us_per_step": sum(g for g in gaps if g > 5) / 1e3 / steps,
+            "largest_gaps_us": [round(g, 1) for g in big_gaps],
+            "by_category_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in by_cat.most_common()},
+            "top_kernels": [(n, count[n] / steps, round(d / 1e3 / steps, 4)) for n, d in by_name.most_common(40)]}
+
+
+t0 = time.perf_counter()
+loaded = load_preset(PRESET, jnp.bfloat16, QUANT, 0, 1)
+engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(BS, 8), max_model_len=1024, page_size=16,
+                                num_pages=max(BS, 8) * 16 + 8, max_num_batched_tokens=512), loaded)
+log("load_s", round(time.perf_counter() - t0, 1))
+rng = np.random.default_rng(0)
+params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+for i in range(BS):
+    engine.add_request(f"r{i}", rng.integers(0, engine.model_config.vocab_size, 128).tolist(), params)
+reqs = [engine.requests[f"r{i}"][0] for i in range(BS)]
+while not all(len(r.output_token_ids) >= 2 for r in reqs):
+    engine.step()
+for _ in range(8):
+    engine.step()
+times = []
+for _ in range(40):
+    t = time.perf_counter()
+    engine.step()
+    times.append(time.perf_counter() - t)
+log("engine_step_ms", {"median": 1e3 * float(np.median(times)), "p10": 1e3 * float(np.percentile(times, 10)),
+                       "p90": 1e3 * float(np.percentile(times, 90))})
+
+# Host cost of one step without the device: time spent in engine.step() minus time blocked on the read-back
+# is not separable here; instead, dispatch the compiled decode back to back with device inputs (the floor).
+r = engine.runner
+s = engine.num_slots
+step_fn = next(v for k, v in r._compiled.items() if k[0] == "decode" and k[2].greedy and not k[2].logprobs)
+pt = np.zeros((s, r.pages_per_seq), np.int32)
+pt[:, :9] = np.arange(9 * s).reshape(s, 9)
+lens = np.zeros(s, np.int32)
+lens[:BS] = 140
+from atlasjax.sampling import pack_rows  # noqa: E402
+
+f, i = pack_rows([(SamplingParams(temperature=0), 0, 0, ())] * BS, s)
+dev = [jnp.asarray(x) for x in (np.ones(s, np.int32), pt, lens)]
+st = r._st(f, i)
+z = jnp.zeros((s,), jnp.int32)
+
+
+def floor_steps(n):
+    for _ in range(n):
+        r.state, out = step_fn(r.params, r.state, *dev, st, z, z)
+    return out
+
+
+jax.block_until_ready(floor_steps(3))
+t = time.perf_counter()
+jax.block_until_ready(floor_steps(30))
+log("device_inputs_back_to_back_ms", 1e3 * (time.perf_counter() - t) / 30)
+
+jax.profiler.start_trace("/tmp/trace_floor", create_perfetto_trace=True)
+jax.block_until_ready(floor_steps(STEPS))
+jax.profiler.stop_trace()
+log("floor_trace", analyse("/tmp/trace_floor", STEPS))
+
+jax.profiler.start_trace("/tmp/trace_engine", create_perfetto_trace=True)
+for _ in range(STEPS):
+    engine.step()
+jax.profiler.stop_trace()
+log("engine_trace", analyse("/tmp/trace_engine", STEPS))
