@@ -76,6 +76,7 @@ class LLMEngine:
         from atlasjax.model_source import load_for_engine, shard_loaded  # noqa: PLC0415
         self.config = config
         self.dtype = resolve_dtype(config.dtype)
+        given = loaded
         self.loaded = shard_loaded(loaded or load_for_engine(config, self.dtype), config.tensor_parallel_size,
                                    self.dtype)
         self.model_config = cfg = self.loaded.config
@@ -93,10 +94,15 @@ class LLMEngine:
         # Rows of the fixed-shape steps: at least 8 on GPU, where XLA runs a one-row matmul as a much
         # slower matrix-vector kernel (8B bs=1 step on an H100: 7.8 ms with 1 row, 6.0 ms with 8).
         self.num_slots = max(config.max_num_seqs, 8 if jax.default_backend() == "gpu" else 1)
-        self.runner = ModelRunner(cfg, self.loaded.params, dtype=self.dtype, num_pages=num_pages,
+        # The runner holds the params from here on (in its execution layout: `runner.checkpoint_params()`
+        # gives them back as loaded); a tree this engine loaded or sharded itself is handed over whole.
+        params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
+        self.runner = ModelRunner(cfg, params, dtype=self.dtype, num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=self.num_slots,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
-                                  attn_backend=config.attention_backend, plan=self.loaded.plan)
+                                  attn_backend=config.attention_backend, plan=self.loaded.plan,
+                                  own_params=given is None or params is not given.params)
+        del params
         self._channel = None
         if distributed.is_multiprocess():   # process 0 drives; the others replay its steps (`follow`)
             self._channel = distributed.StepChannel()

@@ -1,6 +1,7 @@
 """`LLM`: the offline, synchronous API (vLLM-like) over the continuous-batching engine."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 
@@ -39,7 +40,8 @@ class LLM:
     def save(self, directory: str) -> None:
         """Write the loaded (possibly quantized) params + tokenizer so `LLM(directory)` loads them directly."""
         from atlasjax.checkpoint import save_checkpoint  # noqa: PLC0415
-        save_checkpoint(self.engine.loaded, directory)
+        engine = self.engine
+        save_checkpoint(dataclasses.replace(engine.loaded, params=engine.runner.checkpoint_params()), directory)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax import sampling
+from atlasjax.sharding import TP_AXIS
 from models.attention import AttentionMetadata
+from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
 from models.transformer import Transformer, init_kv_cache
 
 log = logging.getLogger("atlasjax.compile")
@@ -99,14 +101,17 @@ class ModelRunner:
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
     def __init__(self, cfg, params, *, dtype, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_model_len: int, prefill_buckets: tuple[int, ...], attn_backend: str = "auto", plan=None):
-        """plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1)."""
+                 max_model_len: int, prefill_buckets: tuple[int, ...], attn_backend: str = "auto", plan=None,
+                 own_params: bool = False):
+        """plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
+        own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
         self.cfg = cfg
         self.plan = plan
         # Host inputs: on one device, transferred as they are passed; under TP, kept on the host
         # until `_on_mesh` sends them all to every device in one batched transfer.
         self._host = jnp.asarray if plan is None else np.asarray
-        self.params = params
+        # Executed with fused q/k/v and gate/up projections (models/fused.py).
+        self.params = fuse_projections(params, *(() if plan is None else (plan.mesh, TP_AXIS)), in_place=own_params)
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_num_seqs = max_num_seqs
@@ -122,7 +127,8 @@ class ModelRunner:
             # split over KV heads; host inputs and the per-slot sampling state are replicated.
             from atlasjax.sharding import ShardedModel, logical_axes  # noqa: PLC0415
             local = Transformer(cfg, attn_backend=attn_backend, dtype=dtype, parallel=plan.parallel)
-            self.model = ShardedModel(local, plan, plan.param_specs(params, logical_axes(cfg, dtype)))
+            logical = fuse_logical_axes(logical_axes(cfg, dtype), self.params)
+            self.model = ShardedModel(local, plan, plan.param_specs(self.params, logical))
             kv = jax.jit(functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, plan.num_kv_heads),
                          out_shardings=plan.kv_sharding)()
         self.state = DeviceState(kv=kv, **self._on_mesh(dict(counts=jnp.zeros((max_num_seqs, vocab), jnp.int32),
@@ -130,6 +136,13 @@ class ModelRunner:
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self._compiled: dict = {}
+
+    def checkpoint_params(self) -> dict:
+        """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        kv = (cfg.num_kv_heads if self.plan is None else self.plan.num_kv_heads) * hd
+        widths = {"qkv_proj": (cfg.num_heads * hd, kv, kv), "gate_up_proj": (cfg.intermediate_size,) * 2}
+        return unfuse_projections(self.params, widths, *(() if self.plan is None else (self.plan.mesh, TP_AXIS)))
 
     # ---- compilation
     def _compile(self, key, fn, donate, *args):

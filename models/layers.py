@@ -109,8 +109,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):  # [tokens, embed]
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
-        gate = linear(self.intermediate_size, ("embed", "mlp"), name="gate_proj")(x)
-        up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x)
+        if self.has_variable("params", "gate_up_proj"):   # the runner's fused layout (models/fused.py)
+            gate, up = jnp.split(linear(0, ("embed", "mlp"), name="gate_up_proj")(x), 2, axis=-1)
+        else:
+            gate = linear(self.intermediate_size, ("embed", "mlp"), name="gate_proj")(x)
+            up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x)
         return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)
 
 

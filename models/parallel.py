@@ -1,11 +1,12 @@
 """How a model runs when each device holds a shard of it (inside `shard_map`), without naming the mesh.
 
 `Parallel.rules` maps the logical axes that are split to the mesh axis that splits them (built by
-atlasjax/sharding.py from its rules table). The model asks three questions of it:
+atlasjax/sharding.py from its rules table). The model asks four questions of it:
 - a matmul that contracts over a split axis (row-parallel: o_proj, down_proj) holds partial sums:
   `reduce` all-reduces them (one psum per row-parallel projection);
 - a result split over its last axis that must be whole (the vocab-parallel LM head): `gather`;
-- an embedding lookup into a vocab-split table: `embed` looks up the local rows and all-reduces.
+- an embedding lookup into a vocab-split table: `embed` looks up the local rows and all-reduces;
+- how many shards an axis has (`shards`), to split a fused projection's local output.
 With no rules (one device) every method is the identity, so single-device code pays nothing.
 """
 from __future__ import annotations
@@ -22,6 +23,11 @@ class Parallel:
 
     def mesh_axis(self, logical: str | None) -> str | None:
         return dict(self.rules).get(logical)
+
+    def shards(self, logical: str) -> int:
+        """How many devices split the logical axis (1 when it is whole)."""
+        axis = self.mesh_axis(logical)
+        return 1 if axis is None else jax.lax.axis_size(axis)
 
     def reduce(self, y: jax.Array, contracted: str) -> jax.Array:
         """All-reduce partial sums of a matmul that contracted over the (split) `contracted` axis."""

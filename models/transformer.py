@@ -5,7 +5,8 @@ returns `(hidden, kv_caches)`; `.apply(..., hidden, method=Transformer.logits)` 
 Under tensor parallelism the same code runs per device on its shard (head counts come from the
 shard's weights, never from the config); `parallel` (models/parallel.py) supplies the collectives.
 Family differences are config flags (qkv bias for qwen2, per-head q/k RMSNorm for qwen3); the
-family files (llama.py, qwen2.py, qwen3.py) own checkpoint naming. Layers are unrolled (one
+family files (llama.py, qwen2.py, qwen3.py) own checkpoint naming. Projections come either as
+checkpoints name them or fused (qkv_proj, gate_up_proj: models/fused.py); the runner fuses. Layers are unrolled (one
 param subtree and one KV page pool per layer) so each layer's pool is a separate donated buffer
 that kernels read directly.
 """
@@ -36,9 +37,14 @@ class Attention(nn.Module):
         t = x.shape[0]
         hd = cfg.head_dim
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
-        q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x)
-        k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(x)
-        v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(x)
+        if self.has_variable("params", "qkv_proj"):   # the runner's fused layout (models/fused.py)
+            qkv = linear(0, ("embed", "heads"), cfg.qkv_bias, name="qkv_proj")(x)
+            nq = cfg.num_heads * hd // self.parallel.shards("heads")
+            q, k, v = jnp.split(qkv, [nq, nq + (qkv.shape[-1] - nq) // 2], axis=-1)
+        else:
+            q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x)
+            k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(x)
+            v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(x)
         q = q.reshape(t, -1, hd)   # [tokens, heads (this shard's), head_dim]
         k = k.reshape(t, -1, hd)   # [tokens, kv_heads (this shard's), head_dim]
         v = v.reshape(t, -1, hd)

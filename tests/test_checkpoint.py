@@ -15,7 +15,7 @@ def test_saved_quantized_model_loads_back_faster_with_the_same_output(default_mo
     t0 = time.perf_counter()
     again = LLM(str(tmp_path / "saved"), max_num_seqs=2, max_model_len=256)
     load_s = time.perf_counter() - t0
-    leaf = again.engine.loaded.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    leaf = again.engine.runner.checkpoint_params()["layers_0"]["self_attn"]["q_proj"]["kernel"]
     assert hasattr(leaf, "qweight") and leaf.format == "int8"
     out = again.chat(msgs, params)[0].outputs[0]
     assert out.token_ids == ref.token_ids and "Paris" in out.text

@@ -27,7 +27,7 @@ def _full_logprobs(engine, ids):
     kv = init_kv_cache(cfg, num_pages, ps, jnp.float32)
     meta = AttentionMetadata(slot_mapping=jnp.arange(n), page_table=jnp.arange(num_pages)[None],
                              seq_lens=jnp.array([n]), query_start=jnp.array([0, n]), num_seqs=jnp.array(1))
-    params = {"params": engine.loaded.params}
+    params = {"params": engine.runner.checkpoint_params()}
     hidden, _ = model.apply(params, jnp.array(ids), jnp.arange(n), kv, meta)
     return np.asarray(jax.nn.log_softmax(model.apply(params, hidden, method=Transformer.logits), axis=-1))
 
@@ -56,7 +56,7 @@ def test_mean_kl_to_the_unquantized_model(default_model_path, reference, mode):
 @pytest.mark.parametrize("kwargs", [dict(keep_gguf_quantized=True), dict(quantization="int8")], ids=["own-4bit", "int8"])
 def test_quantized_default_still_answers_paris(default_model_path, kwargs):
     llm = LLM(default_model_path, max_num_seqs=2, max_model_len=256, **kwargs)
-    leaf = llm.engine.loaded.params["layers_0"]["mlp"]["down_proj"]["kernel"]
+    leaf = llm.engine.runner.params["layers_0"]["mlp"]["down_proj"]["kernel"]
     assert hasattr(leaf, "qweight"), "projections must stay quantized on device"
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))

@@ -68,9 +68,9 @@ def test_every_big_matrix_and_the_kv_pool_are_sharded(hf_model_factory):
     params = engine.runner.params
     expect = {("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): 1}
     for i in range(2):
-        for proj, dim in (("q_proj", 1), ("k_proj", 1), ("v_proj", 1), ("o_proj", 0)):
+        for proj, dim in (("qkv_proj", 1), ("o_proj", 0)):   # the runner executes fused q/k/v and gate/up
             expect[(f"layers_{i}", "self_attn", proj, "kernel")] = dim
-        for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 0)):
+        for proj, dim in (("gate_up_proj", 1), ("down_proj", 0)):
             expect[(f"layers_{i}", "mlp", proj, "kernel")] = dim
     flat = dict(loader._flatten(params))
     for path_, leaf in flat.items():
@@ -120,7 +120,7 @@ def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path):
     prompts = _prompts(256, seed=4)   # the writer's byte vocabulary is not used: token ids go in directly
     one = _run(LLM(str(gguf_path), keep_gguf_quantized=True, **ENGINE), prompts)
     llm = LLM(str(gguf_path), keep_gguf_quantized=True, tensor_parallel_size=2, **ENGINE)   # K/2 keeps whole 32-blocks
-    assert is_quantized(llm.engine.runner.params["layers_1"]["self_attn"]["k_proj"]["kernel"])
+    assert is_quantized(llm.engine.runner.params["layers_1"]["self_attn"]["qkv_proj"]["kernel"])
     _assert_same(_run(llm, prompts), one, "GGUF Q8_0 TP=2")
 
 
