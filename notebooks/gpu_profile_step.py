@@ -29,9 +29,10 @@ OUT = os.environ.get("OUT", "/tmp")
 QUANT = os.environ.get("QUANT") or None
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 BS = int(os.environ.get("BS", "1"))
+TP = int(os.environ.get("TP", "1"))
 STEPS = 10
-NAME = f"profile_{QUANT or 'bf16'}_bs{BS}{os.environ.get('TAG', '')}"
-res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT, "bs": BS,
+NAME = f"profile_{QUANT or 'bf16'}_bs{BS}_tp{TP}{os.environ.get('TAG', '')}"
+res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT, "bs": BS, "tp": TP,
        "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
@@ -94,9 +95,9 @@ def analyse(trace_dir, steps):
 
 
 t0 = time.perf_counter()
-loaded = load_preset(PRESET, jnp.bfloat16, QUANT, 0, 1)
 engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(BS, 8), max_model_len=1024, page_size=16,
-                                num_pages=max(BS, 8) * 16 + 8, max_num_batched_tokens=512), loaded)
+                                num_pages=max(BS, 8) * 16 + 8, max_num_batched_tokens=512, tensor_parallel_size=TP),
+                   load_preset(PRESET, jnp.bfloat16, QUANT, 0, TP))
 log("load_s", round(time.perf_counter() - t0, 1))
 rng = np.random.default_rng(0)
 params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -127,9 +128,9 @@ lens[:BS] = 140
 from atlasjax.sampling import pack_rows  # noqa: E402
 
 f, i = pack_rows([(SamplingParams(temperature=0), 0, 0, ())] * BS, s)
-dev = [jnp.asarray(x) for x in (np.ones(s, np.int32), pt, lens)]
-st = r._st(f, i)
-z = jnp.zeros((s,), jnp.int32)
+dev = r._on_mesh([jnp.asarray(x) for x in (np.ones(s, np.int32), pt, lens)])   # replicated under TP
+st = r._on_mesh(r._st(f, i))
+z = r._on_mesh(jnp.zeros((s,), jnp.int32))
 
 
 def floor_steps(n):
@@ -139,6 +140,15 @@ def floor_steps(n):
 
 
 jax.block_until_ready(floor_steps(3))
+# Host cost of the runner alone: decode calls with numpy inputs (as the engine makes them), not waited on.
+plan_key = next(k[2] for k in r._compiled if k[0] == "decode" and k[2].greedy and not k[2].logprobs)
+host = [np.ones(s, np.int32), pt, lens]
+outs = []
+t = time.perf_counter()
+for _ in range(20):
+    outs.append(r.decode(*host, f, i, plan=plan_key).tokens)
+log("runner_dispatch_ms", 1e3 * (time.perf_counter() - t) / 20)
+jax.block_until_ready(outs)
 t = time.perf_counter()
 jax.block_until_ready(floor_steps(30))
 log("device_inputs_back_to_back_ms", 1e3 * (time.perf_counter() - t) / 30)
