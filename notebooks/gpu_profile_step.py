@@ -85,13 +85,20 @@ def analyse(trace_dir, steps):
         count[e["name"][:90]] += 1
         by_cat[category(e["name"])] += e["dur"]
     big_gaps = sorted(gaps, reverse=True)[:12]
+    host = collections.Counter()
+    host_n = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and "host" in names.get(e["pid"], "").lower():
+            host[e["name"][:70]] += e["dur"]
+            host_n[e["name"][:70]] += 1
     return {"span_ms_per_step": span / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
             "idle_ms_per_step": (span - busy) / 1e3 / steps, "kernels_per_step": len(gpu) / steps,
             "gaps_over_5us_per_step": sum(1 for g in gaps if g > 5) / steps,
             "gap_ms_over_5us_per_step": sum(g for g in gaps if g > 5) / 1e3 / steps,
             "largest_gaps_us": [round(g, 1) for g in big_gaps],
             "by_category_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in by_cat.most_common()},
-            "top_kernels": [(n, count[n] / steps, round(d / 1e3 / steps, 4)) for n, d in by_name.most_common(40)]}
+            "top_kernels": [(n, count[n] / steps, round(d / 1e3 / steps, 4)) for n, d in by_name.most_common(40)],
+            "top_host_events": [(n, host_n[n] / steps, round(d / 1e3 / steps, 4)) for n, d in host.most_common(40)]}
 
 
 t0 = time.perf_counter()
