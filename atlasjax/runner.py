@@ -46,8 +46,34 @@ class StepOutput:
     prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
 
 
-def _decode_step(model: Transformer, plan: sampling.SamplingPlan, params, state: DeviceState, tokens, page_table,
-                 seq_lens, st, prev_prefill_tokens, prev_decode_tokens):
+def pack_host(arrays) -> tuple[np.ndarray, tuple]:
+    """Several small host arrays (int32 / float32 / bool) as one flat int32 array, so a step's host
+    inputs cross to the device in one transfer; `unpack_host` (inside the step) undoes it."""
+    arrays = [np.asarray(a) for a in arrays]
+    layout = tuple((a.shape, a.dtype.name) for a in arrays)
+    flat = [(a.astype(np.int32) if a.dtype == np.bool_ else np.ascontiguousarray(a)).view(np.int32).ravel()
+            for a in arrays]
+    return np.concatenate(flat), layout
+
+
+def unpack_host(packed: jax.Array, layout: tuple) -> list[jax.Array]:
+    out, offset = [], 0
+    for shape, dtype in layout:
+        n = int(np.prod(shape))
+        x = packed[offset:offset + n].reshape(shape)
+        offset += n
+        if dtype == "float32":
+            x = jax.lax.bitcast_convert_type(x, jnp.float32)
+        elif dtype == "bool":
+            x = x != 0
+        out.append(x)
+    return out
+
+
+def _decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
+                 prev_prefill_tokens, prev_decode_tokens):
+    tokens, page_table, seq_lens, f, i = unpack_host(packed, layout)
+    st = sampling.SamplingTensors(f, i)
     # [S] tokens at position seq_lens - 1 of each slot; seq_lens == 0 marks an inactive slot. A token
     # -1 - r stands for row r of the previous step's sampled tokens (its prefill's [S], then its decode's
     # [S]), still on the device: the host schedules this step before reading those back.
@@ -67,9 +93,14 @@ def _decode_step(model: Transformer, plan: sampling.SamplingPlan, params, state:
     return DeviceState(kv, counts, state.prompt_mask), StepOutput(new_tokens, lp, tv, ti)
 
 
-def _prefill_step(model: Transformer, with_prompt_logprobs: bool, params, state: DeviceState, tokens, positions,
-                  slot_mapping, page_table, seq_lens, query_start, num_seqs, sample_rows, slot_ids, commit,
-                  next_tokens, st):
+PREFILL_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
+                  "sample_rows", "slot_ids", "commit", "next_tokens")
+
+
+def _prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params, state: DeviceState, packed):
+    (tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, sample_rows, slot_ids, commit,
+     next_tokens, f, i) = unpack_host(packed, layout)
+    st = sampling.SamplingTensors(f, i)
     # Packed chunks of up to S sequences: [T] tokens; logits only at each sequence's last row.
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
@@ -107,9 +138,9 @@ class ModelRunner:
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
         self.cfg = cfg
         self.plan = plan
-        # Host inputs: on one device, transferred as they are passed; under TP, kept on the host
-        # until `_on_mesh` sends them all to every device in one batched transfer.
-        self._host = jnp.asarray if plan is None else np.asarray
+        # Host inputs (one packed array per step: `pack_host`): on one device, transferred as they are
+        # passed; under TP, kept on the host until `_on_mesh` sends them to every device in one batch.
+        self._host = jax.device_put if plan is None else np.asarray
         # Executed with fused q/k/v and gate/up projections (models/fused.py).
         self.params = fuse_projections(params, *(() if plan is None else (plan.mesh, TP_AXIS)), in_place=own_params)
         self.page_size = page_size
@@ -188,19 +219,16 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest prefill bucket {self.prefill_buckets[-1]}")
 
-    def _st(self, f, i):
-        return sampling.SamplingTensors(self._host(f), self._host(i))
-
     # ---- steps (all asynchronous: they return device arrays)
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
                plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
         """prev_tokens: the previous step's sampled tokens (prefill, decode; device arrays or None) that
         negative entries of `tokens` point into (see _decode_step)."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
-        args = (self.params, self.state, self._host(tokens), self._host(page_table), self._host(seq_lens),
-                self._st(f, i), *prev)
-        step = self._compile(("decode", self.max_num_seqs, plan), functools.partial(_decode_step, self.model, plan),
-                             (1,), *args)
+        packed, layout = pack_host((tokens, page_table, seq_lens, f, i))
+        args = (self.params, self.state, self._host(packed), *prev)
+        step = self._compile(("decode", self.max_num_seqs, plan),
+                             functools.partial(_decode_step, self.model, plan, layout), (1,), *args)
         self.state, out = step(*args)
         return out
 
@@ -210,11 +238,10 @@ class ModelRunner:
 
     def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
         t = batch["tokens"].shape[0]
-        names = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
-                 "sample_rows", "slot_ids", "commit", "next_tokens")
-        args = (self.params, self.state, *(self._host(batch[n]) for n in names), self._st(f, i))
+        packed, layout = pack_host([batch[n] for n in PREFILL_INPUTS] + [f, i])
+        args = (self.params, self.state, self._host(packed))
         step = self._compile(("prefill", t, with_prompt_logprobs),
-                             functools.partial(_prefill_step, self.model, with_prompt_logprobs), (1,), *args)
+                             functools.partial(_prefill_step, self.model, with_prompt_logprobs, layout), (1,), *args)
         self.state, out = step(*args)
         return out
 
@@ -223,13 +250,15 @@ class ModelRunner:
         s, p = self.max_num_seqs, self.pages_per_seq
         f, i = sampling.pack_rows([], s)
         z = functools.partial(np.zeros, dtype=np.int32)
+        packed, layout = pack_host((z(s), z((s, p)), z(s), f, i))
         for plan in sampling.SamplingPlan.variants():
-            self._compile(("decode", s, plan), functools.partial(_decode_step, self.model, plan), (1,), self.params,
-                          self.state, z(s), z((s, p)), z(s), self._st(f, i), z(s), z(s))
+            self._compile(("decode", s, plan), functools.partial(_decode_step, self.model, plan, layout), (1,),
+                          self.params, self.state, packed, z(s), z(s))
         for t in self.prefill_buckets:
-            args = (self.params, self.state, z(t), z(t), z(t), z((s, p)), z(s), z(s + 1), np.int32(0), z(s), z(s),
-                    np.zeros(s, bool), z(t), self._st(f, i))
-            self._compile(("prefill", t, False), functools.partial(_prefill_step, self.model, False), (1,), *args)
+            packed, layout = pack_host((z(t), z(t), z(t), z((s, p)), z(s), z(s + 1), np.int32(0), z(s), z(s),
+                                        np.zeros(s, bool), z(t), f, i))
+            self._compile(("prefill", t, False), functools.partial(_prefill_step, self.model, False, layout), (1,),
+                          self.params, self.state, packed)
         self._compile(("admit", self.max_model_len), _admit, (0,), self.state, np.int32(0), z(self.max_model_len),
                       np.int32(0), np.int32(0))
 

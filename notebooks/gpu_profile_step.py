@@ -135,14 +135,15 @@ lens[:BS] = 140
 from atlasjax.sampling import pack_rows  # noqa: E402
 
 f, i = pack_rows([(SamplingParams(temperature=0), 0, 0, ())] * BS, s)
-dev = r._on_mesh([jnp.asarray(x) for x in (np.ones(s, np.int32), pt, lens)])   # replicated under TP
-st = r._on_mesh(r._st(f, i))
+from atlasjax.runner import pack_host  # noqa: E402
+
+packed = r._on_mesh(jnp.asarray(pack_host((np.ones(s, np.int32), pt, lens, f, i))[0]))   # replicated under TP
 z = r._on_mesh(jnp.zeros((s,), jnp.int32))
 
 
 def floor_steps(n):
     for _ in range(n):
-        r.state, out = step_fn(r.params, r.state, *dev, st, z, z)
+        r.state, out = step_fn(r.params, r.state, packed, z, z)
     return out
 
 
