@@ -13,11 +13,13 @@ kernel computes y.T = W.T @ x.T. Each warpgroup owns 64 output channels; per K s
 The dequantized weight never leaves registers. The [64, m_tile] result is written transposed (a
 register layout cast to WGMMA_TRANSPOSED, stored through a transposed view of a [m_tile, 64]
 shared-memory tile) and TMA-copied to y[m_slice, n_slice], so y comes out as [M_pad, N_pad] with no
-XLA transpose. K is split across a third grid axis when the N tiles alone cannot fill the GPU; the
-splits are summed in the kernel by TMA reduce-add into an f32 y that starts zeroed (the order of
-the adds varies from run to run), and with one split the kernel writes y in the output dtype. The
-asymmetric int4 offset term sum_g zeros[g, n] * sum_{k in g} x[m, k] is a [M, G] x [G, N] product
-done by XLA; it is the starting value of the reduce-add, so nothing is added after the kernel.
+XLA transpose. K is split across a third axis when the N tiles alone cannot fill the GPU. On the
+GPU with M tiles of <= 16 rows (decode) the splits of an N tile are one cluster: splits 1.. send
+their f32 results into split 0's shared memory (`async_store_smem`), split 0 adds them in a fixed
+order and writes y in the output dtype, so the call is this one kernel. Otherwise (interpret mode,
+large M tiles) every split reduce-adds (TMA) into an f32 y that starts zeroed. The asymmetric int4
+offset term sum_g zeros[g, n] * sum_{k in g} x[m, k] is a [M, G] x [G, N] product done by XLA; it
+is the starting value of the reduce-add, so nothing is added after the kernel.
 
 Prefill (M > 16) defaults to dequantize-to-bf16 + XLA dot, which measured 1.3-1.4x the bf16 dot
 against ~2.1x for this kernel with 128-row M tiles (`docs/perf_quant.md`); `prefill="pallas"` keeps
@@ -39,6 +41,7 @@ from pallas_kernels.quant_format import QuantizedWeight, dequantize
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
+MAX_SPLITS = 8  # K splits of an N tile form one cluster (8 CTAs: the portable cluster size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,8 @@ class QuantMatmulConfig:
             raise ValueError(f"tile_k must be a positive multiple of 16, got {self.tile_k}")
         if self.tile_m % 8 or not 8 <= self.tile_m <= MAX_TILE_M:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
+        if self.num_k_splits is not None and not 1 <= self.num_k_splits <= MAX_SPLITS:
+            raise ValueError(f"num_k_splits must be in [1, {MAX_SPLITS}], got {self.num_k_splits}")
         if self.max_concurrent_steps < 1:
             raise ValueError("max_concurrent_steps must be >= 1")
 
@@ -73,15 +78,18 @@ def _elem_bits(dtype) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
-                            steps_per_split, steps_per_group, per_channel, max_concurrent_steps, accumulate):
-    """One (N tile, M tile, K split) block: out[m_tile, n_tile] (+)= the sum over its K steps.
+def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, *, out_smem, a_smem=None, recv_smem=None,
+                            recv_barrier=None, tile_k, m_tile, splits, steps_per_split, steps_per_group,
+                            per_channel, max_concurrent_steps, accumulate):
+    """One (N tile, M tile, K split) block: its K steps' sum, written to out[m_tile, n_tile] by split 0.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
-    out_gmem [M_pad, N_pad]: f32 when `accumulate` (the block adds its result to it), else the
-    output dtype; out_smem [m_tile, TILE_N] scratch of out_gmem's dtype; a_smem [TILE_N, tile_k]
-    bf16 scratch or None: when given (interpret mode, whose wgmma reads only shared memory), the
-    dequantized tile is staged there instead of feeding wgmma from registers.
+    out_gmem [M_pad, N_pad], f32 when `accumulate` (y is added to it) else the output dtype;
+    out_smem [m_tile, TILE_N] of out_gmem's dtype. Optional scratch: a_smem [TILE_N, tile_k] bf16
+    (interpret mode, whose wgmma reads only shared memory: the dequantized tile is staged there; its
+    K splits are separate blocks that all accumulate into out); recv_smem [splits - 1, TILE_N, m_tile]
+    f32 and recv_barrier (GPU, splits > 1: the splits of an N tile are one cluster and send their
+    results to split 0's shared memory).
     """
     n_idx, m_idx, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     n_slice = pl.ds(n_idx * TILE_N, TILE_N)
@@ -148,14 +156,32 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             max_concurrent_steps=max_concurrent_steps,
             init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
         )(*operands, s_gmem.at[:, n_slice])
-    # WGMMA_TRANSPOSED keeps each register pair along N, the contiguous dim of out_smem.
-    out_smem.T[...] = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-    dst = out_gmem.at[m_slice, n_slice]
-    if accumulate and a_smem is not None:  # interpret mode has no TMA reduce-add; its blocks run one by one
-        out_smem[...] += dst[...]
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, dst, reduction_op="add" if accumulate and a_smem is None else None)
-    plgpu.wait_smem_to_gmem(0)
+
+    def write(y):
+        # WGMMA_TRANSPOSED keeps each register pair along N, the contiguous dim of out_smem.
+        out_smem.T[...] = plgpu.layout_cast(y.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+        dst = out_gmem.at[m_slice, n_slice]
+        if accumulate and a_smem is not None:  # no TMA reduce-add in interpret mode; blocks run one by one
+            out_smem[...] += dst[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, dst, reduction_op="add" if accumulate and a_smem is None else None)
+        plgpu.wait_smem_to_gmem(0)
+
+    if recv_smem is None:
+        write(acc)
+        return
+
+    @pl.when(split > 0)
+    def _send():
+        plgpu.async_store_smem(acc, recv_smem.at[split - 1], recv_barrier, cluster_idx=0, cluster_dim="split")
+
+    @pl.when(split == 0)
+    def _sum_and_write():
+        plgpu.barrier_wait(recv_barrier)
+        y = acc
+        for i in range(splits - 1):  # a fixed order: y does not depend on which split finished first
+            y = y + plgpu.load(recv_smem.at[i], layout=plgpu.Layout.WGMMA)
+        write(y)
 
 
 def _num_sms() -> int:
@@ -169,7 +195,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
                    interpret):
     """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile; init: [M_pad, N_pad] f32 added to y, or None.
 
-    Returns y [M_pad, N_pad]: in out_dtype, or in f32 when the kernel reduce-adds (K split or init).
+    Returns y [M_pad, N_pad] in out_dtype, or in f32 when the kernel accumulates into init.
     """
     k_pad, n_pad = qw.padded_shape
     m_pad = xp.shape[0]
@@ -177,32 +203,43 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     num_steps = k_pad // tile_k
     num_blocks = (n_pad // TILE_N) * (m_pad // m_tile)
     splits = config.num_k_splits
-    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 steps
-        splits = max(1, min(num_steps // 8, -(-2 * _num_sms() // num_blocks)))
+    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 steps; a cluster holds <= 8
+        splits = max(1, min(num_steps // 8, -(-2 * _num_sms() // num_blocks), MAX_SPLITS))
     while num_steps % splits:
         splits -= 1
-    if splits > 1 and init is None:
+    # Decode on the GPU: the splits of an N tile are one cluster and split 0 sums them in shared
+    # memory. Otherwise (interpret mode, whose clusters run concurrently, or large M tiles, whose
+    # receive buffers would not fit) every split reduce-adds its result into a zeroed f32 y.
+    gather = splits > 1 and m_tile <= 16 and not interpret
+    if splits > 1 and not gather and init is None:
         init = jnp.zeros((m_pad, n_pad), jnp.float32)
     y_dtype = out_dtype if init is None and out_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    scratch = dict(out_smem=plgpu.SMEM((m_tile, TILE_N), y_dtype))
+    if interpret:
+        scratch["a_smem"] = plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
+    if gather:
+        scratch["recv_smem"] = plgpu.SMEM((splits - 1, TILE_N, m_tile), jnp.float32,
+                                          transforms=_swizzled(m_tile * 32, 32, "recv"))
+        scratch["recv_barrier"] = plgpu.Barrier(num_arrivals=splits - 1)
     kernel = functools.partial(
-        quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
+        quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, splits=splits, steps_per_split=num_steps // splits,
         steps_per_group=qw.group_size // tile_k, per_channel=qw.scales.shape[0] == 1,
         max_concurrent_steps=config.max_concurrent_steps, accumulate=init is not None)
+    grid = dict(grid=(n_pad // TILE_N, m_pad // m_tile, splits), grid_names=("n", "m", "split"))
+    if gather:
+        grid = dict(grid=grid["grid"][:2], grid_names=("n", "m"), cluster=(splits,), cluster_names=("split",))
     call = plgpu.kernel(
         kernel,
         out_type=() if init is not None else jax.ShapeDtypeStruct((m_pad, n_pad), y_dtype),
-        scratch_types=[plgpu.SMEM((m_tile, TILE_N), y_dtype)] + ([
-            plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
-        ] if interpret else []),
-        grid=(n_pad // TILE_N, m_pad // m_tile, splits),
-        grid_names=("n", "m", "split"),
+        scratch_types=scratch,
+        **grid,
         interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     if init is None:
         return call(qw.qweight, xp, qw.scales)
-    y = jax.new_ref(init)  # the kernel adds into it in place
+    y = jax.new_ref(init)  # the kernel adds into it in place (TMA reduce-add)
     call(qw.qweight, xp, qw.scales, y)
     return jax.freeze(y)
 

@@ -81,11 +81,13 @@ def test_interpret_k_splits_f32_y_and_offset():
 
 
 def test_decode_has_no_epilogue():
-    # Aligned decode (M = 8, K = K_pad, N = N_pad; tracing only, the kernel is not compiled): no pad
-    # of x; after the kernel no transpose or sum: nothing with one K split, with several only the
-    # zeros they reduce-add into and the cast of the f32 y (which XLA can fuse into the consumer).
-    assert _ops_after_kernel(8, 1024, 128, config=QuantMatmulConfig(num_k_splits=1)) == ["custom_vmap_call"]
-    assert _ops_after_kernel(8, 1024, 128, config=QuantMatmulConfig(num_k_splits=4)) == [
+    # Aligned decode (M = 8, K = K_pad, N = N_pad): no pad of x and nothing after the kernel, split or
+    # not (tracing only: the GPU kernel is not compiled here).
+    for splits in (1, 4):
+        assert _ops_after_kernel(8, 1024, 128, config=QuantMatmulConfig(num_k_splits=splits)) == [
+            "custom_vmap_call"]
+    # Interpret mode has no clusters: its splits reduce-add into zeros, then y is cast.
+    assert _ops_after_kernel(8, 256, 128, config=QuantMatmulConfig(num_k_splits=2), interpret=True) == [
         "broadcast_in_dim", "new_ref", "custom_vmap_call", "freeze", "convert_element_type"]
     ops = _ops_after_kernel(3, 200, 70, config=QuantMatmulConfig(num_k_splits=1))
     assert ops == ["jit", "custom_vmap_call", "slice"], ops  # the jit is jnp.pad
@@ -133,6 +135,6 @@ def test_gpu_decode_y_from_kernel(fmt, group_size, symmetric, splits, m):
 def test_gpu_prefill(fmt):
     _check(fmt, 128 if fmt == "int4" else None, True, 300, 1024, 384, config=QuantMatmulConfig(tile_m=128),
            prefill="pallas")
-    # K splits reduce-added over 32-row M tiles.
+    # M tiles over 16 rows: the K splits reduce-add (TMA) into a zeroed f32 y instead of a cluster.
     _check(fmt, 128 if fmt == "int4" else None, True, 40, 1024, 200, prefill="pallas",
            config=QuantMatmulConfig(tile_m=32, num_k_splits=2), out_dtype=jnp.bfloat16)
