@@ -10,16 +10,10 @@ kernel computes y.T = W.T @ x.T. Each warpgroup owns 64 output channels; per K s
    fast conversions) and issues one wgmma with it as the register A operand and x.T as the
    shared-memory B operand (M of the product = 64 weight rows, N = m_pad >= 8 activation rows);
 3. multiplies the step's f32 partial by the group's scale row and adds it to the carry.
-The dequantized weight never leaves registers. The [64, m_tile] result is written transposed (a
-register layout cast to WGMMA_TRANSPOSED, stored through a transposed view of a [m_tile, 64]
-shared-memory tile) and TMA-copied to y[m_slice, n_slice], so y comes out as [M_pad, N_pad] with no
-XLA transpose. K is split across a third axis when the N tiles alone cannot fill the GPU. On the
-GPU with M tiles of <= 16 rows (decode) the splits of an N tile are one cluster: splits 1.. send
-their f32 results into split 0's shared memory (`async_store_smem`), split 0 adds them in a fixed
-order and writes y in the output dtype, so the call is this one kernel. Otherwise (interpret mode,
-large M tiles) every split reduce-adds (TMA) into an f32 y that starts zeroed. The asymmetric int4
-offset term sum_g zeros[g, n] * sum_{k in g} x[m, k] is a [M, G] x [G, N] product done by XLA; it
-is the starting value of the reduce-add, so nothing is added after the kernel.
+The dequantized weight never leaves registers. K is split across a second grid axis when the
+N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
+The asymmetric int4 offset term sum_g zeros[g, n] * sum_{k in g} x[m, k] is a [M, G] x [G, N]
+product, done by XLA next to the kernel.
 
 Prefill (M > 16) defaults to dequantize-to-bf16 + XLA dot, which measured 1.3-1.4x the bf16 dot
 against ~2.1x for this kernel with 128-row M tiles (`docs/perf_quant.md`); `prefill="pallas"` keeps
@@ -41,7 +35,6 @@ from pallas_kernels.quant_format import QuantizedWeight, dequantize
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
-MAX_SPLITS = 8  # K splits of an N tile form one cluster (8 CTAs: the portable cluster size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +51,6 @@ class QuantMatmulConfig:
             raise ValueError(f"tile_k must be a positive multiple of 16, got {self.tile_k}")
         if self.tile_m % 8 or not 8 <= self.tile_m <= MAX_TILE_M:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
-        if self.num_k_splits is not None and not 1 <= self.num_k_splits <= MAX_SPLITS:
-            raise ValueError(f"num_k_splits must be in [1, {MAX_SPLITS}], got {self.num_k_splits}")
         if self.max_concurrent_steps < 1:
             raise ValueError("max_concurrent_steps must be >= 1")
 
@@ -78,18 +69,14 @@ def _elem_bits(dtype) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, *, out_smem, a_smem=None, recv_smem=None,
-                            recv_barrier=None, tile_k, m_tile, splits, steps_per_split, steps_per_group,
-                            per_channel, max_concurrent_steps, accumulate):
-    """One (N tile, M tile, K split) block: its K steps' sum, written to out[m_tile, n_tile] by split 0.
+def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
+                            steps_per_split, steps_per_group, per_channel, max_concurrent_steps):
+    """One (N tile, M tile, K split) block: out[split, n_tile, m_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
-    out_gmem [M_pad, N_pad], f32 when `accumulate` (y is added to it) else the output dtype;
-    out_smem [m_tile, TILE_N] of out_gmem's dtype. Optional scratch: a_smem [TILE_N, tile_k] bf16
-    (interpret mode, whose wgmma reads only shared memory: the dequantized tile is staged there; its
-    K splits are separate blocks that all accumulate into out); recv_smem [splits - 1, TILE_N, m_tile]
-    f32 and recv_barrier (GPU, splits > 1: the splits of an N tile are one cluster and send their
-    results to split 0's shared memory).
+    out_gmem [splits, N_pad, M_pad] f32; out_smem [TILE_N, m_tile] f32 scratch; a_smem
+    [TILE_N, tile_k] bf16 scratch or None: when given (interpret mode, whose wgmma reads only
+    shared memory), the dequantized tile is staged there instead of feeding wgmma from registers.
     """
     n_idx, m_idx, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     n_slice = pl.ds(n_idx * TILE_N, TILE_N)
@@ -156,32 +143,10 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, *, out_smem, a_sme
             max_concurrent_steps=max_concurrent_steps,
             init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
         )(*operands, s_gmem.at[:, n_slice])
-
-    def write(y):
-        # WGMMA_TRANSPOSED keeps each register pair along N, the contiguous dim of out_smem.
-        out_smem.T[...] = plgpu.layout_cast(y.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-        dst = out_gmem.at[m_slice, n_slice]
-        if accumulate and a_smem is not None:  # no TMA reduce-add in interpret mode; blocks run one by one
-            out_smem[...] += dst[...]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, dst, reduction_op="add" if accumulate and a_smem is None else None)
-        plgpu.wait_smem_to_gmem(0)
-
-    if recv_smem is None:
-        write(acc)
-        return
-
-    @pl.when(split > 0)
-    def _send():
-        plgpu.async_store_smem(acc, recv_smem.at[split - 1], recv_barrier, cluster_idx=0, cluster_dim="split")
-
-    @pl.when(split == 0)
-    def _sum_and_write():
-        plgpu.barrier_wait(recv_barrier)
-        y = acc
-        for i in range(splits - 1):  # a fixed order: y does not depend on which split finished first
-            y = y + plgpu.load(recv_smem.at[i], layout=plgpu.Layout.WGMMA)
-        write(y)
+    out_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, n_slice, m_slice])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _num_sms() -> int:
@@ -191,57 +156,35 @@ def _num_sms() -> int:
         return 132
 
 
-def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: int, out_dtype, init,
-                   interpret):
-    """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile; init: [M_pad, N_pad] f32 added to y, or None.
-
-    Returns y [M_pad, N_pad] in out_dtype, or in f32 when the kernel accumulates into init.
-    """
+def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: int, interpret):
+    """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile. Returns y.T partials summed: [N_pad, M_pad] f32."""
     k_pad, n_pad = qw.padded_shape
     m_pad = xp.shape[0]
     tile_k = min(config.tile_k, qw.group_size)
     num_steps = k_pad // tile_k
     num_blocks = (n_pad // TILE_N) * (m_pad // m_tile)
     splits = config.num_k_splits
-    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 steps; a cluster holds <= 8
-        splits = max(1, min(num_steps // 8, -(-2 * _num_sms() // num_blocks), MAX_SPLITS))
+    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 steps
+        splits = max(1, min(num_steps // 8, -(-2 * _num_sms() // num_blocks)))
     while num_steps % splits:
         splits -= 1
-    # Decode on the GPU: the splits of an N tile are one cluster and split 0 sums them in shared
-    # memory. Otherwise (interpret mode, whose clusters run concurrently, or large M tiles, whose
-    # receive buffers would not fit) every split reduce-adds its result into a zeroed f32 y.
-    gather = splits > 1 and m_tile <= 16 and not interpret
-    if splits > 1 and not gather and init is None:
-        init = jnp.zeros((m_pad, n_pad), jnp.float32)
-    y_dtype = out_dtype if init is None and out_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-    scratch = dict(out_smem=plgpu.SMEM((m_tile, TILE_N), y_dtype))
-    if interpret:
-        scratch["a_smem"] = plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
-    if gather:
-        scratch["recv_smem"] = plgpu.SMEM((splits - 1, TILE_N, m_tile), jnp.float32,
-                                          transforms=_swizzled(m_tile * 32, 32, "recv"))
-        scratch["recv_barrier"] = plgpu.Barrier(num_arrivals=splits - 1)
     kernel = functools.partial(
-        quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, splits=splits, steps_per_split=num_steps // splits,
+        quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=qw.group_size // tile_k, per_channel=qw.scales.shape[0] == 1,
-        max_concurrent_steps=config.max_concurrent_steps, accumulate=init is not None)
-    grid = dict(grid=(n_pad // TILE_N, m_pad // m_tile, splits), grid_names=("n", "m", "split"))
-    if gather:
-        grid = dict(grid=grid["grid"][:2], grid_names=("n", "m"), cluster=(splits,), cluster_names=("split",))
+        max_concurrent_steps=config.max_concurrent_steps)
     call = plgpu.kernel(
         kernel,
-        out_type=() if init is not None else jax.ShapeDtypeStruct((m_pad, n_pad), y_dtype),
-        scratch_types=scratch,
-        **grid,
+        out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),
+        scratch_types=[plgpu.SMEM((TILE_N, m_tile), jnp.float32)] + ([
+            plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
+        ] if interpret else []),
+        grid=(n_pad // TILE_N, m_pad // m_tile, splits),
+        grid_names=("n", "m", "split"),
         interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    if init is None:
-        return call(qw.qweight, xp, qw.scales)
-    y = jax.new_ref(init)  # the kernel adds into it in place (TMA reduce-add)
-    call(qw.qweight, xp, qw.scales, y)
-    return jax.freeze(y)
+    return call(qw.qweight, xp, qw.scales).sum(axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,18 +239,13 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
     k_pad, n_pad = qw.padded_shape
     m_tile = -(-m // 8) * 8 if m <= 16 else min(config.tile_m, -(-m // 8) * 8)
     m_pad = -(-m // m_tile) * m_tile
-    xp = x.astype(jnp.bfloat16)
-    if (m_pad, k_pad) != (m, k):
-        xp = jnp.pad(xp, ((0, m_pad - m), (0, k_pad - k)))  # [M_pad, K_pad]
-    offset = None
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))  # [M_pad, K_pad]
+    y = _pallas_matmul(xp, qw, config, m_tile, interpret).T  # [M_pad, N_pad] f32
     if qw.zeros is not None:  # asymmetric int4: w = q * s + (8 s + zeros)
         g = qw.group_size
         x_sums = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1)  # [M_pad, G]
-        offset = jnp.dot(x_sums, 8.0 * qw.scales + qw.zeros, precision=lax.Precision.HIGHEST)
-    y = _pallas_matmul(xp, qw, config, m_tile, out_dtype, offset, interpret)  # [M_pad, N_pad]
-    if y.shape != (m, qw.shape[1]):
-        y = y[:m, : qw.shape[1]]
-    return y.astype(out_dtype)
+        y = y + jnp.dot(x_sums, 8.0 * qw.scales + qw.zeros, precision=lax.Precision.HIGHEST)
+    return y[:m, : qw.shape[1]].astype(out_dtype)
 
 
 def quantized_matmul_reference(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
