@@ -46,13 +46,19 @@ class StepOutput:
     prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
 
 
+_PACK_ALIGN = 64   # int32 elements = 256 bytes: XLA may hand a slice of the packed buffer straight to a
+                   # kernel (the page table to attention), and GPU kernels require 256-byte aligned operands
+
+
 def pack_host(arrays) -> tuple[np.ndarray, tuple]:
     """Several small host arrays (int32 / float32 / bool) as one flat int32 array, so a step's host
     inputs cross to the device in one transfer; `unpack_host` (inside the step) undoes it."""
     arrays = [np.asarray(a) for a in arrays]
     layout = tuple((a.shape, a.dtype.name) for a in arrays)
-    flat = [(a.astype(np.int32) if a.dtype == np.bool_ else np.ascontiguousarray(a)).view(np.int32).ravel()
-            for a in arrays]
+    flat = []
+    for a in arrays:
+        x = (a.astype(np.int32) if a.dtype == np.bool_ else np.ascontiguousarray(a)).view(np.int32).ravel()
+        flat += [x, np.zeros(-x.size % _PACK_ALIGN, np.int32)]
     return np.concatenate(flat), layout
 
 
@@ -61,7 +67,7 @@ def unpack_host(packed: jax.Array, layout: tuple) -> list[jax.Array]:
     for shape, dtype in layout:
         n = int(np.prod(shape))
         x = packed[offset:offset + n].reshape(shape)
-        offset += n
+        offset += n + -n % _PACK_ALIGN
         if dtype == "float32":
             x = jax.lax.bitcast_convert_type(x, jnp.float32)
         elif dtype == "bool":
