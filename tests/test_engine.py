@@ -113,6 +113,19 @@ def test_shared_prefix_hits_the_cache_with_the_same_output(model_dir, async_sche
     assert off.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0].num_cached_tokens == 0
 
 
+def test_prompt_logprobs_cover_every_prompt_token_despite_a_cache_hit(model_dir):
+    llm = LLM.from_engine(_engine(model_dir))
+    prompt = list(range(10, 10 + 3 * 8 + 5))
+    want = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY))[0]
+    again = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY))[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert plain.num_cached_tokens == 3 * 8          # the pages are cached ...
+    assert again.num_cached_tokens == 0              # ... but a prompt-logprobs request computes them all
+    assert len(again.prompt_logprobs) == len(prompt)
+    for d, w, tok in zip(again.prompt_logprobs[1:], want.prompt_logprobs[1:], prompt[1:]):
+        assert d[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-5)
+
+
 @BOTH_MODES
 def test_parallel_sampling_n4_is_seeded(model_dir, async_scheduling):
     llm = LLM(model_dir, max_num_seqs=8, max_model_len=128, page_size=8, max_num_batched_tokens=64,
