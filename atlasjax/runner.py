@@ -143,6 +143,7 @@ class ModelRunner:
         """plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
         self.cfg = cfg
+        self.dtype = dtype
         self.plan = plan
         # Host inputs (one packed array per step: `pack_host`): on one device, transferred as they are
         # passed; under TP, kept on the host until `_on_mesh` sends them to every device in one batch.
@@ -179,7 +180,11 @@ class ModelRunner:
         cfg, hd = self.cfg, self.cfg.head_dim
         kv = (cfg.num_kv_heads if self.plan is None else self.plan.num_kv_heads) * hd
         widths = {"qkv_proj": (cfg.num_heads * hd, kv, kv), "gate_up_proj": (cfg.intermediate_size,) * 2}
-        return unfuse_projections(self.params, widths, *(() if self.plan is None else (self.plan.mesh, TP_AXIS)))
+        if self.plan is None:
+            return unfuse_projections(self.params, widths)
+        from atlasjax.sharding import logical_axes  # noqa: PLC0415
+        params = unfuse_projections(self.params, widths, self.plan.mesh, TP_AXIS)
+        return self.plan.gather(params, logical_axes(cfg, self.dtype))
 
     # ---- compilation
     def _compile(self, key, fn, donate, *args):

@@ -207,6 +207,65 @@ class TensorParallel:
             return self.place_array(logical, TensorReader(node.shape, lambda: node), False, node.dtype)
         return walk(params, logical_tree)
 
+    # ---- back to the checkpoint layout (LLM.save)
+    def gather(self, params: dict, logical_tree: dict) -> dict:
+        """The inverse of `shard_params`: the whole tree on the host in checkpoint layout, with
+        replicated KV heads taken once, padded vocab rows dropped and per-device quantized weights
+        joined (host memory: the whole model). Single-process meshes only."""
+        def walk(node, logical):
+            if isinstance(node, dict):
+                return {k: walk(v, logical[k]) for k, v in node.items()}
+            if is_quantized(node):
+                return self._join_quantized(node, logical)
+            return self._unplace(np.asarray(jax.device_get(node)), logical)
+        return walk(params, logical_tree)
+
+    def _unplace(self, array: np.ndarray, logical: tuple[str, ...]) -> np.ndarray:
+        for i, name in enumerate(logical):
+            if name == "vocab":
+                array = np.take(array, np.arange(self.cfg.vocab_size), axis=i)
+            elif name == "kv_heads" and self.kv_replicas > 1:
+                shape = array.shape
+                split = shape[:i] + (self.cfg.num_kv_heads, self.kv_replicas, self.cfg.head_dim) + shape[i + 1:]
+                array = np.take(array.reshape(split), 0, axis=i + 1).reshape(
+                    shape[:i] + (self.cfg.num_kv_heads * self.cfg.head_dim,) + shape[i + 1:])
+        return array
+
+    def _join_quantized(self, qw, logical: tuple[str, ...]):
+        from atlasjax.quantization import padded_sizes  # noqa: PLC0415
+        dim = self.split_dim(logical)
+        host = {f: None if getattr(qw, f) is None else np.asarray(jax.device_get(getattr(qw, f)))
+                for f in ("qweight", "scales", "zeros")}
+        devices = range(0, self.size, self.kv_replicas if logical[dim] == "kv_heads" else 1)
+        k, n = qw.shape   # per device
+        per_channel = host["scales"].shape[1] == 1   # [device, groups, N_pad]
+        if dim == 1:   # column-parallel: join along N
+            parts = {"qweight": [host["qweight"][d][:n] for d in devices]}
+            for f in ("scales", "zeros"):
+                parts[f] = None if host[f] is None else [host[f][d][:, :n] for d in devices]
+            k_all, n_all = k, n * len(devices)
+            axes = {"qweight": 0, "scales": 1, "zeros": 1}
+        else:          # row-parallel: join along K (per-channel scales are the same on every device)
+            g = qw.group_size
+            parts = {"qweight": [host["qweight"][d][:, :k] for d in devices]}
+            for f in ("scales", "zeros"):
+                if host[f] is not None:
+                    parts[f] = [host[f][0][:1]] if per_channel else [host[f][d][:k // g] for d in devices]
+                else:
+                    parts[f] = None
+            k_all, n_all = k * len(devices), n
+            axes = {"qweight": 1, "scales": 0, "zeros": 0}
+        k_pad, n_pad, group = padded_sizes(k_all, n_all, None if per_channel else qw.group_size)
+
+        def joined(f):
+            if parts[f] is None:
+                return None
+            x = np.concatenate(parts[f], axis=axes[f])
+            target = (n_pad, k_pad) if f == "qweight" else (k_pad // group, n_pad)
+            return np.pad(x, [(0, t - s) for t, s in zip(target, x.shape)])
+        return dataclasses.replace(qw, qweight=joined("qweight"), scales=joined("scales"), zeros=joined("zeros"),
+                                   group_size=group, shape=(k_all, n_all))
+
     # ---- shard_map
     def param_specs(self, params: dict, logical_tree: dict):
         """in_specs for the param tree: logical specs; stacked quantized leaves split on their device axis."""

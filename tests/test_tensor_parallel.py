@@ -12,6 +12,7 @@ import atlasjax.loader as loader
 from atlasjax import LLM, SamplingParams
 from atlasjax.errors import EngineConfigError
 from models.layers import is_quantized
+from pallas_kernels.quant_format import dequantize
 from tests.gguf_writer_util import Q, write_gguf_from_hf
 
 ENGINE = dict(max_num_seqs=4, max_model_len=96, page_size=16, max_num_batched_tokens=32)
@@ -122,6 +123,36 @@ def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path):
     llm = LLM(str(gguf_path), keep_gguf_quantized=True, tensor_parallel_size=2, **ENGINE)   # K/2 keeps whole 32-blocks
     assert is_quantized(llm.engine.runner.params["layers_1"]["self_attn"]["qkv_proj"]["kernel"])
     _assert_same(_run(llm, prompts), one, "GGUF Q8_0 TP=2")
+
+
+def _same_tree(a, b):
+    fa, fb = dict(loader._flatten(a)), dict(loader._flatten(b))
+    assert fa.keys() == fb.keys()
+    for key, x in fa.items():
+        y = fb[key]
+        if is_quantized(x):
+            assert (x.shape, x.format, x.group_size) == (y.shape, y.format, y.group_size), key
+            x, y = dequantize(x), dequantize(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(key))
+
+
+@pytest.mark.parametrize("name, tp, quant", [("llama_gqa4", 4, None), ("qwen3_tp", 8, None), ("qwen2_tp", 2, "int8")],
+                         ids=["kv_replicated", "padded_vocab", "int8"])
+def test_checkpoint_params_under_tp_equal_the_single_device_ones(hf_model_factory, name, tp, quant):
+    """What LLM.save writes: the checkpoint layout whole, KV replicas taken once, vocab padding dropped,
+    per-device quantized weights joined."""
+    _, path = hf_model_factory(name)
+    one = LLM(path, quantization=quant, **ENGINE).engine.runner.checkpoint_params()
+    sharded = LLM(path, quantization=quant, tensor_parallel_size=tp, **ENGINE).engine.runner.checkpoint_params()
+    _same_tree(sharded, one)
+
+
+def test_model_saved_under_tp_loads_on_one_device(hf_model_factory, tmp_path):
+    _, path = hf_model_factory("llama_gqa4")
+    prompts = _prompts(512, seed=5)
+    LLM(path, tensor_parallel_size=4, **ENGINE).save(str(tmp_path / "saved"))
+    _assert_same(_run(LLM(str(tmp_path / "saved"), **ENGINE), prompts), _run(LLM(path, **ENGINE), prompts),
+                 "saved at TP=4, loaded on one device")
 
 
 @pytest.mark.parametrize("tp, message", [(3, "num_heads=8 is not divisible"), (16, "only 8 device")])
