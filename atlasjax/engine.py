@@ -283,7 +283,7 @@ class LLMEngine:
             nxt = ids[c.start + 1:c.start + n + 1]
             b["next_tokens"][row:row + len(nxt)] = nxt
             # decided now: a preemption before this chunk is read back must not drop its rows
-            record_lp.append(req.params.prompt_logprobs is not None and req.num_preemptions == 0)
+            record_lp.append(req.records_prompt_logprobs)
             rows[i] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
             row += n
             b["query_start"][i + 1:] = row

@@ -63,6 +63,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def records_prompt_logprobs(self) -> bool:
+        """Its prefill must compute logprobs at every prompt position (asked for, and not already
+        recorded before a preemption): such a request takes no prefix-cache hits."""
+        return self.params.prompt_logprobs is not None and self.num_preemptions == 0
+
+    @property
     def is_prefilling(self) -> bool:
         """Still computing K/V for known tokens (prompt, or prompt + outputs after preemption)."""
         return self.num_computed_tokens < self.num_total_tokens - 1

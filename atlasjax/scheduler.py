@@ -113,10 +113,9 @@ class Scheduler:
             if not req.pages:
                 keys = self.pool.extend_keys(req.page_keys, req.all_token_ids)
                 # Leave at least one token to compute (its logits give the next token), starting on a page boundary.
-                # Prompt logprobs need every prompt position computed: such a request reads no cache hits
-                # (as in vLLM); its pages are still registered for others.
-                wants_all = req.params.prompt_logprobs is not None and req.num_preemptions == 0
-                hits = [] if wants_all else self.pool.lookup(keys[:(req.num_tokens - 1) // ps])
+                # Prompt logprobs need every prompt position computed: no cache hits (as in vLLM); the
+                # request's pages are still registered for others.
+                hits = [] if req.records_prompt_logprobs else self.pool.lookup(keys[:(req.num_tokens - 1) // ps])
                 req.pages = hits
                 req.num_registered_pages = len(hits)
                 req.num_computed_tokens = len(hits) * ps
