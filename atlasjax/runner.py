@@ -123,7 +123,8 @@ def _prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params
     return DeviceState(kv, counts, state.prompt_mask), out
 
 
-def _admit(state: DeviceState, slot, tokens, prompt_len, total_len):
+def _admit(layout, state: DeviceState, packed):
+    slot, tokens, prompt_len, total_len = unpack_host(packed, layout)
     # Reset a slot's penalty state for a (re)admitted request: prompt mask from tokens[:total_len]
     # (prompt + earlier outputs after preemption), generated counts from tokens[prompt_len:total_len].
     idx = jnp.arange(tokens.shape[0])
@@ -230,16 +231,33 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest prefill bucket {self.prefill_buckets[-1]}")
 
-    # ---- steps (all asynchronous: they return device arrays)
+    # ---- steps (all asynchronous: they return device arrays). Each `_*_call` packs the host inputs,
+    # compiles its shape once and returns (compiled step, args); warmup compiles through the same path.
+    def _decode_call(self, host_inputs, prev, plan):
+        packed, layout = pack_host(host_inputs)
+        args = (self.params, self.state, self._host(packed), *prev)
+        return self._compile(("decode", self.max_num_seqs, plan),
+                             functools.partial(_decode_step, self.model, plan, layout), (1,), *args), args
+
+    def _prefill_call(self, host_inputs, with_prompt_logprobs):
+        packed, layout = pack_host(host_inputs)
+        args = (self.params, self.state, self._host(packed))
+        t = host_inputs[0].shape[0]
+        return self._compile(("prefill", t, with_prompt_logprobs),
+                             functools.partial(_prefill_step, self.model, with_prompt_logprobs, layout), (1,),
+                             *args), args
+
+    def _admit_call(self, slot, tokens, prompt_len, total_len):
+        packed, layout = pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len)))
+        args = (self.state, self._host(packed))
+        return self._compile(("admit", self.max_model_len), functools.partial(_admit, layout), (0,), *args), args
+
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
                plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
         """prev_tokens: the previous step's sampled tokens (prefill, decode; device arrays or None) that
         negative entries of `tokens` point into (see _decode_step)."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
-        packed, layout = pack_host((tokens, page_table, seq_lens, f, i))
-        args = (self.params, self.state, self._host(packed), *prev)
-        step = self._compile(("decode", self.max_num_seqs, plan),
-                             functools.partial(_decode_step, self.model, plan, layout), (1,), *args)
+        step, args = self._decode_call((tokens, page_table, seq_lens, f, i), prev, plan)
         self.state, out = step(*args)
         return out
 
@@ -248,11 +266,7 @@ class ModelRunner:
         return self._on_mesh(jnp.zeros((self.max_num_seqs,), jnp.int32))
 
     def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
-        t = batch["tokens"].shape[0]
-        packed, layout = pack_host([batch[n] for n in PREFILL_INPUTS] + [f, i])
-        args = (self.params, self.state, self._host(packed))
-        step = self._compile(("prefill", t, with_prompt_logprobs),
-                             functools.partial(_prefill_step, self.model, with_prompt_logprobs, layout), (1,), *args)
+        step, args = self._prefill_call([batch[n] for n in PREFILL_INPUTS] + [f, i], with_prompt_logprobs)
         self.state, out = step(*args)
         return out
 
@@ -261,22 +275,18 @@ class ModelRunner:
         s, p = self.max_num_seqs, self.pages_per_seq
         f, i = sampling.pack_rows([], s)
         z = functools.partial(np.zeros, dtype=np.int32)
-        packed, layout = pack_host((z(s), z((s, p)), z(s), f, i))
         for plan in sampling.SamplingPlan.variants():
-            self._compile(("decode", s, plan), functools.partial(_decode_step, self.model, plan, layout), (1,),
-                          self.params, self.state, packed, z(s), z(s))
+            self._decode_call((z(s), z((s, p)), z(s), f, i), (self._no_prev_tokens,) * 2, plan)
         for t in self.prefill_buckets:
-            packed, layout = pack_host((z(t), z(t), z(t), z((s, p)), z(s), z(s + 1), np.int32(0), z(s), z(s),
-                                        np.zeros(s, bool), z(t), f, i))
-            self._compile(("prefill", t, False), functools.partial(_prefill_step, self.model, False, layout), (1,),
-                          self.params, self.state, packed)
-        self._compile(("admit", self.max_model_len), _admit, (0,), self.state, np.int32(0), z(self.max_model_len),
-                      np.int32(0), np.int32(0))
+            batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
+                         query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),
+                         commit=np.zeros(s, bool), next_tokens=z(t))
+            self._prefill_call([batch[n] for n in PREFILL_INPUTS] + [f, i], False)
+        self._admit_call(0, z(self.max_model_len), 0, 0)
 
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)
         n = min(len(token_ids), self.max_model_len)
         buf[:n] = token_ids[:n]
-        args = (self.state, *map(self._host, (np.int32(slot), buf, np.int32(prompt_len), np.int32(n))))
-        step = self._compile(("admit", self.max_model_len), _admit, (0,), *args)
+        step, args = self._admit_call(slot, buf, prompt_len, n)
         self.state = step(*args)
