@@ -169,6 +169,44 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
                            qw.format, group_size, (new_k, new_n))
 
 
+def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
+    """Join weights along K (dim 0) or N (dim 1): the inverse of `slice_quantized` (and how fused
+    projections are built). Each part's padding is dropped and the result padded as `quantize` pads;
+    arrays may carry leading (device) axes, kept as they are. Along K, per-channel scales are the
+    parts' shared channel scales (slice_quantized keeps them whole)."""
+    first = parts[0]
+    k, n = first.shape
+    per_channel = first.scales.shape[-2] == 1
+    ks, ns = tuple(p.shape[0] for p in parts), tuple(p.shape[1] for p in parts)
+    new_k, new_n = (k, sum(ns)) if dim == 1 else (sum(ks), n)
+    k_pad, n_pad, group = padded_sizes(new_k, new_n, None if per_channel else first.group_size)
+
+    def join(name, axis, sizes, size):
+        leaves = [getattr(p, name) for p in parts]
+        return None if leaves[0] is None else _join_padded(leaves, sizes=sizes, axis=axis, size=size)
+    if dim == 1:
+        qweight = join("qweight", -2, ns, n_pad)
+        scales, zeros = (join(f, -1, ns, n_pad) for f in ("scales", "zeros"))
+    else:
+        qweight = join("qweight", -1, ks, k_pad)
+        if per_channel:
+            scales, zeros = first.scales, first.zeros
+        else:
+            groups = tuple(x // first.group_size for x in ks)
+            scales, zeros = (join(f, -2, groups, k_pad // group) for f in ("scales", "zeros"))
+    return QuantizedWeight(qweight, scales, zeros, first.format, group, (new_k, new_n))
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "axis", "size"))
+def _join_padded(xs, sizes, axis, size):
+    """The first sizes[i] entries of each x along `axis`, concatenated, zero-padded to `size`."""
+    ax = xs[0].ndim + axis
+    x = jnp.concatenate([jax.lax.slice_in_dim(x, 0, n, axis=ax) for x, n in zip(xs, sizes)], axis=ax)
+    pad = [(0, 0)] * x.ndim
+    pad[ax] = (0, size - x.shape[ax])
+    return jnp.pad(x, pad)
+
+
 # ---------------------------------------------------------------------------------------------
 # GGUF block formats
 # ---------------------------------------------------------------------------------------------

@@ -232,39 +232,14 @@ class TensorParallel:
         return array
 
     def _join_quantized(self, qw, logical: tuple[str, ...]):
-        from atlasjax.quantization import padded_sizes  # noqa: PLC0415
+        from atlasjax.quantization import concat_quantized  # noqa: PLC0415
         dim = self.split_dim(logical)
         host = {f: None if getattr(qw, f) is None else np.asarray(jax.device_get(getattr(qw, f)))
                 for f in ("qweight", "scales", "zeros")}
         devices = range(0, self.size, self.kv_replicas if logical[dim] == "kv_heads" else 1)
-        k, n = qw.shape   # per device
-        per_channel = host["scales"].shape[1] == 1   # [device, groups, N_pad]
-        if dim == 1:   # column-parallel: join along N
-            parts = {"qweight": [host["qweight"][d][:n] for d in devices]}
-            for f in ("scales", "zeros"):
-                parts[f] = None if host[f] is None else [host[f][d][:, :n] for d in devices]
-            k_all, n_all = k, n * len(devices)
-            axes = {"qweight": 0, "scales": 1, "zeros": 1}
-        else:          # row-parallel: join along K (per-channel scales are the same on every device)
-            g = qw.group_size
-            parts = {"qweight": [host["qweight"][d][:, :k] for d in devices]}
-            for f in ("scales", "zeros"):
-                if host[f] is not None:
-                    parts[f] = [host[f][0][:1]] if per_channel else [host[f][d][:k // g] for d in devices]
-                else:
-                    parts[f] = None
-            k_all, n_all = k * len(devices), n
-            axes = {"qweight": 1, "scales": 0, "zeros": 0}
-        k_pad, n_pad, group = padded_sizes(k_all, n_all, None if per_channel else qw.group_size)
-
-        def joined(f):
-            if parts[f] is None:
-                return None
-            x = np.concatenate(parts[f], axis=axes[f])
-            target = (n_pad, k_pad) if f == "qweight" else (k_pad // group, n_pad)
-            return np.pad(x, [(0, t - s) for t, s in zip(target, x.shape)])
-        return dataclasses.replace(qw, qweight=joined("qweight"), scales=joined("scales"), zeros=joined("zeros"),
-                                   group_size=group, shape=(k_all, n_all))
+        pieces = [dataclasses.replace(qw, **{f: None if x is None else x[d] for f, x in host.items()})
+                  for d in devices]
+        return concat_quantized(pieces, dim)
 
     # ---- shard_map
     def param_specs(self, params: dict, logical_tree: dict):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from atlasjax.quantization import concat_quantized, padded_sizes
 from models.layers import is_quantized
 
 # (module, fused name, parts in output order)
@@ -98,7 +99,7 @@ def _compatible(parts: list[dict]) -> bool:
 
 def _concat(leaves, mesh, axis):
     if is_quantized(leaves[0]):
-        return _concat_quantized(leaves)
+        return concat_quantized(leaves, dim=1)   # stacked per-device weights: each device's own, too
     if mesh is None:
         return jnp.concatenate(leaves, axis=-1)
     return _local_concat(mesh, axis, leaves[0].ndim, len(leaves))(*leaves)
@@ -131,21 +132,7 @@ def _local_split(mesh, axis, ndim, cuts):
 # per device. Stacked per-device weights (tensor parallelism) carry a leading device axis, which
 # the ops below leave in place (and sharded).
 
-def _concat_quantized(parts):
-    from atlasjax.quantization import padded_sizes  # noqa: PLC0415
-    first = parts[0]
-    k, sizes = first.shape[0], tuple(p.shape[1] for p in parts)
-    n_pad = padded_sizes(k, sum(sizes), first.group_size)[1]
-
-    def cat(name, n_axis):
-        leaves = [getattr(p, name) for p in parts]
-        return None if leaves[0] is None else _cat_n(leaves, sizes=sizes, n_axis=n_axis, n_pad=n_pad)
-    return first.__class__(cat("qweight", -2), cat("scales", -1), cat("zeros", -1), first.format, first.group_size,
-                           (k, sum(sizes)))
-
-
 def _split_quantized(qw, widths):
-    from atlasjax.quantization import padded_sizes  # noqa: PLC0415
     k = qw.shape[0]
     n_pads = tuple(padded_sizes(k, w, qw.group_size)[1] for w in widths)
 
@@ -154,14 +141,6 @@ def _split_quantized(qw, widths):
                                                                   n_pads=n_pads)
     return [qw.__class__(q, s, z, qw.format, qw.group_size, (k, w))
             for q, s, z, w in zip(split(qw.qweight, -2), split(qw.scales, -1), split(qw.zeros, -1), widths)]
-
-
-@functools.partial(jax.jit, static_argnames=("sizes", "n_axis", "n_pad"))
-def _cat_n(xs, sizes, n_axis, n_pad):
-    """Drop each part's N padding, concatenate along N, pad the result to n_pad."""
-    ax = xs[0].ndim + n_axis
-    return _pad_to(jnp.concatenate([jax.lax.slice_in_dim(x, 0, n, axis=ax) for x, n in zip(xs, sizes)], axis=ax),
-                   n_pad, ax)
 
 
 @functools.partial(jax.jit, static_argnames=("widths", "n_axis", "n_pads"))

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from atlasjax.quantization import QuantizedWeight, dequantize, from_gguf_blocks, quantize, quantize_params
+from atlasjax.quantization import (QuantizedWeight, concat_quantized, dequantize, from_gguf_blocks, quantize,
+                                   quantize_params, slice_quantized)
 
 
 def _weight(k, n, seed=0):
@@ -112,3 +113,16 @@ def test_bad_arguments():
         quantize(_weight(32, 32), "int8", symmetric=False)
     with pytest.raises(ValueError, match="not supported"):
         from_gguf_blocks(np.zeros((1, 10), np.uint8), "Q5_K", (1, 32))
+
+
+@pytest.mark.parametrize("fmt,kw", [("int8", {}), ("int4", dict(group_size=32, symmetric=False))])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_concat_quantized_undoes_slice_quantized(fmt, kw, dim):
+    """Tensor-parallel placement slices weights; saving and fused projections join them again."""
+    w = np.random.RandomState(0).randn(192, 160).astype(np.float32)
+    qw = quantize(w, fmt, **kw)
+    cut = 64 if dim == 0 else 96
+    parts = [slice_quantized(qw, dim, 0, cut), slice_quantized(qw, dim, cut, w.shape[dim] - cut)]
+    joined = concat_quantized(parts, dim)
+    assert joined.shape == qw.shape and joined.group_size == qw.group_size
+    np.testing.assert_array_equal(np.asarray(dequantize(joined)), np.asarray(dequantize(qw)))
