@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from atlasjax.quantization import quantize
-from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul, quantized_matmul_reference
+from pallas_kernels.quantized_matmul import DECODE_ROWS, QuantMatmulConfig, quantized_matmul, quantized_matmul_reference
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
@@ -30,7 +30,8 @@ def _check(fmt, group_size, symmetric, m, k, n, seed=0, **kwargs):
     qw = quantize(rng.standard_normal((k, n)).astype(np.float32), fmt, group_size=group_size,
                   symmetric=symmetric)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    y = quantized_matmul(x, qw, backend="pallas", out_dtype=jnp.float32, **kwargs)
+    kwargs.setdefault("backend", "pallas")
+    y = quantized_matmul(x, qw, out_dtype=jnp.float32, **kwargs)
     ref = np.asarray(quantized_matmul_reference(x, qw))
     assert y.shape == (m, n)
     assert np.all(np.isfinite(np.asarray(y)))
@@ -45,16 +46,30 @@ def test_interpret_matches_reference(fmt, group_size, symmetric, m):
 
 
 def test_interpret_k_splits_and_m_tiles():
-    # K = 512 gives 4 steps of 128, split 2 ways; M = 64 with tile_m 16 gives 4 M tiles; N = 130
-    # needs 3 tiles of 64 after padding.
-    cfg = QuantMatmulConfig(num_k_splits=2, tile_m=16)
-    _check("int8", None, True, 64, 512, 130, config=cfg, interpret=True, prefill="pallas")
-    _check("int4", 128, False, 64, 512, 130, config=cfg, interpret=True, prefill="pallas")
+    # K = 512 gives 4 steps of 128, split 2 ways; M past DECODE_ROWS with tile_m 48 gives several
+    # M tiles; N = 130 needs 3 tiles of 64 after padding.
+    cfg = QuantMatmulConfig(num_k_splits=2, tile_m=48)
+    m = DECODE_ROWS + 16
+    _check("int8", None, True, m, 512, 130, config=cfg, interpret=True, prefill="pallas")
+    _check("int4", 128, False, m, 512, 130, config=cfg, interpret=True, prefill="pallas")
+
+
+def test_interpret_batched_decode_rows():
+    # A decode batch of 17..DECODE_ROWS rows takes the kernel (one M tile), not dequantize + dot.
+    _check("int4", 128, True, 40, 256, 64, interpret=True)
 
 
 def test_interpret_prefill_xla_path():
-    _check("int4", 128, True, 33, 256, 64, interpret=True, prefill="xla")
+    _check("int4", 128, True, DECODE_ROWS + 1, 256, 64, interpret=True, prefill="xla")
     _check("int4", 32, True, 3, 256, 64, interpret=True)  # int4 g32: no kernel layout, XLA path
+
+
+@pytest.mark.parametrize("fmt,group_size,symmetric", CASES)
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_xla_backend_matches_reference(fmt, group_size, symmetric, m):
+    # Per-channel int8/fp8: convert fused into XLA's dot, scale on the output (the GPU default for
+    # them); grouped formats given backend="xla" dequantize + dot. K, N off every tile size.
+    _check(fmt, group_size, symmetric, m, k=200, n=70, seed=m, backend="xla")
 
 
 def test_reference_backend_and_dtypes():
