@@ -1,4 +1,4 @@
-"""Command line: `python -m atlasjax generate|chat|serve ...` (run with --help for each)."""
+"""Command line: `python -m atlasjax generate|chat|serve|save ...` (run with --help for each)."""
 from __future__ import annotations
 
 import argparse
@@ -79,8 +79,21 @@ def _run_generate(args, chat: bool) -> None:
     for out in outs:
         print(out.outputs[0].text)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"atlasjax: {n} tokens in {dt:.2f}s ({llm.engine.runner.num_compiles} compiles, "
-          f"{llm.engine.runner.compile_seconds:.1f}s of them)", file=sys.stderr)
+    runner = llm.engine.runner
+    published = getattr(runner, "published", 0)   # multi-host: steps sent to the other processes
+    extra = f"; {published} steps published, {1e3 * runner.publish_seconds / published:.2f} ms each" if published else ""
+    print(f"atlasjax: {n} tokens in {dt:.2f}s ({runner.num_compiles} compiles, "
+          f"{runner.compile_seconds:.1f}s of them{extra})", file=sys.stderr)
+
+
+def _run_save(args) -> None:
+    from atlasjax.llm import LLM
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    llm.save(args.output)
+    llm.engine.stop_followers()   # multi-host: the other processes joined the gather and may exit now
+    print(f"atlasjax: wrote {args.output} in {time.perf_counter() - t0:.1f}s; load it with --model {args.output}",
+          file=sys.stderr)
 
 
 def _start_distributed(args) -> bool:
@@ -112,6 +125,10 @@ def main(argv=None) -> int:
         add_server_args(p)
     except ImportError:
         pass
+    p = sub.add_parser("save", help="load a model once (quantizing it with --quantization) and write it as an "
+                                    "atlasjax checkpoint that later runs load directly")
+    p.add_argument("output", help="directory to write (created; an existing checkpoint there is replaced)")
+    add_engine_args(p)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every compile")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -123,6 +140,9 @@ def main(argv=None) -> int:
         if args.command == "serve":
             from serving.cli import serve
             return serve(args) or 0
+        if args.command == "save":
+            _run_save(args)
+            return 0
         _run_generate(args, chat=args.command == "chat")
     except AtlasJaxError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,7 +11,9 @@ import dataclasses
 import json
 import os
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from atlasjax.config import ModelConfig, RopeScaling
 from atlasjax.errors import CheckpointError
@@ -37,7 +39,12 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
                 leaves[key + "|zeros"] = leaf.zeros
         else:
             leaves[key] = leaf
-    ckpt = ocp.StandardCheckpointer()
+    if jax.process_count() > 1:   # multi-host: process 0 holds the whole (gathered) tree and writes it alone
+        leaves = {k: np.asarray(v) for k, v in leaves.items()}
+        ckpt = ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=0, active_processes={0}))
+    else:
+        ckpt = ocp.StandardCheckpointer()
     ckpt.save(os.path.abspath(os.path.join(directory, "params")), leaves, force=True)
     ckpt.wait_until_finished()
     tok = loaded.tokenizer

@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import os
 import pickle
+import time
 
 import jax
 import numpy as np
@@ -115,12 +116,14 @@ class _Ref:
 
 class BroadcastingRunner:
     """On process 0: publishes every device-step call of a ModelRunner, then makes it."""
-    STEPS = ("decode", "prefill", "admit", "warmup")
+    STEPS = ("decode", "prefill", "admit", "warmup", "checkpoint_params")   # calls every process must make
 
     def __init__(self, runner, channel: StepChannel):
         self._runner = runner
         self._channel = channel
         self._made: dict[int, tuple[int, str]] = {}   # id(device array) -> (step, field)
+        self.published = 0            # steps published, and the host time spent publishing them
+        self.publish_seconds = 0.0
 
     def __getattr__(self, name):
         attr = getattr(self._runner, name)
@@ -128,7 +131,10 @@ class BroadcastingRunner:
             return attr
 
         def call(*args, **kwargs):
+            t0 = time.perf_counter()
             step = self._channel.publish((name, self._encode(args), self._encode(kwargs)))
+            self.published += 1
+            self.publish_seconds += time.perf_counter() - t0
             out = attr(*args, **kwargs)
             if out is not None and hasattr(out, "tokens"):
                 self._made = {k: v for k, v in self._made.items() if v[0] > step - _KEEP}
@@ -161,6 +167,6 @@ def follow(runner, channel: StepChannel) -> None:
             return getattr(outputs[x.step], x.field) if isinstance(x, _Ref) else x
         args, kwargs = jax.tree.map(dec, (args, kwargs), is_leaf=lambda x: isinstance(x, _Ref))
         out = getattr(runner, name)(*args, **kwargs)
-        if out is not None:
+        if hasattr(out, "tokens"):   # step outputs that later steps may refer to (not a gathered checkpoint)
             outputs[step] = out
             outputs.pop(step - _KEEP, None)

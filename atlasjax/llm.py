@@ -38,10 +38,17 @@ class LLM:
         return self.engine.tokenizer
 
     def save(self, directory: str) -> None:
-        """Write the loaded (possibly quantized) params + tokenizer so `LLM(directory)` loads them directly."""
+        """Write the loaded (possibly quantized) params + tokenizer so `LLM(directory)` loads them directly.
+
+        Multi-host: call it on process 0 while the others `follow()`; they join the gather of the
+        shards, and process 0 writes the whole checkpoint (to its own file system)."""
+        from atlasjax import distributed  # noqa: PLC0415
         from atlasjax.checkpoint import save_checkpoint  # noqa: PLC0415
         engine = self.engine
-        save_checkpoint(dataclasses.replace(engine.loaded, params=engine.runner.checkpoint_params()), directory)
+        if distributed.is_multiprocess() and not distributed.is_leader():
+            raise RuntimeError("LLM.save runs on process 0 of a multi-host run (the others call llm.engine.follow())")
+        params = engine.runner.checkpoint_params()
+        save_checkpoint(dataclasses.replace(engine.loaded, params=params), directory)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -211,13 +211,14 @@ class TensorParallel:
     def gather(self, params: dict, logical_tree: dict) -> dict:
         """The inverse of `shard_params`: the whole tree on the host in checkpoint layout, with
         replicated KV heads taken once, padded vocab rows dropped and per-device quantized weights
-        joined (host memory: the whole model). Single-process meshes only."""
+        joined (host memory: the whole model). Multi-host: every process must call it (each leaf is
+        all-gathered across processes, in tree order), and every process gets the whole tree."""
         def walk(node, logical):
             if isinstance(node, dict):
                 return {k: walk(v, logical[k]) for k, v in node.items()}
             if is_quantized(node):
                 return self._join_quantized(node, logical)
-            return self._unplace(np.asarray(jax.device_get(node)), logical)
+            return self._unplace(_to_host(node), logical)
         return walk(params, logical_tree)
 
     def _unplace(self, array: np.ndarray, logical: tuple[str, ...]) -> np.ndarray:
@@ -234,8 +235,7 @@ class TensorParallel:
     def _join_quantized(self, qw, logical: tuple[str, ...]):
         from atlasjax.quantization import concat_quantized  # noqa: PLC0415
         dim = self.split_dim(logical)
-        host = {f: None if getattr(qw, f) is None else np.asarray(jax.device_get(getattr(qw, f)))
-                for f in ("qweight", "scales", "zeros")}
+        host = {f: None if getattr(qw, f) is None else _to_host(getattr(qw, f)) for f in ("qweight", "scales", "zeros")}
         devices = range(0, self.size, self.kv_replicas if logical[dim] == "kv_heads" else 1)
         pieces = [dataclasses.replace(qw, **{f: None if x is None else x[d] for f, x in host.items()})
                   for d in devices]
@@ -297,3 +297,11 @@ def logical_axes(cfg, dtype) -> dict:
     boxed = abstract_params(cfg, dtype)
     return jax.tree.map(lambda b: tuple(b.names), boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of a (possibly multi-process) array as numpy; a collective across processes
+    when other processes hold some of its shards."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

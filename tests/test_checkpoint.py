@@ -1,7 +1,11 @@
 """Quantize once: save the quantized param tree with orbax and load it back directly."""
+import os
+import subprocess
+import sys
 import time
 
 from atlasjax import LLM, SamplingParams
+from tests.server_util import tiny_model_dir
 
 
 def test_saved_quantized_model_loads_back_faster_with_the_same_output(default_model_path, tmp_path):
@@ -20,3 +24,24 @@ def test_saved_quantized_model_loads_back_faster_with_the_same_output(default_mo
     out = again.chat(msgs, params)[0].outputs[0]
     assert out.token_ids == ref.token_ids and "Paris" in out.text
     print(f"quantize at load {convert_s:.2f}s, load saved {load_s:.2f}s")
+
+
+def test_save_command_writes_a_checkpoint_the_cli_loads(tmp_path_factory):
+    # `python -m atlasjax save`: quantize once from the command line, then run from the saved directory.
+    model = tiny_model_dir(tmp_path_factory)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    common = ["--max-model-len", "64", "--max-num-seqs", "1", "--dtype", "float32"]
+
+    def run(*args):
+        p = subprocess.run([sys.executable, "-m", "atlasjax", *args], env=env, cwd=root, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p
+    saved = str(tmp_path_factory.mktemp("saved_cli"))
+    run("save", "--model", model, "--quantization", "int8", *common, saved)
+    assert os.path.exists(os.path.join(saved, "atlasjax_checkpoint.json"))
+    prompt = ["--max-tokens", "8", "One two three"]
+    want = run("generate", "--model", model, "--quantization", "int8", *common, *prompt).stdout
+    got = run("generate", "--model", saved, *common, *prompt).stdout
+    assert got == want and want.strip()

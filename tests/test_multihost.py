@@ -1,5 +1,6 @@
 """Multi-host on one machine: two processes on loopback (2 CPU devices each, gloo collectives) run
-the documented CLI launch; process 0's output equals a single-process, single-device run."""
+the documented CLI launch; process 0's output equals a single-process, single-device run, and a
+checkpoint saved by the two processes loads on one device and generates the same."""
 import os
 import socket
 import subprocess
@@ -10,8 +11,7 @@ import pytest
 from tests.server_util import tiny_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2", "--max-tokens", "12",
-        "--max-num-batched-tokens", "32"]
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
 PROMPTS = ["The capital of France is", "One two three four five six seven eight nine ten eleven twelve"]
 
 
@@ -34,24 +34,22 @@ def _without_gloo_lines(stdout: str) -> str:
                    if not (line.startswith("[Gloo]") or "peer ranks" in line))
 
 
-def _generate(model, *extra, env):
-    return subprocess.Popen([sys.executable, "-m", "atlasjax", "generate", "--model", model, *ARGS, *extra, *PROMPTS],
+def _atlasjax(command, model, *extra, env):
+    tail = ["--max-tokens", "12", *PROMPTS] if command == "generate" else []
+    return subprocess.Popen([sys.executable, "-m", "atlasjax", command, "--model", model, *ENGINE_ARGS, *extra, *tail],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory)
+def _generate(model, *extra, env):
+    return _atlasjax("generate", model, *extra, env=env)
 
 
-def test_two_processes_tensor_parallel_equal_one_device(model_dir):
-    single = _generate(model_dir, env=_env(1))
-    want, err = single.communicate(timeout=300)
-    assert single.returncode == 0, err[-2000:]
+def _two_processes(command, model, *extra):
+    """The same command on two processes of one loopback coordinator; their (stdout, stderr)."""
     port = _free_port()
-    procs = [_generate(model_dir, "--tensor-parallel-size", "4", env=_env(2, ATLASJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                                                           ATLASJAX_NUM_PROCESSES="2",
-                                                                           ATLASJAX_PROCESS_ID=str(i)))
+    procs = [_atlasjax(command, model, "--tensor-parallel-size", "4", *extra,
+                       env=_env(2, ATLASJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", ATLASJAX_NUM_PROCESSES="2",
+                                ATLASJAX_PROCESS_ID=str(i)))
              for i in range(2)]
     results = []
     for p in procs:
@@ -63,9 +61,39 @@ def test_two_processes_tensor_parallel_equal_one_device(model_dir):
             pytest.fail("a multi-host process hung")
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
+    return results
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def single_device_output(model_dir):
+    single = _generate(model_dir, env=_env(1))
+    want, err = single.communicate(timeout=300)
+    assert single.returncode == 0, err[-2000:]
+    assert want.strip()
+    return want
+
+
+def test_two_processes_tensor_parallel_equal_one_device(model_dir, single_device_output):
+    results = _two_processes("generate", model_dir)
     leader_out, follower_out = (_without_gloo_lines(r[0]) for r in results)
-    assert leader_out == want and want.strip()
+    assert leader_out == single_device_output
     assert follower_out == ""   # only process 0 answers
+    assert "steps published" in results[0][1]   # process 0 reports what driving the others cost
+
+
+def test_two_processes_save_a_checkpoint_that_loads_on_one_device(model_dir, single_device_output, tmp_path):
+    # `save` under TP=4 over two processes: both join the gather of the shards, process 0 writes.
+    out = str(tmp_path / "saved")
+    _two_processes("save", model_dir, out)
+    loaded = _generate(out, env=_env(1))
+    got, err = loaded.communicate(timeout=300)
+    assert loaded.returncode == 0, err[-2000:]
+    assert got == single_device_output
 
 
 def test_process_id_without_count_is_a_clear_error(model_dir):
