@@ -53,6 +53,13 @@ class QuantMatmulConfig:
     num_k_splits: int | None = None  # None: enough splits to give every SM work
     max_concurrent_steps: int = 4  # pipeline depth (TMA loads in flight per warpgroup)
     tile_m: int = 128  # activation rows per tile when M > DECODE_ROWS (multiple of 8, <= 256)
+    # Grouped formats: fold each group's scale into the dequantized tile (one bf16 rounding per
+    # weight, as dequantize-then-matmul has) and keep one accumulator over all K steps; a step then
+    # spans several groups (up to prescale_tile_k elements). None: for groups under 128 elements
+    # (GGUF Q8_0 / Q4_0 / Q4_1), where it measured 1.3-5x faster; groups of 128 stay one group per
+    # step with the scale on the f32 partial, faster there (docs/perf_quant.md, session 4).
+    prescale: bool | None = None
+    prescale_tile_k: int = 256
 
     def __post_init__(self):
         if self.tile_k % 16 or self.tile_k <= 0:
@@ -78,7 +85,8 @@ def _elem_bits(dtype) -> int:
 
 
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
-                            steps_per_split, steps_per_group, per_channel, max_concurrent_steps):
+                            steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
+                            prescale=False, group_size=None):
     """One (N tile, M tile, K split) block: out[split, n_tile, m_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
@@ -99,8 +107,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             a = a.astype(jnp.float16)
         return a.astype(jnp.bfloat16)
 
-    def mma(acc_ref, w_smem, x_smem):
-        a = dequantized(w_smem)
+    def mma(acc_ref, a, x_smem):  # a: the [TILE_N, tile_k] bf16 weight tile in registers
         if a_smem is not None:
             a_smem[...] = a
             plgpu.commit_smem()
@@ -120,11 +127,38 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     ]
     operands = (w_gmem.at[n_slice], x_gmem.at[m_slice])
     scale_spec = plgpu.BlockSpec((1, TILE_N), lambda k: ((first_step + k) // steps_per_group, 0))
-    if per_channel:
+    groups_per_step = max(1, tile_k // group_size) if prescale else 1
+    if prescale and groups_per_step > 1:  # the step's groups: rows [k * gps, (k + 1) * gps) of the scales
+        scale_spec = plgpu.BlockSpec((groups_per_step, TILE_N), lambda k: (first_step + k, 0))
+
+    def prescaled(w_smem, s_smem):  # the tile times its groups' scales, rounded once to bf16
+        a = dequantized(w_smem).astype(jnp.float32)
+        scale = lax.broadcast_in_dim(plgpu.load(s_smem.at[0], layout=row_layout), a.shape, [0])
+        if groups_per_step > 1:
+            col = plgpu.broadcasted_iota(jnp.int32, a.shape, 1, layout=plgpu.Layout.WGMMA)
+            for j in range(1, groups_per_step):
+                s_j = lax.broadcast_in_dim(plgpu.load(s_smem.at[j], layout=row_layout), a.shape, [0])
+                scale = jnp.where(col >= j * group_size, s_j, scale)
+        return (a * scale).astype(jnp.bfloat16)
+
+    if prescale and not per_channel:
+        def step_prescaled(acc_ref, w_smem, x_smem, s_smem):
+            mma(acc_ref, prescaled(w_smem, s_smem), x_smem)
+
+        def body_prescaled(acc_ref):
+            plgpu.emit_pipeline(
+                lambda _, *refs: step_prescaled(acc_ref, *refs),
+                grid=(steps_per_split,), in_specs=in_specs + [scale_spec],
+                max_concurrent_steps=max_concurrent_steps,
+            )(*operands, s_gmem.at[:, n_slice])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(body_prescaled, plgpu.ACC((TILE_N, m_tile), jnp.float32))
+    elif per_channel:
         # One accumulator for all K steps; the channel scale is applied once at the end.
         def step_per_channel(acc_ref, w_smem, x_smem, s_smem, scale):
             del scale
-            mma(acc_ref, w_smem, x_smem)
+            mma(acc_ref, dequantized(w_smem), x_smem)
             return plgpu.load(s_smem.at[0], layout=row_layout)  # the carry: [TILE_N] scales
 
         def body(acc_ref):
@@ -141,7 +175,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     else:
         # K groups: each step is one group (tile_k <= group_size); scale its partial product.
         def step(_, w_smem, x_smem, s_smem, acc):
-            part = pl.run_scoped(lambda part_ref: (mma(part_ref, w_smem, x_smem), part_ref[...])[1],
+            part = pl.run_scoped(lambda part_ref: (mma(part_ref, dequantized(w_smem), x_smem), part_ref[...])[1],
                                  plgpu.ACC((TILE_N, m_tile), jnp.float32))
             return acc + scaled(part, s_smem.at[0])
 
@@ -168,7 +202,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile. Returns y.T partials summed: [N_pad, M_pad] f32."""
     k_pad, n_pad = qw.padded_shape
     m_pad = xp.shape[0]
-    tile_k = min(config.tile_k, qw.group_size)
+    tile_k = _tile_k(qw, config)
     num_steps = k_pad // tile_k
     num_blocks = (n_pad // TILE_N) * (m_pad // m_tile)
     splits = config.num_k_splits
@@ -178,8 +212,8 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         splits -= 1
     kernel = functools.partial(
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
-        steps_per_group=qw.group_size // tile_k, per_channel=qw.scales.shape[0] == 1,
-        max_concurrent_steps=config.max_concurrent_steps)
+        steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.scales.shape[0] == 1,
+        max_concurrent_steps=config.max_concurrent_steps, prescale=_prescales(qw, config), group_size=qw.group_size)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),
@@ -200,13 +234,34 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
 # ---------------------------------------------------------------------------------------------
 
 
+def _tile_k(qw: QuantizedWeight, config: QuantMatmulConfig) -> int | None:
+    """K elements per pipeline step, or None when the kernel cannot stream this weight.
+
+    A weight tile row must span >= 32 bytes (the smallest swizzle): int4 with groups of 32 needs
+    steps of several groups, which only the prescaled path has (an unswizzled variant lowered but
+    computed garbage on the H100, 2026-11-21). Without prescaling a step stays inside one group.
+    """
+    k_pad, _ = qw.padded_shape
+    g = qw.group_size
+    if _prescales(qw, config):
+        # the largest power-of-two multiple of the group size up to prescale_tile_k that divides K
+        tiles = [g << i for i in range(8) if g << i <= max(config.prescale_tile_k, g)]
+        tile = next((t for t in reversed(tiles) if k_pad % t == 0), g)
+    else:
+        tile = min(config.tile_k, g)
+    ok = k_pad % tile == 0 and tile * _elem_bits(qw.qweight.dtype) >= 256 and (g % tile == 0 or tile % g == 0)
+    return tile if ok else None
+
+
+def _prescales(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    if qw.num_groups == 1:   # per channel: the scale multiplies the final accumulator anyway
+        return False
+    return qw.group_size < 128 if config.prescale is None else config.prescale
+
+
 def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
     k_pad, n_pad = qw.padded_shape
-    tile_k = min(config.tile_k, qw.group_size)
-    # A weight tile row must span >= 32 bytes (the smallest swizzle): int4 with groups of 32 does
-    # not (an unswizzled variant lowered but computed garbage on the H100, 2026-11-21).
-    return (n_pad % TILE_N == 0 and k_pad % tile_k == 0 and qw.group_size % tile_k == 0
-            and tile_k * _elem_bits(qw.qweight.dtype) >= 256
+    return (n_pad % TILE_N == 0 and _tile_k(qw, config) is not None
             and qw.scales.shape == (k_pad // qw.group_size, n_pad))
 
 

@@ -54,6 +54,26 @@ def test_interpret_k_splits_and_m_tiles():
     _check("int4", 128, False, m, 512, 130, config=cfg, interpret=True, prefill="pallas")
 
 
+@pytest.mark.parametrize("fmt,group_size,symmetric,k,tile_k", [
+    ("int4", 128, True, 512, 128), ("int4", 128, False, 512, 256), ("int4", 32, True, 576, 128),
+    ("int4", 32, False, 160, 128), ("int8", 32, True, 200, 64),
+])
+@pytest.mark.parametrize("m", [1, 17])
+def test_interpret_prescaled_groups(fmt, group_size, symmetric, k, tile_k, m):
+    # Group scales folded into the dequantized tile, one accumulator; steps of several groups
+    # (int4 groups of 32, GGUF Q4_0/Q4_1), K not a multiple of the requested step (576, 160, 200).
+    cfg = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k)
+    _check(fmt, group_size, symmetric, m, k, 70, seed=k + m, config=cfg, interpret=True)
+
+
+def test_prescaled_int4_g32_takes_the_kernel():
+    from atlasjax.quantization import quantize as q
+    from pallas_kernels.quantized_matmul import _can_use_pallas
+    qw = q(np.ones((576, 64), np.float32), "int4", group_size=32, symmetric=True)
+    assert not _can_use_pallas(qw, QuantMatmulConfig(prescale=False))   # 16-byte rows: no swizzle
+    assert _can_use_pallas(qw, QuantMatmulConfig())                    # the default prescales groups of 32
+
+
 def test_interpret_batched_decode_rows():
     # A decode batch of 17..DECODE_ROWS rows takes the kernel (one M tile), not dequantize + dot.
     _check("int4", 128, True, 40, 256, 64, interpret=True)
@@ -61,7 +81,7 @@ def test_interpret_batched_decode_rows():
 
 def test_interpret_prefill_xla_path():
     _check("int4", 128, True, DECODE_ROWS + 1, 256, 64, interpret=True, prefill="xla")
-    _check("int4", 32, True, 3, 256, 64, interpret=True)  # int4 g32: no kernel layout, XLA path
+    _check("int4", 32, True, 3, 256, 64, interpret=True, config=QuantMatmulConfig(prescale=False))  # no kernel: XLA
 
 
 @pytest.mark.parametrize("fmt,group_size,symmetric", CASES)
@@ -91,6 +111,17 @@ def test_reference_backend_and_dtypes():
 @pytest.mark.parametrize("m,k,n", [(1, 200, 70), (3, 4096, 1000), (17, 1000, 4100), (64, 512, 256)])
 def test_gpu_matches_reference(fmt, group_size, symmetric, m, k, n):
     _check(fmt, group_size, symmetric, m, k, n, seed=k + m)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("fmt,group_size,symmetric,tile_k", [
+    ("int4", 128, True, 128), ("int4", 128, False, 256), ("int4", 32, True, 128), ("int4", 32, False, 64),
+    ("int8", 32, True, 128)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 70), (8, 4096, 1000), (40, 1024, 4100)])
+def test_gpu_prescaled_groups(fmt, group_size, symmetric, tile_k, m, k, n):
+    _check(fmt, group_size, symmetric, m, k, n, seed=k + m,
+           config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k))
 
 
 @pytest.mark.gpu
