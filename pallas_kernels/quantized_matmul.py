@@ -43,6 +43,7 @@ from pallas_kernels.quant_format import QuantizedWeight, dequantize
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline may use (the H100 allows 227 KB per block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,10 +211,15 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         splits = max(1, min(num_steps // 8, -(-2 * _num_sms() // num_blocks)))
     while num_steps % splits:
         splits -= 1
+    # Steps in flight: as many as asked that fit shared memory (a 128-row M tile of 256-element
+    # steps holds 64 KB of x per step).
+    per_step = m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8 + 8 * TILE_N * 4
+    fixed = TILE_N * m_tile * 4 + (TILE_N * tile_k * 2 if interpret else 0)
+    depth = max(1, min(config.max_concurrent_steps, (SMEM_BUDGET - fixed) // per_step))
     kernel = functools.partial(
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.scales.shape[0] == 1,
-        max_concurrent_steps=config.max_concurrent_steps, prescale=_prescales(qw, config), group_size=qw.group_size)
+        max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size)
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),

@@ -126,6 +126,15 @@ def test_gpu_prescaled_groups(fmt, group_size, symmetric, tile_k, m, k, n):
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("fmt,group_size", [("int4", 32), ("int8", 32), ("int4", 128)])
+def test_gpu_full_decode_tile_fits_shared_memory(fmt, group_size):
+    # DECODE_ROWS rows in one M tile with 256-element prescaled steps: the pipeline depth shrinks
+    # to fit shared memory (it overflowed at 4 steps in flight, found on the H100).
+    _check(fmt, group_size, True, DECODE_ROWS, 2048, 512, seed=3)
+
+
+@pytest.mark.gpu
+@gpu_only
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_gpu_prefill(fmt):
     _check(fmt, 128 if fmt == "int4" else None, True, 300, 1024, 384, config=QuantMatmulConfig(tile_m=128),
