@@ -100,3 +100,36 @@ def test_process_id_without_count_is_a_clear_error(model_dir):
     p = _generate(model_dir, env=_env(1, ATLASJAX_COORDINATOR_ADDRESS="127.0.0.1:1", ATLASJAX_PROCESS_ID="0"))
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and "number of processes" in err
+
+
+def test_follower_exits_when_process_0_dies(model_dir):
+    # A follower must not hang when process 0 (which hosts the coordinator) goes away: jax.distributed's
+    # agent aborts it as soon as its connection drops, so an orchestrator sees the whole group fail.
+    import time
+    http = _free_port()
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "atlasjax", "serve", "--model", model_dir, *ENGINE_ARGS,
+                               "--tensor-parallel-size", "4", "--port", str(http)],
+                              env=_env(2, ATLASJAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", ATLASJAX_NUM_PROCESSES="2",
+                                       ATLASJAX_PROCESS_ID=str(i)),
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:   # process 0 listens once both processes built and warmed the engine
+            try:
+                socket.create_connection(("127.0.0.1", http), timeout=1).close()
+                break
+            except OSError:
+                assert procs[0].poll() is None and procs[1].poll() is None, "a process exited before serving"
+                time.sleep(1)
+        else:
+            pytest.fail("process 0 never served")
+        procs[0].kill()
+        t0 = time.time()
+        rc = procs[1].wait(timeout=60)
+        assert rc != 0 and time.time() - t0 < 60
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
