@@ -86,6 +86,18 @@ def test_latency_mode(tmp_path, capsys):
     assert "TTFT" in out and "TPOT" in out and "roofline" in out
 
 
+def test_latency_compare_quantization(tmp_path, capsys):
+    # The "against the same engine in bf16, measured in one run": the main run, then each format.
+    rep = run_bench(tmp_path, "latency", "--preset", "tiny", "--batch-size", "1", "--input-len", "8",
+                    "--output-len", "4", "--num-iters", "1", "--compare-quantization", "int8,int4")
+    rows = rep["compare_quantization"]
+    assert [r["quantization"] for r in rows] == ["none", "int8", "int4"]
+    assert rows[0]["tpot_vs_main"] == 1.0 and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in rows)
+    assert "weight formats" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown"):
+        main(["latency", "--preset", "tiny", "--compare-quantization", "int3"])
+
+
 def test_throughput_mode_random_prompts(tmp_path):
     rep = run_bench(tmp_path, "throughput", "--preset", "tiny", "--num-prompts", "6", "--input-len", "10",
                     "--output-len", "8", "--range-ratio", "0.5", "--max-num-seqs", "4",

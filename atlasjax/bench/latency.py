@@ -11,6 +11,8 @@ Warm-up iterations run the same shapes first, so every compile happens before ti
 """
 from __future__ import annotations
 
+import copy
+import gc
 import time
 
 import numpy as np
@@ -27,6 +29,10 @@ def add_args(p) -> None:
     g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--num-iters", type=int, default=5)
     g.add_argument("--num-warmup", type=int, default=1)
+    g.add_argument("--compare-quantization", default=None, metavar="Q[,Q...]",
+                   help="after the main run, the same shapes with each of these weight formats (int8, fp8, "
+                        "int4, none) in this process, one after the other; prints each TTFT / TPOT and its "
+                        "ratio to the main run")
 
 
 def engine_overrides(args) -> dict:
@@ -66,7 +72,52 @@ def _iteration(engine, args, rng, tag: str) -> dict:
     return dict(ttft=ttft, decode_steps=decode_steps, e2e=e2e, num_output_tokens=num_out, num_steps=num_steps)
 
 
+QUANTIZATIONS = ("int8", "fp8", "int4", "none")
+
+
 def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
+    formats = _compare_formats(args)
+    report, tables = _run_one(args, ceilings, hf)
+    if formats:
+        runs = [(args.quantization or "none", report["results"])]
+        for q in formats:
+            gc.collect()   # the previous engine's params and KV pool leave the device first
+            sub = copy.copy(args)
+            sub.quantization = None if q == "none" else q
+            progress(f"--compare-quantization: {q}")
+            rep_q, _ = _run_one(sub, ceilings, None)
+            runs.append((q, rep_q["results"]))
+        report["compare_quantization"] = _quantization_rows(runs)
+        tables.insert(1, _quantization_table(args, report["compare_quantization"]))
+    return report, tables
+
+
+def _compare_formats(args) -> list[str]:
+    if not args.compare_quantization:
+        return []
+    formats = [q.strip() for q in args.compare_quantization.split(",") if q.strip()]
+    bad = [q for q in formats if q not in QUANTIZATIONS]
+    if bad:
+        raise SystemExit(f"--compare-quantization: unknown {bad}; choose from {', '.join(QUANTIZATIONS)}")
+    return formats
+
+
+def _quantization_rows(runs) -> list[dict]:
+    base_ttft, base_tpot = runs[0][1]["ttft_s"]["median"], runs[0][1]["tpot_s"]["median"]
+    return [dict(quantization=q, ttft_s=r["ttft_s"]["median"], tpot_s=r["tpot_s"]["median"],
+                 tpot_p10_s=r["tpot_s"]["p10"], ttft_vs_main=r["ttft_s"]["median"] / base_ttft,
+                 tpot_vs_main=r["tpot_s"]["median"] / base_tpot) for q, r in runs]
+
+
+def _quantization_table(args, rows) -> str:
+    body = [[r["quantization"], fmt(r["ttft_s"] * 1e3), f"{r['ttft_vs_main']:.2f}x", fmt(r["tpot_s"] * 1e3),
+             fmt(r["tpot_p10_s"] * 1e3), f"{r['tpot_vs_main']:.2f}x"] for r in rows]
+    return table(f"weight formats, same shapes, one process (batch {args.batch_size}, {args.input_len} in / "
+                 f"{args.output_len} out; medians)",
+                 ["weights", "TTFT ms", "vs main", "TPOT ms", "TPOT p10 ms", "vs main"], body)
+
+
+def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     engine = build_engine(args, **engine_overrides(args))
     rng = np.random.default_rng(args.seed)
     runner = engine.runner
