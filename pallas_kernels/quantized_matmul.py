@@ -10,6 +10,9 @@ kernel computes y.T = W.T @ x.T. Each warpgroup owns 64 output channels; per K s
    fast conversions) and issues one wgmma with it as the register A operand and x.T as the
    shared-memory B operand (M of the product = 64 weight rows, N = m_pad >= 8 activation rows);
 3. multiplies the step's f32 partial by the group's scale row and adds it to the carry.
+Groups under 128 elements (GGUF's 32) instead multiply the dequantized tile by its groups' scales
+in registers before the wgmma ("prescale"), so a step spans several groups and one accumulator
+serves all of K; int4 groups of 32 need that (a 16-byte row is under the smallest swizzle).
 The dequantized weight never leaves registers. K is split across a second grid axis when the
 N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
 The asymmetric int4 offset term sum_g zeros[g, n] * sum_{k in g} x[m, k] is a [M, G] x [G, N]
@@ -69,6 +72,8 @@ class QuantMatmulConfig:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
         if self.max_concurrent_steps < 1:
             raise ValueError("max_concurrent_steps must be >= 1")
+        if self.prescale_tile_k % 16 or self.prescale_tile_k <= 0:
+            raise ValueError(f"prescale_tile_k must be a positive multiple of 16, got {self.prescale_tile_k}")
 
 
 def _swizzled(rows_bits: int, elem_bits: int, what: str):
@@ -289,7 +294,8 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
       config: kernel tunables.
       prefill: for M > DECODE_ROWS, "xla" (dequantize to bf16, then an XLA dot: measured faster, see
         docs/perf_quant.md) or "pallas" (the fused kernel, tile_m rows per tile). Weights whose
-        layout the kernel cannot stream (int4 with group 32) also take the "xla" path.
+        layout the kernel cannot stream (int4 groups of 32 without prescale, K not a multiple of
+        a step) also take the "xla" path.
     Returns:
       y: [M, N] in out_dtype.
     """
