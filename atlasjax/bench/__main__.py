@@ -88,6 +88,9 @@ def main(argv=None) -> int:
         rep, tables, used_device = serve.run(args)
         report.finish(rep, argv, args.output, tables, with_device=used_device)
         return 1 if rep["results"]["completed"] == 0 else 0
+    if args.mode == "latency":
+        from atlasjax.bench import latency  # noqa: PLC0415
+        latency.compare_formats(args)   # a bad --compare-quantization fails before any device work
     hf = _hf_comparison(args) if getattr(args, "compare", None) == "hf" else None
     from atlasjax.bench.roofline import measure_ceilings  # noqa: PLC0415
     progress("measuring device ceilings (copy bandwidth, matmul rate)")

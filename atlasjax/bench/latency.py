@@ -76,7 +76,7 @@ QUANTIZATIONS = ("int8", "fp8", "int4", "none")
 
 
 def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
-    formats = _compare_formats(args)
+    formats = compare_formats(args)
     report, tables = _run_one(args, ceilings, hf)
     if formats:
         runs = [(args.quantization or "none", report["results"])]
@@ -92,7 +92,7 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     return report, tables
 
 
-def _compare_formats(args) -> list[str]:
+def compare_formats(args) -> list[str]:
     if not args.compare_quantization:
         return []
     formats = [q.strip() for q in args.compare_quantization.split(",") if q.strip()]
