@@ -1,7 +1,9 @@
 """GPU benchmark of the fused dequantize-matmul kernels: `python -m atlasjax.bench_kernels_quant`.
 
-Decode (M=1) on Llama-3.1-8B projection shapes: achieved bytes/s against a device-to-device copy
-measured in the same run, and time against the bf16 XLA dot; prefill (M=2048): fused kernel and
+Decode (`--rows`, default 8: the engine's decode step on a GPU) on Llama-3.1-8B projection shapes,
+for what the engine runs ("engine": XLA's GEMM for per-channel int8/fp8, the fused kernel for
+groups) and the Pallas kernel itself: achieved bytes/s against a device-to-device copy measured in
+the same run, and time against the bf16 XLA dot; prefill (M=2048): fused kernel and
 dequantize + XLA dot against the bf16 XLA dot. Kernel times come from CUPTI
 (`jax.experimental.mosaic.gpu.profiler.measure`, sum of all kernels of one call, median of
 iterations). Several weight copies are rotated so the 50 MB L2 never holds the weight.
@@ -26,7 +28,9 @@ from atlasjax.quantization import QuantizedWeight, dequantize, quantize
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
 DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # (K, N)
-FORMATS = [("int8", None, True), ("fp8", None, True), ("int4", 128, True), ("int4", 128, False)]
+FORMATS = [("int8", None, True), ("fp8", None, True), ("int4", 128, True), ("int4", 128, False),
+           ("int4", 32, False), ("int8", 32, True)]   # the last two: GGUF Q4_1 / Q8_0 blocks
+DECODE_ROWS = 8   # the engine's decode step on a GPU runs at least 8 rows
 MIN_ROTATION_BYTES = 256 << 20
 
 
@@ -68,9 +72,10 @@ def bench_decode(k, n, m, results, configs):
         qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)), np.float32)
         name = f"{fmt}{'' if g is None else f'_g{g}'}{'' if sym else '_asym'}"
-        for cname, cfg in configs.items():
+        for cname, cfg in configs.items():   # cfg None: what the engine runs (backend "auto")
             try:
-                fn = lambda x, w, cfg=cfg: quantized_matmul(x, w, backend="pallas", config=cfg)
+                fn = ((lambda x, w: quantized_matmul(x, w)) if cfg is None else
+                      (lambda x, w, cfg=cfg: quantized_matmul(x, w, backend="pallas", config=cfg)))
                 y = np.asarray(fn(x, qw), np.float32)
                 err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                 ms = device_ms(rotated(fn), x, qws) / copies
@@ -104,6 +109,7 @@ def bench_prefill(k, n, m, results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="first decode shape only, no prefill")
+    parser.add_argument("--rows", type=int, default=DECODE_ROWS, help="activation rows of the decode rows")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     t0 = time.time()
@@ -113,9 +119,9 @@ def main():
                "decode": [], "prefill": []}
     results["copy_GBps"] = copy_bandwidth() / 1e9
     print(f"{dev.device_kind}  jax {jax.__version__}  copy {results['copy_GBps']:.0f} GB/s", flush=True)
-    configs = {"default": QuantMatmulConfig(), "steps8": QuantMatmulConfig(max_concurrent_steps=8)}
+    configs = {"engine": None, "pallas": QuantMatmulConfig(), "pallas_steps8": QuantMatmulConfig(max_concurrent_steps=8)}
     for k, n in DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES:
-        row = bench_decode(k, n, 1, results, configs)
+        row = bench_decode(k, n, args.rows, results, configs)
         for key, v in row.items():
             if isinstance(v, dict):
                 if "error" in v:

@@ -70,9 +70,9 @@ def _attention(quick: bool, ceilings: dict) -> list[dict]:
 def _quant(quick: bool) -> list[dict]:
     mod = importlib.import_module("atlasjax.bench_kernels_quant")
     results = {"decode": [], "prefill": []}
-    configs = {"default": mod.QuantMatmulConfig()}
+    configs = {"engine": None, "pallas": mod.QuantMatmulConfig()}   # what the engine runs, and the kernel
     for k, n in mod.DECODE_SHAPES[:1] if quick else mod.DECODE_SHAPES:
-        mod.bench_decode(k, n, 1, results, configs)
+        mod.bench_decode(k, n, mod.DECODE_ROWS, results, configs)
     if not quick:
         mod.bench_prefill(4096, 6144, 2048, results)
     return results["decode"] + results["prefill"]
