@@ -64,6 +64,9 @@ class QuantMatmulConfig:
     # step with the scale on the f32 partial, faster there (docs/perf_quant.md, session 4).
     prescale: bool | None = None
     prescale_tile_k: int = 256
+    # Prescaled asymmetric groups: also add each group's offset (8 s + zeros) to the tile, so the
+    # result needs no XLA offset term (x row sums times offsets). Not yet measured on a GPU: off.
+    fold_zeros: bool = False
 
     def __post_init__(self):
         if self.tile_k % 16 or self.tile_k <= 0:
@@ -92,7 +95,7 @@ def _elem_bits(dtype) -> int:
 
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
-                            prescale=False, group_size=None):
+                            prescale=False, group_size=None, z_gmem=None):
     """One (N tile, M tile, K split) block: out[split, n_tile, m_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
@@ -137,26 +140,35 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     if prescale and groups_per_step > 1:  # the step's groups: rows [k * gps, (k + 1) * gps) of the scales
         scale_spec = plgpu.BlockSpec((groups_per_step, TILE_N), lambda k: (first_step + k, 0))
 
-    def prescaled(w_smem, s_smem):  # the tile times its groups' scales, rounded once to bf16
-        a = dequantized(w_smem).astype(jnp.float32)
-        scale = lax.broadcast_in_dim(plgpu.load(s_smem.at[0], layout=row_layout), a.shape, [0])
+    def per_group(rows_smem, shape, row=lambda j, r: r):  # [gps, TILE_N] -> [TILE_N, tile_k], row j on group j
+        def load(j):
+            return lax.broadcast_in_dim(row(j, plgpu.load(rows_smem.at[j], layout=row_layout)), shape, [0])
+        full = load(0)
         if groups_per_step > 1:
-            col = plgpu.broadcasted_iota(jnp.int32, a.shape, 1, layout=plgpu.Layout.WGMMA)
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             for j in range(1, groups_per_step):
-                s_j = lax.broadcast_in_dim(plgpu.load(s_smem.at[j], layout=row_layout), a.shape, [0])
-                scale = jnp.where(col >= j * group_size, s_j, scale)
-        return (a * scale).astype(jnp.bfloat16)
+                full = jnp.where(col >= j * group_size, load(j), full)
+        return full
+
+    def prescaled(w_smem, s_smem, z_smem=None):  # the tile times its groups' scales, rounded once to bf16
+        a = dequantized(w_smem).astype(jnp.float32)
+        a = a * per_group(s_smem, a.shape)
+        if z_smem is not None:  # w = q s + (8 s + zeros)
+            a = a + per_group(z_smem, a.shape, lambda j, z: z + 8.0 * plgpu.load(s_smem.at[j], layout=row_layout))
+        return a.astype(jnp.bfloat16)
 
     if prescale and not per_channel:
-        def step_prescaled(acc_ref, w_smem, x_smem, s_smem):
-            mma(acc_ref, prescaled(w_smem, s_smem), x_smem)
+        def step_prescaled(acc_ref, w_smem, x_smem, s_smem, z_smem=None):
+            mma(acc_ref, prescaled(w_smem, s_smem, z_smem), x_smem)
+
+        group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
 
         def body_prescaled(acc_ref):
             plgpu.emit_pipeline(
                 lambda _, *refs: step_prescaled(acc_ref, *refs),
-                grid=(steps_per_split,), in_specs=in_specs + [scale_spec],
+                grid=(steps_per_split,), in_specs=in_specs + [scale_spec] * len(group_rows),
                 max_concurrent_steps=max_concurrent_steps,
-            )(*operands, s_gmem.at[:, n_slice])
+            )(*operands, *group_rows)
             return acc_ref[...]
 
         acc = pl.run_scoped(body_prescaled, plgpu.ACC((TILE_N, m_tile), jnp.float32))
@@ -218,15 +230,21 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         splits -= 1
     # Steps in flight: as many as asked that fit shared memory (a 128-row M tile of 256-element
     # steps holds 64 KB of x per step).
-    per_step = m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8 + 8 * TILE_N * 4
+    fold = _folds_zeros(qw, config)
+    per_step = (m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8
+                + (2 if fold else 1) * 8 * TILE_N * 4)
     fixed = TILE_N * m_tile * 4 + (TILE_N * tile_k * 2 if interpret else 0)
     depth = max(1, min(config.max_concurrent_steps, (SMEM_BUDGET - fixed) // per_step))
     kernel = functools.partial(
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.scales.shape[0] == 1,
         max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size)
+
+    def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when folded
+        z, refs = (refs[0], refs[1:]) if fold else (None, refs)
+        kernel(w, x, s, *refs, z_gmem=z)
     call = plgpu.kernel(
-        kernel,
+        quantized_matmul_kernel_refs,
         out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),
         scratch_types=[plgpu.SMEM((TILE_N, m_tile), jnp.float32)] + ([
             plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
@@ -237,7 +255,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return call(qw.qweight, xp, qw.scales).sum(axis=0)
+    return call(qw.qweight, xp, qw.scales, *([qw.zeros] if fold else [])).sum(axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +286,10 @@ def _prescales(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
     if qw.num_groups == 1:   # per channel: the scale multiplies the final accumulator anyway
         return False
     return qw.group_size < 128 if config.prescale is None else config.prescale
+
+
+def _folds_zeros(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    return config.fold_zeros and qw.zeros is not None and _prescales(qw, config)
 
 
 def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
@@ -325,7 +347,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
     m_pad = -(-m // m_tile) * m_tile
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))  # [M_pad, K_pad]
     y = _pallas_matmul(xp, qw, config, m_tile, interpret).T  # [M_pad, N_pad] f32
-    if qw.zeros is not None:  # asymmetric int4: w = q * s + (8 s + zeros)
+    if qw.zeros is not None and not _folds_zeros(qw, config):  # asymmetric int4: w = q * s + (8 s + zeros)
         g = qw.group_size
         x_sums = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1)  # [M_pad, G]
         y = y + jnp.dot(x_sums, 8.0 * qw.scales + qw.zeros, precision=lax.Precision.HIGHEST)

@@ -66,6 +66,14 @@ def test_interpret_prescaled_groups(fmt, group_size, symmetric, k, tile_k, m):
     _check(fmt, group_size, symmetric, m, k, 70, seed=k + m, config=cfg, interpret=True)
 
 
+@pytest.mark.parametrize("group_size,k,tile_k", [(32, 576, 256), (32, 160, 128), (128, 512, 256)])
+@pytest.mark.parametrize("m", [1, 17])
+def test_interpret_prescaled_folded_zeros(group_size, k, tile_k, m):
+    # Asymmetric groups with the offsets (8 s + zeros) added in the tile: no XLA offset term.
+    cfg = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=True)
+    _check("int4", group_size, False, m, k, 70, seed=k + m, config=cfg, interpret=True)
+
+
 def test_prescaled_int4_g32_takes_the_kernel():
     from atlasjax.quantization import quantize as q
     from pallas_kernels.quantized_matmul import _can_use_pallas
@@ -122,6 +130,15 @@ def test_gpu_matches_reference(fmt, group_size, symmetric, m, k, n):
 def test_gpu_prescaled_groups(fmt, group_size, symmetric, tile_k, m, k, n):
     _check(fmt, group_size, symmetric, m, k, n, seed=k + m,
            config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("group_size,tile_k", [(32, 256), (32, 128), (128, 256)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 70), (8, 4096, 1000), (40, 1024, 4100)])
+def test_gpu_prescaled_folded_zeros(group_size, tile_k, m, k, n):
+    _check("int4", group_size, False, m, k, n, seed=k + m,
+           config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=True))
 
 
 @pytest.mark.gpu
