@@ -81,8 +81,11 @@ def single_device_output(model_dir):
 def test_two_processes_tensor_parallel_equal_one_device(model_dir, single_device_output):
     results = _two_processes("generate", model_dir)
     leader_out, follower_out = (_without_gloo_lines(r[0]) for r in results)
-    assert leader_out == single_device_output
-    assert follower_out == ""   # only process 0 answers
+    # gloo's C++ connection log shares stdout and can split into stray fragments (a lone "3"), so the
+    # answer is looked for as one block rather than as the whole output.
+    assert single_device_output in leader_out
+    answer_lines = [line for line in single_device_output.splitlines() if line.strip()]
+    assert not any(line in follower_out for line in answer_lines)   # only process 0 answers
     assert "steps published" in results[0][1]   # process 0 reports what driving the others cost
 
 
