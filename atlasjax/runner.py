@@ -50,15 +50,6 @@ _PACK_ALIGN = 64   # int32 elements = 256 bytes: XLA may hand a slice of the pac
                    # kernel (the page table to attention), and GPU kernels require 256-byte aligned operands
 
 
-def _gpu_compiler_options() -> dict | None:
-    """XLA options for the steps on a GPU. Concurrent regions let the CUDA graph of a step run
-    independent kernels side by side (a layer's K and V writes next to its query RoPE, ...):
-    bf16 8B bs=1 decode step 5.86 -> 5.71 ms on the H100 (docs/performance.md, session 4)."""
-    if jax.default_backend() != "gpu":
-        return None
-    return {"xla_gpu_graph_enable_concurrent_region": True}
-
-
 def pack_host(arrays) -> tuple[np.ndarray, tuple]:
     """Several small host arrays (int32 / float32 / bool) as one flat int32 array, so a step's host
     inputs cross to the device in one transfer; `unpack_host` (inside the step) undoes it."""
@@ -201,8 +192,7 @@ class ModelRunner:
         if key in self._compiled:
             return self._compiled[key]
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*self._on_mesh(args)).compile(
-            compiler_options=_gpu_compiler_options())
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*self._on_mesh(args)).compile()
         dt = time.perf_counter() - t0
         self.num_compiles += 1
         self.compile_seconds += dt
