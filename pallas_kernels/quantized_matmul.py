@@ -124,10 +124,6 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
         plgpu.wgmma_wait(0)  # x_smem is released to the pipeline when the step returns
 
-    def scaled(part, s_ref):
-        scale = plgpu.load(s_ref, layout=row_layout)  # [TILE_N]
-        return part * lax.broadcast_in_dim(scale, part.shape, [0])
-
     in_specs = [
         plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, first_step + k),
                         transforms=_swizzled(tile_k * w_bits, w_bits, "weight")),
@@ -140,7 +136,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     if prescale and groups_per_step > 1:  # the step's groups: rows [k * gps, (k + 1) * gps) of the scales
         scale_spec = plgpu.BlockSpec((groups_per_step, TILE_N), lambda k: (first_step + k, 0))
 
-    def per_group(rows_smem, shape, row=lambda j, r: r):  # [gps, TILE_N] -> [TILE_N, tile_k], row j on group j
+    def per_group(rows_smem, shape, row=lambda j, r: r):  # [gps, TILE_N] -> shape: row j over group j's columns
         def load(j):
             return lax.broadcast_in_dim(row(j, plgpu.load(rows_smem.at[j], layout=row_layout)), shape, [0])
         full = load(0)
@@ -195,7 +191,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         def step(_, w_smem, x_smem, s_smem, acc):
             part = pl.run_scoped(lambda part_ref: (mma(part_ref, dequantized(w_smem), x_smem), part_ref[...])[1],
                                  plgpu.ACC((TILE_N, m_tile), jnp.float32))
-            return acc + scaled(part, s_smem.at[0])
+            return acc + part * per_group(s_smem, part.shape)   # one group per step
 
         acc = plgpu.emit_pipeline(
             step, grid=(steps_per_split,),

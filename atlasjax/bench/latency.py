@@ -72,9 +72,6 @@ def _iteration(engine, args, rng, tag: str) -> dict:
     return dict(ttft=ttft, decode_steps=decode_steps, e2e=e2e, num_output_tokens=num_out, num_steps=num_steps)
 
 
-QUANTIZATIONS = ("int8", "fp8", "int4", "none")
-
-
 def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     formats = compare_formats(args)
     report, tables = _run_one(args, ceilings, hf)
@@ -95,10 +92,12 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
 def compare_formats(args) -> list[str]:
     if not args.compare_quantization:
         return []
+    from atlasjax.quantization import FORMATS  # noqa: PLC0415
+    known = (*FORMATS, "none")
     formats = [q.strip() for q in args.compare_quantization.split(",") if q.strip()]
-    bad = [q for q in formats if q not in QUANTIZATIONS]
+    bad = [q for q in formats if q not in known]
     if bad:
-        raise SystemExit(f"--compare-quantization: unknown {bad}; choose from {', '.join(QUANTIZATIONS)}")
+        raise SystemExit(f"--compare-quantization: unknown {bad}; choose from {', '.join(known)}")
     return formats
 
 
