@@ -26,6 +26,7 @@ from atlasjax.sharding import TP_AXIS
 from models.attention import AttentionMetadata
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
 from models.transformer import Transformer, init_kv_cache
+from pallas_kernels.kv_write import decode_slots
 
 log = logging.getLogger("atlasjax.compile")
 
@@ -85,11 +86,9 @@ def _decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params
     # [S]), still on the device: the host schedules this step before reading those back.
     prev = jnp.concatenate([prev_prefill_tokens, prev_decode_tokens])
     tokens = jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
-    page_size = state.kv[0][0].shape[2]
-    num_slots = state.kv[0][0].shape[1] * page_size
+    _, num_pages, page_size, _ = state.kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
-    pages = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
-    slot_mapping = jnp.where(seq_lens > 0, pages * page_size + positions % page_size, num_slots)
+    slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens)
     hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)

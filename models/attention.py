@@ -10,7 +10,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 
-from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_and_write
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
 
@@ -22,7 +23,8 @@ class AttentionMetadata:
     Prefill (ragged) steps: packed tokens of several sequences, sequence s owns rows
     query_start[s]:query_start[s+1] and sits at the end of its seq_lens[s] context.
     """
-    slot_mapping: jax.Array              # [num_tokens] flat cache slot for each token's K/V
+    slot_mapping: jax.Array              # [num_tokens] flat cache slot for each token's K/V (prefill writes
+                                         # there; a decode token goes to position seq_lens - 1 of its pages)
     page_table: jax.Array                # [num_seqs, pages_per_seq]
     seq_lens: jax.Array                  # [num_seqs] context length incl. this step's tokens; 0 = inactive
     query_start: jax.Array | None = None  # [num_seqs + 1] (prefill only)
@@ -31,19 +33,6 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.query_start is None
-
-
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Scatter this step's K/V into the pages in place (the pool is donated to the step).
-
-    k_pages: [kv_heads, num_pages, page_size, head_dim]; k: [num_tokens, kv_heads, head_dim].
-    """
-    kvh, num_pages, page_size, hd = k_pages.shape
-    flat_k = k_pages.reshape(kvh, num_pages * page_size, hd)
-    flat_v = v_pages.reshape(kvh, num_pages * page_size, hd)
-    flat_k = flat_k.at[:, slot_mapping].set(k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
-    flat_v = flat_v.at[:, slot_mapping].set(v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
-    return flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
 
 
 def attention(q, k_pages, v_pages, meta: AttentionMetadata, *, backend: str = "auto"):
@@ -55,3 +44,18 @@ def attention(q, k_pages, v_pages, meta: AttentionMetadata, *, backend: str = "a
         return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, backend=backend)
     return ragged_paged_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start,
                                   meta.num_seqs, backend=backend)
+
+
+def write_and_attend(q, k, v, kv, meta: AttentionMetadata, *, backend: str = "auto"):
+    """Write this step's K/V into the pool, then attend: (out, (k_pages, v_pages)).
+
+    Decode steps hand both to the decode attention entry, whose GPU kernel writes the new token's
+    K/V row itself (two scatter kernels fewer per layer); prefill chunks scatter, then attend
+    (a chunk attends to itself too).
+    """
+    if meta.is_decode:
+        out, k_pages, v_pages = paged_decode_attention_and_write(q, k, v, *kv, meta.page_table, meta.seq_lens,
+                                                                 backend=backend)
+        return out, (k_pages, v_pages)
+    k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
+    return attention(q, k_pages, v_pages, meta, backend=backend), (k_pages, v_pages)

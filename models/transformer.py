@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import AttentionMetadata, attention, write_kv
+from models.attention import AttentionMetadata, write_and_attend
 from models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inv_freq
 from models.parallel import Parallel
 
@@ -54,11 +54,9 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(cfg)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        # K/V land in the donated pool before attention reads it: a chunk attends to itself too.
-        k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
-        out = attention(q, k_pages, v_pages, meta, backend=self.attn_backend)
+        out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend)   # K/V land in the donated pool
         out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1))
-        return out, (k_pages, v_pages)
+        return out, kv
 
 
 class DecoderLayer(nn.Module):

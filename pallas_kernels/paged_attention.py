@@ -14,6 +14,11 @@ KV layout (fixed, the model code depends on it): k_pages, v_pages are
 [num_kv_heads, num_pages, page_size, head_dim]; token j of sequence s lives in page
 page_table[s, j // page_size], row j % page_size. seq_lens[s] == 0 marks an inactive slot: its
 programs issue no K/V loads and its output is zeros.
+
+`paged_decode_attention_and_write` also writes the new token's K/V (position seq_lens - 1) into the
+pool: the program whose split holds that position copies the two rows in (TMA, through shared
+memory) before it streams its pages, so the decode step needs no separate scatter kernels. The
+pools are passed as mutable refs (`jax.new_ref`), which the kernel call aliases in place.
 """
 
 import functools
@@ -25,15 +30,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_write import decode_slots, write_kv
 from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
 
 _ROWS = 64  # wgmma M: the query heads of one KV head are padded to one 64-row tile
 _LOG2E = math.log2(math.e)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *,
+def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, knew_ref, vnew_ref, o_ref, lse_ref, *,
                    page_size, block_kv, blocks_per_split, num_stages, sm_scale, p_in_smem):
-  """One program: one KV head x one split of the context x one sequence."""
+  """One program: one KV head x one split of the context x one sequence. knew_ref / vnew_ref
+  ([seqs, kv_heads, head_dim], or None): the new token's K/V, written into k_ref / v_ref first."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
   head_dim = q_ref.shape[-1]
   dtype = k_ref.dtype
@@ -85,10 +92,37 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *,
 
     return lax.fori_loop(0, num_steps, step_fn, (acc, m_i, l_i))
 
+  def write_new_token():
+    """Copy the new token's K and V rows into their page (the split that holds the position
+    does it, before any of its page loads), waiting until the stores have landed."""
+    pos = seq_len - 1
+    split_end = start + blocks_per_split * block_kv
+
+    @pl.when((seq_len > 0) & (pos >= start) & (pos < split_end))
+    def _():
+      page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
+      row = pl.ds(lax.rem(pos, page_size), 1)
+
+      def copy(k_row, v_row, bar):
+        plgpu.copy_gmem_to_smem(knew_ref.at[seq, pl.ds(kv_head, 1)], k_row, bar)
+        plgpu.copy_gmem_to_smem(vnew_ref.at[seq, pl.ds(kv_head, 1)], v_row, bar)
+        plgpu.barrier_wait(bar)
+        plgpu.copy_smem_to_gmem(k_row, k_ref.at[kv_head, page, row])
+        plgpu.copy_smem_to_gmem(v_row, v_ref.at[kv_head, page, row])
+        plgpu.wait_smem_to_gmem(0)
+      pl.run_scoped(copy, plgpu.SMEM((1, head_dim), dtype), plgpu.SMEM((1, head_dim), dtype),
+                    plgpu.Barrier(num_arrivals=2))
+
   def body(q_smem, q_bar):
     @pl.when(num_steps > 0)
     def _():
       plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem, q_bar)
+
+    if knew_ref is not None:
+      write_new_token()   # overlaps the q load
+
+    @pl.when(num_steps > 0)
+    def _():
       plgpu.barrier_wait(q_bar)
 
     acc, m_i, l_i = pl.run_scoped(
@@ -118,7 +152,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *,
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_kv,
-                   num_splits, num_stages, interpret):
+                   num_splits, num_stages, interpret, new_kv=None):
+  """The kernel call: out, or (out, k_pages, v_pages) with the new K/V written when new_kv = (k, v)."""
   num_seqs, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -138,17 +173,30 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   if split_out:
     out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, _ROWS), jnp.float32))
 
+  writes = new_kv is not None
+
   def paged_decode_attention_kernel(*refs):  # named so profiles are readable
-    refs = refs if split_out else (*refs, None)
+    refs = list(refs)
+    if not writes:
+      refs[5:5] = [None, None]
+    if not split_out:
+      refs.append(None)
     _decode_kernel(*refs, page_size=page_size, block_kv=block_kv,
                    blocks_per_split=blocks_per_split, num_stages=num_stages, sm_scale=sm_scale,
                    p_in_smem=bool(interpret))
-  outs = plgpu.kernel(
+  call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-  )(qg, k_pages, v_pages, table, seq_lens)
+  )
+  if writes:
+    k_new, v_new = (x.astype(k_pages.dtype) for x in new_kv)
+    k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)   # written in place by the kernel
+    outs = call(qg, k_ref, v_ref, table, seq_lens, k_new, v_new)
+    k_pages, v_pages = jax.freeze(k_ref), jax.freeze(v_ref)
+  else:
+    outs = call(qg, k_pages, v_pages, table, seq_lens)
   if split_out:
     out, lse = outs
     out, lse = out[:, :, :, :group], lse[:, :, :, :group]
@@ -158,7 +206,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     out = (out * weights[..., None]).sum(axis=2) / denom[..., None]
   else:
     out = outs[0][:, :, 0, :group]
-  return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+  out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+  return (out, k_pages, v_pages) if writes else out
 
 
 def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=132):
@@ -176,8 +225,10 @@ def can_use_pallas(q, k_pages):
           and num_heads // num_kv_heads <= _ROWS and page_size % 8 == 0 and page_size <= 256)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "backend", "interpret", "block_kv", "num_splits", "num_stages"))
+_STATIC = ("sm_scale", "backend", "interpret", "block_kv", "num_splits", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
                            backend="auto", interpret=False, block_kv=None, num_splits=None,
                            num_stages=None):
@@ -196,6 +247,40 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
   Returns:
     [num_seqs, num_heads, head_dim] in q.dtype; zeros for inactive slots.
   """
+  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
+  if plan is None:
+    return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
+                                            sm_scale=sm_scale)
+  return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                        interpret=interpret, **plan)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
+                                     backend="auto", interpret=False, block_kv=None, num_splits=None,
+                                     num_stages=None):
+  """Writes each sequence's new K/V at position seq_lens - 1 of its pages, then attends as
+  `paged_decode_attention` does (the new token included).
+
+  k, v: [num_seqs, num_kv_heads, head_dim]; nothing is written for inactive slots (seq_lens 0).
+  Other arguments as for `paged_decode_attention`. Returns (out, k_pages, v_pages); the pools
+  are updated in place when the caller donates them (the decode step does).
+  """
+  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
+  if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
+    raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
+  if plan is None:
+    _, num_pages, page_size, _ = k_pages.shape
+    slots = decode_slots(page_table, seq_lens, page_size, num_pages)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
+    out = paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale)
+    return out, k_pages, v_pages
+  return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                        interpret=interpret, new_kv=(k, v), **plan)
+
+
+def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages):
+  """Validates the shapes; None for the reference backend, else the Pallas kernel's settings."""
   num_seqs, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   if k_pages.shape != v_pages.shape or k_pages.shape[-1] != head_dim:
@@ -204,13 +289,11 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
     raise ValueError(f"{num_heads=} is not a multiple of {num_kv_heads=}")
   if page_table.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
     raise ValueError(f"bad metadata {page_table.shape=} {seq_lens.shape=} for {num_seqs=}")
-  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   if backend == "auto":
     use_pallas = jax.default_backend() == "gpu" and can_use_pallas(q, k_pages)
     backend = "pallas" if use_pallas else "reference"
   if backend == "reference":
-    return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
-                                            sm_scale=sm_scale)
+    return None
   if backend != "pallas":
     raise ValueError(f"unknown {backend=}")
   if not can_use_pallas(q, k_pages):
@@ -219,11 +302,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
   if block_kv % page_size or block_kv > 256:
     raise ValueError(f"{block_kv=} must be a multiple of {page_size=} and at most 256")
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
-  num_splits = num_splits or _default_num_splits(num_seqs, num_kv_heads, max_blocks)
-  num_stages = num_stages or 2  # H100 sweep: 2 beats 3-4 (two programs fit per SM)
-  return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                        seq_lens.astype(jnp.int32), sm_scale=sm_scale, block_kv=block_kv,
-                        num_splits=num_splits, num_stages=num_stages, interpret=interpret)
+  return dict(sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, block_kv=block_kv,
+              num_splits=num_splits or _default_num_splits(num_seqs, num_kv_heads, max_blocks),
+              num_stages=num_stages or 2)  # H100 sweep: 2 stages beat 3-4 (two programs fit per SM)
 
 
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None):
