@@ -16,9 +16,11 @@ page_table[s, j // page_size], row j % page_size. seq_lens[s] == 0 marks an inac
 programs issue no K/V loads and its output is zeros.
 
 `paged_decode_attention_and_write` also writes the new token's K/V (position seq_lens - 1) into the
-pool: the program whose split holds that position copies the two rows in (TMA, through shared
-memory) before it streams its pages, so the decode step needs no separate scatter kernels. The
-pools are passed as mutable refs (`jax.new_ref`), which the kernel call aliases in place.
+pool: the two rows ride in the last two padding rows of the q tile, and the program whose split
+holds that position copies them into their page (TMA, through shared memory) before it streams
+its pages. The decode step then needs one XLA fusion (split-K sum, RoPE, padding) before the
+kernel instead of three. The pools are passed as mutable refs (`jax.new_ref`), which the kernel
+call aliases in place.
 """
 
 import functools
@@ -34,13 +36,16 @@ from pallas_kernels.kv_write import decode_slots, write_kv
 from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
 
 _ROWS = 64  # wgmma M: the query heads of one KV head are padded to one 64-row tile
+# The new token's K and V ride in the last two padding rows of that tile, so one XLA fusion
+# (RoPE, split-K sum, padding) produces every input the decode step's attention needs.
+_NEW_K, _NEW_V = _ROWS - 2, _ROWS - 1
 _LOG2E = math.log2(math.e)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, knew_ref, vnew_ref, o_ref, lse_ref, *,
-                   page_size, block_kv, blocks_per_split, num_stages, sm_scale, p_in_smem):
-  """One program: one KV head x one split of the context x one sequence. knew_ref / vnew_ref
-  ([seqs, kv_heads, head_dim], or None): the new token's K/V, written into k_ref / v_ref first."""
+def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
+                   blocks_per_split, num_stages, sm_scale, p_in_smem, writes):
+  """One program: one KV head x one split of the context x one sequence. With `writes`, rows
+  _NEW_K and _NEW_V of the q tile hold the new token's K and V, written into k_ref / v_ref first."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
   head_dim = q_ref.shape[-1]
   dtype = k_ref.dtype
@@ -103,22 +108,20 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, knew_ref, vnew_ref,
       page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
       row = pl.ds(lax.rem(pos, page_size), 1)
 
-      def copy(k_row, v_row, bar):
-        plgpu.copy_gmem_to_smem(knew_ref.at[seq, pl.ds(kv_head, 1)], k_row, bar)
-        plgpu.copy_gmem_to_smem(vnew_ref.at[seq, pl.ds(kv_head, 1)], v_row, bar)
+      def copy(rows, bar):
+        plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(_NEW_K, 2)], rows, bar)
         plgpu.barrier_wait(bar)
-        plgpu.copy_smem_to_gmem(k_row, k_ref.at[kv_head, page, row])
-        plgpu.copy_smem_to_gmem(v_row, v_ref.at[kv_head, page, row])
+        plgpu.copy_smem_to_gmem(rows.at[pl.ds(0, 1)], k_ref.at[kv_head, page, row])
+        plgpu.copy_smem_to_gmem(rows.at[pl.ds(1, 1)], v_ref.at[kv_head, page, row])
         plgpu.wait_smem_to_gmem(0)
-      pl.run_scoped(copy, plgpu.SMEM((1, head_dim), dtype), plgpu.SMEM((1, head_dim), dtype),
-                    plgpu.Barrier(num_arrivals=2))
+      pl.run_scoped(copy, plgpu.SMEM((2, head_dim), dtype), plgpu.Barrier(num_barriers=1))
 
   def body(q_smem, q_bar):
     @pl.when(num_steps > 0)
     def _():
       plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem, q_bar)
 
-    if knew_ref is not None:
+    if writes:
       write_new_token()   # overlaps the q load
 
     @pl.when(num_steps > 0)
@@ -154,6 +157,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, knew_ref, vnew_ref,
 def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_kv,
                    num_splits, num_stages, interpret, new_kv=None):
   """The kernel call: out, or (out, k_pages, v_pages) with the new K/V written when new_kv = (k, v)."""
+  writes = new_kv is not None
   num_seqs, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -161,9 +165,12 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   blocks_per_split = pl.cdiv(max_blocks, num_splits)
   num_splits = pl.cdiv(max_blocks, blocks_per_split)
   num_stages = max(1, min(num_stages, blocks_per_split))
-  # Pad the group of query heads of each KV head to one 64-row tile (decode q is tiny).
+  # Pad the group of query heads of each KV head to one 64-row tile (decode q is tiny); the
+  # new K/V, when written, take its last two rows (their scores are computed and discarded).
   qg = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - group), (0, 0)))
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - group - 2 * writes), (0, 0)))
+  if writes:
+    qg = jnp.concatenate([qg, *(x.astype(qg.dtype)[:, :, None] for x in new_kv)], axis=2)
   # The page table is padded so the last block's page lookups stay in bounds.
   pages_needed = max_blocks * (block_kv // page_size)
   table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))
@@ -173,17 +180,12 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   if split_out:
     out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, _ROWS), jnp.float32))
 
-  writes = new_kv is not None
 
   def paged_decode_attention_kernel(*refs):  # named so profiles are readable
-    refs = list(refs)
-    if not writes:
-      refs[5:5] = [None, None]
-    if not split_out:
-      refs.append(None)
+    refs = refs if split_out else (*refs, None)
     _decode_kernel(*refs, page_size=page_size, block_kv=block_kv,
                    blocks_per_split=blocks_per_split, num_stages=num_stages, sm_scale=sm_scale,
-                   p_in_smem=bool(interpret))
+                   p_in_smem=bool(interpret), writes=writes)
   call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
@@ -191,9 +193,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
       interpret=interpret,
   )
   if writes:
-    k_new, v_new = (x.astype(k_pages.dtype) for x in new_kv)
     k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)   # written in place by the kernel
-    outs = call(qg, k_ref, v_ref, table, seq_lens, k_new, v_new)
+    outs = call(qg, k_ref, v_ref, table, seq_lens)
     k_pages, v_pages = jax.freeze(k_ref), jax.freeze(v_ref)
   else:
     outs = call(qg, k_pages, v_pages, table, seq_lens)
@@ -269,11 +270,15 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
-  if plan is None:
+  if plan is None or q.shape[1] // k_pages.shape[0] > _NEW_K:   # no free tile rows: scatter first
     _, num_pages, page_size, _ = k_pages.shape
     slots = decode_slots(page_table, seq_lens, page_size, num_pages)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
-    out = paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale)
+    if plan is not None:
+      out = _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                           interpret=interpret, **plan)
+    else:
+      out = paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale)
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, new_kv=(k, v), **plan)

@@ -179,3 +179,8 @@ def test_write_reference_skips_inactive_slots():
                                                      backend="reference")
   assert int(np.asarray(k_out != k_pages).any(axis=(0, 3)).sum()) == 1   # only sequence 1's row
   np.testing.assert_array_equal(np.asarray(k_out[:, table[1, 0], 3]), 1.0)
+
+
+def test_write_with_a_full_query_tile_interpret():
+  """64 query heads per KV head leave no spare tile rows: the entry scatters, then runs the kernel."""
+  _check_write("short", plgpu.InterpretGPUParams(), group=64, head_dim=64, page_size=16)
