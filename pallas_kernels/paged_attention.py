@@ -5,10 +5,10 @@ table points at. Data flow of the Pallas path:
 
   q [seqs, heads, D] -> grouped per KV head and padded to a 64-row wgmma tile
   -> kernel grid (kv_heads, splits, seqs): each program streams the pages of one split of one
-     sequence through shared memory (TMA, `num_stages` deep), computes S = Q K^T and O += P V
-     with wgmma and an online softmax in f32
-  -> one split: normalized output; several splits (flash-decoding, for few sequences with long
-     contexts): per-split normalized partials + base-2 logsumexp, merged by a small jnp combine.
+     sequence's context (its seq_len divided evenly, block-aligned) through shared memory (TMA,
+     `num_stages` deep), computes S = Q K^T and O += P V with wgmma and an online softmax in f32
+  -> one split: normalized output; several splits (flash-decoding, when few sequences leave SMs
+     idle): per-split normalized partials + base-2 logsumexp, merged by a small jnp combine.
 
 KV layout (fixed, the model code depends on it): k_pages, v_pages are
 [num_kv_heads, num_pages, page_size, head_dim]; token j of sequence s lives in page
@@ -43,7 +43,7 @@ _LOG2E = math.log2(math.e)
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
-                   blocks_per_split, num_stages, sm_scale, p_in_smem, writes):
+                   num_splits, num_stages, sm_scale, p_in_smem, writes):
   """One program: one KV head x one split of the context x one sequence. With `writes`, rows
   _NEW_K and _NEW_V of the q tile hold the new token's K and V, written into k_ref / v_ref first."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
@@ -52,8 +52,11 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
   pages_per_block = block_kv // page_size
   num_pages = k_ref.shape[1]
   seq_len = lens_ref[seq]
-  start = split * (blocks_per_split * block_kv)
-  end = jnp.minimum(seq_len, start + blocks_per_split * block_kv)
+  # The sequence's own context (not the page table's width) is shared evenly by the splits, so
+  # a short sequence in a long table still spreads over all of them.
+  split_len = pl.cdiv(pl.cdiv(seq_len, block_kv), num_splits) * block_kv
+  start = split * split_len
+  end = jnp.minimum(seq_len, start + split_len)
   num_steps = jnp.maximum(pl.cdiv(end - start, block_kv), 0)
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -101,9 +104,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
     """Copy the new token's K and V rows into their page (the split that holds the position
     does it, before any of its page loads), waiting until the stores have landed."""
     pos = seq_len - 1
-    split_end = start + blocks_per_split * block_kv
 
-    @pl.when((seq_len > 0) & (pos >= start) & (pos < split_end))
+    @pl.when((seq_len > 0) & (pos >= start) & (pos < start + split_len))
     def _():
       page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
       row = pl.ds(lax.rem(pos, page_size), 1)
@@ -140,7 +142,11 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, kv_head, split])
       plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(store, plgpu.SMEM((_ROWS, head_dim), o_ref.dtype))
+    store_out = functools.partial(pl.run_scoped, store, plgpu.SMEM((_ROWS, head_dim), o_ref.dtype))
+    if lse_ref is None:
+      store_out()
+    else:   # an empty split's partial is skipped by the combine (its lse is -inf): not stored
+      pl.when(num_steps > 0)(store_out)
 
     if lse_ref is not None:
       def store_lse(lse_smem):
@@ -162,9 +168,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
-  blocks_per_split = pl.cdiv(max_blocks, num_splits)
-  num_splits = pl.cdiv(max_blocks, blocks_per_split)
-  num_stages = max(1, min(num_stages, blocks_per_split))
+  num_splits = max(1, min(num_splits, max_blocks))
+  num_stages = max(1, min(num_stages, pl.cdiv(max_blocks, num_splits)))
   # Pad the group of query heads of each KV head to one 64-row tile (decode q is tiny); the
   # new K/V, when written, take its last two rows (their scores are computed and discarded).
   qg = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
@@ -183,9 +188,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
 
   def paged_decode_attention_kernel(*refs):  # named so profiles are readable
     refs = refs if split_out else (*refs, None)
-    _decode_kernel(*refs, page_size=page_size, block_kv=block_kv,
-                   blocks_per_split=blocks_per_split, num_stages=num_stages, sm_scale=sm_scale,
-                   p_in_smem=bool(interpret), writes=writes)
+    _decode_kernel(*refs, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
+                   num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes)
   call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
@@ -204,7 +208,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     lse_max = lse.max(axis=2, keepdims=True)
     weights = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))
     denom = jnp.maximum(weights.sum(axis=2), 1e-30)
-    out = (out * weights[..., None]).sum(axis=2) / denom[..., None]
+    out = jnp.where(weights[..., None] > 0, out * weights[..., None], 0.0)   # empty splits: never stored
+    out = out.sum(axis=2) / denom[..., None]
   else:
     out = outs[0][:, :, 0, :group]
   out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
@@ -212,10 +217,10 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
 
 
 def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=132):
-  """About one wave of programs (measured best on H100 for 1 x 32k: 16 splits over 8 KV heads);
-  splits of at least 8 blocks so the combine stays cheap."""
+  """About one wave of programs (measured best on H100 for 1 x 32k: 16 splits over 8 KV heads),
+  at most one per block of the page table."""
   want = pl.cdiv(num_sms, num_seqs * num_kv_heads)
-  return max(1, min(want, max_blocks // 8))
+  return max(1, min(want, max_blocks))
 
 
 def can_use_pallas(q, k_pages):

@@ -91,6 +91,8 @@ INTERPRET_CASES = [
     dict(lens="mixed", group=4, head_dim=64, page_size=16, num_splits=3),
     dict(lens="long_short", group=1, head_dim=128, page_size=64),
     dict(lens="long_short", group=8, head_dim=64, page_size=16, num_splits=2),
+    # more splits than a short sequence has blocks: the empty splits' partials are never stored
+    dict(lens="long_short", group=4, head_dim=64, page_size=16, num_splits=8),
     dict(lens="short", group=8, head_dim=256, page_size=16),
 ]
 
@@ -153,6 +155,7 @@ WRITE_CASES = [
     dict(lens="mixed", group=4, head_dim=64, page_size=16),
     dict(lens="long_short", group=4, head_dim=128, page_size=16, num_splits=3),
     dict(lens="short", group=8, head_dim=64, page_size=64),
+    dict(lens="mixed", group=4, head_dim=64, page_size=16, num_splits=8),
 ]
 
 
