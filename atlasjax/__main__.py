@@ -21,7 +21,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before scheduling the next (no host/device overlap; for debugging)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
-    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"])
+    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
+                   help="quantize the linear projections at load (weight-only)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization: quantize the untied LM head too (default: it stays in --dtype; "
+                        "a tied LM head, i.e. the embedding table, is never quantized)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over (multi-host: all devices of all processes)")
     g.add_argument("--seed", type=int, default=0)
@@ -37,7 +41,8 @@ def engine_kwargs(args) -> dict:
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 attention_backend=args.attention_backend,
-                quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"          # auto | pallas | reference
     quantization: str | None = None          # None | int8 | fp8 | int4 (quantize linear projections at load)
+    quantize_lm_head: bool = False           # with `quantization`: quantize the untied LM head too (tied
+                                             # embeddings and the embedding table never are)
     keep_gguf_quantized: bool | None = None  # GGUF Q8_0/Q4_0/Q4_1 projections stay quantized; None: on GPU only
                                              # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
@@ -47,6 +49,11 @@ class EngineConfig:
             bad(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.quantization not in (None, "int8", "fp8", "int4"):
             bad(f"quantization must be None, int8, fp8 or int4, got {self.quantization!r}")
+        if not isinstance(self.quantize_lm_head, bool):
+            bad(f"quantize_lm_head must be True or False, got {self.quantize_lm_head!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
+                "format; without quantization nothing is quantized")
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Padded token counts the prefill step is compiled for: powers of two up to the budget."""

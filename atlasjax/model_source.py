@@ -6,12 +6,15 @@ from atlasjax.loader import LoadedModel, load_model
 
 
 
-def quantizing_converter(fmt: str):
-    """convert(path, array) for assemble_params: quantize linear projections, leave the rest."""
-    from atlasjax.quantization import is_projection_kernel, quantize  # noqa: PLC0415
+def quantizing_converter(fmt: str, quantize_lm_head: bool = False):
+    """convert(path, array) for assemble_params: quantize linear projections (and, with
+    quantize_lm_head, the untied LM head `lm_head/kernel`), leave the rest. Embeddings are never
+    quantized, so a tied LM head (the embedding table) never is either."""
+    from atlasjax.quantization import quantization_predicate, quantize  # noqa: PLC0415
+    include = quantization_predicate(quantize_lm_head)
 
     def convert(path, array):
-        if is_projection_kernel(path, array):
+        if include(path, array):
             # int4: asymmetric (scale + offset per group of 128), clearly better than symmetric for RTN.
             return quantize(array, fmt, symmetric=fmt != "int4")
         return None
@@ -22,7 +25,7 @@ def load_for_engine(config, dtype) -> LoadedModel:
     """Load config.model; with tensor_parallel_size > 1, sharded over a new mesh while it loads."""
     import jax  # noqa: PLC0415
     path = config.model or ensure_default_model()
-    convert = quantizing_converter(config.quantization) if config.quantization else None
+    convert = quantizing_converter(config.quantization, config.quantize_lm_head) if config.quantization else None
     keep = config.keep_gguf_quantized
     if keep is None:
         keep = jax.default_backend() == "gpu"
@@ -30,7 +33,11 @@ def load_for_engine(config, dtype) -> LoadedModel:
     if config.tensor_parallel_size > 1:
         from atlasjax.sharding import make_mesh  # noqa: PLC0415
         mesh = make_mesh(config.tensor_parallel_size)
-    return load_model(path, dtype, convert, keep_gguf_quantized=keep, mesh=mesh)
+    loaded = load_model(path, dtype, convert, keep_gguf_quantized=keep, mesh=mesh)
+    if config.quantize_lm_head:
+        from atlasjax.quantization import warn_if_tied_lm_head  # noqa: PLC0415
+        warn_if_tied_lm_head(loaded.config, True)
+    return loaded
 
 
 def shard_loaded(loaded: LoadedModel, tensor_parallel_size: int, dtype) -> LoadedModel:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -140,7 +141,9 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
 
     The quantized values and scales are the original ones, so a split weight computes exactly what
     the whole one does (tensor parallelism). Splitting K needs whole groups unless scales are per
-    channel (then every block keeps the channel scales).
+    channel (then every block keeps the channel scales). A block reaching past the end of the
+    weight gets zero columns (rows) there, which dequantize to 0: the padded end of a vocab-parallel
+    LM head whose vocab does not split evenly.
     """
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
     k, n = qw.shape
@@ -277,6 +280,40 @@ def is_projection_kernel(path: tuple[str, ...], leaf: Any) -> bool:
             and any(p in DEFAULT_PROJECTIONS for p in path[:-1]))
 
 
+LM_HEAD_PATH = ("lm_head", "kernel")
+
+
+def is_lm_head_kernel(path: tuple[str, ...], leaf: Any) -> bool:
+    """The untied LM head's [hidden, vocab] kernel. Quantized only when asked (`quantize_lm_head`):
+    a tied model has no such leaf (its head is `embed_tokens.attend`, the embedding table, which is
+    never quantized), so asking changes nothing there."""
+    return tuple(path[-2:]) == LM_HEAD_PATH and getattr(leaf, "ndim", 0) == 2
+
+
+def quantization_predicate(quantize_lm_head: bool = False) -> Callable[[tuple[str, ...], Any], bool]:
+    """What is quantized at load: the linear projections, and the untied LM head when asked."""
+    if not quantize_lm_head:
+        return is_projection_kernel
+    return lambda path, leaf: is_projection_kernel(path, leaf) or is_lm_head_kernel(path, leaf)
+
+
+_warned_tied_lm_head = False
+
+
+def warn_if_tied_lm_head(cfg: Any, quantize_lm_head: bool) -> bool:
+    """Logs once per process that `quantize_lm_head` does nothing for a model with tied embeddings
+    (its LM head is the embedding table, which stays in the engine dtype). True when it applies."""
+    global _warned_tied_lm_head
+    if not (quantize_lm_head and getattr(cfg, "tie_word_embeddings", False)):
+        return False
+    if not _warned_tied_lm_head:
+        _warned_tied_lm_head = True
+        logging.getLogger(__name__).warning(
+            "quantize_lm_head: this model ties its LM head to the token embedding (tie_word_embeddings), "
+            "so there is no separate LM head to quantize; the embedding table stays unquantized")
+    return True
+
+
 def quantize_params(
     params: Mapping[str, Any],
     format: str,
@@ -284,6 +321,7 @@ def quantize_params(
     include: Callable[[tuple[str, ...], Any], bool] = is_projection_kernel,
     group_size: int | None = None,
     symmetric: bool = True,
+    quantize_lm_head: bool = False,
 ) -> dict[str, Any]:
     """Returns a copy of a nested-dict param tree with selected [K, N] kernels quantized.
 
@@ -291,8 +329,14 @@ def quantize_params(
       params: nested dicts of arrays (Flax layout: Dense kernels are [in, out] = [K, N]).
       format, group_size, symmetric: as for `quantize`.
       include: predicate(path, leaf) -> bool; the default takes every 2-D "kernel" under
-        q/k/v/o_proj and gate/up/down_proj, never embeddings or lm_head.
+        q/k/v/o_proj and gate/up/down_proj, never embeddings, nor lm_head unless quantize_lm_head.
+      quantize_lm_head: also quantize the untied LM head (`lm_head/kernel`, [hidden, vocab]).
+        Tied embeddings are never quantized: a tied model has no lm_head leaf, so this is a no-op
+        there. The embedding table is never quantized.
     """
+    if quantize_lm_head:
+        base = include
+        include = lambda path, leaf: base(path, leaf) or is_lm_head_kernel(path, leaf)  # noqa: E731
 
     def walk(node: Any, path: tuple[str, ...]) -> Any:
         if isinstance(node, Mapping):

@@ -21,7 +21,8 @@ the gathered logits, replicated, under plain jit.
 
 Loading is sharded: each device receives only its slice of each tensor (safetensors slices are
 read directly; other sources read one whole tensor at a time on the host). Quantized projections
-are split per device into independent `QuantizedWeight`s stacked on a leading device axis.
+(and a quantized LM head, `quantize_lm_head`: split over the vocab, padded like the bf16 one) are
+split per device into independent `QuantizedWeight`s stacked on a leading device axis.
 """
 from __future__ import annotations
 
@@ -182,6 +183,12 @@ class TensorParallel:
 
         @functools.cache
         def shard(d: int):
+            if logical[dim] == "vocab":
+                # A quantized LM head (`quantize_lm_head`): every device holds padded_vocab / tp columns,
+                # the last ones past the vocab zero (their logits are dropped after the gather), so
+                # that all the per-device weights have one shape.
+                local = self.padded_vocab // self.size
+                return slice_quantized(qw, dim, d * local, local)
             start, stop = self.source_range(logical[dim], d, qw.shape[dim])
             return slice_quantized(qw, dim, start, stop - start)
 
@@ -233,13 +240,16 @@ class TensorParallel:
         return array
 
     def _join_quantized(self, qw, logical: tuple[str, ...]):
-        from atlasjax.quantization import concat_quantized  # noqa: PLC0415
+        from atlasjax.quantization import concat_quantized, slice_quantized  # noqa: PLC0415
         dim = self.split_dim(logical)
         host = {f: None if getattr(qw, f) is None else _to_host(getattr(qw, f)) for f in ("qweight", "scales", "zeros")}
         devices = range(0, self.size, self.kv_replicas if logical[dim] == "kv_heads" else 1)
         pieces = [dataclasses.replace(qw, **{f: None if x is None else x[d] for f, x in host.items()})
                   for d in devices]
-        return concat_quantized(pieces, dim)
+        joined = concat_quantized(pieces, dim)
+        if logical[dim] == "vocab" and joined.shape[dim] != self.cfg.vocab_size:   # drop the vocab padding
+            joined = slice_quantized(joined, dim, 0, self.cfg.vocab_size)
+        return joined
 
     # ---- shard_map
     def param_specs(self, params: dict, logical_tree: dict):

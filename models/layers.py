@@ -26,7 +26,10 @@ def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     out_dtype = out_dtype or x.dtype
     if is_quantized(w):
         from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
-        return quantized_matmul(x, w).astype(out_dtype)
+        # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
+        # (bf16 on GPU): the logits of a quantized LM head and a row-parallel projection's partial
+        # sums stay f32, as they do for an unquantized weight.
+        return quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype))
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 
 

@@ -17,7 +17,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                      help="a published architecture with random weights built on the device (no download)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on GPU, float32 on CPU")
-    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"], help="weight-only")
+    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
+                   help="weight-only, the linear projections (q/k/v/o, gate/up/down)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
+                        "0.53 GB int8); default: it stays in --dtype. No effect on tied embeddings")
     g.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("engine (unset: the mode's default, then EngineConfig's)")
     e.add_argument("--max-num-seqs", type=int, default=None)

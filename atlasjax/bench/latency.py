@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from atlasjax.bench import roofline
-from atlasjax.bench.presets import build_engine, progress
+from atlasjax.bench.presets import build_engine, progress, weights_label
 from atlasjax.bench.report import fmt, roofline_rows, stats_rows, summarize, table
 
 
@@ -32,7 +32,7 @@ def add_args(p) -> None:
     g.add_argument("--compare-quantization", default=None, metavar="Q[,Q...]",
                    help="after the main run, the same shapes with each of these weight formats (int8, fp8, "
                         "int4, none) in this process, one after the other; prints each TTFT / TPOT and its "
-                        "ratio to the main run")
+                        "ratio to the main run (--quantize-lm-head applies to each quantized format)")
 
 
 def engine_overrides(args) -> dict:
@@ -76,14 +76,17 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     formats = compare_formats(args)
     report, tables = _run_one(args, ceilings, hf)
     if formats:
-        runs = [(args.quantization or "none", report["results"])]
+        lm_head = getattr(args, "quantize_lm_head", False)
+        runs = [(weights_label(args.quantization, lm_head) or "none", report["results"])]
         for q in formats:
             gc.collect()   # the previous engine's params and KV pool leave the device first
             sub = copy.copy(args)
             sub.quantization = None if q == "none" else q
-            progress(f"--compare-quantization: {q}")
+            sub.quantize_lm_head = lm_head and q != "none"
+            label = weights_label(sub.quantization, sub.quantize_lm_head) or "none"
+            progress(f"--compare-quantization: {label}")
             rep_q, _ = _run_one(sub, ceilings, None)
-            runs.append((q, rep_q["results"]))
+            runs.append((label, rep_q["results"]))
         report["compare_quantization"] = _quantization_rows(runs)
         tables.insert(1, _quantization_table(args, report["compare_quantization"]))
     return report, tables
@@ -158,6 +161,7 @@ def _settings(engine, args) -> dict:
     return dict(model=engine.loaded.source, batch_size=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, num_iters=args.num_iters, num_warmup=args.num_warmup,
                 dtype=str(np.dtype(engine.dtype)), quantization=args.quantization,
+                quantize_lm_head=getattr(args, "quantize_lm_head", False),
                 engine=dataclasses.asdict(engine.config), model_config=dataclasses.asdict(engine.model_config))
 
 
@@ -175,7 +179,8 @@ def _roofline(engine, args, results, ceilings) -> dict:
 
 
 def _label(engine, args) -> str:
-    return f"{engine.loaded.source} {args.quantization or np.dtype(engine.dtype).name}"
+    label = weights_label(args.quantization, getattr(args, "quantize_lm_head", False))
+    return f"{engine.loaded.source} {label or np.dtype(engine.dtype).name}"
 
 
 def _table(args, r, label: str) -> str:

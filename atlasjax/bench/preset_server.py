@@ -4,15 +4,16 @@
 
 It runs the real server (`atlasjax.__main__.main(["serve", ...])`) and only swaps what the engine
 loads: `atlasjax.model_source.load_for_engine` returns the preset (quantized with the server's
-own --quantization), with the synthetic word tokenizer of `presets.synthetic_tokenizer`, so
-every token streams as its own chunk. The served model name defaults to the preset's name.
+own --quantization and --quantize-lm-head), with the synthetic word tokenizer of
+`presets.synthetic_tokenizer`, so every token streams as its own chunk. The served model name
+defaults to the preset's name.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from atlasjax.bench.presets import PRESETS, load_preset, progress
+from atlasjax.bench.presets import PRESETS, load_preset, progress, weights_label
 
 
 def main(argv=None) -> int:
@@ -23,9 +24,10 @@ def main(argv=None) -> int:
     import atlasjax.model_source  # noqa: PLC0415
 
     def load_for_engine(config, dtype):
-        progress(f"serving preset {args.preset} with random weights"
-                 + (f" ({config.quantization})" if config.quantization else ""))
-        return load_preset(args.preset, dtype, config.quantization, config.seed)
+        label = weights_label(config.quantization, config.quantize_lm_head)
+        progress(f"serving preset {args.preset} with random weights" + (f" ({label})" if label else ""))
+        return load_preset(args.preset, dtype, config.quantization, config.seed,
+                           quantize_lm_head=config.quantize_lm_head)
     atlasjax.model_source.load_for_engine = load_for_engine
     if "--served-model-name" not in rest:
         rest += ["--served-model-name", args.preset]

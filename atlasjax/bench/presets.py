@@ -72,9 +72,11 @@ def synthetic_tokenizer(cfg: ModelConfig):
     return Tokenizer(tok, eos_token_ids=cfg.eos_token_ids)
 
 
-def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0, tensor_parallel_size: int = 1):
+def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0, tensor_parallel_size: int = 1,
+                quantize_lm_head: bool = False):
     """LoadedModel with random weights of preset `name`, built on the default device, or built
-    sharded over a tensor-parallel mesh (the same values either way: threefry is sharding-invariant)."""
+    sharded over a tensor-parallel mesh (the same values either way: threefry is sharding-invariant).
+    quantize_lm_head: with `quantization`, the untied LM head is quantized too (see EngineConfig)."""
     from atlasjax.loader import LoadedModel, random_params  # noqa: PLC0415
     from atlasjax.model_source import shard_loaded  # noqa: PLC0415
     cfg = PRESETS[name]
@@ -84,10 +86,21 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
         plan = TensorParallel(make_mesh(tensor_parallel_size), cfg)
     params = random_params(cfg, dtype, seed, plan)
     if quantization:
-        from atlasjax.quantization import quantize_params  # noqa: PLC0415
-        params = quantize_params(params, quantization)
+        from atlasjax.quantization import quantize_params, warn_if_tied_lm_head  # noqa: PLC0415
+        params = quantize_params(params, quantization, quantize_lm_head=quantize_lm_head)
+        warn_if_tied_lm_head(cfg, quantize_lm_head)
+    elif quantize_lm_head:
+        from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+        raise EngineConfigError("quantize_lm_head=True needs quantization (int8, fp8 or int4)")
     loaded = LoadedModel(cfg, params, tokenizer=synthetic_tokenizer(cfg), source=f"preset:{name}", plan=plan)
     return shard_loaded(loaded, tensor_parallel_size, dtype)   # quantized presets: split after quantizing
+
+
+def weights_label(quantization: str | None, quantize_lm_head: bool = False) -> str | None:
+    """How the bench names a weight format in its tables: "int8", "int8 + LM head", or None (unquantized)."""
+    if not quantization:
+        return None
+    return f"{quantization} + LM head" if quantize_lm_head else quantization
 
 
 def build_engine(args, **overrides):
@@ -102,16 +115,19 @@ def build_engine(args, **overrides):
               page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
               async_scheduling=not getattr(args, "no_async_scheduling", False),
-              quantization=args.quantization, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+              quantization=args.quantization, quantize_lm_head=getattr(args, "quantize_lm_head", False),
+              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}     # unset flags: EngineConfig's defaults
     loaded = None
     if args.preset:
+        quantize_lm_head = kw.pop("quantize_lm_head", False)
         kw["quantization"] = None    # the preset is quantized here, not by the checkpoint loader
-        what = f"preset {args.preset}" + (f" ({args.quantization})" if args.quantization else "")
+        label = weights_label(args.quantization, quantize_lm_head)
+        what = f"preset {args.preset}" + (f" ({label})" if label else "")
         progress(f"building {what} with random weights on {jax.devices()[0].device_kind}")
         loaded = load_preset(args.preset, resolve_dtype(args.dtype), args.quantization, args.seed,
-                             args.tensor_parallel_size)
+                             args.tensor_parallel_size, quantize_lm_head=quantize_lm_head)
         jax.block_until_ready(loaded.params)
     else:
         progress(f"loading {args.model or 'the embedded default model'}")

@@ -85,13 +85,18 @@ def weight_bytes_per_step(params: dict, cfg: ModelConfig, batch: int, act_itemsi
     return int(total)
 
 
-def estimate_weight_bytes(cfg: ModelConfig, itemsize: int, quantization: str | None = None) -> int:
-    """weight_bytes_per_step without the weights (from the config; quantized formats with their scales)."""
-    proj = _projection_params(cfg)
-    other = _layer_params(cfg) - proj + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+def estimate_weight_bytes(cfg: ModelConfig, itemsize: int, quantization: str | None = None,
+                          quantize_lm_head: bool = False) -> int:
+    """weight_bytes_per_step without the weights (from the config; quantized formats with their scales).
+    quantize_lm_head: an untied LM head counts in the quantized format too (a tied one never does)."""
+    quantized = _projection_params(cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    other = _layer_params(cfg) - quantized + head + cfg.hidden_size
+    if quantization and quantize_lm_head and not cfg.tie_word_embeddings:
+        quantized, other = quantized + head, other - head
     per = {None: itemsize, "int8": 1 + 4 / cfg.hidden_size, "fp8": 1 + 4 / cfg.hidden_size,
            "int4": 0.5 + 4 / 128}[quantization]
-    return int(proj * per + other * itemsize)
+    return int(quantized * per + other * itemsize)
 
 
 def _projection_params(cfg: ModelConfig) -> int:
