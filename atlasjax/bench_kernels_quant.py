@@ -120,7 +120,7 @@ def main():
     results["copy_GBps"] = copy_bandwidth() / 1e9
     print(f"{dev.device_kind}  jax {jax.__version__}  copy {results['copy_GBps']:.0f} GB/s", flush=True)
     configs = {"engine": None, "pallas": QuantMatmulConfig(),
-               "pallas_fold_zeros": QuantMatmulConfig(fold_zeros=True)}   # differs for asym groups under 128 only
+               "pallas_unfolded": QuantMatmulConfig(fold_zeros=False)}   # differs for asym groups under 128 only
     for k, n in DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES:
         row = bench_decode(k, n, args.rows, results, configs)
         for key, v in row.items():

@@ -62,7 +62,8 @@ def test_interpret_k_splits_and_m_tiles():
 def test_interpret_prescaled_groups(fmt, group_size, symmetric, k, tile_k, m):
     # Group scales folded into the dequantized tile, one accumulator; steps of several groups
     # (int4 groups of 32, GGUF Q4_0/Q4_1), K not a multiple of the requested step (576, 160, 200).
-    cfg = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k)
+    # Asymmetric groups here take the XLA offset term (fold_zeros=False); the folded path is below.
+    cfg = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=False)
     _check(fmt, group_size, symmetric, m, k, 70, seed=k + m, config=cfg, interpret=True)
 
 
@@ -129,7 +130,7 @@ def test_gpu_matches_reference(fmt, group_size, symmetric, m, k, n):
 @pytest.mark.parametrize("m,k,n", [(1, 576, 70), (8, 4096, 1000), (40, 1024, 4100)])
 def test_gpu_prescaled_groups(fmt, group_size, symmetric, tile_k, m, k, n):
     _check(fmt, group_size, symmetric, m, k, n, seed=k + m,
-           config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k))
+           config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=False))
 
 
 @pytest.mark.gpu
