@@ -185,7 +185,6 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   if split_out:
     out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, _ROWS), jnp.float32))
 
-
   def paged_decode_attention_kernel(*refs):  # named so profiles are readable
     refs = refs if split_out else (*refs, None)
     _decode_kernel(*refs, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
@@ -275,15 +274,12 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
-  if plan is None or q.shape[1] // k_pages.shape[0] > _NEW_K:   # no free tile rows: scatter first
+  if plan is None or q.shape[1] // k_pages.shape[0] > _NEW_K:   # reference, or no free tile rows
     _, num_pages, page_size, _ = k_pages.shape
-    slots = decode_slots(page_table, seq_lens, page_size, num_pages)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slots)
-    if plan is not None:
-      out = _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
-                           interpret=interpret, **plan)
-    else:
-      out = paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, decode_slots(page_table, seq_lens, page_size, num_pages))
+    out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale, backend=backend,
+                                 interpret=interpret, block_kv=block_kv, num_splits=num_splits,
+                                 num_stages=num_stages)
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, new_kv=(k, v), **plan)
