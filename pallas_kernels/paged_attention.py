@@ -40,6 +40,7 @@ _ROWS = 64  # wgmma M: the query heads of one KV head are padded to one 64-row t
 # (RoPE, split-K sum, padding) produces every input the decode step's attention needs.
 _NEW_K, _NEW_V = _ROWS - 2, _ROWS - 1
 _LOG2E = math.log2(math.e)
+_NUM_SMS = 132   # H100 SXM: one wave of programs
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
@@ -215,7 +216,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   return (out, k_pages, v_pages) if writes else out
 
 
-def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=132):
+def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=_NUM_SMS):
   """About one wave of programs (measured best on H100 for 1 x 32k: 16 splits over 8 KV heads),
   at most one per block of the page table."""
   want = pl.cdiv(num_sms, num_seqs * num_kv_heads)
@@ -260,21 +261,25 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
                         interpret=interpret, **plan)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fused_write",))
 def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
                                      backend="auto", interpret=False, block_kv=None, num_splits=None,
-                                     num_stages=None):
+                                     num_stages=None, fused_write=None):
   """Writes each sequence's new K/V at position seq_lens - 1 of its pages, then attends as
   `paged_decode_attention` does (the new token included).
 
   k, v: [num_seqs, num_kv_heads, head_dim]; nothing is written for inactive slots (seq_lens 0).
-  Other arguments as for `paged_decode_attention`. Returns (out, k_pages, v_pages); the pools
-  are updated in place when the caller donates them (the decode step does).
+  fused_write: whether the Pallas kernel writes the rows itself (else an XLA scatter runs first);
+  None: `fused_write_pays`. Other arguments as for `paged_decode_attention`. Returns
+  (out, k_pages, v_pages); the pools are updated in place when the caller donates them.
   """
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
-  if plan is None or q.shape[1] // k_pages.shape[0] > _NEW_K:   # reference, or no free tile rows
+  group, num_kv_heads = q.shape[1] // k_pages.shape[0], k_pages.shape[0]
+  if fused_write is None:
+    fused_write = fused_write_pays(q.shape[0], num_kv_heads)
+  if plan is None or not fused_write or group > _NEW_K:   # reference, scatter first, or no free tile rows
     _, num_pages, page_size, _ = k_pages.shape
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, decode_slots(page_table, seq_lens, page_size, num_pages))
     out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale, backend=backend,
@@ -283,6 +288,16 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, new_kv=(k, v), **plan)
+
+
+def fused_write_pays(num_seqs: int, num_kv_heads: int) -> bool:
+  """Whether the kernel should write the new K/V itself: while its programs (one per sequence and
+  KV head, before splits) fit one wave. The write (a TMA load and two stores, waited on) sits before
+  each program's page loads; in one wave it overlaps the q load and saves the two scatter kernels,
+  past it every wave pays it again. H100, Llama-3.1-8B shapes (8 KV heads), decode step: bs=1
+  5.81-5.86 -> 5.66-5.69 ms fused; bs=32 6.47-6.49 scatter vs 6.49-6.52 fused; bs=128 8.87-8.89
+  scatter vs 9.49 fused (docs/perf_attention.md, session 5)."""
+  return num_seqs * num_kv_heads <= _NUM_SMS
 
 
 def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages):

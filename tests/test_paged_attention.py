@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_attention import (paged_decode_attention, paged_decode_attention_and_write,
-                                            paged_decode_attention_reference)
+from pallas_kernels.paged_attention import (fused_write_pays, paged_decode_attention,
+                                            paged_decode_attention_and_write, paged_decode_attention_reference)
 
 ON_GPU = jax.default_backend() == "gpu"
 FULL_GRID = os.environ.get("ATLASJAX_TEST_GPU") == "1" and ON_GPU
@@ -126,7 +126,7 @@ def test_auto_backend_on_cpu_uses_reference():
 
 # ---- the decode step's entry: write the new token's K/V, then attend
 
-def _check_write(lens, interpret, num_splits=None, seed=5, **shape):
+def _check_write(lens, interpret, num_splits=None, seed=5, fused_write=True, **shape):
   """The kernel's pools equal the reference scatter's bit for bit, and its output matches
   attention over the written pools (the new token included)."""
   q, k_pages, v_pages, table, seq_lens = make_case(seed, LENS[lens], **shape)
@@ -134,7 +134,8 @@ def _check_write(lens, interpret, num_splits=None, seed=5, **shape):
   kv_shape = (q.shape[0], k_pages.shape[0], k_pages.shape[-1])
   k_new, v_new = (jnp.asarray(rng.standard_normal(kv_shape), k_pages.dtype) for _ in range(2))
   out, k_out, v_out = paged_decode_attention_and_write(q, k_new, v_new, k_pages, v_pages, table, seq_lens,
-                                                       backend="pallas", interpret=interpret, num_splits=num_splits)
+                                                       backend="pallas", interpret=interpret, num_splits=num_splits,
+                                                       fused_write=fused_write)
   ref_out, k_ref, v_ref = paged_decode_attention_and_write(q, k_new, v_new, k_pages, v_pages, table, seq_lens,
                                                            backend="reference")
   np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_ref, np.float32))
@@ -187,3 +188,13 @@ def test_write_reference_skips_inactive_slots():
 def test_write_with_a_full_query_tile_interpret():
   """64 query heads per KV head leave no spare tile rows: the entry scatters, then runs the kernel."""
   _check_write("short", plgpu.InterpretGPUParams(), group=64, head_dim=64, page_size=16)
+
+
+def test_write_scatter_first_interpret():
+  """Past one wave of programs the entry scatters with XLA first, then runs the plain kernel."""
+  _check_write("mixed", plgpu.InterpretGPUParams(), fused_write=False, group=4, head_dim=64, page_size=16)
+
+
+def test_fused_write_only_within_one_wave():
+  assert fused_write_pays(1, 8) and fused_write_pays(16, 8) and fused_write_pays(33, 4)
+  assert not fused_write_pays(32, 8) and not fused_write_pays(128, 8)
