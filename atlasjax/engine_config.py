@@ -19,7 +19,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     async_scheduling: bool = True            # schedule step N+1 while step N runs (False: one step at a time)
     seed: int = 0
-    attention_backend: str = "auto"          # auto | pallas | reference
+    attention_backend: str = "auto"          # auto | pallas | reference | interpret (Pallas kernels in
+                                             # Mosaic GPU interpret mode: slow, for checking them on a CPU)
     quantization: str | None = None          # None | int8 | fp8 | int4 (quantize linear projections at load)
     quantize_lm_head: bool = False           # with `quantization`: quantize the untied LM head too (tied
                                              # embeddings and the embedding table never are)
@@ -43,8 +44,8 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "pallas", "reference"):
-            bad(f"attention_backend must be auto, pallas or reference, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "pallas", "reference", "interpret"):
+            bad(f"attention_backend must be auto, pallas, reference or interpret, got {self.attention_backend!r}")
         if not isinstance(self.async_scheduling, bool):
             bad(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.quantization not in (None, "int8", "fp8", "int4"):

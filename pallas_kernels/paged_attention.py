@@ -246,13 +246,15 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
     page_table: [num_seqs, pages_per_seq] int32 page ids.
     seq_lens: [num_seqs] int32 context lengths (new token included); 0 = inactive slot.
     sm_scale: softmax scale, default head_dim ** -0.5.
-    backend: "pallas", "reference", or "auto" (Pallas on GPU when the shapes allow it).
+    backend: "pallas", "reference", "auto" (Pallas on GPU when the shapes allow it), or
+      "interpret" (the Pallas kernel in interpret mode).
     interpret: Pallas interpret mode (e.g. `plgpu.InterpretGPUParams()`), for CPU tests.
     block_kv, num_splits, num_stages: tunables (KV tokens per step, context splits, pipeline
       depth); defaults chosen from the shapes.
   Returns:
     [num_seqs, num_heads, head_dim] in q.dtype; zeros for inactive slots.
   """
+  backend, interpret = _interpret(backend, interpret)
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if plan is None:
     return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
@@ -273,6 +275,7 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
   None: `fused_write_pays`. Other arguments as for `paged_decode_attention`. Returns
   (out, k_pages, v_pages); the pools are updated in place when the caller donates them.
   """
+  backend, interpret = _interpret(backend, interpret)
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
@@ -288,6 +291,11 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, new_kv=(k, v), **plan)
+
+
+def _interpret(backend, interpret):
+  """backend "interpret": the Pallas kernel in Mosaic GPU interpret mode (CPU tests of the model)."""
+  return ("pallas", plgpu.InterpretGPUParams()) if backend == "interpret" else (backend, interpret)
 
 
 def fused_write_pays(num_seqs: int, num_kv_heads: int) -> bool:

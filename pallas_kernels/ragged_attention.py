@@ -192,7 +192,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     query_start: [max_seqs + 1] int32 cumulative query offsets.
     num_seqs: int32 scalar or [1] array; sequences >= num_seqs are unused.
     sm_scale: softmax scale, default head_dim ** -0.5.
-    backend: "pallas", "reference", or "auto" (Pallas on GPU when the shapes allow it).
+    backend: "pallas", "reference", "auto" (Pallas on GPU when the shapes allow it), or
+      "interpret" (the Pallas kernel in interpret mode).
     interpret: Pallas interpret mode (e.g. `plgpu.InterpretGPUParams()`), for CPU tests.
     block_kv, num_stages: tunables (KV tokens per step, pipeline depth).
   Returns:
@@ -213,6 +214,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
   if backend == "auto":
     use_pallas = jax.default_backend() == "gpu" and can_use_pallas(q, k_pages)
     backend = "pallas" if use_pallas else "reference"
+  if backend == "interpret":   # the Pallas kernel in Mosaic GPU interpret mode (CPU tests of the model)
+    backend, interpret = "pallas", plgpu.InterpretGPUParams()
   if backend == "reference":
     return ragged_paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
                                             query_start, num_seqs, sm_scale=sm_scale)
