@@ -3,7 +3,9 @@
 Measures the two ceilings in the same run (device-to-device copy bandwidth, dense bf16 matmul
 rate), then times decode (batch 32 x 4096 and batch 1 x 32768) and ragged prefill (one 4096-token
 prompt) against those ceilings, jax's Triton paged_attention where its constraints allow, and the
-jnp references. Prints a table; `--json PATH` also writes the numbers.
+jnp references; and the decode step's K/V write fused into the kernel against an XLA scatter first,
+per layer of a donated chain (batch 1, 16, 32, 128). Prints a table; `--json PATH` also writes the
+numbers.
 """
 
 import argparse
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax.bench.roofline import time_fn
-from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_and_write
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
 
@@ -71,6 +73,44 @@ def bench_decode(num_seqs, ctx, page_size, bw, rows, baselines=True):
       rows.append(dict(case=name, impl=label, us=t * 1e6, gbps=nbytes / t / 1e9,
                        frac_copy_bw=nbytes / t / bw, rel_err=err))
     except Exception as e:  # a baseline's constraints may not allow the shape
+      rows.append(dict(case=name, impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+
+
+def bench_decode_write(num_seqs, ctx, rows, layers=32, backend="pallas", num_kv_heads=8, reps=5):
+  """The decode step's attention as the model runs it: `layers` chained calls of
+  paged_decode_attention_and_write in one jit with the pools donated, the new K/V written by the
+  kernel (fused) or by an XLA scatter first, at a context of `ctx` in a table of 4 * ctx.
+  Reports time per layer; `fused_write_pays` picks between the two (threshold: one wave)."""
+  q, k_pages, v_pages, table, lens = decode_case(num_seqs, 4 * ctx, num_kv_heads=num_kv_heads)
+  lens = jnp.full((num_seqs,), ctx, jnp.int32)
+  new_kv = jax.random.normal(jax.random.key(5), (num_seqs, num_kv_heads, q.shape[-1]), jnp.bfloat16)
+  name = f"decode+write b={num_seqs} ctx={ctx} x{layers} layers"
+  outs = {}
+  for fused in (True, False):
+    def chain(kp, vp, fused=fused):
+      out = []
+      for _ in range(layers):
+        o, kp, vp = paged_decode_attention_and_write(q, new_kv, new_kv, kp, vp, table, lens, backend=backend,
+                                                     fused_write=fused)
+        out.append(o)
+      return out, kp, vp
+    fn = jax.jit(chain, donate_argnums=(0, 1))
+    label = "fused write (kernel)" if fused else "XLA scatter + kernel"
+    try:
+      kp, vp = jnp.copy(k_pages), jnp.copy(v_pages)
+      out, kp, vp = fn(kp, vp)
+      jax.block_until_ready(out)
+      outs[fused] = out[-1]
+      times = []
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        out, kp, vp = fn(kp, vp)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+      us = float(np.median(times)) / layers * 1e6
+      err = rel_err(outs[fused], outs[True]) if False in outs else 0.0
+      rows.append(dict(case=name, impl=label, us=us, rel_err=err, per="layer"))
+    except Exception as e:
       rows.append(dict(case=name, impl=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
 
 
@@ -134,11 +174,15 @@ def main():
   bench_decode(1, 32768, 16, bw, rows, baselines=True)
   bench_decode(1, 32768, 64, bw, rows, baselines=False)
   bench_prefill(4096, mm, rows)
+  for num_seqs in (1, 16, 32, 128):
+    bench_decode_write(num_seqs, 256, rows)
   if args.sweep:
     sweep(bw, mm, rows)
   for r in rows:
     if "error" in r:
       print(f"{r['case']:32s} {r['impl']:44s} ERROR {r['error']}")
+    elif r.get("per") == "layer":
+      print(f"{r['case']:32s} {r['impl']:44s} {r['us']:9.1f} us per layer  err {r['rel_err']:.1e}")
     elif "gbps" in r:
       print(f"{r['case']:32s} {r['impl']:44s} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s "
             f"{100 * r['frac_copy_bw']:5.1f}% of copy  err {r['rel_err']:.1e}")

@@ -198,3 +198,13 @@ def test_write_scatter_first_interpret():
 def test_fused_write_only_within_one_wave():
   assert fused_write_pays(1, 8) and fused_write_pays(16, 8) and fused_write_pays(33, 4)
   assert not fused_write_pays(32, 8) and not fused_write_pays(128, 8)
+
+
+def test_kernel_bench_decode_write_rows():
+  """The kernel bench's decode+write case (fused vs scatter first, a donated chain of layers) runs
+  both paths; they compute the same attention exactly (interpret mode here)."""
+  from atlasjax.bench_kernels_attention import bench_decode_write
+  rows = []
+  bench_decode_write(2, 32, rows, layers=2, backend="interpret", num_kv_heads=2, reps=1)
+  assert [r["impl"] for r in rows] == ["fused write (kernel)", "XLA scatter + kernel"]
+  assert all("error" not in r and r["us"] > 0 for r in rows) and rows[1]["rel_err"] == 0.0
