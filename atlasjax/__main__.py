@@ -6,6 +6,8 @@ import logging
 import sys
 import time
 
+from atlasjax.engine_config import ATTENTION_BACKENDS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -20,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before scheduling the next (no host/device overlap; for debugging)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference", "interpret"],
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; checks them on a CPU)")
     g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
                    help="quantize the linear projections at load (weight-only)")

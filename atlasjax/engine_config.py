@@ -5,6 +5,9 @@ import dataclasses
 
 from atlasjax.errors import EngineConfigError
 
+# interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; for checking them on a CPU)
+ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -44,8 +47,8 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "pallas", "reference", "interpret"):
-            bad(f"attention_backend must be auto, pallas, reference or interpret, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not isinstance(self.async_scheduling, bool):
             bad(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.quantization not in (None, "int8", "fp8", "int4"):

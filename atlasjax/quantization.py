@@ -290,11 +290,13 @@ def is_lm_head_kernel(path: tuple[str, ...], leaf: Any) -> bool:
     return tuple(path[-2:]) == LM_HEAD_PATH and getattr(leaf, "ndim", 0) == 2
 
 
-def quantization_predicate(quantize_lm_head: bool = False) -> Callable[[tuple[str, ...], Any], bool]:
-    """What is quantized at load: the linear projections, and the untied LM head when asked."""
+def quantization_predicate(quantize_lm_head: bool = False,
+                           base: Callable[[tuple[str, ...], Any], bool] = is_projection_kernel,
+                           ) -> Callable[[tuple[str, ...], Any], bool]:
+    """What is quantized: `base` (default: the linear projections), and the untied LM head when asked."""
     if not quantize_lm_head:
-        return is_projection_kernel
-    return lambda path, leaf: is_projection_kernel(path, leaf) or is_lm_head_kernel(path, leaf)
+        return base
+    return lambda path, leaf: base(path, leaf) or is_lm_head_kernel(path, leaf)
 
 
 _warned_tied_lm_head = False
@@ -334,9 +336,7 @@ def quantize_params(
         Tied embeddings are never quantized: a tied model has no lm_head leaf, so this is a no-op
         there. The embedding table is never quantized.
     """
-    if quantize_lm_head:
-        base = include
-        include = lambda path, leaf: base(path, leaf) or is_lm_head_kernel(path, leaf)  # noqa: E731
+    include = quantization_predicate(quantize_lm_head, include)
 
     def walk(node: Any, path: tuple[str, ...]) -> Any:
         if isinstance(node, Mapping):

@@ -7,6 +7,7 @@ import os
 import sys
 
 from atlasjax.bench.presets import PRESETS, progress
+from atlasjax.engine_config import ATTENTION_BACKENDS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -31,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
-    e.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference", "interpret"],
+    e.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; checks them on a CPU)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--compare", default=None, choices=["hf"],

@@ -76,7 +76,7 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     formats = compare_formats(args)
     report, tables = _run_one(args, ceilings, hf)
     if formats:
-        lm_head = getattr(args, "quantize_lm_head", False)
+        lm_head = args.quantize_lm_head
         runs = [(weights_label(args.quantization, lm_head) or "none", report["results"])]
         for q in formats:
             gc.collect()   # the previous engine's params and KV pool leave the device first
@@ -161,7 +161,7 @@ def _settings(engine, args) -> dict:
     return dict(model=engine.loaded.source, batch_size=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, num_iters=args.num_iters, num_warmup=args.num_warmup,
                 dtype=str(np.dtype(engine.dtype)), quantization=args.quantization,
-                quantize_lm_head=getattr(args, "quantize_lm_head", False),
+                quantize_lm_head=args.quantize_lm_head,
                 engine=dataclasses.asdict(engine.config), model_config=dataclasses.asdict(engine.model_config))
 
 
@@ -179,7 +179,7 @@ def _roofline(engine, args, results, ceilings) -> dict:
 
 
 def _label(engine, args) -> str:
-    label = weights_label(args.quantization, getattr(args, "quantize_lm_head", False))
+    label = weights_label(args.quantization, args.quantize_lm_head)
     return f"{engine.loaded.source} {label or np.dtype(engine.dtype).name}"
 
 

@@ -147,10 +147,10 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     settings = dict(model=engine.loaded.source, num_prompts=len(reqs), input_len=args.input_len,
                     output_len=args.output_len, range_ratio=args.range_ratio, dataset=args.dataset,
                     dtype=str(np.dtype(engine.dtype)), quantization=args.quantization,
-                    quantize_lm_head=getattr(args, "quantize_lm_head", False),
+                    quantize_lm_head=args.quantize_lm_head,
                     engine=_asdict(engine.config), model_config=_asdict(engine.model_config))
     report = dict(mode="throughput", settings=settings, results=results, roofline=roof)
-    label = weights_label(args.quantization, getattr(args, "quantize_lm_head", False))
+    label = weights_label(args.quantization, args.quantize_lm_head)
     tables = [_table(results, f"{engine.loaded.source} {label or np.dtype(engine.dtype).name}")]
     if hf:
         ratio = (results["output_tokens_per_s"] / hf["output_tokens_per_s"]) if hf.get("output_tokens_per_s") else None
