@@ -80,7 +80,7 @@ def bench_decode_write(num_seqs, ctx, rows, layers=32, backend="pallas", num_kv_
   """The decode step's attention as the model runs it: `layers` chained calls of
   paged_decode_attention_and_write in one jit with the pools donated, the new K/V written by the
   kernel (fused) or by an XLA scatter first, at a context of `ctx` in a table of 4 * ctx.
-  Reports time per layer; `fused_write_pays` picks between the two (threshold: one wave)."""
+  Reports time per layer of each (the engine uses the fused write)."""
   q, k_pages, v_pages, table, lens = decode_case(num_seqs, 4 * ctx, num_kv_heads=num_kv_heads)
   lens = jnp.full((num_seqs,), ctx, jnp.int32)
   new_kv = jax.random.normal(jax.random.key(5), (num_seqs, num_kv_heads, q.shape[-1]), jnp.bfloat16)

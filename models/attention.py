@@ -50,8 +50,8 @@ def write_and_attend(q, k, v, kv, meta: AttentionMetadata, *, backend: str = "au
     """Write this step's K/V into the pool, then attend: (out, (k_pages, v_pages)).
 
     Decode steps hand both to the decode attention entry, whose GPU kernel writes the new token's
-    K/V row itself when the step is small (two scatter kernels fewer per layer; see
-    `fused_write_pays`); prefill chunks scatter, then attend (a chunk attends to itself too).
+    K/V row itself (two scatter kernels fewer per layer); prefill chunks scatter, then attend (a
+    chunk attends to itself too).
     """
     if meta.is_decode:
         out, k_pages, v_pages = paged_decode_attention_and_write(q, k, v, *kv, meta.page_table, meta.seq_lens,

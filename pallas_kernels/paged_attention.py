@@ -3,7 +3,8 @@
 Owns `paged_decode_attention`: one new query token per sequence attends to every token its page
 table points at. Data flow of the Pallas path:
 
-  q [seqs, heads, D] -> grouped per KV head and padded to a 64-row wgmma tile
+  q [seqs, heads, D] -> grouped per KV head, padded to a multiple of 8 rows, loaded into the first
+     rows of a 64-row wgmma tile in shared memory (the rest is never read back: rows are independent)
   -> kernel grid (kv_heads, splits, seqs): each program streams the pages of one split of one
      sequence's context (its seq_len divided evenly, block-aligned) through shared memory (TMA,
      `num_stages` deep), computes S = Q K^T and O += P V with wgmma and an online softmax in f32
@@ -16,7 +17,7 @@ page_table[s, j // page_size], row j % page_size. seq_lens[s] == 0 marks an inac
 programs issue no K/V loads and its output is zeros.
 
 `paged_decode_attention_and_write` also writes the new token's K/V (position seq_lens - 1) into the
-pool: the two rows ride in the last two padding rows of the q tile, and the program whose split
+pool: the two rows ride in the last two rows of the q tile, and the program whose split
 holds that position copies them into their page (TMA, through shared memory) before it streams
 its pages. The decode step then needs one XLA fusion (split-K sum, RoPE, padding) before the
 kernel instead of three. The pools are passed as mutable refs (`jax.new_ref`), which the kernel
@@ -35,20 +36,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.kv_write import decode_slots, write_kv
 from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
 
-_ROWS = 64  # wgmma M: the query heads of one KV head are padded to one 64-row tile
-# The new token's K and V ride in the last two padding rows of that tile, so one XLA fusion
-# (RoPE, split-K sum, padding) produces every input the decode step's attention needs.
-_NEW_K, _NEW_V = _ROWS - 2, _ROWS - 1
+_ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one 64-row tile
+_MAX_GROUP_WRITING = _ROWS - 2   # the new token's K and V take two more rows of that tile
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132   # H100 SXM: one wave of programs
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
                    num_splits, num_stages, sm_scale, p_in_smem, writes):
-  """One program: one KV head x one split of the context x one sequence. With `writes`, rows
-  _NEW_K and _NEW_V of the q tile hold the new token's K and V, written into k_ref / v_ref first."""
+  """One program: one KV head x one split of the context x one sequence. q_ref's tile has
+  `q_rows` (a multiple of 8) rows: the query heads, then padding; with `writes` its last two rows
+  hold the new token's K and V, written into k_ref / v_ref first. Only those rows of the 64-row
+  shared-memory tile are loaded and only they are stored back (o_ref, lse_ref have q_rows rows)."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
-  head_dim = q_ref.shape[-1]
+  q_rows, head_dim = q_ref.shape[-2:]
   dtype = k_ref.dtype
   pages_per_block = block_kv // page_size
   num_pages = k_ref.shape[1]
@@ -112,7 +113,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
       row = pl.ds(lax.rem(pos, page_size), 1)
 
       def copy(rows, bar):
-        plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(_NEW_K, 2)], rows, bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(q_rows - 2, 2)], rows, bar)
         plgpu.barrier_wait(bar)
         plgpu.copy_smem_to_gmem(rows.at[pl.ds(0, 1)], k_ref.at[kv_head, page, row])
         plgpu.copy_smem_to_gmem(rows.at[pl.ds(1, 1)], v_ref.at[kv_head, page, row])
@@ -122,7 +123,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
   def body(q_smem, q_bar):
     @pl.when(num_steps > 0)
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem.at[pl.ds(0, q_rows)], q_bar)
 
     if writes:
       write_new_token()   # overlaps the q load
@@ -141,7 +142,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
     def store(o_smem):
       o_smem[...] = out.astype(o_smem.dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, kv_head, split])
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, q_rows)], o_ref.at[seq, kv_head, split])
       plgpu.wait_smem_to_gmem(0)
     store_out = functools.partial(pl.run_scoped, store, plgpu.SMEM((_ROWS, head_dim), o_ref.dtype))
     if lse_ref is None:
@@ -153,7 +154,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
       def store_lse(lse_smem):
         lse_smem[...] = m_i + jnp.log2(l_i)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, kv_head, split])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, q_rows)], lse_ref.at[seq, kv_head, split])
         plgpu.wait_smem_to_gmem(0)
       pl.run_scoped(store_lse, plgpu.SMEM((_ROWS,), jnp.float32))
 
@@ -171,20 +172,22 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
   num_splits = max(1, min(num_splits, max_blocks))
   num_stages = max(1, min(num_stages, pl.cdiv(max_blocks, num_splits)))
-  # Pad the group of query heads of each KV head to one 64-row tile (decode q is tiny); the
-  # new K/V, when written, take its last two rows (their scores are computed and discarded).
+  # The query heads of each KV head, padded to a multiple of 8 rows (the tile's TMA granule;
+  # the kernel's wgmma tile is 64 rows, but only these are loaded and stored); the new K/V, when
+  # written, take the last two rows (their scores are computed and discarded).
+  q_rows = pl.cdiv(group + 2 * writes, 8) * 8
   qg = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _ROWS - group - 2 * writes), (0, 0)))
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_rows - group - 2 * writes), (0, 0)))
   if writes:
     qg = jnp.concatenate([qg, *(x.astype(qg.dtype)[:, :, None] for x in new_kv)], axis=2)
   # The page table is padded so the last block's page lookups stay in bounds.
   pages_needed = max_blocks * (block_kv // page_size)
   table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))
   split_out = num_splits > 1
-  out_type = [jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, _ROWS, head_dim),
+  out_type = [jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, q_rows, head_dim),
                                    jnp.float32 if split_out else q.dtype)]
   if split_out:
-    out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, _ROWS), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, q_rows), jnp.float32))
 
   def paged_decode_attention_kernel(*refs):  # named so profiles are readable
     refs = refs if split_out else (*refs, None)
@@ -266,23 +269,22 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fused_write",))
 def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
                                      backend="auto", interpret=False, block_kv=None, num_splits=None,
-                                     num_stages=None, fused_write=None):
+                                     num_stages=None, fused_write=True):
   """Writes each sequence's new K/V at position seq_lens - 1 of its pages, then attends as
   `paged_decode_attention` does (the new token included).
 
   k, v: [num_seqs, num_kv_heads, head_dim]; nothing is written for inactive slots (seq_lens 0).
-  fused_write: whether the Pallas kernel writes the rows itself (else an XLA scatter runs first);
-  None: `fused_write_pays`. Other arguments as for `paged_decode_attention`. Returns
-  (out, k_pages, v_pages); the pools are updated in place when the caller donates them.
+  fused_write: whether the Pallas kernel writes the rows itself (default; it measured faster than
+  an XLA scatter first at every batch size, docs/perf_attention.md) or an XLA scatter runs first.
+  Other arguments as for `paged_decode_attention`. Returns (out, k_pages, v_pages); the pools are
+  updated in place when the caller donates them.
   """
   backend, interpret = _interpret(backend, interpret)
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
-  group, num_kv_heads = q.shape[1] // k_pages.shape[0], k_pages.shape[0]
-  if fused_write is None:
-    fused_write = fused_write_pays(q.shape[0], num_kv_heads)
-  if plan is None or not fused_write or group > _NEW_K:   # reference, scatter first, or no free tile rows
+  group = q.shape[1] // k_pages.shape[0]
+  if plan is None or not fused_write or group > _MAX_GROUP_WRITING:   # reference, scatter first, or no free tile rows
     _, num_pages, page_size, _ = k_pages.shape
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, decode_slots(page_table, seq_lens, page_size, num_pages))
     out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale, backend=backend,
@@ -296,16 +298,6 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
 def _interpret(backend, interpret):
   """backend "interpret": the Pallas kernel in Mosaic GPU interpret mode (CPU tests of the model)."""
   return ("pallas", plgpu.InterpretGPUParams()) if backend == "interpret" else (backend, interpret)
-
-
-def fused_write_pays(num_seqs: int, num_kv_heads: int) -> bool:
-  """Whether the kernel should write the new K/V itself: while its programs (one per sequence and
-  KV head, before splits) fit one wave. The write (a TMA load and two stores, waited on) sits before
-  each program's page loads; in one wave it overlaps the q load and saves the two scatter kernels,
-  past it every wave pays it again. H100, Llama-3.1-8B shapes (8 KV heads), decode step: bs=1
-  5.81-5.86 -> 5.66-5.69 ms fused; bs=32 6.47-6.49 scatter vs 6.49-6.52 fused; bs=128 8.87-8.89
-  scatter vs 9.49 fused (docs/perf_attention.md, session 5)."""
-  return num_seqs * num_kv_heads <= _NUM_SMS
 
 
 def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages):
