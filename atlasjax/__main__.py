@@ -9,6 +9,21 @@ import time
 from atlasjax.engine_config import ATTENTION_BACKENDS
 
 
+def add_attention_backend_arg(g) -> None:
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; checks them on a CPU)")
+
+
+def add_weight_format_args(g) -> None:
+    """--quantization and --quantize-lm-head (the serving CLI and the bench share them)."""
+    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
+                   help="quantize the linear projections (q/k/v/o, gate/up/down) at load (weight-only)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
+                        "0.53 GB int8; default: it stays in --dtype; a tied LM head, i.e. the embedding "
+                        "table, is never quantized)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -22,13 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before scheduling the next (no host/device overlap; for debugging)")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; checks them on a CPU)")
-    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
-                   help="quantize the linear projections at load (weight-only)")
-    g.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization: quantize the untied LM head too (default: it stays in --dtype; "
-                        "a tied LM head, i.e. the embedding table, is never quantized)")
+    add_attention_backend_arg(g)
+    add_weight_format_args(g)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over (multi-host: all devices of all processes)")
     g.add_argument("--seed", type=int, default=0)

@@ -9,6 +9,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
+def resolve_interpret(backend: str, interpret):
+  """backend "interpret": the Pallas kernel in Mosaic GPU interpret mode (CPU tests of the model)."""
+  return ("pallas", plgpu.InterpretGPUParams()) if backend == "interpret" else (backend, interpret)
+
+
 def online_softmax_update(s, m_i, l_i, acc):
     """One block of scores s [rows, block_kv] -> (p, m_new, l_new, rescaled acc)."""
     m_new = jnp.maximum(m_i, s.max(axis=1))

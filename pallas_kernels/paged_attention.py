@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_write import decode_slots, write_kv
-from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
+from pallas_kernels.online_softmax import (kv_pipeline_scratch, online_softmax_update, pv_product,
+                                           resolve_interpret)
 
 _ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one 64-row tile
 _MAX_GROUP_WRITING = _ROWS - 2   # the new token's K and V take two more rows of that tile
@@ -257,7 +258,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
   Returns:
     [num_seqs, num_heads, head_dim] in q.dtype; zeros for inactive slots.
   """
-  backend, interpret = _interpret(backend, interpret)
+  backend, interpret = resolve_interpret(backend, interpret)
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if plan is None:
     return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
@@ -279,7 +280,7 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
   Other arguments as for `paged_decode_attention`. Returns (out, k_pages, v_pages); the pools are
   updated in place when the caller donates them.
   """
-  backend, interpret = _interpret(backend, interpret)
+  backend, interpret = resolve_interpret(backend, interpret)
   plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
@@ -293,11 +294,6 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, new_kv=(k, v), **plan)
-
-
-def _interpret(backend, interpret):
-  """backend "interpret": the Pallas kernel in Mosaic GPU interpret mode (CPU tests of the model)."""
-  return ("pallas", plgpu.InterpretGPUParams()) if backend == "interpret" else (backend, interpret)
 
 
 def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages):

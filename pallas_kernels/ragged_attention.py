@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
+from pallas_kernels.online_softmax import (kv_pipeline_scratch, online_softmax_update, pv_product,
+                                           resolve_interpret)
 
 _ROWS = 64  # wgmma M
 _LOG2E = math.log2(math.e)
@@ -214,8 +215,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
   if backend == "auto":
     use_pallas = jax.default_backend() == "gpu" and can_use_pallas(q, k_pages)
     backend = "pallas" if use_pallas else "reference"
-  if backend == "interpret":   # the Pallas kernel in Mosaic GPU interpret mode (CPU tests of the model)
-    backend, interpret = "pallas", plgpu.InterpretGPUParams()
+  backend, interpret = resolve_interpret(backend, interpret)
   if backend == "reference":
     return ragged_paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
                                             query_start, num_seqs, sm_scale=sm_scale)

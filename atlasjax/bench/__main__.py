@@ -7,7 +7,7 @@ import os
 import sys
 
 from atlasjax.bench.presets import PRESETS, progress
-from atlasjax.engine_config import ATTENTION_BACKENDS
+from atlasjax.__main__ import add_attention_backend_arg, add_weight_format_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -18,11 +18,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                      help="a published architecture with random weights built on the device (no download)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on GPU, float32 on CPU")
-    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
-                   help="weight-only, the linear projections (q/k/v/o, gate/up/down)")
-    g.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
-                        "0.53 GB int8); default: it stays in --dtype. No effect on tied embeddings")
+    add_weight_format_args(g)
     g.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("engine (unset: the mode's default, then EngineConfig's)")
     e.add_argument("--max-num-seqs", type=int, default=None)
@@ -32,8 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
-    e.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; checks them on a CPU)")
+    add_attention_backend_arg(e)
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--compare", default=None, choices=["hf"],
                    help="also run Hugging Face transformers on the same shapes and print the ratio")

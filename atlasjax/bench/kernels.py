@@ -64,7 +64,7 @@ def _attention(quick: bool, ceilings: dict) -> list[dict]:
     if not quick:
         mod.bench_decode(1, 32768, 16, bw, rows, baselines=False)
     mod.bench_prefill(4096, mm, rows, with_reference=not quick)
-    if not quick:   # the decode step's K/V write, fused vs scatter first, on each side of one wave
+    if not quick:   # the decode step's K/V write, fused (what the engine runs) vs scatter first
         for num_seqs in (1, 128):
             mod.bench_decode_write(num_seqs, 256, rows)
     return rows
