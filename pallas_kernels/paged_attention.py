@@ -207,17 +207,22 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   else:
     outs = call(qg, k_pages, v_pages, table, seq_lens)
   if split_out:
-    out, lse = outs
-    out, lse = out[:, :, :, :group], lse[:, :, :, :group]
-    lse_max = lse.max(axis=2, keepdims=True)
-    weights = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))
-    denom = jnp.maximum(weights.sum(axis=2), 1e-30)
-    out = jnp.where(weights[..., None] > 0, out * weights[..., None], 0.0)   # empty splits: never stored
-    out = out.sum(axis=2) / denom[..., None]
+    out = combine_splits(*outs, group)
   else:
     out = outs[0][:, :, 0, :group]
   out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
   return (out, k_pages, v_pages) if writes else out
+
+
+def combine_splits(out, lse, group):
+  """Merges the per-split partials: out [..., splits, rows, D] f32 normalized, lse [..., splits, rows]
+  base 2 -> [..., group, D]. An empty split (lse -inf) has no stored partial and weighs nothing."""
+  out, lse = out[..., :group, :], lse[..., :group]
+  lse_max = lse.max(axis=-2, keepdims=True)
+  weights = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))
+  denom = jnp.maximum(weights.sum(axis=-2), 1e-30)
+  out = jnp.where(weights[..., None] > 0, out * weights[..., None], 0.0)
+  return out.sum(axis=-3) / denom[..., None]
 
 
 def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=_NUM_SMS):

@@ -10,13 +10,18 @@ kernel computes y.T = W.T @ x.T. Each warpgroup owns 64 output channels; per K s
    fast conversions) and issues one wgmma with it as the register A operand and x.T as the
    shared-memory B operand (M of the product = 64 weight rows, N = m_pad >= 8 activation rows);
 3. multiplies the step's f32 partial by the group's scale row and adds it to the carry.
+A step covers `group_unroll` groups (2 by default), whose wgmmas are all issued before one wait,
+so dequantizing a group overlaps the previous group's wgmma.
 Groups under 128 elements (GGUF's 32) instead multiply the dequantized tile by its groups' scales
 in registers before the wgmma ("prescale"), so a step spans several groups and one accumulator
 serves all of K; int4 groups of 32 need that (a 16-byte row is under the smallest swizzle).
 The dequantized weight never leaves registers. K is split across a second grid axis when the
 N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
-The asymmetric int4 offset term sum_g zeros[g, n] * sum_{k in g} x[m, k] is a [M, G] x [G, N]
-product, done by XLA next to the kernel.
+The asymmetric int4 offset term sum_g (8 s + zeros)[g, n] * sum_{k in g} x[m, k] stays in the
+kernel (`fold_zeros`): prescaled steps add the offsets to the tile; per-group steps run one more
+wgmma per group, of a ones tile with x, whose rows are the group's x row sums (exact in f32, and
+no division by a scale, which is 0 for a constant group). `fold_zeros=False` leaves the term to
+XLA next to the kernel.
 
 Prefill (M > DECODE_ROWS) defaults to dequantize-to-bf16 + XLA dot, which measured 1.3-1.4x the bf16 dot
 against ~2.1x for this kernel with 128-row M tiles (`docs/perf_quant.md`); `prefill="pallas"` keeps
@@ -46,6 +51,7 @@ from pallas_kernels.quant_format import QuantizedWeight, dequantize
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
+DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_quant.md, session 7)
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline may use (the H100 allows 227 KB per block)
 
 
@@ -64,10 +70,13 @@ class QuantMatmulConfig:
     # step with the scale on the f32 partial, faster there (docs/perf_quant.md, session 4).
     prescale: bool | None = None
     prescale_tile_k: int = 256
-    # Prescaled asymmetric groups: also add each group's offset (8 s + zeros) to the tile, so the
-    # result needs no XLA offset term (x row sums times offsets). H100, int4 g32 asym (GGUF Q4_1),
-    # 8 rows: 4096x28672 66.4 -> 47.8 us, 4096x128256 246.7 -> 165.4 us (docs/perf_quant.md).
+    # Asymmetric groups: the offset term (x row sums times 8 s + zeros) inside the kernel, not in
+    # XLA. Prescaled: added to the tile (H100, int4 g32 asym, 8 rows: 4096x28672 66.4 -> 47.8 us);
+    # per group: a ones-tile wgmma (int4 g128 asym: 4096x28672 42.2 -> 38.4 us; docs/perf_quant.md).
     fold_zeros: bool = True
+    # Groups per pipeline step on the per-group path (groups of >= 128 elements, int4 by default):
+    # all of a step's wgmmas are in flight before one wait. None: auto (`_unroll`).
+    group_unroll: int | None = None
 
     def __post_init__(self):
         if self.tile_k % 16 or self.tile_k <= 0:
@@ -78,6 +87,8 @@ class QuantMatmulConfig:
             raise ValueError("max_concurrent_steps must be >= 1")
         if self.prescale_tile_k % 16 or self.prescale_tile_k <= 0:
             raise ValueError(f"prescale_tile_k must be a positive multiple of 16, got {self.prescale_tile_k}")
+        if self.group_unroll is not None and self.group_unroll < 1:
+            raise ValueError(f"group_unroll must be >= 1, got {self.group_unroll}")
 
 
 def _swizzled(rows_bits: int, elem_bits: int, what: str):
@@ -96,7 +107,7 @@ def _elem_bits(dtype) -> int:
 
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
-                            prescale=False, group_size=None, z_gmem=None):
+                            prescale=False, group_size=None, unroll=1, z_gmem=None):
     """One (N tile, M tile, K split) block: out[split, n_tile, m_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
@@ -117,12 +128,15 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             a = a.astype(jnp.float16)
         return a.astype(jnp.bfloat16)
 
-    def mma(acc_ref, a, x_smem):  # a: the [TILE_N, tile_k] bf16 weight tile in registers
-        if a_smem is not None:
+    def issue(acc_ref, a, x_smem):  # a: the [TILE_N, tile_k] bf16 weight tile in registers
+        if a_smem is not None:  # interpret mode runs each wgmma at once, so one staging tile serves all
             a_smem[...] = a
             plgpu.commit_smem()
             a = a_smem
         plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+
+    def mma(acc_ref, a, x_smem):
+        issue(acc_ref, a, x_smem)
         plgpu.wgmma_wait(0)  # x_smem is released to the pipeline when the step returns
 
     in_specs = [
@@ -188,18 +202,49 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
         acc = pl.run_scoped(body, plgpu.ACC((TILE_N, m_tile), jnp.float32))
     else:
-        # K groups: each step is one group (tile_k <= group_size); scale its partial product.
-        def step(_, w_smem, x_smem, s_smem, acc):
-            part = pl.run_scoped(lambda part_ref: (mma(part_ref, dequantized(w_smem), x_smem), part_ref[...])[1],
-                                 plgpu.ACC((TILE_N, m_tile), jnp.float32))
-            return acc + part * per_group(s_smem, part.shape)   # one group per step
+        # K groups: a step covers `unroll` whole groups (or part of one, when tile_k < group_size).
+        # All of the step's wgmmas are issued before one wait, so the dequantization of a group
+        # overlaps the previous group's wgmma; each group's f32 partial is then scaled by its row.
+        # Asymmetric groups with fold_zeros also run a wgmma of a ones tile with x: its every row
+        # is the group's x row sum, which times the offset row (8 s + zeros) is the offset term.
+        fold = z_gmem is not None
+        ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16)
+        specs = ([plgpu.BlockSpec((TILE_N, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
+                                  transforms=_swizzled(tile_k * w_bits, w_bits, "weight")) for i in range(unroll)]
+                 + [plgpu.BlockSpec((m_tile, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
+                                    transforms=_swizzled(tile_k * 16, 16, "x")) for i in range(unroll)])
+        # unroll > 1 only with one group per tile (steps_per_group == 1): rows [k * unroll, (k + 1) * unroll)
+        rows_spec = scale_spec if unroll == 1 else plgpu.BlockSpec((unroll, TILE_N), lambda k: (first_step + k, 0))
+        group_rows = [s_gmem.at[:, n_slice]] + ([z_gmem.at[:, n_slice]] if fold else [])
+
+        def row(rows_smem, i, shape):
+            return lax.broadcast_in_dim(plgpu.load(rows_smem.at[i], layout=row_layout), shape, [0])
+
+        def step(_, *refs):
+            ws, xs, (s_smem, *z_smem), acc = refs[:unroll], refs[unroll:2 * unroll], refs[2 * unroll:-1], refs[-1]
+
+            def issue_all(*acc_refs):
+                for i in range(unroll):
+                    issue(acc_refs[i], dequantized(ws[i]), xs[i])
+                    if fold:
+                        issue(acc_refs[unroll + i], ones, xs[i])
+                plgpu.wgmma_wait(0)
+                return [r[...] for r in acc_refs]
+
+            parts = pl.run_scoped(issue_all, *[plgpu.ACC((TILE_N, m_tile), jnp.float32)] * (unroll * (1 + fold)))
+            for i in range(unroll):
+                scale = row(s_smem, i, acc.shape)
+                acc = acc + parts[i] * scale
+                if fold:
+                    acc = acc + parts[unroll + i] * (8.0 * scale + row(z_smem[0], i, acc.shape))
+            return acc
 
         acc = plgpu.emit_pipeline(
             step, grid=(steps_per_split,),
-            in_specs=in_specs + [scale_spec],
+            in_specs=specs + [rows_spec] * len(group_rows),
             max_concurrent_steps=max_concurrent_steps,
             init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
-        )(*operands, s_gmem.at[:, n_slice])
+        )(*([w_gmem.at[n_slice]] * unroll + [x_gmem.at[m_slice]] * unroll), *group_rows)
     out_smem[...] = acc
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, n_slice, m_slice])
@@ -218,24 +263,27 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     k_pad, n_pad = qw.padded_shape
     m_pad = xp.shape[0]
     tile_k = _tile_k(qw, config)
-    num_steps = k_pad // tile_k
+    unroll = _unroll(qw, config, tile_k)
+    num_steps = k_pad // (tile_k * unroll)
     num_blocks = (n_pad // TILE_N) * (m_pad // m_tile)
     splits = config.num_k_splits
-    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 steps
-        splits = max(1, min(num_steps // 8, -(-2 * _num_sms() // num_blocks)))
+    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 tiles of K
+        splits = max(1, min(num_steps * unroll // 8, -(-2 * _num_sms() // num_blocks)))
+    splits = max(1, min(splits, num_steps))
     while num_steps % splits:
         splits -= 1
     # Steps in flight: as many as asked that fit shared memory (a 128-row M tile of 256-element
     # steps holds 64 KB of x per step).
     fold = _folds_zeros(qw, config)
-    per_step = (m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8
-                + (2 if fold else 1) * 8 * TILE_N * 4)
+    per_step = unroll * (m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8
+                         + (2 if fold else 1) * 8 * TILE_N * 4)
     fixed = TILE_N * m_tile * 4 + (TILE_N * tile_k * 2 if interpret else 0)
     depth = max(1, min(config.max_concurrent_steps, (SMEM_BUDGET - fixed) // per_step))
     kernel = functools.partial(
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.scales.shape[0] == 1,
-        max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size)
+        max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size,
+        unroll=unroll)
 
     def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when folded
         z, refs = (refs[0], refs[1:]) if fold else (None, refs)
@@ -286,7 +334,18 @@ def _prescales(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
 
 
 def _folds_zeros(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
-    return config.fold_zeros and qw.zeros is not None and _prescales(qw, config)
+    return config.fold_zeros and qw.zeros is not None and qw.num_groups > 1
+
+
+def _unroll(qw: QuantizedWeight, config: QuantMatmulConfig, tile_k: int) -> int:
+    """Groups per pipeline step on the per-group path: 1 unless a tile is exactly one group."""
+    if _prescales(qw, config) or qw.num_groups == 1 or tile_k != qw.group_size:
+        return 1
+    want = DEFAULT_GROUP_UNROLL if config.group_unroll is None else config.group_unroll
+    unroll = max(1, min(want, qw.num_groups))
+    while qw.num_groups % unroll:
+        unroll -= 1
+    return unroll
 
 
 def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:

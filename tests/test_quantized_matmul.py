@@ -75,6 +75,42 @@ def test_interpret_prescaled_folded_zeros(group_size, k, tile_k, m):
     _check("int4", group_size, False, m, k, 70, seed=k + m, config=cfg, interpret=True)
 
 
+@pytest.mark.parametrize("symmetric,fold_zeros", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("group_size,k,unroll", [(128, 1024, 1), (128, 1024, 2), (128, 1024, 4),
+                                                 (64, 384, 3), (256, 512, 2)])
+def test_interpret_per_group_unroll(symmetric, fold_zeros, group_size, k, unroll):
+    # Groups of >= 128 (and 64) keep the scale on each group's f32 partial; `unroll` groups per
+    # pipeline step share one wgmma wait. Asymmetric offsets either come from a ones-tile wgmma in
+    # the kernel (fold_zeros) or from the XLA offset term. Group 256 with 128-element tiles spans
+    # two steps per group (no unroll there); 3 groups per step must divide 6 groups of 64.
+    cfg = QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros, num_k_splits=2)
+    for m in (1, 17):
+        _check("int4", group_size, symmetric, m, k, 70, seed=k + m + unroll, config=cfg, interpret=True)
+
+
+def test_per_group_unroll_divides_the_groups():
+    from pallas_kernels.quantized_matmul import _tile_k, _unroll
+    cfg = QuantMatmulConfig(group_unroll=4)
+    for k, groups, unroll in [(1280, 10, 2), (768, 6, 3), (1024, 8, 4)]:   # K pads to a multiple of 256
+        qw = quantize(np.zeros((k, 64), np.float32), "int4", group_size=128)
+        assert qw.num_groups == groups and _unroll(qw, cfg, _tile_k(qw, cfg)) == unroll
+
+
+def test_interpret_constant_groups_stay_finite():
+    # A constant group quantizes to scale 0 (asymmetric: the offset alone carries the value); the
+    # in-kernel offset term must not divide by the scale.
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((512, 64)).astype(np.float32)
+    w[128:256, :10] = 0.25    # one whole group of ten channels is constant
+    qw = quantize(w, "int4", group_size=128, symmetric=False)
+    assert float(np.asarray(qw.scales)[1, :10].max()) == 0.0
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    y = np.asarray(quantized_matmul(x, qw, backend="pallas", interpret=True, out_dtype=jnp.float32))
+    ref = np.asarray(quantized_matmul_reference(x, qw))
+    assert np.all(np.isfinite(y))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 4e-3
+
+
 def test_prescaled_int4_g32_takes_the_kernel():
     from atlasjax.quantization import quantize as q
     from pallas_kernels.quantized_matmul import _can_use_pallas
@@ -140,6 +176,16 @@ def test_gpu_prescaled_groups(fmt, group_size, symmetric, tile_k, m, k, n):
 def test_gpu_prescaled_folded_zeros(group_size, tile_k, m, k, n):
     _check("int4", group_size, False, m, k, n, seed=k + m,
            config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=True))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("symmetric,fold_zeros", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("unroll", [1, 2, 4])
+@pytest.mark.parametrize("m,k,n", [(1, 1024, 70), (8, 4096, 1000), (40, 2048, 4100)])
+def test_gpu_per_group_unroll(symmetric, fold_zeros, unroll, m, k, n):
+    _check("int4", 128, symmetric, m, k, n, seed=k + m + unroll,
+           config=QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros))
 
 
 @pytest.mark.gpu
