@@ -111,7 +111,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     """One (N tile, M tile, K split) block: out[split, n_tile, m_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
-    out_gmem [splits, N_pad, M_pad] f32; out_smem [TILE_N, m_tile] f32 scratch; a_smem
+    out_gmem [splits, M_pad, N_pad] f32 (or the output dtype without splits); out_smem
+    [m_tile, TILE_N] of out_gmem's dtype; a_smem
     [TILE_N, tile_k] bf16 scratch or None: when given (interpret mode, whose wgmma reads only
     shared memory), the dequantized tile is staged there instead of feeding wgmma from registers.
     """
@@ -245,9 +246,11 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             max_concurrent_steps=max_concurrent_steps,
             init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
         )(*([w_gmem.at[n_slice]] * unroll + [x_gmem.at[m_slice]] * unroll), *group_rows)
-    out_smem[...] = acc
+    # Stored as y [M, N] (a transposed view of the [m_tile, TILE_N] scratch; WGMMA_TRANSPOSED keeps
+    # each register pair along N, the scratch's contiguous dim), so no XLA transpose follows.
+    out_smem.T[...] = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, n_slice, m_slice])
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, m_slice, n_slice])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -258,8 +261,9 @@ def _num_sms() -> int:
         return 132
 
 
-def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: int, interpret):
-    """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile. Returns y.T partials summed: [N_pad, M_pad] f32."""
+def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: int, interpret, out_dtype):
+    """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile. Returns y [M_pad, N_pad]: f32 (the K split
+    partials summed), or out_dtype when K is not split."""
     k_pad, n_pad = qw.padded_shape
     m_pad = xp.shape[0]
     tile_k = _tile_k(qw, config)
@@ -275,6 +279,8 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     # Steps in flight: as many as asked that fit shared memory (a 128-row M tile of 256-element
     # steps holds 64 KB of x per step).
     fold = _folds_zeros(qw, config)
+    # Without K splits or an XLA offset term to add, the kernel stores y in the output dtype.
+    y_dtype = jnp.float32 if splits > 1 or (qw.zeros is not None and not fold) else out_dtype
     per_step = unroll * (m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8
                          + (2 if fold else 1) * 8 * TILE_N * 4)
     fixed = TILE_N * m_tile * 4 + (TILE_N * tile_k * 2 if interpret else 0)
@@ -290,8 +296,8 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         kernel(w, x, s, *refs, z_gmem=z)
     call = plgpu.kernel(
         quantized_matmul_kernel_refs,
-        out_type=jax.ShapeDtypeStruct((splits, n_pad, m_pad), jnp.float32),
-        scratch_types=[plgpu.SMEM((TILE_N, m_tile), jnp.float32)] + ([
+        out_type=jax.ShapeDtypeStruct((splits, m_pad, n_pad), y_dtype),
+        scratch_types=[plgpu.SMEM((m_tile, TILE_N), y_dtype)] + ([
             plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
         ] if interpret else []),
         grid=(n_pad // TILE_N, m_pad // m_tile, splits),
@@ -300,7 +306,8 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return call(qw.qweight, xp, qw.scales, *([qw.zeros] if fold else [])).sum(axis=0)
+    y = call(qw.qweight, xp, qw.scales, *([qw.zeros] if fold else []))
+    return y[0] if splits == 1 else y.sum(axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +409,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
     m_tile = -(-m // 8) * 8 if m <= DECODE_ROWS else min(config.tile_m, -(-m // 8) * 8)
     m_pad = -(-m // m_tile) * m_tile
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))  # [M_pad, K_pad]
-    y = _pallas_matmul(xp, qw, config, m_tile, interpret).T  # [M_pad, N_pad] f32
+    y = _pallas_matmul(xp, qw, config, m_tile, interpret, out_dtype)  # [M_pad, N_pad]
     if qw.zeros is not None and not _folds_zeros(qw, config):  # asymmetric int4: w = q * s + (8 s + zeros)
         g = qw.group_size
         x_sums = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1)  # [M_pad, G]
