@@ -5,7 +5,8 @@ ones-tile wgmma, `fold_zeros`) or in XLA, pipeline depth, K splits. `unroll 1, u
 session 6 kernel. CUPTI time of all kernels of one call (the kernel, the split-K sum, the XLA
 offset term when unfolded), median, weight copies rotated past L2, 8 activation rows.
 
-`PYTHONPATH=. python notebooks/gpu_int4_group_sweep.py` (writes `$OUT/int4_sweep.json`).
+`[ONLY=u1_unfolded,u2] PYTHONPATH=. python notebooks/gpu_int4_group_sweep.py` (writes
+`$OUT/int4_sweep.json`; ONLY picks variants).
 """
 import json
 import os
@@ -35,6 +36,7 @@ VARIANTS = {
 
 
 def main():
+    only = [v for v in os.environ.get("ONLY", "").split(",") if v]
     copy = copy_bandwidth()
     out = {"copy_GBps": copy / 1e9, "rows": ROWS, "shapes": []}
     print(f"copy {copy / 1e9:.0f} GB/s", flush=True)
@@ -50,7 +52,7 @@ def main():
             ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)))
             moved = weight_bytes(qw) + x.nbytes + ROWS * n * 2
             for name, cfg in VARIANTS.items():
-                if sym and name not in ("u1", "u2", "u4", "u4_d2"):
+                if (only and name not in only) or (sym and name not in ("u1", "u2", "u4", "u4_d2")):
                     continue
                 key = f"{'sym' if sym else 'asym'}/{name}"
                 try:
