@@ -108,13 +108,13 @@ def _elem_bits(dtype) -> int:
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
                             prescale=False, group_size=None, unroll=1, z_gmem=None):
-    """One (N tile, M tile, K split) block: out[split, n_tile, m_tile] = sum over its K steps.
+    """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
-    Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem [G, N_pad] f32;
-    out_gmem [splits, M_pad, N_pad] f32 (or the output dtype without splits); out_smem
-    [m_tile, TILE_N] of out_gmem's dtype; a_smem
-    [TILE_N, tile_k] bf16 scratch or None: when given (interpret mode, whose wgmma reads only
-    shared memory), the dequantized tile is staged there instead of feeding wgmma from registers.
+    Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
+    f32 scales (offsets, when folded in); out_gmem [splits, M_pad, N_pad] f32 (the output dtype
+    when K is not split); out_smem [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k]
+    bf16 scratch or None: when given (interpret mode, whose wgmma reads only shared memory), the
+    dequantized tile is staged there instead of feeding wgmma from registers.
     """
     n_idx, m_idx, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     n_slice = pl.ds(n_idx * TILE_N, TILE_N)
