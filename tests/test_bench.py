@@ -76,6 +76,10 @@ def test_latency_mode(tmp_path, capsys):
         s = r[name]
         assert 0 < s["p10"] <= s["median"] <= s["p90"], name
     assert r["num_compiles_while_timed"] == 0                   # the warm-up compiled every shape
+    # Each decode step splits into host work and time blocked on the device's results.
+    assert r["decode_host_s"]["n"] == r["decode_wait_s"]["n"] == r["num_decode_steps"]
+    assert 0 < r["decode_host_s"]["median"] <= r["tpot_s"]["max"] and 0 <= r["decode_wait_s"]["min"]
+    assert r["decode_wait_s"]["max"] <= r["tpot_s"]["max"]
     dec = rep["roofline"]["decode_step"]
     assert dec["batch"] == 2 and dec["context"] == 12 + 3
     assert 0 < dec["frac_copy_bandwidth"] and 0 < dec["frac_matmul_rate"] and dec["bound"] in ("memory", "compute")
@@ -83,7 +87,7 @@ def test_latency_mode(tmp_path, capsys):
     if HAS_TORCH:
         assert rep["compare"]["hf"]["tpot_s"] > 0 and rep["compare"]["tpot_speedup"] > 0
     out = capsys.readouterr().out
-    assert "TTFT" in out and "TPOT" in out and "roofline" in out
+    assert "TTFT" in out and "TPOT" in out and "roofline" in out and "waiting for the device" in out
 
 
 def test_latency_compare_quantization(tmp_path, capsys):

@@ -6,7 +6,11 @@ Each step reads its sampled tokens back to the host, so host clocks around a ste
 - TTFT: from the first step to the end of the step that gave the last request its first token
   (the prefill step or steps, with admission);
 - TPOT: each pure decode step (every request has a token already): one new token per request;
-- decode tok/s: batch_size / TPOT; end-to-end latency and output tok/s per iteration.
+- decode tok/s: batch_size / TPOT; end-to-end latency and output tok/s per iteration;
+- per decode step, the time the engine thread spent blocked reading outputs back (waiting for the
+  device) and the rest (host work: scheduling, packing, issuing the step's computation, reading
+  results). A wait near zero means the step is host-bound: the device finished before the host
+  asked, so faster kernels would not shorten it.
 Warm-up iterations run the same shapes first, so every compile happens before timing.
 """
 from __future__ import annotations
@@ -53,23 +57,26 @@ def _iteration(engine, args, rng, tag: str) -> dict:
     for rid in ids:
         engine.add_request(rid, rng.integers(0, vocab, args.input_len).tolist(), params)
     reqs = [engine.requests[rid][0] for rid in ids]
-    ttft, decode_steps, num_steps = None, [], 0
+    ttft, decode_steps, decode_waits, num_steps = None, [], [], 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
         is_decode = all(r.output_token_ids for r in reqs)
+        wait0 = engine.stats.read_wait_seconds
         ts = time.perf_counter()
         engine.step()
         te = time.perf_counter()
         num_steps += 1
         if is_decode:
             decode_steps.append(te - ts)
+            decode_waits.append(engine.stats.read_wait_seconds - wait0)
         elif ttft is None and all(r.output_token_ids for r in reqs):
             ttft = te - t0
     e2e = time.perf_counter() - t0
     num_out = sum(len(r.output_token_ids) for r in reqs)
     for rid in ids:
         engine.release(rid)
-    return dict(ttft=ttft, decode_steps=decode_steps, e2e=e2e, num_output_tokens=num_out, num_steps=num_steps)
+    return dict(ttft=ttft, decode_steps=decode_steps, decode_waits=decode_waits, e2e=e2e, num_output_tokens=num_out,
+                num_steps=num_steps)
 
 
 def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
@@ -138,10 +145,13 @@ def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[s
                  f"TPOT {tpot * 1e3:.2f} ms, e2e {it['e2e']:.2f}s")
     bs = args.batch_size
     steps = [s for it in iters for s in it["decode_steps"]]
+    waits = [w for it in iters for w in it["decode_waits"]]
     results = dict(
         ttft_s=summarize([it["ttft"] for it in iters]),
         tpot_s=summarize(steps),
         decode_tokens_per_s=summarize([bs / s for s in steps]),
+        decode_wait_s=summarize(waits),
+        decode_host_s=summarize([s - w for s, w in zip(steps, waits)]),
         e2e_latency_s=summarize([it["e2e"] for it in iters]),
         output_tokens_per_s=summarize([it["num_output_tokens"] / it["e2e"] for it in iters]),
         num_decode_steps=len(steps), num_compiles_while_timed=runner.num_compiles - compiles_before,
@@ -186,6 +196,8 @@ def _label(engine, args) -> str:
 def _table(args, r, label: str) -> str:
     rows = stats_rows([("TTFT", r["ttft_s"], "ms", 1e3), ("TPOT (decode step)", r["tpot_s"], "ms", 1e3),
                        ("decode tok/s (batch / TPOT)", r["decode_tokens_per_s"], "tok/s", 1),
+                       ("  host work per decode step", r["decode_host_s"], "ms", 1e3),
+                       ("  waiting for the device per step", r["decode_wait_s"], "ms", 1e3),
                        ("end-to-end latency", r["e2e_latency_s"], "s", 1),
                        ("output tok/s (end to end)", r["output_tokens_per_s"], "tok/s", 1)],
                       cols=("median", "p10", "p90", "mean"))
