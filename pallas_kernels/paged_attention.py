@@ -207,14 +207,14 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   else:
     outs = call(qg, k_pages, v_pages, table, seq_lens)
   if split_out:
-    out = combine_splits(*outs, group)
+    out = _combine_splits(*outs, group)
   else:
     out = outs[0][:, :, 0, :group]
   out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
   return (out, k_pages, v_pages) if writes else out
 
 
-def combine_splits(out, lse, group):
+def _combine_splits(out, lse, group):
   """Merges the per-split partials: out [..., splits, rows, D] f32 normalized, lse [..., splits, rows]
   base 2 -> [..., group, D]. An empty split (lse -inf) has no stored partial and weighs nothing."""
   out, lse = out[..., :group, :], lse[..., :group]

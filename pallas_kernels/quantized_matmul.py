@@ -209,7 +209,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # Asymmetric groups with fold_zeros also run a wgmma of a ones tile with x: its every row
         # is the group's x row sum, which times the offset row (8 s + zeros) is the offset term.
         fold = z_gmem is not None
-        ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16)
+        ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16) if fold else None
         specs = ([plgpu.BlockSpec((TILE_N, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
                                   transforms=_swizzled(tile_k * w_bits, w_bits, "weight")) for i in range(unroll)]
                  + [plgpu.BlockSpec((m_tile, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),

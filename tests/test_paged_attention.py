@@ -196,7 +196,6 @@ def test_write_scatter_first_interpret():
   _check_write("mixed", plgpu.InterpretGPUParams(), fused_write=False, group=4, head_dim=64, page_size=16)
 
 
-
 def test_kernel_bench_decode_write_rows():
   """The kernel bench's decode+write case (fused vs scatter first, a donated chain of layers) runs
   both paths; they compute the same attention exactly (interpret mode here)."""
