@@ -24,6 +24,13 @@ def add_weight_format_args(g) -> None:
                         "table, is never quantized)")
 
 
+def add_scheduler_steps_arg(g) -> None:
+    g.add_argument("--num-scheduler-steps", type=int, default=1, metavar="K",
+                   help="decode iterations per launch when a step has only decodes (default 1): the host "
+                        "issues one step for K tokens per sequence, which speeds up host-bound decoding "
+                        "(small models, bs=1); tokens then stream in bursts of up to K")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -37,6 +44,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before scheduling the next (no host/device overlap; for debugging)")
+    add_scheduler_steps_arg(g)
     add_attention_backend_arg(g)
     add_weight_format_args(g)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -53,7 +61,7 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
-                attention_backend=args.attention_backend,
+                num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
 

@@ -138,7 +138,9 @@ class BroadcastingRunner:
             out = attr(*args, **kwargs)
             if out is not None and hasattr(out, "tokens"):
                 self._made = {k: v for k, v in self._made.items() if v[0] > step - _KEEP}
-                self._made[id(out.tokens)] = (step, "tokens")
+                for field in ("tokens", "last_tokens"):   # what later steps gather (StepOutput.gather_tokens)
+                    if getattr(out, field, None) is not None:
+                        self._made[id(getattr(out, field))] = (step, field)
             return out
         return call
 

@@ -17,6 +17,10 @@ device computes. The cost is a one-step lag:
   and runs after step N+1 on the device, as every step is chained through the donated state;
 - a request whose pending token is its last (max_tokens) is not scheduled again.
 With `async_scheduling=False` each step is read back before the next is scheduled.
+
+Multi-step decoding (`num_scheduler_steps` K > 1): a decode-only step runs up to K iterations per
+request in one launch (scheduler.py says when). The host reads the K tokens back together, applies
+the stop checks token by token, drops what follows a stop, and returns one delta per request.
 """
 from __future__ import annotations
 
@@ -53,11 +57,13 @@ class _Launched:
     record_prompt_logprobs: list[bool]     # per prefill chunk
     sample_rows: dict[Request, int]        # request -> row of its new token in [prefill rows | decode rows]
     with_logprobs: bool                    # some sampled row asked for logprobs: read them back too
+    num_steps: int = 1                     # decode iterations in this launch (sched.steps per request)
 
 
 @dataclasses.dataclass
 class _HostOutput:
-    """A step's outputs on the host, prefill rows then decode rows (num_slots each)."""
+    """A step's outputs on the host: [num_steps, prefill rows then decode rows (num_slots each)]; the
+    prefill rows have one token, in iteration 0."""
     tokens: np.ndarray
     logprob: np.ndarray | None
     top_vals: np.ndarray | None
@@ -90,7 +96,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} ({pages_per_seq} pages): lower max_model_len or add pages")
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   num_scheduler_steps=config.num_scheduler_steps)
         # Rows of the fixed-shape steps: at least 8 on GPU, where XLA runs a one-row matmul as a much
         # slower matrix-vector kernel (8B bs=1 step on an H100: 7.8 ms with 1 row, 6.0 ms with 8).
         self.num_slots = max(config.max_num_seqs, 8 if jax.default_backend() == "gpu" else 1)
@@ -246,10 +253,10 @@ class LLMEngine:
         rows = {c.request: i for i, c in enumerate(sched.prefills) if c.completes_prompt}
         rows.update((req, s + req.slot) for req in sched.decodes)
         for req in rows:
-            req.num_pending_tokens += 1
+            req.num_pending_tokens += sched.steps.get(req, 1)
         self.scheduler.dispatched(sched)
         launched = _Launched(sched, prefill_out, decode_out, record_lp, rows,
-                             any(r.params.logprobs is not None for r in rows))
+                             any(r.params.logprobs is not None for r in rows), sched.num_steps)
         for x in self._arrays_to_read(launched):
             x.copy_to_host_async()      # start the transfers now; they complete when the step does
         return launched
@@ -296,6 +303,7 @@ class LLMEngine:
         page_table = np.zeros((s, self.runner.pages_per_seq), np.int32)
         seq_lens = np.zeros(s, np.int32)
         rows = [None] * s
+        row_steps = np.ones(s, np.int32)
         prev = self._in_flight
         for req in sched.decodes:
             if req.num_pending_tokens:    # its last token is still on the device: gather it there
@@ -305,10 +313,14 @@ class LLMEngine:
             page_table[req.slot, :len(req.pages)] = req.pages
             seq_lens[req.slot] = req.num_total_tokens
             rows[req.slot] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
+            row_steps[req.slot] = sched.steps.get(req, 1)
         f, ints = pack_rows(rows, s)
         prev_tokens = (None, None) if prev is None else \
-            tuple(None if o is None else o.tokens for o in (prev.prefill, prev.decode))
-        return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens, plan_rows(rows))
+            tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
+        num_steps = sched.num_steps
+        return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens, plan_rows(rows),
+                                  row_steps if num_steps > 1 else None,
+                                  self.config.num_scheduler_steps if num_steps > 1 else 1)
 
     # ---- results
     def _arrays_to_read(self, step: _Launched) -> list[jax.Array]:
@@ -331,12 +343,22 @@ class LLMEngine:
         t0 = time.perf_counter()
         got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
         self.stats.read_wait_seconds += time.perf_counter() - t0
-        empty = (np.zeros(s, np.int32),
-                 (np.zeros(s, np.float32), np.zeros((s, k), np.float32), np.zeros((s, k), np.int32)))
-        parts = [empty if g is None else g for g in got]
-        host = _HostOutput(np.concatenate([p[0] for p in parts]), None, None, None, prompt)
+        n = self.config.num_scheduler_steps if step.num_steps > 1 else 1
+
+        def steps_axis(x, dtype, tail=()):   # -> [n, s, *tail]: single-step outputs fill iteration 0
+            out = np.zeros((n, s, *tail), dtype)
+            if x is not None:
+                x = x if x.ndim == 2 + len(tail) else x[None]
+                out[:x.shape[0]] = x
+            return out
+
+        parts = [(None, None) if g is None else g for g in got]
+        host = _HostOutput(np.concatenate([steps_axis(p[0], np.int32) for p in parts], axis=1), None, None, None,
+                           prompt)
         if step.with_logprobs:
-            host.logprob, host.top_vals, host.top_ids = (np.concatenate([p[1][j] for p in parts]) for j in range(3))
+            host.logprob, host.top_vals, host.top_ids = (
+                np.concatenate([steps_axis(None if p[1] is None else p[1][j], dt, tail) for p in parts], axis=1)
+                for j, dt, tail in ((0, np.float32, ()), (1, np.float32, (k,)), (2, np.int32, (k,))))
         return host
 
     def _process(self, step: _Launched) -> list[StreamDelta]:
@@ -350,21 +372,28 @@ class LLMEngine:
             row += c.num_tokens
             self.stats.prompt_tokens += c.num_tokens
         for req, r in step.sample_rows.items():
-            # A request finished (or aborted) while this step ran: its token here is dropped unread.
-            if not req.is_finished:
-                deltas.append(self._append_token(req, host, r))
+            delta = None
+            for j in range(step.sched.steps.get(req, 1)):
+                # A request finished (or aborted) while this step ran, or at an earlier token of this
+                # step: its tokens from here on are dropped unread.
+                if req.is_finished:
+                    break
+                delta = _merged(delta, self._append_token(req, host, r, j))
+            if delta is not None:
+                deltas.append(delta)
         return deltas
 
-    def _append_token(self, req: Request, host: _HostOutput, row: int) -> StreamDelta:
-        token = int(host.tokens[row])
+    def _append_token(self, req: Request, host: _HostOutput, row: int, j: int = 0) -> StreamDelta:
+        """Token j of this step's row for req (j > 0: a later iteration of a multi-step decode)."""
+        token = int(host.tokens[j, row])
         req.num_pending_tokens -= 1
         req.output_token_ids.append(token)
         self.stats.generation_tokens += 1
         p = req.params
         new_lp = None
         if p.logprobs is not None:
-            new_lp = [self._logprob_dict(token, float(host.logprob[row]), host.top_vals[row], host.top_ids[row],
-                                         p.logprobs)]
+            new_lp = [self._logprob_dict(token, float(host.logprob[j, row]), host.top_vals[j, row],
+                                         host.top_ids[j, row], p.logprobs)]
             req.logprobs.extend(new_lp)
         num_out = len(req.output_token_ids)
         finish, stop_reason = None, None
@@ -427,6 +456,15 @@ class LLMEngine:
         """Forget a finished request's bookkeeping (its pages are already free)."""
         for req in self.requests.pop(request_id, []):
             self._detok.pop(req, None)
+
+
+def _merged(a: StreamDelta | None, b: StreamDelta) -> StreamDelta:
+    """One delta for consecutive tokens of a sequence (a multi-step decode's)."""
+    if a is None:
+        return b
+    lp = None if a.new_logprobs is None and b.new_logprobs is None else (a.new_logprobs or []) + (b.new_logprobs or [])
+    return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
+                               new_logprobs=lp)
 
 
 def _find_stop(text: str, stops: list[str], prev_len: int):

@@ -21,6 +21,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512        # token budget per step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
     async_scheduling: bool = True            # schedule step N+1 while step N runs (False: one step at a time)
+    num_scheduler_steps: int = 1             # decode iterations per launch when a step has only decodes (the
+                                             # host issues the step once for them; outputs arrive in bursts)
     seed: int = 0
     attention_backend: str = "auto"          # auto | pallas | reference | interpret (Pallas kernels in
                                              # Mosaic GPU interpret mode: slow, for checking them on a CPU)
@@ -34,7 +36,8 @@ class EngineConfig:
     def __post_init__(self):
         def bad(msg):
             raise EngineConfigError(msg)
-        for name in ("max_num_seqs", "page_size", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "page_size", "max_num_batched_tokens", "tensor_parallel_size",
+                     "num_scheduler_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.page_size & (self.page_size - 1):

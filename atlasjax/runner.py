@@ -45,6 +45,14 @@ class StepOutput:
     top_vals: jax.Array      # [rows, MAX_LOGPROBS]
     top_ids: jax.Array
     prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
+    # A multi-step decode (`_multi_decode_step`): tokens, logprob, top_vals and top_ids gain a leading
+    # [num_steps] axis, and last_tokens [rows] is each row's final token (what the next step gathers).
+    last_tokens: jax.Array | None = None
+
+    @property
+    def gather_tokens(self) -> jax.Array:
+        """[rows]: the token a later step continues from (negative `tokens` entries index these)."""
+        return self.tokens if self.last_tokens is None else self.last_tokens
 
 
 _PACK_ALIGN = 64   # int32 elements = 256 bytes: XLA may hand a slice of the packed buffer straight to a
@@ -77,25 +85,62 @@ def unpack_host(packed: jax.Array, layout: tuple) -> list[jax.Array]:
     return out
 
 
-def _decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
-                 prev_prefill_tokens, prev_decode_tokens):
-    tokens, page_table, seq_lens, f, i = unpack_host(packed, layout)
-    st = sampling.SamplingTensors(f, i)
-    # [S] tokens at position seq_lens - 1 of each slot; seq_lens == 0 marks an inactive slot. A token
-    # -1 - r stands for row r of the previous step's sampled tokens (its prefill's [S], then its decode's
-    # [S]), still on the device: the host schedules this step before reading those back.
+def _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens):
+    # [S] tokens at position seq_lens - 1 of each slot. A token -1 - r stands for row r of the previous
+    # step's sampled tokens (its prefill's [S], then its decode's [S]), still on the device: the host
+    # schedules this step before reading those back.
     prev = jnp.concatenate([prev_prefill_tokens, prev_decode_tokens])
-    tokens = jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
-    _, num_pages, page_size, _ = state.kv[0][0].shape
+    return jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
+
+
+def _decode_once(model: Transformer, plan, params, kv, counts, prompt_mask, tokens, page_table, seq_lens, st):
+    """One decode iteration: seq_lens == 0 marks an inactive slot (no K/V write, no count)."""
+    _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens)
-    hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
+    hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     rows = jnp.arange(tokens.shape[0])
-    new_tokens, lp, tv, ti = sampling.sample(logits, state.counts, state.prompt_mask, st, plan)
-    counts = state.counts.at[rows, new_tokens].add((seq_lens > 0).astype(jnp.int32))
-    return DeviceState(kv, counts, state.prompt_mask), StepOutput(new_tokens, lp, tv, ti)
+    new_tokens, lp, tv, ti = sampling.sample(logits, counts, prompt_mask, st, plan)
+    counts = counts.at[rows, new_tokens].add((seq_lens > 0).astype(jnp.int32))
+    return kv, counts, StepOutput(new_tokens, lp, tv, ti)
+
+
+def _decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
+                 prev_prefill_tokens, prev_decode_tokens):
+    tokens, page_table, seq_lens, f, i = unpack_host(packed, layout)
+    tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
+    kv, counts, out = _decode_once(model, plan, params, state.kv, state.counts, state.prompt_mask, tokens,
+                                   page_table, seq_lens, sampling.SamplingTensors(f, i))
+    return DeviceState(kv, counts, state.prompt_mask), out
+
+
+def _multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params,
+                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens):
+    """`num_steps` decode iterations in one launch (a `lax.fori_loop`, so the host issues the step once
+    for all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
+    after them it is inactive (no K/V write), and its later outputs repeat its last token."""
+    tokens, page_table, seq_lens, f, i, row_steps = unpack_host(packed, layout)
+    tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
+    rows, k = tokens.shape[0], sampling.MAX_LOGPROBS
+
+    def body(j, carry):
+        kv, counts, tokens, outs = carry
+        active = (seq_lens > 0) & (j < row_steps)
+        # the seeded draw and min_tokens follow the row's output index, as one step per launch would
+        st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
+        kv, counts, out = _decode_once(model, plan, params, kv, counts, state.prompt_mask, tokens, page_table,
+                                       jnp.where(active, seq_lens + j, 0), st)
+        tokens = jnp.where(active, out.tokens, tokens)
+        outs = jax.tree.map(lambda acc, x: acc.at[j].set(x), outs,
+                            (tokens, out.logprob, out.top_vals, out.top_ids))
+        return kv, counts, tokens, outs
+
+    outs = (jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows), jnp.float32),
+            jnp.zeros((num_steps, rows, k), jnp.float32), jnp.zeros((num_steps, rows, k), jnp.int32))
+    kv, counts, tokens, outs = jax.lax.fori_loop(0, num_steps, body, (state.kv, state.counts, tokens, outs))
+    return DeviceState(kv, counts, state.prompt_mask), StepOutput(*outs, last_tokens=tokens)
 
 
 PREFILL_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
@@ -232,11 +277,15 @@ class ModelRunner:
 
     # ---- steps (all asynchronous: they return device arrays). Each `_*_call` packs the host inputs,
     # compiles its shape once and returns (compiled step, args); warmup compiles through the same path.
-    def _decode_call(self, host_inputs, prev, plan):
+    def _decode_call(self, host_inputs, prev, plan, num_steps=1):
         packed, layout = pack_host(host_inputs)
         args = (self.params, self.state, self._host(packed), *prev)
-        return self._compile(("decode", self.max_num_seqs, plan),
-                             functools.partial(_decode_step, self.model, plan, layout), (1,), *args), args
+        if num_steps == 1:
+            return self._compile(("decode", self.max_num_seqs, plan),
+                                 functools.partial(_decode_step, self.model, plan, layout), (1,), *args), args
+        return self._compile(("decode", self.max_num_seqs, plan, num_steps),
+                             functools.partial(_multi_decode_step, self.model, plan, num_steps, layout), (1,),
+                             *args), args
 
     def _prefill_call(self, host_inputs, with_prompt_logprobs):
         packed, layout = pack_host(host_inputs)
@@ -252,11 +301,16 @@ class ModelRunner:
         return self._compile(("admit", self.max_model_len), functools.partial(_admit, layout), (0,), *args), args
 
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
-               plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
+               plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1) -> StepOutput:
         """prev_tokens: the previous step's sampled tokens (prefill, decode; device arrays or None) that
-        negative entries of `tokens` point into (see _decode_step)."""
+        negative entries of `tokens` point into (see _decode_step).
+        num_steps > 1: that many decode iterations in one launch, row r running the first row_steps[r]
+        (`_multi_decode_step`; outputs gain a leading [num_steps] axis)."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
-        step, args = self._decode_call((tokens, page_table, seq_lens, f, i), prev, plan)
+        host = (tokens, page_table, seq_lens, f, i)
+        if num_steps > 1:
+            host += (np.asarray(row_steps, np.int32),)
+        step, args = self._decode_call(host, prev, plan, num_steps)
         self.state, out = step(*args)
         return out
 
@@ -269,13 +323,16 @@ class ModelRunner:
         self.state, out = step(*args)
         return out
 
-    def warmup(self) -> None:
-        """Compile every step shape serving can use (decode, each prefill bucket, admit) without running them."""
+    def warmup(self, num_steps: int = 1) -> None:
+        """Compile every step shape serving can use (decode, each prefill bucket, admit) without running
+        them; with num_steps > 1 also the multi-step decodes."""
         s, p = self.max_num_seqs, self.pages_per_seq
         f, i = sampling.pack_rows([], s)
         z = functools.partial(np.zeros, dtype=np.int32)
         for plan in sampling.SamplingPlan.variants():
             self._decode_call((z(s), z((s, p)), z(s), f, i), (self._no_prev_tokens,) * 2, plan)
+            if num_steps > 1:
+                self._decode_call((z(s), z((s, p)), z(s), f, i, z(s)), (self._no_prev_tokens,) * 2, plan, num_steps)
         for t in self.prefill_buckets:
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),

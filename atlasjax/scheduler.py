@@ -5,8 +5,13 @@ and which requests prefill which chunk; pages are allocated here (prefix-cache h
 When pages run out during decode, the newest running request is preempted: its pages are freed
 and it goes back to the front of the queue, to be recomputed from its tokens later.
 
+Multi-step decoding (`num_scheduler_steps` K > 1): a step with only decodes (no prefill chunk, nobody
+admitted, and no waiting request that a free slot could take) gives each request up to K decode
+iterations in one launch (`SchedulerOutput.steps`), bounded by its max_tokens and by the pages it can
+get without preempting anyone. Tokens after a stop are discarded by the engine.
+
 Asynchronous scheduling: step N+1 is scheduled before step N's tokens are read back, so a request
-may have one *pending* token (sampled on the device, value unknown). Scheduling counts it
+may have *pending* tokens (sampled on the device, value unknown; up to K with multi-step). Scheduling counts it
 (`Request.num_total_tokens`): the next decode feeds it from the device and needs a page for it;
 `num_computed_tokens` advances when a step is scheduled. The engine brackets each step with
 `dispatched(out)` and `completed(out)`; a request that finishes while a dispatched step still
@@ -40,6 +45,12 @@ class SchedulerOutput:
     prefills: list[PrefillChunk]
     admitted: list[Request]           # got a slot this step (device-side slot state must be reset)
     preempted: list[Request]
+    steps: dict[Request, int] = dataclasses.field(default_factory=dict)  # decode iterations (absent: 1)
+
+    @property
+    def num_steps(self) -> int:
+        """Decode iterations of this launch (the largest of its requests')."""
+        return max(self.steps.values(), default=1)
 
     @property
     def is_empty(self) -> bool:
@@ -52,8 +63,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_seqs: int | None = None):
+                 max_prefill_seqs: int | None = None, num_scheduler_steps: int = 1):
         self.pool = pool
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_seqs = max_prefill_seqs or max_num_seqs
@@ -93,11 +105,28 @@ class Scheduler:
         prefills = [c for c in prefills if c.request.status is Status.RUNNING]
         if not preempted:  # admit new work only when nothing had to give way this step
             self._admit(budget, prefills, admitted)
+        steps = self._multi_steps(decodes) if not prefills and not (self.waiting and self.free_slots) else {}
         for chunk in prefills:
             self._computed(chunk.request, chunk.start + chunk.num_tokens)
         for req in decodes:
-            self._computed(req, req.num_total_tokens)
-        return SchedulerOutput(decodes, prefills, admitted, preempted)
+            self._computed(req, req.num_total_tokens + steps.get(req, 1) - 1)
+        return SchedulerOutput(decodes, prefills, admitted, preempted, steps)
+
+    def _multi_steps(self, decodes: list[Request]) -> dict[Request, int]:
+        """Decode iterations per request for a decode-only launch: up to num_scheduler_steps, within
+        max_tokens, with the pages that can be had without preempting (else as many as its pages hold)."""
+        steps = {}
+        if self.num_scheduler_steps == 1:
+            return steps
+        ps = self.pool.page_size
+        for req in decodes:
+            n = min(self.num_scheduler_steps, req.max_tokens - req.num_generated)
+            # iteration j writes K/V at position num_total_tokens - 1 + j
+            if n > 1 and not self._allocate_for(req, req.num_total_tokens + n - 1):
+                n = min(n, len(req.pages) * ps - req.num_total_tokens + 1)
+            if n > 1:
+                steps[req] = n
+        return steps
 
     def _computed(self, req: Request, num_computed: int) -> None:
         """The step being scheduled writes K/V up to num_computed; register the full pages of known tokens."""

@@ -90,6 +90,18 @@ def test_latency_mode(tmp_path, capsys):
     assert "TTFT" in out and "TPOT" in out and "roofline" in out and "waiting for the device" in out
 
 
+def test_latency_with_multi_step_decoding_reports_per_token_times(tmp_path):
+    # --num-scheduler-steps 4: 9 decode tokens per request come from 3 launches (4 + 4 + 1), each
+    # timed and divided by the tokens it gave each request, so TPOT stays a time per output token.
+    rep = run_bench(tmp_path, "latency", "--preset", "tiny", "--batch-size", "2", "--input-len", "12",
+                    "--output-len", "10", "--num-iters", "2", "--num-scheduler-steps", "4")
+    r = rep["results"]
+    assert rep["settings"]["engine"]["num_scheduler_steps"] == 4
+    assert r["num_decode_steps"] == 2 * 3 and r["num_compiles_while_timed"] == 0
+    assert 0 < r["tpot_s"]["median"] and r["decode_host_s"]["n"] == 2 * 3
+    assert r["decode_tokens_per_s"]["max"] == pytest.approx(2 / r["tpot_s"]["min"], rel=1e-9)   # per token
+
+
 def test_latency_compare_quantization(tmp_path, capsys):
     # The "against the same engine in bf16, measured in one run": the main run, then each format.
     rep = run_bench(tmp_path, "latency", "--preset", "tiny", "--batch-size", "1", "--input-len", "8",

@@ -89,6 +89,12 @@ def test_two_processes_tensor_parallel_equal_one_device(model_dir, single_device
     assert "steps published" in results[0][1]   # process 0 reports what driving the others cost
 
 
+def test_two_processes_multi_step_decoding_equal_one_device(model_dir, single_device_output):
+    # followers replay the multi-step launches, whose last tokens the next launch gathers
+    results = _two_processes("generate", model_dir, "--num-scheduler-steps", "4")
+    assert single_device_output in _without_gloo_lines(results[0][0])
+
+
 def test_two_processes_save_a_checkpoint_that_loads_on_one_device(model_dir, single_device_output, tmp_path):
     # `save` under TP=4 over two processes: both join the gather of the shards, process 0 writes.
     out = str(tmp_path / "saved")

@@ -163,3 +163,42 @@ def test_a_waiting_request_is_not_admitted_while_its_token_is_on_the_device():
     a.num_pending_tokens = 0
     a.output_token_ids.append(1)
     assert [(c.start, c.num_tokens) for c in s.schedule().prefills] == [(0, 6)]   # prompt + the token, recomputed
+
+
+def _decoding(s, rid, n_prompt, max_tokens=8):
+    """A request admitted and prefilled: its first output token is known, decodes come next."""
+    r = _req(rid, n_prompt, max_tokens)
+    s.add(r)
+    s.schedule()
+    r.output_token_ids.append(1)
+    return r
+
+
+def test_multi_step_bounded_by_max_tokens_and_pages_without_preempting():
+    s = Scheduler(PagePool(7, 4, False), max_num_seqs=4, max_num_batched_tokens=16, num_scheduler_steps=4)
+    a, b = _decoding(s, "a", 3, max_tokens=3), _decoding(s, "b", 7, max_tokens=20)
+    out = s.schedule()
+    # a: 2 tokens left (max_tokens 3, one generated): 5 tokens, 2 pages; b: 8 tokens, 4 steps: 11, 3 pages
+    assert out.decodes == [a, b] and out.steps == {a: 2, b: 4} and out.num_steps == 4
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (4 + 2 - 1, 8 + 4 - 1)
+    assert not out.preempted and s.pool.num_free_pages == 7 - 2 - 3
+    c = _decoding(s, "c", 7, max_tokens=20)        # takes the last 2 pages: no room for c's extra steps
+    assert s.pool.num_free_pages == 0
+    c.num_computed_tokens = 7
+    out = s.schedule()
+    assert c in out.decodes and c not in out.steps and not out.preempted
+
+
+def test_multi_step_only_when_nothing_waits_for_a_free_slot():
+    s = Scheduler(PagePool(32, 4, False), max_num_seqs=2, max_num_batched_tokens=16, num_scheduler_steps=4)
+    a = _decoding(s, "a", 3)
+    assert s.schedule().steps == {a: 4}
+    a.num_computed_tokens, a.output_token_ids = 4, [1]         # (as if read back: one generated token)
+    s.add(_req("b", 5))                                         # a free slot can take b: prefill, one step
+    out = s.schedule()
+    assert out.prefills and out.steps == {}
+    s.add(_req("c", 5))                                         # both slots busy: c cannot start anyway
+    b = out.prefills[0].request
+    b.output_token_ids.append(1)
+    out = s.schedule()
+    assert not out.prefills and out.steps and len(s.waiting) == 1

@@ -161,3 +161,11 @@ def test_impossible_tensor_parallel_size_is_a_clear_error(hf_model_factory, tp, 
     with pytest.raises(EngineConfigError, match=message):
         LLM(path, tensor_parallel_size=tp, **ENGINE)
     assert len(jax.devices()) == 8
+
+
+def test_multi_step_decoding_under_tp_equals_single_device(case):
+    name, path, prompts, reference = case
+    llm = LLM(path, tensor_parallel_size=2, num_scheduler_steps=4, **ENGINE)
+    _assert_same(_run(llm, prompts), reference, f"{name} TP=2, 4 steps per launch")
+    assert any(k[0] == "decode" and len(k) == 4 for k in llm.engine.runner._compiled)
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages

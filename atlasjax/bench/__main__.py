@@ -7,7 +7,7 @@ import os
 import sys
 
 from atlasjax.bench.presets import PRESETS, progress
-from atlasjax.__main__ import add_attention_backend_arg, add_weight_format_args
+from atlasjax.__main__ import add_attention_backend_arg, add_scheduler_steps_arg, add_weight_format_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
+    add_scheduler_steps_arg(e)
     add_attention_backend_arg(e)
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--compare", default=None, choices=["hf"],

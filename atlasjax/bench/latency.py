@@ -5,7 +5,8 @@ ignore_eos, exactly `output_len` new tokens) and drives `engine.step()` until th
 Each step reads its sampled tokens back to the host, so host clocks around a step time it fully.
 - TTFT: from the first step to the end of the step that gave the last request its first token
   (the prefill step or steps, with admission);
-- TPOT: each pure decode step (every request has a token already): one new token per request;
+- TPOT: each pure decode step (every request has a token already) divided by the tokens it gave
+  each request: one, or up to K with `--num-scheduler-steps K` (K decode iterations per launch);
 - decode tok/s: batch_size / TPOT; end-to-end latency and output tok/s per iteration;
 - per decode step, the time the engine thread spent blocked reading outputs back (waiting for the
   device) and the rest (host work: scheduling, packing, issuing the step's computation, reading
@@ -57,18 +58,22 @@ def _iteration(engine, args, rng, tag: str) -> dict:
     for rid in ids:
         engine.add_request(rid, rng.integers(0, vocab, args.input_len).tolist(), params)
     reqs = [engine.requests[rid][0] for rid in ids]
-    ttft, decode_steps, decode_waits, num_steps = None, [], [], 0
+    ttft, decode_steps, decode_waits, num_steps = None, [], [], 0  # decode figures: per output token
     t0 = time.perf_counter()
+    def num_out():
+        return sum(len(r.output_token_ids) for r in reqs)
+
     while engine.has_unfinished():
         is_decode = all(r.output_token_ids for r in reqs)
-        wait0 = engine.stats.read_wait_seconds
+        wait0, out0 = engine.stats.read_wait_seconds, num_out()
         ts = time.perf_counter()
         engine.step()
         te = time.perf_counter()
         num_steps += 1
-        if is_decode:
-            decode_steps.append(te - ts)
-            decode_waits.append(engine.stats.read_wait_seconds - wait0)
+        if is_decode:   # per token: a multi-step launch gives each request several
+            per_row = max(1.0, (num_out() - out0) / len(reqs))
+            decode_steps.append((te - ts) / per_row)
+            decode_waits.append((engine.stats.read_wait_seconds - wait0) / per_row)
         elif ttft is None and all(r.output_token_ids for r in reqs):
             ttft = te - t0
     e2e = time.perf_counter() - t0
@@ -194,10 +199,10 @@ def _label(engine, args) -> str:
 
 
 def _table(args, r, label: str) -> str:
-    rows = stats_rows([("TTFT", r["ttft_s"], "ms", 1e3), ("TPOT (decode step)", r["tpot_s"], "ms", 1e3),
+    rows = stats_rows([("TTFT", r["ttft_s"], "ms", 1e3), ("TPOT (per output token)", r["tpot_s"], "ms", 1e3),
                        ("decode tok/s (batch / TPOT)", r["decode_tokens_per_s"], "tok/s", 1),
-                       ("  host work per decode step", r["decode_host_s"], "ms", 1e3),
-                       ("  waiting for the device per step", r["decode_wait_s"], "ms", 1e3),
+                       ("  host work per token", r["decode_host_s"], "ms", 1e3),
+                       ("  waiting for the device per token", r["decode_wait_s"], "ms", 1e3),
                        ("end-to-end latency", r["e2e_latency_s"], "s", 1),
                        ("output tok/s (end to end)", r["output_tokens_per_s"], "tok/s", 1)],
                       cols=("median", "p10", "p90", "mean"))

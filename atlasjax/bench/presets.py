@@ -115,6 +115,7 @@ def build_engine(args, **overrides):
               page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
               async_scheduling=not getattr(args, "no_async_scheduling", False),
+              num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     kw.update(overrides)
