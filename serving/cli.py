@@ -57,9 +57,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def warm_up(llm) -> None:
-    """Precompile every step shape (decode, all prefill buckets), then one tiny greedy request end to end."""
+    """Precompile every step shape (decode, multi-step decode, all prefill buckets), then one tiny
+    greedy request end to end."""
     from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
-    await asyncio.to_thread(llm.engine.runner.warmup)   # compiles only; the engine thread is idle now
+    # compiles only; the engine thread is idle now
+    await asyncio.to_thread(llm.engine.runner.warmup, llm.engine.config.num_scheduler_steps)
     ids = (llm.tokenizer.encode("Hello", add_special_tokens=False) if llm.tokenizer else [])[:4] or [0]
     async for _ in llm.generate(ids, SamplingParams(max_tokens=2, temperature=0.0), "atlasjax-warmup"):
         pass

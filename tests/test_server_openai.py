@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_util import API_KEY, MODEL_NAME, greedy_reference, main_server, metric_value, reference_llm
+from tests.server_util import (API_KEY, MODEL_NAME, greedy_reference, main_server, metric_value, reference_llm,
+                               shared_server)
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
 
@@ -240,3 +241,19 @@ def test_metrics_and_openapi(server, client):
     assert metric_value(r.text, "atlasjax_generation_tokens_total") > 0
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/metrics"} <= set(spec["paths"])
+
+
+def test_multi_step_server_streams_the_same_text_in_bursts(request, tmp_path_factory, llm):
+    # --num-scheduler-steps 4: warmed up with its multi-step decodes; a greedy stream's text, logprobs
+    # and usage equal one step per launch, with up to 4 tokens per chunk.
+    server = shared_server(request, tmp_path_factory, "multistep", "--num-scheduler-steps", "4")
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ref = chat_reference(llm, CHAT, 12, logprobs=1)
+    chunks = list(c.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=12, temperature=0,
+                                            logprobs=True, stream=True, stream_options={"include_usage": True}))
+    per_chunk = [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert [e.logprob for entries in per_chunk for e in entries] == pytest.approx(
+        [lp[t].logprob for lp, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)], abs=1e-4)
+    assert max(len(entries) for entries in per_chunk) == 4
+    assert chunks[-1].usage.completion_tokens == 12
