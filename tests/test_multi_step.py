@@ -130,3 +130,12 @@ def test_async_stream_with_a_stop_string_equals_one_step_per_launch(tmp_path_fac
         llm.shutdown()
     assert "".join(d.new_text for d in deltas) == want.text == free.text[:free.text.find(stop)]
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
+def test_bad_num_scheduler_steps_is_a_clear_error(bad):
+    from atlasjax import EngineConfigError
+    from atlasjax.engine_config import EngineConfig
+    with pytest.raises(EngineConfigError, match="num_scheduler_steps must be a positive integer"):
+        EngineConfig(num_scheduler_steps=bad)
+    assert EngineConfig().num_scheduler_steps == 1
