@@ -32,6 +32,10 @@ VARIANTS = {
     "u2_s1": QuantMatmulConfig(group_unroll=2, num_k_splits=1),
     "u2_s2": QuantMatmulConfig(group_unroll=2, num_k_splits=2),
     "u2_s4": QuantMatmulConfig(group_unroll=2, num_k_splits=4),
+    # the group's scale (and offset) applied to the tile in registers, one accumulator for all K
+    "pre128": QuantMatmulConfig(prescale=True, prescale_tile_k=128),
+    "pre256": QuantMatmulConfig(prescale=True, prescale_tile_k=256),
+    "pre512": QuantMatmulConfig(prescale=True, prescale_tile_k=512),
 }
 
 
@@ -52,7 +56,7 @@ def main():
             ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)))
             moved = weight_bytes(qw) + x.nbytes + ROWS * n * 2
             for name, cfg in VARIANTS.items():
-                if (only and name not in only) or (sym and name not in ("u1", "u2", "u4", "u4_d2")):
+                if (only and name not in only) or (sym and name not in ("u1", "u2", "u4", "u4_d2", "pre128", "pre256", "pre512")):
                     continue
                 key = f"{'sym' if sym else 'asym'}/{name}"
                 try:
