@@ -25,7 +25,8 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache or written by a dispatched step
-    num_pending_tokens: int = 0           # sampled by a dispatched step, value not read back yet (0 or 1)
+    num_pending_tokens: int = 0           # sampled by a dispatched step, value not read back yet (0, 1, or up to
+                                          # num_scheduler_steps after a multi-step decode)
     num_steps_in_flight: int = 0          # dispatched steps not yet read back that write this request's pages
     release_pending: bool = False         # finished while in flight: pages and slot return when those steps end
     pages: list[int] = dataclasses.field(default_factory=list)
