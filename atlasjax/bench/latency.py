@@ -58,11 +58,12 @@ def _iteration(engine, args, rng, tag: str) -> dict:
     for rid in ids:
         engine.add_request(rid, rng.integers(0, vocab, args.input_len).tolist(), params)
     reqs = [engine.requests[rid][0] for rid in ids]
-    ttft, decode_steps, decode_waits, num_steps = None, [], [], 0  # decode figures: per output token
-    t0 = time.perf_counter()
+
     def num_out():
         return sum(len(r.output_token_ids) for r in reqs)
 
+    ttft, decode_steps, decode_waits, num_steps = None, [], [], 0  # decode figures: per output token
+    t0 = time.perf_counter()
     while engine.has_unfinished():
         is_decode = all(r.output_token_ids for r in reqs)
         wait0, out0 = engine.stats.read_wait_seconds, num_out()
