@@ -5,7 +5,7 @@ each, top-2 logprobs. Per request: how many tokens agree before the first differ
 logprob difference over the tokens that agree, and at a difference the top-2 gap of the one-step
 run (a near-tie flips on any change of rounding).
 
-  JAX_PLATFORMS=cuda [PRESET=llama-3.2-1b] [QUANT=int8] [STEPS=4] python notebooks/gpu_multi_step_equality.py
+  JAX_PLATFORMS=cuda [PRESET=llama-3.2-1b] [QUANT=int8] [STEPS=4] [ATTN=reference] python notebooks/gpu_multi_step_equality.py
 """
 import gc
 import json
@@ -22,11 +22,13 @@ from atlasjax.sampling_params import SamplingParams
 PRESET = os.environ.get("PRESET", "llama-3.2-1b")
 QUANT = os.environ.get("QUANT") or None
 STEPS = int(os.environ.get("STEPS", "4"))
+ATTN = os.environ.get("ATTN", "auto")   # attention_backend: auto (the Pallas kernels on a GPU) | reference
 
 
 def run(steps):
     engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=1024, page_size=16,
-                                    num_pages=200, max_num_batched_tokens=512, num_scheduler_steps=steps),
+                                    num_pages=200, max_num_batched_tokens=512, num_scheduler_steps=steps,
+                                    attention_backend=ATTN),
                        load_preset(PRESET, jnp.bfloat16, QUANT, 0, 1))
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
@@ -46,7 +48,7 @@ def run(steps):
 
 
 one, multi = run(1), run(STEPS)
-report = {"preset": PRESET, "quant": QUANT, "steps": STEPS, "requests": []}
+report = {"preset": PRESET, "quant": QUANT, "steps": STEPS, "attention": ATTN, "requests": []}
 for (t1, lp1, top1), (tk, lpk, _) in zip(one, multi):
     agree = next((j for j, (a, b) in enumerate(zip(t1, tk)) if a != b), len(t1))
     diff = max((abs(a - b) for a, b in zip(lp1[:agree], lpk[:agree])), default=0.0)
