@@ -139,3 +139,19 @@ def test_bad_num_scheduler_steps_is_a_clear_error(bad):
     with pytest.raises(EngineConfigError, match="num_scheduler_steps must be a positive integer"):
         EngineConfig(num_scheduler_steps=bad)
     assert EngineConfig().num_scheduler_steps == 1
+
+
+def test_parallel_sampling_and_prefix_cache_hits_match_one_step_per_launch(model_dir):
+    prompt = list(range(10, 10 + 3 * 8 + 5))       # 3 full pages of 8 + 5 tokens
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=11, seed=99, ignore_eos=True)
+    runs = []
+    for k in (1, 4):
+        llm = LLM(model_dir, num_scheduler_steps=k, **ENGINE)
+        first = llm.generate([prompt], params)[0]
+        again = llm.generate([prompt], params)[0]     # served from the prefix cache
+        assert again.num_cached_tokens == 3 * 8
+        assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+        runs.append([o.token_ids for o in first.outputs])
+        llm.engine.pool.reset_prefix_cache()
+        _assert_idle(llm.engine)
+    assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) > 1
