@@ -4,7 +4,8 @@ contiguous, as the bf16 weights are) than [N, K] (K contiguous, the QuantizedWei
 Decode rows (8), Llama-3.1-8B projection shapes, per-channel scales on the f32 output; weight
 copies rotated past L2; CUPTI kernel time per call. bf16 [K, N] beside them for reference.
 
-  JAX_PLATFORMS=cuda python notebooks/gpu_int8_layout.py   (writes $OUT/int8_layout.json)
+  JAX_PLATFORMS=cuda [FORMATS=int8,bf16] [LAYOUTS=nk] python notebooks/gpu_int8_layout.py
+  (writes $OUT/int8_layout.json; XLA_FLAGS apply, e.g. --xla_gpu_exhaustive_tiling_search=true)
 """
 import json
 import os
@@ -18,6 +19,8 @@ from atlasjax.bench_kernels_quant import DECODE_SHAPES, MIN_ROTATION_BYTES, copy
 OUT = os.environ.get("OUT", "/tmp")
 ROWS = 8
 DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}
+FORMATS = os.environ.get("FORMATS", ",".join(DTYPES)).split(",")
+LAYOUTS = os.environ.get("LAYOUTS", "kn,nk").split(",")
 
 
 def nk(x, w):   # w [N, K]: contract both K (the current QuantizedWeight layout)
@@ -29,16 +32,17 @@ def kn(x, w):   # w [K, N]
     return jnp.dot(x, w[0].astype(jnp.bfloat16), preferred_element_type=jnp.float32) * w[1]
 
 
-res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": ROWS, "copy_Bps": copy_bandwidth()}
+res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": ROWS, "copy_Bps": copy_bandwidth(),
+       "xla_flags": os.environ.get("XLA_FLAGS", "")}
 key = jax.random.key(0)
 for k, n in DECODE_SHAPES:
     x = jax.random.normal(key, (ROWS, k), jnp.bfloat16)
     s = jnp.ones((n,), jnp.float32)
-    for fmt, dt in DTYPES.items():
+    for fmt, dt in ((f, DTYPES[f]) for f in FORMATS):
         nbytes = k * n * jnp.dtype(dt).itemsize
         copies = max(2, -(-MIN_ROTATION_BYTES // nbytes))
         for layout, fn, shape in (("kn", kn, (k, n)), ("nk", nk, (n, k))):
-            if fmt == "bf16" and layout == "nk":
+            if (fmt == "bf16" and layout == "nk") or layout not in LAYOUTS:
                 continue
             ws = [(jax.random.randint(jax.random.fold_in(key, i), shape, -127, 127).astype(dt), s)
                   for i in range(copies)]
