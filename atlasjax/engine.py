@@ -57,7 +57,7 @@ class _Launched:
     record_prompt_logprobs: list[bool]     # per prefill chunk
     sample_rows: dict[Request, int]        # request -> row of its new token in [prefill rows | decode rows]
     with_logprobs: bool                    # some sampled row asked for logprobs: read them back too
-    num_steps: int = 1                     # decode iterations in this launch (sched.steps per request)
+    num_steps: int = 1                     # decode iterations the launched decode runs (1, or the compiled K)
 
 
 @dataclasses.dataclass
@@ -248,7 +248,9 @@ class LLMEngine:
         for req in sched.admitted:
             self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids))
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
-        decode_out = self._run_decode(sched) if sched.decodes else None
+        # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)
+        num_steps = self.config.num_scheduler_steps if sched.num_steps > 1 else 1
+        decode_out = self._run_decode(sched, num_steps) if sched.decodes else None
         s = self.num_slots
         rows = {c.request: i for i, c in enumerate(sched.prefills) if c.completes_prompt}
         rows.update((req, s + req.slot) for req in sched.decodes)
@@ -256,7 +258,7 @@ class LLMEngine:
             req.num_pending_tokens += sched.steps.get(req, 1)
         self.scheduler.dispatched(sched)
         launched = _Launched(sched, prefill_out, decode_out, record_lp, rows,
-                             any(r.params.logprobs is not None for r in rows), sched.num_steps)
+                             any(r.params.logprobs is not None for r in rows), num_steps)
         for x in self._arrays_to_read(launched):
             x.copy_to_host_async()      # start the transfers now; they complete when the step does
         return launched
@@ -297,7 +299,7 @@ class LLMEngine:
         f, ints = pack_rows(rows, s)
         return self.runner.prefill(b, f, ints, with_prompt_logprobs=any(record_lp)), record_lp
 
-    def _run_decode(self, sched: SchedulerOutput):
+    def _run_decode(self, sched: SchedulerOutput, num_steps: int):
         s = self.num_slots
         tokens = np.zeros(s, np.int32)
         page_table = np.zeros((s, self.runner.pages_per_seq), np.int32)
@@ -317,10 +319,8 @@ class LLMEngine:
         f, ints = pack_rows(rows, s)
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
-        num_steps = sched.num_steps
         return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens, plan_rows(rows),
-                                  row_steps if num_steps > 1 else None,
-                                  self.config.num_scheduler_steps if num_steps > 1 else 1)
+                                  row_steps if num_steps > 1 else None, num_steps)
 
     # ---- results
     def _arrays_to_read(self, step: _Launched) -> list[jax.Array]:
@@ -343,7 +343,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
         self.stats.read_wait_seconds += time.perf_counter() - t0
-        n = self.config.num_scheduler_steps if step.num_steps > 1 else 1
+        n = step.num_steps
 
         def steps_axis(x, dtype, tail=()):   # -> [n, s, *tail]: single-step outputs fill iteration 0
             out = np.zeros((n, s, *tail), dtype)

@@ -118,28 +118,23 @@ def _decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params
 
 def _multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params,
                        state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens):
-    """`num_steps` decode iterations in one launch (a `lax.fori_loop`, so the host issues the step once
-    for all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
+    """`num_steps` decode iterations in one launch (a `lax.scan`, so the host issues the step once for
+    all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
     after them it is inactive (no K/V write), and its later outputs repeat its last token."""
     tokens, page_table, seq_lens, f, i, row_steps = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    rows, k = tokens.shape[0], sampling.MAX_LOGPROBS
 
-    def body(j, carry):
-        kv, counts, tokens, outs = carry
+    def body(carry, j):
+        kv, counts, tokens = carry
         active = (seq_lens > 0) & (j < row_steps)
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
         kv, counts, out = _decode_once(model, plan, params, kv, counts, state.prompt_mask, tokens, page_table,
                                        jnp.where(active, seq_lens + j, 0), st)
         tokens = jnp.where(active, out.tokens, tokens)
-        outs = jax.tree.map(lambda acc, x: acc.at[j].set(x), outs,
-                            (tokens, out.logprob, out.top_vals, out.top_ids))
-        return kv, counts, tokens, outs
+        return (kv, counts, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
-    outs = (jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows), jnp.float32),
-            jnp.zeros((num_steps, rows, k), jnp.float32), jnp.zeros((num_steps, rows, k), jnp.int32))
-    kv, counts, tokens, outs = jax.lax.fori_loop(0, num_steps, body, (state.kv, state.counts, tokens, outs))
+    (kv, counts, tokens), outs = jax.lax.scan(body, (state.kv, state.counts, tokens), jnp.arange(num_steps))
     return DeviceState(kv, counts, state.prompt_mask), StepOutput(*outs, last_tokens=tokens)
 
 
