@@ -6,6 +6,7 @@ Not covered here: the kernels per shard under tensor parallelism. jax 0.11.2's M
 interpreter fails inside shard_map over several CPU devices ("Barrier remains allocated": its
 shared-memory bookkeeping), so TP with the kernels is checked on 2x H200 (docs/tensor_parallel.md)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,20 +27,28 @@ def _rel(a, b):
 
 
 def _prefill_then_decode(backend, params, prompt):
-    """Prefill the prompt into slot 0 (pages 0..2), then one decode step with slot 1 inactive."""
+    """Prefill the prompt into slot 0 (pages 0..2), then one decode step with slot 1 inactive.
+
+    Each pass is one jitted call, waited on before the host touches its outputs: run op by op, an
+    interpreted kernel's callbacks dispatch jax ops of their own while the main thread dispatches
+    the next op, and on a 2-core machine the two deadlocked in jax's interpreter (seen once in CI)."""
     model = Transformer(CFG, attn_backend=backend, dtype=jnp.bfloat16)
+
+    @jax.jit
+    def forward(tokens, positions, kv, meta):
+        hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
+        return model.apply({"params": params}, hidden, method=Transformer.logits), kv
+
     kv = init_kv_cache(CFG, PAGES, PAGE, jnp.bfloat16)
     n = len(prompt)
     table = jnp.array([[0, 1, 2], [3, 4, 5]], jnp.int32)
     meta = AttentionMetadata(slot_mapping=jnp.arange(n), page_table=table, seq_lens=jnp.array([n, 0]),
                              query_start=jnp.array([0, n, n]), num_seqs=jnp.array(2))
-    hidden, kv = model.apply({"params": params}, jnp.array(prompt), jnp.arange(n), kv, meta)
-    prefill_logits = model.apply({"params": params}, hidden, method=Transformer.logits)
-    token = int(jnp.argmax(prefill_logits[-1]))
+    prefill_logits, kv = jax.block_until_ready(forward(jnp.array(prompt), jnp.arange(n), kv, meta))
+    token = int(np.argmax(np.asarray(prefill_logits)[-1]))
     meta = AttentionMetadata(slot_mapping=jnp.array([n, PAGES * PAGE]), page_table=table,
                              seq_lens=jnp.array([n + 1, 0]))
-    hidden, kv = model.apply({"params": params}, jnp.array([token, 0]), jnp.array([n, 0]), kv, meta)
-    decode_logits = model.apply({"params": params}, hidden, method=Transformer.logits)
+    decode_logits, kv = jax.block_until_ready(forward(jnp.array([token, 0]), jnp.array([n, 0]), kv, meta))
     return prefill_logits, decode_logits[0], kv
 
 
