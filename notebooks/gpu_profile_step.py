@@ -5,7 +5,8 @@ then a `jax.profiler` trace of STEPS steps, and reports per step: wall time, GPU
 kernel intervals), idle time between kernels, kernel count, and the kernels grouped by name.
 The same decode step dispatched back to back with inputs already on the device gives the floor.
 
-  JAX_PLATFORMS=cuda QUANT=int8 python notebooks/gpu_profile_step.py   (QUANT empty: bf16)
+  JAX_PLATFORMS=cuda QUANT=int8 python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
+  PREFETCH_MB=0: without the attention kernel's L2 prefetch of o_proj, or its size in MiB)
 Writes $OUT/profile_<quant or bf16><TAG>.json.
 """
 import collections
@@ -25,6 +26,9 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.sampling_params import SamplingParams
 
+if os.environ.get("PREFETCH_MB"):   # the decode attention kernel's L2 prefetch of o_proj (0: none)
+    import pallas_kernels.paged_attention as _pa
+    _pa.PREFETCH_MAX_BYTES = int(os.environ["PREFETCH_MB"]) << 20
 OUT = os.environ.get("OUT", "/tmp")
 QUANT = os.environ.get("QUANT") or None
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
@@ -85,6 +89,17 @@ def analyse(trace_dir, steps):
         count[e["name"][:90]] += 1
         by_cat[category(e["name"])] += e["dur"]
     big_gaps = sorted(gaps, reverse=True)[:12]
+    # The kernels around each decode attention kernel (offsets -2..+4), median duration by offset:
+    # what a change to the attention kernel costs it and what it does to its neighbours (o_proj).
+    around = collections.defaultdict(list)
+    for j, e in enumerate(gpu):
+        if "paged_decode_attention" in e["name"]:
+            for off in range(-2, 5):
+                if 0 <= j + off < len(gpu):
+                    around[off].append((gpu[j + off]["name"][:60], gpu[j + off]["dur"]))
+    around_attention = {off: {"us_median": float(np.median([d for _, d in v])),
+                              "names": collections.Counter(n for n, _ in v).most_common(2)}
+                        for off, v in sorted(around.items())}
     host = collections.Counter()
     host_n = collections.Counter()
     for e in events:
@@ -96,6 +111,7 @@ def analyse(trace_dir, steps):
             "gaps_over_5us_per_step": sum(1 for g in gaps if g > 5) / steps,
             "gap_ms_over_5us_per_step": sum(g for g in gaps if g > 5) / 1e3 / steps,
             "largest_gaps_us": [round(g, 1) for g in big_gaps],
+            "around_attention": around_attention,
             "by_category_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in by_cat.most_common()},
             "top_kernels": [(n, count[n] / steps, round(d / 1e3 / steps, 4)) for n, d in by_name.most_common(40)],
             "top_host_events": [(n, host_n[n] / steps, round(d / 1e3 / steps, 4)) for n, d in host.most_common(40)]}
