@@ -46,17 +46,16 @@ def attention(q, k_pages, v_pages, meta: AttentionMetadata, *, backend: str = "a
                                   meta.num_seqs, backend=backend)
 
 
-def write_and_attend(q, k, v, kv, meta: AttentionMetadata, *, backend: str = "auto", prefetch=None):
+def write_and_attend(q, k, v, kv, meta: AttentionMetadata, *, backend: str = "auto"):
     """Write this step's K/V into the pool, then attend: (out, (k_pages, v_pages)).
 
     Decode steps hand both to the decode attention entry, whose GPU kernel writes the new token's
     K/V row itself (two scatter kernels fewer per layer); prefill chunks scatter, then attend (a
-    chunk attends to itself too). `prefetch` (decode only): the weight the next projection reads,
-    which the decode kernel asks the L2 to fetch while it runs (pallas_kernels/l2_prefetch.py).
+    chunk attends to itself too).
     """
     if meta.is_decode:
         out, k_pages, v_pages = paged_decode_attention_and_write(q, k, v, *kv, meta.page_table, meta.seq_lens,
-                                                                 backend=backend, prefetch=prefetch)
+                                                                 backend=backend)
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
     return attention(q, k_pages, v_pages, meta, backend=backend), (k_pages, v_pages)

@@ -54,15 +54,9 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(cfg)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        # K/V land in the donated pool; the decode kernel also warms the L2 with o_proj's weight.
-        out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend, prefetch=self._o_proj_weight())
+        out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend)   # K/V land in the donated pool
         out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1))
         return out, kv
-
-    def _o_proj_weight(self):
-        """The stored o_proj matrix (a quantized weight's packed values), None while initializing."""
-        w = self.variables.get("params", {}).get("o_proj", {}).get("kernel")
-        return getattr(w, "qweight", w)
 
 
 class DecoderLayer(nn.Module):

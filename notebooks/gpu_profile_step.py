@@ -5,8 +5,7 @@ then a `jax.profiler` trace of STEPS steps, and reports per step: wall time, GPU
 kernel intervals), idle time between kernels, kernel count, and the kernels grouped by name.
 The same decode step dispatched back to back with inputs already on the device gives the floor.
 
-  JAX_PLATFORMS=cuda QUANT=int8 python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
-  PREFETCH_MB=0: without the attention kernel's L2 prefetch of o_proj, or its size in MiB)
+  JAX_PLATFORMS=cuda QUANT=int8 python notebooks/gpu_profile_step.py   (QUANT empty: bf16)
 Writes $OUT/profile_<quant or bf16><TAG>.json.
 """
 import collections
@@ -26,9 +25,6 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.sampling_params import SamplingParams
 
-if os.environ.get("PREFETCH_MB"):   # the decode attention kernel's L2 prefetch of o_proj (0: none)
-    import pallas_kernels.paged_attention as _pa
-    _pa.PREFETCH_MAX_BYTES = int(os.environ["PREFETCH_MB"]) << 20
 OUT = os.environ.get("OUT", "/tmp")
 QUANT = os.environ.get("QUANT") or None
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")

@@ -22,17 +22,10 @@ VARIANTS = {
     "splits1": ({}, "splits1"),
     "exhaustive_splits1": ({"XLA_FLAGS": "--xla_gpu_exhaustive_tiling_search=true"}, "splits1"),
     "no_triton_gemm": ({"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, None),
-    "noprefetch": ({}, "noprefetch"),
-    "prefetch8": ({}, "prefetch8"),
-    "prefetch16": ({}, "prefetch16"),
 }
 PATCHES = {
     # one context split per (sequence, KV head): no split-combine kernel after the attention
     "splits1": "import pallas_kernels.paged_attention as pa; pa._default_num_splits = lambda *a, **k: 1",
-    # the decode attention kernel asks the L2 for nothing (no o_proj weight prefetch)
-    "noprefetch": "import pallas_kernels.paged_attention as pa; pa.PREFETCH_MAX_BYTES = 0",
-    "prefetch8": "import pallas_kernels.paged_attention as pa; pa.PREFETCH_MAX_BYTES = 8 << 20",
-    "prefetch16": "import pallas_kernels.paged_attention as pa; pa.PREFETCH_MAX_BYTES = 16 << 20",
 }
 ARGS = ["latency", "--preset", "llama-3.1-8b", "--input-len", "128", "--output-len", "128",
         "--num-iters", "3", "--batch-size", "1"] + os.environ.get("BENCH_ARGS", "").split()

@@ -34,7 +34,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_write import decode_slots, write_kv
-from pallas_kernels.l2_prefetch import flat, issue_prefetch, plan_prefetch
 from pallas_kernels.online_softmax import (kv_pipeline_scratch, online_softmax_update, pv_product,
                                            resolve_interpret)
 
@@ -42,32 +41,17 @@ _ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one
 _MAX_GROUP_WRITING = _ROWS - 2   # the new token's K and V take two more rows of that tile
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132   # H100 SXM: one wave of programs
-# L2 prefetch of the next projection's weight (`prefetch=`): up to this many bytes of it, when the
-# step has at most PREFETCH_MAX_SEQS sequences whose K/V total at most PREFETCH_MAX_KV_BYTES (the
-# kernel is then latency-bound and HBM idle; docs/perf_attention.md, session 9).
-PREFETCH_MAX_BYTES = 32 << 20
-PREFETCH_MAX_SEQS = 16
-PREFETCH_MAX_KV_BYTES = 16 << 20
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, w_ref=None, *, page_size, block_kv,
-                   num_splits, num_stages, sm_scale, p_in_smem, writes, prefetch_plan=None):
+def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
+                   num_splits, num_stages, sm_scale, p_in_smem, writes):
   """One program: one KV head x one split of the context x one sequence. q_ref's tile has
   `q_rows` (a multiple of 8) rows: the query heads, then padding; with `writes` its last two rows
   hold the new token's K and V, written into k_ref / v_ref first. Only those rows of the 64-row
-  shared-memory tile are loaded and only they are stored back (o_ref, lse_ref have q_rows rows).
-  w_ref: the next projection's weight (1-D), whose first chunks (`prefetch_plan`; None: none) the
-  programs ask the L2 to fetch when the step's K/V are few."""
+  shared-memory tile are loaded and only they are stored back (o_ref, lse_ref have q_rows rows)."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
   q_rows, head_dim = q_ref.shape[-2:]
   dtype = k_ref.dtype
-  if prefetch_plan is not None:
-    num_kv_heads, num_seqs = k_ref.shape[0], lens_ref.shape[0]
-    context = functools.reduce(lambda a, b: a + b, [lens_ref[i] for i in range(num_seqs)])
-    token_bytes = 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-    program = (kv_head * num_splits + split) * num_seqs + seq
-    issue_prefetch(w_ref, prefetch_plan, program, num_kv_heads * num_splits * num_seqs,
-                   when=context <= PREFETCH_MAX_KV_BYTES // token_bytes)
   pages_per_block = block_kv // page_size
   num_pages = k_ref.shape[1]
   seq_len = lens_ref[seq]
@@ -180,14 +164,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, w_r
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_kv,
-                   num_splits, num_stages, interpret, new_kv=None, prefetch=None):
+                   num_splits, num_stages, interpret, new_kv=None):
   """The kernel call: out, or (out, k_pages, v_pages) with the new K/V written when new_kv = (k, v)."""
   writes = new_kv is not None
   num_seqs, num_heads, head_dim = q.shape
-  plan = None
-  if prefetch is not None and num_seqs <= PREFETCH_MAX_SEQS:
-    plan = plan_prefetch(prefetch.shape, prefetch.dtype, PREFETCH_MAX_BYTES)
-  extra = () if plan is None else (flat(prefetch),)
   num_kv_heads, _, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
@@ -211,12 +191,9 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, q_rows), jnp.float32))
 
   def paged_decode_attention_kernel(*refs):  # named so profiles are readable
-    inputs, outputs = refs[:5], refs[5 + len(extra):]
-    w_ref = refs[5] if extra else None
-    outputs = outputs if split_out else (*outputs, None)
-    _decode_kernel(*inputs, *outputs, w_ref, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
-                   num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes,
-                   prefetch_plan=None if interpret else plan)   # the interpreter cannot prefetch
+    refs = refs if split_out else (*refs, None)
+    _decode_kernel(*refs, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
+                   num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes)
   call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
@@ -225,10 +202,10 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   )
   if writes:
     k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)   # written in place by the kernel
-    outs = call(qg, k_ref, v_ref, table, seq_lens, *extra)
+    outs = call(qg, k_ref, v_ref, table, seq_lens)
     k_pages, v_pages = jax.freeze(k_ref), jax.freeze(v_ref)
   else:
-    outs = call(qg, k_pages, v_pages, table, seq_lens, *extra)
+    outs = call(qg, k_pages, v_pages, table, seq_lens)
   if split_out:
     out = _combine_splits(*outs, group)
   else:
@@ -269,7 +246,7 @@ _STATIC = ("sm_scale", "backend", "interpret", "block_kv", "num_splits", "num_st
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
                            backend="auto", interpret=False, block_kv=None, num_splits=None,
-                           num_stages=None, prefetch=None):
+                           num_stages=None):
   """Attention of one query token per sequence over its pages.
 
   Args:
@@ -283,9 +260,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
     interpret: Pallas interpret mode (e.g. `plgpu.InterpretGPUParams()`), for CPU tests.
     block_kv, num_splits, num_stages: tunables (KV tokens per step, context splits, pipeline
       depth); defaults chosen from the shapes.
-    prefetch: optional 2-D array, the weight the next kernel reads (o_proj's): the Pallas kernel
-      asks the L2 to fetch up to PREFETCH_MAX_BYTES of it while it runs, when the step has few
-      sequences and little K/V (pallas_kernels/l2_prefetch.py). It changes no result.
   Returns:
     [num_seqs, num_heads, head_dim] in q.dtype; zeros for inactive slots.
   """
@@ -295,20 +269,20 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
     return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
                                             sm_scale=sm_scale)
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
-                        interpret=interpret, prefetch=prefetch, **plan)
+                        interpret=interpret, **plan)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fused_write",))
 def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
                                      backend="auto", interpret=False, block_kv=None, num_splits=None,
-                                     num_stages=None, fused_write=True, prefetch=None):
+                                     num_stages=None, fused_write=True):
   """Writes each sequence's new K/V at position seq_lens - 1 of its pages, then attends as
   `paged_decode_attention` does (the new token included).
 
   k, v: [num_seqs, num_kv_heads, head_dim]; nothing is written for inactive slots (seq_lens 0).
   fused_write: whether the Pallas kernel writes the rows itself (default; it measured faster than
   an XLA scatter first at every batch size, docs/perf_attention.md) or an XLA scatter runs first.
-  prefetch: as for `paged_decode_attention`. Other arguments as for `paged_decode_attention`. Returns (out, k_pages, v_pages); the pools are
+  Other arguments as for `paged_decode_attention`. Returns (out, k_pages, v_pages); the pools are
   updated in place when the caller donates them.
   """
   backend, interpret = resolve_interpret(backend, interpret)
@@ -321,10 +295,10 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, decode_slots(page_table, seq_lens, page_size, num_pages))
     out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale, backend=backend,
                                  interpret=interpret, block_kv=block_kv, num_splits=num_splits,
-                                 num_stages=num_stages, prefetch=prefetch)
+                                 num_stages=num_stages)
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
-                        interpret=interpret, new_kv=(k, v), prefetch=prefetch, **plan)
+                        interpret=interpret, new_kv=(k, v), **plan)
 
 
 def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages):

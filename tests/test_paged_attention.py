@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.l2_prefetch import CHUNK_BYTES, plan_prefetch
 from pallas_kernels.paged_attention import (paged_decode_attention, paged_decode_attention_and_write,
                                             paged_decode_attention_reference)
 
@@ -127,16 +126,16 @@ def test_auto_backend_on_cpu_uses_reference():
 
 # ---- the decode step's entry: write the new token's K/V, then attend
 
-def _check_write(lens, interpret, num_splits=None, seed=5, fused_write=True, prefetch=None, **shape):
+def _check_write(lens, interpret, num_splits=None, seed=5, fused_write=True, **shape):
   """The kernel's pools equal the reference scatter's bit for bit, and its output matches
-  attention over the written pools (the new token included). Returns (out, k_out, v_out)."""
+  attention over the written pools (the new token included)."""
   q, k_pages, v_pages, table, seq_lens = make_case(seed, LENS[lens], **shape)
   rng = np.random.default_rng(seed + 1)
   kv_shape = (q.shape[0], k_pages.shape[0], k_pages.shape[-1])
   k_new, v_new = (jnp.asarray(rng.standard_normal(kv_shape), k_pages.dtype) for _ in range(2))
   out, k_out, v_out = paged_decode_attention_and_write(q, k_new, v_new, k_pages, v_pages, table, seq_lens,
                                                        backend="pallas", interpret=interpret, num_splits=num_splits,
-                                                       fused_write=fused_write, prefetch=prefetch)
+                                                       fused_write=fused_write)
   ref_out, k_ref, v_ref = paged_decode_attention_and_write(q, k_new, v_new, k_pages, v_pages, table, seq_lens,
                                                            backend="reference")
   np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_ref, np.float32))
@@ -151,18 +150,6 @@ def _check_write(lens, interpret, num_splits=None, seed=5, fused_write=True, pre
                                   np.asarray(k_new[s], np.float32))
   changed = np.asarray(k_out != k_pages).any(axis=(0, 3))   # [num_pages, page_size]: rows written
   assert changed.sum() <= np.count_nonzero(lens_np)
-  return out, k_out, v_out
-
-
-def _check_prefetch_changes_nothing(interpret, dtype, shape=(512, 768)):
-  """With a weight to prefetch (the next projection's), the kernel computes exactly what it does
-  without: same output, same pools, bit for bit."""
-  w = jnp.asarray(np.random.default_rng(3).integers(-8, 8, shape), dtype)
-  case = dict(lens="mixed", group=4, head_dim=64, page_size=16)
-  plain = _check_write(interpret=interpret, **case)
-  warmed = _check_write(interpret=interpret, prefetch=w, **case)
-  for a, b in zip(plain, warmed):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 WRITE_CASES = [
@@ -188,28 +175,6 @@ def test_write_kernel_interpret(case):
 def test_write_kernel_gpu(case):
   case = dict(case)
   _check_write(case.pop("lens"), False, case.pop("num_splits", None), **case)
-
-
-def test_write_kernel_with_l2_prefetch_interpret():
-  _check_prefetch_changes_nothing(plgpu.InterpretGPUParams(), jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="native Mosaic GPU run needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn, jnp.int4])
-def test_write_kernel_with_l2_prefetch_gpu(dtype):
-  _check_prefetch_changes_nothing(False, dtype, shape=(4096, 4096))
-
-
-def test_prefetch_plan_covers_the_first_bytes_in_whole_chunks():
-  plan = plan_prefetch((4096, 4096), jnp.bfloat16, 32 << 20)
-  assert plan.chunk * 2 == CHUNK_BYTES and plan.num_chunks * CHUNK_BYTES == 32 << 20   # all 32 MiB
-  assert plan_prefetch((4096, 4096), jnp.bfloat16, 4 << 20).num_chunks * CHUNK_BYTES == 4 << 20  # capped
-  int4 = plan_prefetch((4096, 4096), jnp.int4, 32 << 20)
-  assert int4.chunk // 2 == CHUNK_BYTES and int4.num_chunks * CHUNK_BYTES == 4096 * 4096 // 2   # whole 8 MiB
-  assert plan_prefetch((100, 100), jnp.bfloat16, 1 << 20) is None    # under one chunk: not worth it
-  assert plan_prefetch((512, 300), jnp.bfloat16, 1 << 20).num_chunks == 2   # whole chunks only
-  assert plan_prefetch((256, 256), jnp.bfloat16, 0) is None
 
 
 def test_write_reference_skips_inactive_slots():
