@@ -6,7 +6,8 @@ about as fast as XLA's GEMM. The fused dequantize kernel (pallas_kernels/quantiz
 runs a bf16 weight unchanged (its per-channel path with unit scales), so this times it against
 XLA's dot on the Llama-3.1-8B decode shapes, 8 rows, with CUPTI, weights rotated past the L2.
 
-  JAX_PLATFORMS=cuda PYTHONPATH=. python notebooks/gpu_bf16_gemv.py      -> $OUT/bf16_gemv.json
+  JAX_PLATFORMS=cuda PYTHONPATH=. [SHAPES=4096x4096,4096x6144] python notebooks/gpu_bf16_gemv.py
+  -> $OUT/bf16_gemv.json (SHAPES: K x N; default the four 8B decode shapes)
 """
 import json
 import os
@@ -26,12 +27,17 @@ CONFIGS = {
     "k128_d6": QuantMatmulConfig(tile_k=128, max_concurrent_steps=6),
     "k256_d4": QuantMatmulConfig(tile_k=256, max_concurrent_steps=4),
     "k128_d6_nosplit": QuantMatmulConfig(tile_k=128, max_concurrent_steps=6, num_k_splits=1),
+    # K split in 8: each block streams 512 rows of K, the slice one KV head's attention output
+    # meets in o_proj (the streaming of a fused decode attention + o_proj kernel)
+    "k128_d4_split8": QuantMatmulConfig(tile_k=128, max_concurrent_steps=4, num_k_splits=8),
 }
+SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ["SHAPES"].split(",")] if os.environ.get("SHAPES") \
+    else DECODE_SHAPES
 
 res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": ROWS, "shapes": []}
 copy_bps = copy_bandwidth()
 res["copy_TBps"] = copy_bps / 1e12
-for k, n in DECODE_SHAPES:
+for k, n in SHAPES:
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((ROWS, k), np.float32), jnp.bfloat16)
