@@ -345,12 +345,11 @@ class LLMEngine:
         self.stats.read_wait_seconds += time.perf_counter() - t0
         n = step.num_steps
 
-        def steps_axis(x, dtype, tail=()):   # -> [n, s, *tail]: single-step outputs fill iteration 0
-            out = np.zeros((n, s, *tail), dtype)
-            if x is not None:
-                x = x if x.ndim == 2 + len(tail) else x[None]
-                out[:x.shape[0]] = x
-            return out
+        def steps_axis(x, dtype, tail=()):   # -> [n, s, *tail]: single-step outputs are iteration 0
+            if x is None:
+                return np.zeros((n, s, *tail), dtype)
+            x = x.reshape(-1, s, *tail)
+            return x if len(x) == n else np.concatenate([x, np.zeros((n - len(x), s, *tail), dtype)])
 
         parts = [(None, None) if g is None else g for g in got]
         host = _HostOutput(np.concatenate([steps_axis(p[0], np.int32) for p in parts], axis=1), None, None, None,

@@ -276,11 +276,11 @@ class ModelRunner:
         packed, layout = pack_host(host_inputs)
         args = (self.params, self.state, self._host(packed), *prev)
         if num_steps == 1:
-            return self._compile(("decode", self.max_num_seqs, plan),
-                                 functools.partial(_decode_step, self.model, plan, layout), (1,), *args), args
-        return self._compile(("decode", self.max_num_seqs, plan, num_steps),
-                             functools.partial(_multi_decode_step, self.model, plan, num_steps, layout), (1,),
-                             *args), args
+            key, fn = ("decode", self.max_num_seqs, plan), functools.partial(_decode_step, self.model, plan, layout)
+        else:
+            key = ("decode", self.max_num_seqs, plan, num_steps)
+            fn = functools.partial(_multi_decode_step, self.model, plan, num_steps, layout)
+        return self._compile(key, fn, (1,), *args), args
 
     def _prefill_call(self, host_inputs, with_prompt_logprobs):
         packed, layout = pack_host(host_inputs)
