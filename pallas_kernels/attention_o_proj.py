@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_write import decode_slots, write_kv
-from pallas_kernels.online_softmax import kv_pipeline_scratch, online_softmax_update, pv_product
+from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
+                                           online_softmax_update, pv_product)
 from pallas_kernels.paged_attention import paged_decode_attention_reference
 
 _ROWS = 64            # wgmma M
@@ -127,47 +128,21 @@ def _kernel(tile_ref, w_ref, table_ref, lens_ref, k_ref, v_ref, out_ref, scratch
         cached = jnp.maximum(seq_len - 1, 0)     # the new token comes from the tile, not the pages
         num_steps = pl.cdiv(cached, block_kv)
 
-        def fetch(step, slot, k_smem, v_smem, k_bars, v_bars):
-            first_page = step * pages_per_block
-            for i in range(pages_per_block):
-                page = jnp.clip(table_ref[seq, first_page + i], 0, num_pages - 1)
-                rows = pl.ds(i * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, rows], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, rows], v_bars.at[slot])
-
         def attend(q_smem, new_smem, o_smem, t_bars, k_smem, v_smem, k_bars, v_bars, p_smem=None, p_new_smem=None):
             # new_smem's rows past the tile's must be finite: they meet zero probabilities in P @ V.
             new_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
             plgpu.copy_gmem_to_smem(tile_ref.at[seq, h, pl.ds(0, 16)], q_smem.at[pl.ds(0, 16)], t_bars.at[0])
             plgpu.copy_gmem_to_smem(tile_ref.at[seq, h, pl.ds(_K_ROW, 16)], new_smem.at[pl.ds(0, 16)], t_bars.at[1])
-            for s in range(kv_stages):
-                pl.when(s < num_steps)(functools.partial(fetch, s, s, k_smem, v_smem, k_bars, v_bars))
             plgpu.barrier_wait(t_bars.at[0])
             scale = sm_scale * _LOG2E
-            m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def step_fn(step, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(step, kv_stages)
-                plgpu.barrier_wait(k_bars.at[slot])
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-                    return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32)) * scale
-                pos = step * block_kv + plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 1,
-                                                               layout=plgpu.Layout.WGMMA)
-                s = jnp.where(pos < cached, s, -jnp.inf)
-                p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc)
-                plgpu.barrier_wait(v_bars.at[slot])
-                acc = acc + pv_product(p, v_smem.at[slot], p_smem, _ROWS, head_dim)
-                nxt = step + kv_stages
-                pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot, k_smem, v_smem, k_bars, v_bars))
-                return acc, m_new, l_i
-            acc, m_i, l_i = lax.fori_loop(0, num_steps, step_fn, (acc, m_i, l_i))
+            def fetch(step, slot):
+                fetch_kv_block(k_ref, v_ref, table_ref, seq, h, step * pages_per_block, slot, k_smem, v_smem,
+                               k_bars, v_bars, pages_per_block=pages_per_block)
+            acc, m_i, l_i = attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch,
+                                             num_steps=num_steps, num_stages=kv_stages, start=0, end=cached,
+                                             scale=scale, block_kv=block_kv, rows=_ROWS, head_dim=head_dim)
 
             # The new token: column 8 of Q @ Q^T is q . k_new (the tile's row 8); row 8 of new_smem
             # (the tile's rows 8..23, then zeros) is v_new. wgmma wants K = 64 for P @ V.

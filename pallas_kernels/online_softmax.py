@@ -3,6 +3,8 @@
 Scores are in base 2 (the caller folds sm_scale * log2(e) into one multiply); the running row max
 `m`, row sum `l` and output accumulator `acc` are f32 registers of a 64-row wgmma tile.
 """
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -53,3 +55,50 @@ def kv_pipeline_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, tr
     barriers = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages)
     p_tile = [plgpu.SMEM((rows, block_kv), dtype, transforms=transforms)] if p_in_smem else []
     return (buffers, buffers, barriers, barriers, *p_tile)
+
+
+def fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, first_page, slot, k_smem, v_smem, k_bars, v_bars, *,
+                   pages_per_block: int):
+    """TMA: the pages of one K/V block of sequence `seq` (page-table entries first_page..) into stage
+    `slot`, one arrival per page on each barrier. Entries past the sequence may hold anything: they
+    are clamped to a valid page, and the caller masks their scores."""
+    num_pages, page_size = k_ref.shape[1], k_ref.shape[2]
+    for i in range(pages_per_block):
+        page = jnp.clip(table_ref[seq, first_page + i], 0, num_pages - 1)
+        rows = pl.ds(i * page_size, page_size)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bars.at[slot])
+
+
+def attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, *, num_steps, num_stages: int,
+                     start, end, scale: float, block_kv: int, rows: int, head_dim: int):
+    """Online-softmax attention of the Q tile over the K/V positions [start, end), streamed block by
+    block by `fetch(step, slot)` through `num_stages` stages. Scores are scaled by `scale` (base 2).
+    Returns the f32 registers (acc, m, l): acc unnormalized; l == 0 where nothing was visible."""
+    for s in range(num_stages):
+        pl.when(s < num_steps)(functools.partial(fetch, s, s))
+    m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((rows, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def step_fn(step, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(step, num_stages)
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32)) * scale
+        pos = start + step * block_kv + plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1,
+                                                               layout=plgpu.Layout.WGMMA)
+        s = jnp.where(pos < end, s, -jnp.inf)
+        p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc)
+        plgpu.barrier_wait(v_bars.at[slot])
+        acc = acc + pv_product(p, v_smem.at[slot], p_smem, rows, head_dim)
+        # Both products have completed: the slot is free for the step num_stages ahead.
+        nxt = step + num_stages
+        pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot))
+        return acc, m_new, l_i
+
+    return lax.fori_loop(0, num_steps, step_fn, (acc, m_i, l_i))

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_write import decode_slots, write_kv
-from pallas_kernels.online_softmax import (kv_pipeline_scratch, online_softmax_update, pv_product,
+from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
                                            resolve_interpret)
 
 _ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one 64-row tile
@@ -63,45 +63,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
   num_steps = jnp.maximum(pl.cdiv(end - start, block_kv), 0)
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-  def fetch(step, slot, k_smem, v_smem, k_bars, v_bars):
-    first_page = (start + step * block_kv) // page_size
-    for i in range(pages_per_block):
-      # Pages past the end of the sequence may hold anything: clamp, then mask the scores.
-      page = jnp.clip(table_ref[seq, first_page + i], 0, num_pages - 1)
-      rows = pl.ds(i * page_size, page_size)
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bars.at[slot])
-
   def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
-    for s in range(num_stages):
-      pl.when(s < num_steps)(functools.partial(fetch, s, s, k_smem, v_smem, k_bars, v_bars))
-    m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-    def step_fn(step, carry):
-      acc, m_i, l_i = carry
-      slot = lax.rem(step, num_stages)
-      plgpu.barrier_wait(k_bars.at[slot])
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32))
-      # Scores in base 2: exp2 with the scale folded into one multiply.
-      s = s * (sm_scale * _LOG2E)
-      pos = start + step * block_kv + plgpu.broadcasted_iota(
-          jnp.int32, (_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-      s = jnp.where(pos < end, s, -jnp.inf)
-      p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc)
-      plgpu.barrier_wait(v_bars.at[slot])
-      acc = acc + pv_product(p, v_smem.at[slot], p_smem, _ROWS, head_dim)
-      # Both products have completed: the slot is free for the step num_stages ahead.
-      nxt = step + num_stages
-      pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot, k_smem, v_smem, k_bars, v_bars))
-      return acc, m_new, l_i
-
-    return lax.fori_loop(0, num_steps, step_fn, (acc, m_i, l_i))
+    def fetch(step, slot):
+      fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, (start + step * block_kv) // page_size, slot,
+                     k_smem, v_smem, k_bars, v_bars, pages_per_block=pages_per_block)
+    return attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, num_steps=num_steps,
+                            num_stages=num_stages, start=start, end=end, scale=sm_scale * _LOG2E,
+                            block_kv=block_kv, rows=_ROWS, head_dim=head_dim)
 
   def write_new_token():
     """Copy the new token's K and V rows into their page (the split that holds the position

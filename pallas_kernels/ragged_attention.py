@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.online_softmax import (kv_pipeline_scratch, online_softmax_update, pv_product,
+from pallas_kernels.online_softmax import (fetch_kv_block, kv_pipeline_scratch, online_softmax_update, pv_product,
                                            resolve_interpret)
 
 _ROWS = 64  # wgmma M
@@ -37,18 +37,13 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, *, group, pa
   head_dim = q_ref.shape[-1]
   dtype = k_ref.dtype
   pages_per_block = block_kv // page_size
-  num_pages = k_ref.shape[1]
   seq, q_pos0, kv_len = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
   num_steps = pl.cdiv(kv_len, block_kv)
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def fetch(step, slot, k_smem, v_smem, k_bars, v_bars):
-    first_page = step * pages_per_block
-    for i in range(pages_per_block):
-      page = jnp.clip(table_ref[seq, first_page + i], 0, num_pages - 1)
-      rows = pl.ds(i * page_size, page_size)
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bars.at[slot])
+    fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, step * pages_per_block, slot, k_smem, v_smem, k_bars,
+                   v_bars, pages_per_block=pages_per_block)
 
   def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
     for s in range(num_stages):
