@@ -38,7 +38,7 @@ from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.page_pool import PagePool
-from atlasjax.request import Request, Status
+from atlasjax.request import Request
 from atlasjax.runner import ModelRunner, StepOutput
 from atlasjax.sampling import pack_rows, plan_rows
 from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams

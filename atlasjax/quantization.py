@@ -25,7 +25,6 @@ These are exact in float32 for GGUF Q8_0 / Q4_0 / Q4_1 blocks (`from_gguf_blocks
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math

@@ -31,7 +31,6 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

@@ -1,5 +1,5 @@
 """GPU end-to-end: 8B-shaped decode step times (bs 1/32/128, pallas vs reference, int8), greedy equality."""
-import json, os, sys, time, traceback
+import json, os, time, traceback
 import jax, jax.numpy as jnp, numpy as np
 from atlasjax.config import ModelConfig, RopeScaling
 from atlasjax.engine import LLMEngine

@@ -1,6 +1,4 @@
 """Bad input gets a clear exception type and message, and leaves the engine usable."""
-import json
-import os
 import shutil
 
 import pytest
