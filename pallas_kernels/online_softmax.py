@@ -1,4 +1,5 @@
-"""The flash-attention pieces shared by the paged decode and ragged prefill kernels.
+"""The flash-attention pieces shared by the paged decode, ragged prefill and (experimental) decode
+attention + o_proj kernels: the K/V page fetch, the online-softmax block loop and its steps.
 
 Scores are in base 2 (the caller folds sm_scale * log2(e) into one multiply); the running row max
 `m`, row sum `l` and output accumulator `acc` are f32 registers of a 64-row wgmma tile.
