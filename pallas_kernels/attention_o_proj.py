@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_write import decode_slots, write_kv
 from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
-                                           online_softmax_update, pv_product)
+                                           online_softmax_update, positions_before, pv_product)
 from pallas_kernels.paged_attention import paged_decode_attention_reference
 
 _ROWS = 64            # wgmma M
@@ -141,8 +141,9 @@ def _kernel(tile_ref, w_ref, table_ref, lens_ref, k_ref, v_ref, out_ref, scratch
                 fetch_kv_block(k_ref, v_ref, table_ref, seq, h, step * pages_per_block, slot, k_smem, v_smem,
                                k_bars, v_bars, pages_per_block=pages_per_block)
             acc, m_i, l_i = attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch,
-                                             num_steps=num_steps, num_stages=kv_stages, start=0, end=cached,
-                                             scale=scale, block_kv=block_kv, rows=_ROWS, head_dim=head_dim)
+                                             positions_before(cached, 0, block_kv, _ROWS), num_steps=num_steps,
+                                             num_stages=kv_stages, scale=scale, block_kv=block_kv, rows=_ROWS,
+                                             head_dim=head_dim)
 
             # The new token: column 8 of Q @ Q^T is q . k_new (the tile's row 8); row 8 of new_smem
             # (the tile's rows 8..23, then zeros) is v_new. wgmma wants K = 64 for P @ V.

@@ -71,18 +71,21 @@ def fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, first_page, slot, k_sm
         plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bars.at[slot])
 
 
-def attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, *, num_steps, num_stages: int,
-                     start, end, scale: float, block_kv: int, rows: int, head_dim: int):
-    """Online-softmax attention of the Q tile over the K/V positions [start, end), streamed block by
-    block by `fetch(step, slot)` through `num_stages` stages. Scores are scaled by `scale` (base 2).
-    Returns the f32 registers (acc, m, l): acc unnormalized; l == 0 where nothing was visible."""
+def attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, mask, *, num_steps, num_stages: int,
+                     scale: float, block_kv: int, rows: int, head_dim: int, unmasked_steps=0):
+    """Online-softmax attention of the Q tile over `num_steps` K/V blocks, streamed by
+    `fetch(step, slot)` through `num_stages` stages. Scores are scaled by `scale` (base 2), then
+    `mask(step, s)` hides what a row may not see; steps below `unmasked_steps` skip it (blocks the
+    caller knows to be wholly visible). The first masked step must leave each row something
+    visible, or be preceded by one that did. Returns the f32 registers (acc, m, l): acc
+    unnormalized; l == 0 where nothing was visible."""
     for s in range(num_stages):
         pl.when(s < num_steps)(functools.partial(fetch, s, s))
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.full((rows, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-    def step_fn(step, carry):
+    def step_fn(step, carry, masked=True):
         acc, m_i, l_i = carry
         slot = lax.rem(step, num_stages)
         plgpu.barrier_wait(k_bars.at[slot])
@@ -91,9 +94,8 @@ def attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, *, n
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
             return acc_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32)) * scale
-        pos = start + step * block_kv + plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1,
-                                                               layout=plgpu.Layout.WGMMA)
-        s = jnp.where(pos < end, s, -jnp.inf)
+        if masked:
+            s = mask(step, s)
         p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc)
         plgpu.barrier_wait(v_bars.at[slot])
         acc = acc + pv_product(p, v_smem.at[slot], p_smem, rows, head_dim)
@@ -102,4 +104,16 @@ def attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, *, n
         pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot))
         return acc, m_new, l_i
 
-    return lax.fori_loop(0, num_steps, step_fn, (acc, m_i, l_i))
+    carry = (acc, m_i, l_i)
+    if not isinstance(unmasked_steps, int) or unmasked_steps:   # a static 0 traces no empty loop
+        carry = lax.fori_loop(0, unmasked_steps, functools.partial(step_fn, masked=False), carry)
+    return lax.fori_loop(unmasked_steps, num_steps, step_fn, carry)
+
+
+def positions_before(end, start, block_kv: int, rows: int):
+    """The mask of a block stream over positions start, start + 1, ...: hide those >= end."""
+    def mask(step, s):
+        pos = start + step * block_kv + plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1,
+                                                               layout=plgpu.Layout.WGMMA)
+        return jnp.where(pos < end, s, -jnp.inf)
+    return mask

@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_write import decode_slots, write_kv
 from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
-                                           resolve_interpret)
+                                           positions_before, resolve_interpret)
 
 _ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one 64-row tile
 _MAX_GROUP_WRITING = _ROWS - 2   # the new token's K and V take two more rows of that tile
@@ -67,9 +67,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
     def fetch(step, slot):
       fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, (start + step * block_kv) // page_size, slot,
                      k_smem, v_smem, k_bars, v_bars, pages_per_block=pages_per_block)
-    return attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, num_steps=num_steps,
-                            num_stages=num_stages, start=start, end=end, scale=sm_scale * _LOG2E,
-                            block_kv=block_kv, rows=_ROWS, head_dim=head_dim)
+    return attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch,
+                            positions_before(end, start, block_kv, _ROWS), num_steps=num_steps,
+                            num_stages=num_stages, scale=sm_scale * _LOG2E, block_kv=block_kv, rows=_ROWS,
+                            head_dim=head_dim)
 
   def write_new_token():
     """Copy the new token's K and V rows into their page (the split that holds the position

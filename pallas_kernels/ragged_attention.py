@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.online_softmax import (fetch_kv_block, kv_pipeline_scratch, online_softmax_update, pv_product,
+from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
                                            resolve_interpret)
 
 _ROWS = 64  # wgmma M
@@ -41,46 +41,24 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, *, group, pa
   num_steps = pl.cdiv(kv_len, block_kv)
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-  def fetch(step, slot, k_smem, v_smem, k_bars, v_bars):
-    fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, step * pages_per_block, slot, k_smem, v_smem, k_bars,
-                   v_bars, pages_per_block=pages_per_block)
-
   def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
-    for s in range(num_stages):
-      pl.when(s < num_steps)(functools.partial(fetch, s, s, k_smem, v_smem, k_bars, v_bars))
-    m_i = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    def fetch(step, slot):
+      fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, step * pages_per_block, slot, k_smem, v_smem, k_bars,
+                     v_bars, pages_per_block=pages_per_block)
     # Row r is token r // group of the tile; its position bounds what it may see.
     row = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
     q_pos = q_pos0 + lax.div(row, jnp.int32(group))
     col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
 
-    def step_fn(step, carry, masked=True):
-      acc, m_i, l_i = carry
-      slot = lax.rem(step, num_stages)
-      plgpu.barrier_wait(k_bars.at[slot])
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32)) * (sm_scale * _LOG2E)
-      if masked:
-        kv_pos = step * block_kv + col
-        # Position 0 is visible to every row, so the first step leaves every m_i finite.
-        s = jnp.where((kv_pos <= q_pos) & (kv_pos < kv_len), s, -jnp.inf)
-      p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc)
-      plgpu.barrier_wait(v_bars.at[slot])
-      acc = acc + pv_product(p, v_smem.at[slot], p_smem, _ROWS, head_dim)
-      nxt = step + num_stages
-      pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot, k_smem, v_smem, k_bars, v_bars))
-      return acc, m_new, l_i
-
+    def causal(step, s):
+      kv_pos = step * block_kv + col
+      # Position 0 is visible to every row, so the first step leaves every m_i finite.
+      return jnp.where((kv_pos <= q_pos) & (kv_pos < kv_len), s, -jnp.inf)
     # Blocks wholly below the tile's first position need no causal mask: skip its ALU work.
     full_steps = jnp.clip((q_pos0 + 1) // block_kv, 0, num_steps)
-    carry = lax.fori_loop(0, full_steps, functools.partial(step_fn, masked=False),
-                          (acc, m_i, l_i))
-    return lax.fori_loop(full_steps, num_steps, step_fn, carry)
+    return attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, causal, num_steps=num_steps,
+                            num_stages=num_stages, scale=sm_scale * _LOG2E, block_kv=block_kv, rows=_ROWS,
+                            head_dim=head_dim, unmasked_steps=full_steps)
 
   def body(q_smem, q_bar):
     @pl.when(num_steps > 0)
