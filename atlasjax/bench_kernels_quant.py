@@ -25,11 +25,14 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 from atlasjax.quantization import QuantizedWeight, dequantize, quantize
+from pallas_kernels.quant_format import with_float_offsets
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
 DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # (K, N)
-FORMATS = [("int8", None, True), ("fp8", None, True), ("int4", 128, True), ("int4", 128, False),
-           ("int4", 32, False), ("int8", 32, True)]   # the last two: GGUF Q4_1 / Q8_0 blocks
+# (format, group size, zeros): "sym", "zp" (integer zero points: what int4 quantizes to at load) or
+# "offsets" (float offsets: GGUF Q4_1's form, and int4 checkpoints saved before session 11).
+FORMATS = [("int8", None, "sym"), ("fp8", None, "sym"), ("int4", 128, "sym"), ("int4", 128, "zp"),
+           ("int4", 128, "offsets"), ("int4", 32, "offsets"), ("int8", 32, "sym")]   # last two: GGUF Q4_1 / Q8_0
 DECODE_ROWS = 8   # the engine's decode step on a GPU runs at least 8 rows
 MIN_ROTATION_BYTES = 256 << 20
 
@@ -46,6 +49,10 @@ def copy_bandwidth() -> float:
     x = jnp.arange(1 << 29, dtype=jnp.uint32)
     ms = device_ms(jax.jit(lambda a: a ^ 1), x)
     return 2 * x.nbytes / (ms * 1e-3)
+
+
+def _name(fmt, group_size, zeros) -> str:   # e.g. "int8", "int4_g128", "int4_g128_zp"
+    return f"{fmt}{'' if group_size is None else f'_g{group_size}'}{'' if zeros == 'sym' else f'_{zeros}'}"
 
 
 def weight_bytes(qw: QuantizedWeight) -> int:
@@ -66,12 +73,13 @@ def bench_decode(k, n, m, results, configs):
     ws = [w + i for i in range(copies)]
     bf16_ms = device_ms(rotated(lambda x, w: x @ w), x, ws) / copies
     row = {"K": k, "N": n, "M": m, "bf16_us": bf16_ms * 1e3, "bf16_bytes": w.nbytes}
-    for fmt, g, sym in FORMATS:
-        qw = quantize(w, fmt, group_size=g, symmetric=sym)
+    for fmt, g, zeros in FORMATS:
+        qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
+        qw = with_float_offsets(qw) if zeros == "offsets" else qw
         copies = max(2, -(-MIN_ROTATION_BYTES // weight_bytes(qw)))
         qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)), np.float32)
-        name = f"{fmt}{'' if g is None else f'_g{g}'}{'' if sym else '_asym'}"
+        name = _name(fmt, g, zeros)
         for cname, cfg in configs.items():   # cfg None: what the engine runs (backend "auto")
             try:
                 fn = ((lambda x, w: quantized_matmul(x, w)) if cfg is None else
@@ -92,16 +100,17 @@ def bench_prefill(k, n, m, results):
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     row = {"K": k, "N": n, "M": m, "bf16_us": device_ms(jax.jit(lambda x, w: x @ w), x, w) * 1e3}
-    for fmt, g, sym in FORMATS[:3]:
-        qw = quantize(w, fmt, group_size=g, symmetric=sym)
+    for fmt, g, zeros in FORMATS[:4]:
+        qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
+        name = _name(fmt, g, zeros)
         for path, kw in [("pallas_tm128", dict(prefill="pallas")),
                          ("pallas_tm256", dict(prefill="pallas", config=QuantMatmulConfig(tile_m=256))),
                          ("xla_dequant_dot", dict(prefill="xla"))]:
             try:
                 fn = jax.jit(lambda x, w, kw=kw: quantized_matmul(x, w, backend="pallas", **kw))
-                row[f"{fmt}/{path}"] = {"us": device_ms(fn, x, qw, iterations=10) * 1e3}
+                row[f"{name}/{path}"] = {"us": device_ms(fn, x, qw, iterations=10) * 1e3}
             except Exception as e:  # noqa: BLE001
-                row[f"{fmt}/{path}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                row[f"{name}/{path}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     results["prefill"].append(row)
     return row
 
@@ -110,8 +119,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="first decode shape only, no prefill")
     parser.add_argument("--rows", type=int, default=DECODE_ROWS, help="activation rows of the decode rows")
+    parser.add_argument("--formats", help="comma-separated names to run (e.g. int4_g128,int4_g128_zp); default all")
+    parser.add_argument("--no-prefill", action="store_true", help="decode shapes only")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    if args.formats:
+        keep = set(args.formats.split(","))
+        FORMATS[:] = [f for f in FORMATS if _name(*f) in keep]
+        if not FORMATS:
+            parser.error(f"--formats {args.formats!r} names none of the formats")
     t0 = time.time()
     dev = jax.devices()[0]
     results = {"device": dev.device_kind, "jax": jax.__version__,
@@ -133,7 +149,7 @@ def main():
                           f"({100 * gbps / results['copy_GBps']:4.0f}% of copy)  x{row['bf16_us'] / v['us']:.2f} "
                           f"vs bf16 ({row['bf16_us']:.1f} us)  err {v['rel_err']:.1e}", flush=True)
         print(f"  [{time.time() - t0:.0f}s]", flush=True)
-    if not args.quick:
+    if not (args.quick or args.no_prefill):
         for k, n in [(4096, 6144), (4096, 28672), (14336, 4096)]:
             row = bench_prefill(k, n, 2048, results)
             for key, v in row.items():

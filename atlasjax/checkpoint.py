@@ -32,7 +32,8 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
         key = "/".join(path)
         if is_quantized(leaf):
             quantized[key] = dict(format=leaf.format, group_size=leaf.group_size, shape=list(leaf.shape),
-                                  qweight_dtype=str(leaf.qweight.dtype), has_zeros=leaf.zeros is not None)
+                                  qweight_dtype=str(leaf.qweight.dtype), has_zeros=leaf.zeros is not None,
+                                  zero_point=leaf.zero_point)
             qweight = leaf.qweight.astype(jnp.int8) if leaf.qweight.dtype == jnp.int4 else leaf.qweight
             leaves[key + "|qweight"], leaves[key + "|scales"] = qweight, leaf.scales
             if leaf.zeros is not None:
@@ -77,7 +78,8 @@ def load_checkpoint(directory: str, dtype) -> LoadedModel:
         qweight = jnp.asarray(leaves[key + "|qweight"]).astype(jnp.dtype(q["qweight_dtype"]))
         zeros = jnp.asarray(leaves[key + "|zeros"]) if q["has_zeros"] else None
         _set(params, tuple(key.split("/")), QuantizedWeight(qweight, jnp.asarray(leaves[key + "|scales"]), zeros,
-                                                            q["format"], q["group_size"], tuple(q["shape"])))
+                                                            q["format"], q["group_size"], tuple(q["shape"]),
+                                                            q.get("zero_point", False)))
     for key, value in leaves.items():
         if "|" not in key:
             _set(params, tuple(key.split("/")), jnp.asarray(value).astype(dtype))

@@ -15,8 +15,7 @@ def quantizing_converter(fmt: str, quantize_lm_head: bool = False):
 
     def convert(path, array):
         if include(path, array):
-            # int4: asymmetric (scale + offset per group of 128), clearly better than symmetric for RTN.
-            return quantize(array, fmt, symmetric=fmt != "int4")
+            return quantize(array, fmt)   # the format's default: int4 asymmetric, groups of 128
         return None
     return convert
 

@@ -11,16 +11,20 @@ Storage layout (the same for every format, chosen for the kernels):
   dtype: `int8` ("int8"), `float8_e4m3fn` ("fp8"), `int4` ("int4": signed nibbles q in [-8, 7],
   packed two per byte in device memory by XLA).
 - `scales`: `[K_pad // group_size, N_pad]` float32, one row per K-group.
-- `zeros`: `[K_pad // group_size, N_pad]` float32 or None. Only "int4" uses it; it is the additive
-  offset of the group ("min" in GGUF Q4_1), not an integer zero point.
+- `zeros`: `[K_pad // group_size, N_pad]` float32 or None. Only asymmetric "int4" uses it, in one
+  of two ways (`zero_point`, static): the integer zero point z of the group, a whole number in
+  [-8, 7] (quantize at load), or the group's additive float offset ("min" in GGUF Q4_1).
 - Padding: `N_pad` is `N` rounded up to `N_ALIGN`, `K_pad` is `K` rounded up to `K_ALIGN` (and to a
   multiple of `group_size`). Padded entries dequantize to 0. The Llama/Qwen shapes need none.
 
 Dequantization, per element (k, n) with g = k // group_size:
 - "int8", "fp8":           w = float(q) * scales[g, n]
 - "int4", zeros is None:   w = float(q) * scales[g, n]                (symmetric, GGUF Q4_0)
-- "int4", with zeros:      w = float(q + 8) * scales[g, n] + zeros[g, n]   (asymmetric, GGUF Q4_1)
-These are exact in float32 for GGUF Q8_0 / Q4_0 / Q4_1 blocks (`from_gguf_blocks`).
+- "int4", zero points:     w = float(q - zeros[g, n]) * scales[g, n]  (asymmetric, quantized at load)
+- "int4", float offsets:   w = float(q + 8) * scales[g, n] + zeros[g, n]   (asymmetric, GGUF Q4_1)
+These are exact in float32 for GGUF Q8_0 / Q4_0 / Q4_1 blocks (`from_gguf_blocks`). With integer
+zero points, q - z is a whole number in [-15, 15], exact in bf16, so the kernel subtracts it from
+the dequantized tile and needs no offset term (docs/perf_quant.md, session 11).
 """
 
 from __future__ import annotations
@@ -82,12 +86,15 @@ def _quantize_padded(w, *, fmt, group_size, symmetric, k_pad, n_pad):
     wg = w.reshape(k_pad // group_size, group_size, n_pad)
     zeros = None
     if fmt == "int4" and not symmetric:
-        lo, hi = wg.min(axis=1), wg.max(axis=1)  # [G, N_pad]
+        # The group's range, widened to hold 0 (so 0 is exact), on a grid of 16 steps whose zero
+        # point u0 is a whole number: w = (u - u0) s, stored as q = u - 8 and z = u0 - 8.
+        lo, hi = jnp.minimum(wg.min(axis=1), 0.0), jnp.maximum(wg.max(axis=1), 0.0)  # [G, N_pad]
         scales = (hi - lo) / 15.0
         inv = jnp.where(scales > 0, 1.0 / jnp.where(scales > 0, scales, 1.0), 0.0)
-        u = jnp.clip(jnp.round((wg - lo[:, None]) * inv[:, None]), 0, 15)
+        u0 = jnp.clip(jnp.round(-lo * inv), 0, 15)
+        u = jnp.clip(jnp.round(wg * inv[:, None]) + u0[:, None], 0, 15)
         q = (u - 8).astype(jnp.int4)
-        zeros = lo
+        zeros = u0 - 8.0
     else:
         qmax = {"int8": 127.0, "fp8": FP8_MAX, "int4": 7.0}[fmt]
         scales = jnp.abs(wg).max(axis=1) / qmax  # [G, N_pad]
@@ -107,7 +114,7 @@ def quantize(
     format: str,
     *,
     group_size: int | None = None,
-    symmetric: bool = True,
+    symmetric: bool | None = None,
 ) -> QuantizedWeight:
     """Quantizes a float weight W[K, N] (y = x @ W).
 
@@ -116,12 +123,16 @@ def quantize(
       format: "int8" (symmetric), "fp8" (e4m3, symmetric) or "int4" (symmetric or asymmetric).
       group_size: K-group size (power of two >= 16); default per output channel for int8/fp8 and
         128 for int4.
-      symmetric: int4 only: False stores a per-group offset in `zeros`.
+      symmetric: int4 only: False stores a per-group integer zero point in `zeros`. None: the
+        format's default, which is what the engine quantizes at load: asymmetric for int4 (more
+        accurate, and as fast with zero points: docs/quantization.md), symmetric otherwise.
     Returns:
       The QuantizedWeight; `dequantize` of it approximates w.
     """
     group_size = DEFAULT_GROUP_SIZE.get(format) if group_size is None else group_size
     _validate_group(format, group_size)
+    if symmetric is None:
+        symmetric = format != "int4"
     if not symmetric and format != "int4":
         raise ValueError(f"format {format!r} is symmetric only; asymmetric is int4")
     if w.ndim != 2:
@@ -131,7 +142,7 @@ def quantize(
     qweight, scales, zeros = _quantize_padded(
         jnp.asarray(w), fmt=format, group_size=group_size, symmetric=symmetric,
         k_pad=k_pad, n_pad=n_pad)
-    return QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n))
+    return QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n), zero_point=zeros is not None)
 
 
 def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
@@ -168,7 +179,7 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
     qweight = np.pad(qweight, ((0, n_pad - qweight.shape[0]), (0, k_pad - qweight.shape[1])))
     pad_groups = ((0, k_pad // group_size - scales.shape[0]), (0, n_pad - scales.shape[1]))
     return QuantizedWeight(qweight, np.pad(scales, pad_groups), None if zeros is None else np.pad(zeros, pad_groups),
-                           qw.format, group_size, (new_k, new_n))
+                           qw.format, group_size, (new_k, new_n), qw.zero_point)
 
 
 def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
@@ -196,7 +207,7 @@ def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
         else:
             groups = tuple(x // first.group_size for x in ks)
             scales, zeros = (join(f, -2, groups, k_pad // group) for f in ("scales", "zeros"))
-    return QuantizedWeight(qweight, scales, zeros, first.format, group, (new_k, new_n))
+    return QuantizedWeight(qweight, scales, zeros, first.format, group, (new_k, new_n), first.zero_point)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "axis", "size"))
@@ -321,7 +332,7 @@ def quantize_params(
     *,
     include: Callable[[tuple[str, ...], Any], bool] = is_projection_kernel,
     group_size: int | None = None,
-    symmetric: bool = True,
+    symmetric: bool | None = None,
     quantize_lm_head: bool = False,
 ) -> dict[str, Any]:
     """Returns a copy of a nested-dict param tree with selected [K, N] kernels quantized.

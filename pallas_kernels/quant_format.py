@@ -15,7 +15,7 @@ import jax.numpy as jnp
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["qweight", "scales", "zeros"],
-    meta_fields=["format", "group_size", "shape"],
+    meta_fields=["format", "group_size", "shape", "zero_point"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
@@ -24,10 +24,13 @@ class QuantizedWeight:
     Attributes:
       qweight: [N_pad, K_pad] int8 | float8_e4m3fn | int4.
       scales: [K_pad // group_size, N_pad] float32.
-      zeros: [K_pad // group_size, N_pad] float32 additive offsets ("int4" asymmetric) or None.
+      zeros: [K_pad // group_size, N_pad] float32 or None ("int4" asymmetric only): additive
+        offsets, w = (q + 8) s + zeros (GGUF Q4_1), or, with `zero_point`, integer zero points
+        z in [-8, 7], w = (q - z) s (quantize at load).
       format: "int8" | "fp8" | "int4" (static).
       group_size: K-group size; per-channel formats use group_size = K_pad (static).
       shape: logical (K, N) (static).
+      zero_point: how `zeros` is read (static).
     """
 
     qweight: jax.Array
@@ -36,6 +39,7 @@ class QuantizedWeight:
     format: str
     group_size: int
     shape: tuple[int, int]
+    zero_point: bool = False
 
     @property
     def padded_shape(self) -> tuple[int, int]:
@@ -45,8 +49,22 @@ class QuantizedWeight:
 
     @property
     def num_groups(self) -> int:
-        return self.scales.shape[0]
+        return self.scales.shape[-2]
 
+
+def with_float_offsets(qw: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with its integer zero points rewritten as float offsets (GGUF Q4_1's form):
+    (q + 8) s + zeros' = (q - z) s for zeros' = -(z + 8) s."""
+    if not qw.zero_point:
+        return qw
+    return dataclasses.replace(qw, zeros=-(qw.zeros + 8.0) * qw.scales, zero_point=False)
+
+
+def group_offsets(qw: QuantizedWeight) -> jax.Array:
+    """[G, N_pad] float32 b such that w = q * s + b for an asymmetric weight (either kind of zeros)."""
+    if qw.zero_point:
+        return -qw.zeros * qw.scales
+    return 8.0 * qw.scales + qw.zeros
 
 
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -55,7 +73,9 @@ def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     k_pad, n_pad = qw.padded_shape
     g = qw.group_size
     q = qw.qweight.T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
-    if qw.zeros is not None:
+    if qw.zeros is not None and qw.zero_point:
+        w = (q - qw.zeros[:, None, :]) * qw.scales[:, None, :]
+    elif qw.zeros is not None:
         w = (q + 8.0) * qw.scales[:, None, :] + qw.zeros[:, None, :]
     else:
         w = q * qw.scales[:, None, :]

@@ -17,11 +17,13 @@ in registers before the wgmma ("prescale"), so a step spans several groups and o
 serves all of K; int4 groups of 32 need that (a 16-byte row is under the smallest swizzle).
 The dequantized weight never leaves registers. K is split across a second grid axis when the
 N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
-The asymmetric int4 offset term sum_g (8 s + zeros)[g, n] * sum_{k in g} x[m, k] stays in the
-kernel (`fold_zeros`): prescaled steps add the offsets to the tile; per-group steps run one more
-wgmma per group, of a ones tile with x, whose rows are the group's x row sums (exact in f32, and
-no division by a scale, which is 0 for a constant group). `fold_zeros=False` leaves the term to
-XLA next to the kernel.
+Asymmetric int4 with integer zero points (what quantize at load makes) subtracts each group's
+zero-point row from the dequantized tile (q - z is exact in bf16), so it costs one packed subtract
+per two weights and no more wgmmas. With float offsets (GGUF Q4_1) the offset term
+sum_g (8 s + zeros)[g, n] * sum_{k in g} x[m, k] stays in the kernel (`fold_zeros`): prescaled
+steps add the offsets to the tile; per-group steps run one more wgmma per group, of a ones tile
+with x, whose rows are the group's x row sums (exact in f32, and no division by a scale, which is
+0 for a constant group). `fold_zeros=False` leaves the term to XLA next to the kernel.
 
 Prefill (M > DECODE_ROWS) defaults to dequantize-to-bf16 + XLA dot, which measured 1.3-1.4x the bf16 dot
 against ~2.1x for this kernel with 128-row M tiles (`docs/perf_quant.md`); `prefill="pallas"` keeps
@@ -46,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quant_format import QuantizedWeight, dequantize
+from pallas_kernels.quant_format import QuantizedWeight, dequantize, group_offsets
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
@@ -107,11 +109,11 @@ def _elem_bits(dtype) -> int:
 
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
-                            prescale=False, group_size=None, unroll=1, z_gmem=None):
+                            prescale=False, group_size=None, unroll=1, z_gmem=None, zero_point=False):
     """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
-    f32 scales (offsets, when folded in); out_gmem [splits, M_pad, N_pad] f32 (the output dtype
+    f32 scales (integer zero points with `zero_point`, else float offsets to fold in); out_gmem [splits, M_pad, N_pad] f32 (the output dtype
     when K is not split); out_smem [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k]
     bf16 scratch or None: when given (interpret mode, whose wgmma reads only shared memory), the
     dequantized tile is staged there instead of feeding wgmma from registers.
@@ -164,6 +166,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
     def prescaled(w_smem, s_smem, z_smem=None):  # the tile times its groups' scales, rounded once to bf16
         a = dequantized(w_smem).astype(jnp.float32)
+        if zero_point:  # w = (q - z) s
+            return ((a - per_group(z_smem, a.shape)) * per_group(s_smem, a.shape)).astype(jnp.bfloat16)
         a = a * per_group(s_smem, a.shape)
         if z_smem is not None:  # w = q s + (8 s + zeros)
             a = a + per_group(z_smem, a.shape, lambda j, z: z + 8.0 * plgpu.load(s_smem.at[j], layout=row_layout))
@@ -208,7 +212,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # overlaps the previous group's wgmma; each group's f32 partial is then scaled by its row.
         # Asymmetric groups with fold_zeros also run a wgmma of a ones tile with x: its every row
         # is the group's x row sum, which times the offset row (8 s + zeros) is the offset term.
-        fold = z_gmem is not None
+        fold = z_gmem is not None and not zero_point
         ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16) if fold else None
         specs = ([plgpu.BlockSpec((TILE_N, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
                                   transforms=_swizzled(tile_k * w_bits, w_bits, "weight")) for i in range(unroll)]
@@ -216,17 +220,21 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
                                     transforms=_swizzled(tile_k * 16, 16, "x")) for i in range(unroll)])
         # unroll > 1 only with one group per tile (steps_per_group == 1): rows [k * unroll, (k + 1) * unroll)
         rows_spec = scale_spec if unroll == 1 else plgpu.BlockSpec((unroll, TILE_N), lambda k: (first_step + k, 0))
-        group_rows = [s_gmem.at[:, n_slice]] + ([z_gmem.at[:, n_slice]] if fold else [])
+        group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
 
-        def row(rows_smem, i, shape):
-            return lax.broadcast_in_dim(plgpu.load(rows_smem.at[i], layout=row_layout), shape, [0])
+        def row(rows_smem, i, shape, dtype=jnp.float32):
+            return lax.broadcast_in_dim(plgpu.load(rows_smem.at[i], layout=row_layout).astype(dtype), shape, [0])
+
+        def tile(ws, z_smem, i):  # group i's weight tile in bf16: q, or q - z (exact) with zero points
+            a = dequantized(ws[i])
+            return a - row(z_smem[0], i, a.shape, jnp.bfloat16) if zero_point else a
 
         def step(_, *refs):
             ws, xs, (s_smem, *z_smem), acc = refs[:unroll], refs[unroll:2 * unroll], refs[2 * unroll:-1], refs[-1]
 
             def issue_all(*acc_refs):
                 for i in range(unroll):
-                    issue(acc_refs[i], dequantized(ws[i]), xs[i])
+                    issue(acc_refs[i], tile(ws, z_smem, i), xs[i])
                     if fold:
                         issue(acc_refs[unroll + i], ones, xs[i])
                 plgpu.wgmma_wait(0)
@@ -279,20 +287,21 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     # Steps in flight: as many as asked that fit shared memory (a 128-row M tile of 256-element
     # steps holds 64 KB of x per step).
     fold = _folds_zeros(qw, config)
+    with_zeros = fold or qw.zero_point  # the kernel reads the zeros rows
     # Without K splits or an XLA offset term to add, the kernel stores y in the output dtype.
-    y_dtype = jnp.float32 if splits > 1 or (qw.zeros is not None and not fold) else out_dtype
+    y_dtype = jnp.float32 if splits > 1 or _xla_offsets(qw, config) else out_dtype
     per_step = unroll * (m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8
-                         + (2 if fold else 1) * 8 * TILE_N * 4)
+                         + (2 if with_zeros else 1) * 8 * TILE_N * 4)
     fixed = TILE_N * m_tile * 4 + (TILE_N * tile_k * 2 if interpret else 0)
     depth = max(1, min(config.max_concurrent_steps, (SMEM_BUDGET - fixed) // per_step))
     kernel = functools.partial(
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.scales.shape[0] == 1,
         max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size,
-        unroll=unroll)
+        unroll=unroll, zero_point=qw.zero_point)
 
-    def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when folded
-        z, refs = (refs[0], refs[1:]) if fold else (None, refs)
+    def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when read
+        z, refs = (refs[0], refs[1:]) if with_zeros else (None, refs)
         kernel(w, x, s, *refs, z_gmem=z)
     call = plgpu.kernel(
         quantized_matmul_kernel_refs,
@@ -306,7 +315,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    y = call(qw.qweight, xp, qw.scales, *([qw.zeros] if fold else []))
+    y = call(qw.qweight, xp, qw.scales, *([qw.zeros] if with_zeros else []))
     return y[0] if splits == 1 else y.sum(axis=0)
 
 
@@ -341,7 +350,13 @@ def _prescales(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
 
 
 def _folds_zeros(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
-    return config.fold_zeros and qw.zeros is not None and qw.num_groups > 1
+    """Float offsets whose term the kernel computes (integer zero points need no term)."""
+    return config.fold_zeros and qw.zeros is not None and not qw.zero_point and qw.num_groups > 1
+
+
+def _xla_offsets(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    """Float offsets whose term XLA adds next to the kernel (`fold_zeros=False`)."""
+    return qw.zeros is not None and not qw.zero_point and not _folds_zeros(qw, config)
 
 
 def _unroll(qw: QuantizedWeight, config: QuantMatmulConfig, tile_k: int) -> int:
@@ -410,10 +425,10 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
     m_pad = -(-m // m_tile) * m_tile
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))  # [M_pad, K_pad]
     y = _pallas_matmul(xp, qw, config, m_tile, interpret, out_dtype)  # [M_pad, N_pad]
-    if qw.zeros is not None and not _folds_zeros(qw, config):  # asymmetric int4: w = q * s + (8 s + zeros)
+    if _xla_offsets(qw, config):  # asymmetric int4 with float offsets: w = q * s + (8 s + zeros)
         g = qw.group_size
         x_sums = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1)  # [M_pad, G]
-        y = y + jnp.dot(x_sums, 8.0 * qw.scales + qw.zeros, precision=lax.Precision.HIGHEST)
+        y = y + jnp.dot(x_sums, group_offsets(qw), precision=lax.Precision.HIGHEST)
     return y[:m, : qw.shape[1]].astype(out_dtype)
 
 

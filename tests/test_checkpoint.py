@@ -45,3 +45,19 @@ def test_save_command_writes_a_checkpoint_the_cli_loads(tmp_path_factory):
     want = run("generate", "--model", model, "--quantization", "int8", *common, *prompt).stdout
     got = run("generate", "--model", saved, *common, *prompt).stdout
     assert got == want and want.strip()
+
+
+def test_int4_zero_points_survive_save_and_load(tmp_path_factory):
+    # An int4 checkpoint keeps how its zeros are read (integer zero points), so it loads back to the
+    # same weights and the same greedy output.
+    model = tiny_model_dir(tmp_path_factory)
+    kw = dict(max_num_seqs=1, max_model_len=64, dtype="float32")
+    llm = LLM(model, quantization="int4", **kw)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ref = llm.generate(["One two three"], params)[0].outputs[0]
+    saved = str(tmp_path_factory.mktemp("saved_int4"))
+    llm.save(saved)
+    again = LLM(saved, **kw)
+    leaf = again.engine.runner.checkpoint_params()["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert leaf.format == "int4" and leaf.zero_point and leaf.zeros is not None
+    assert again.generate(["One two three"], params)[0].outputs[0].token_ids == ref.token_ids

@@ -33,18 +33,24 @@ def test_int4_within_group_bounds(group_size, symmetric):
     k, n = 256 + group_size, 96
     w = _weight(k, n, seed=group_size)
     qw = quantize(w, "int4", group_size=group_size, symmetric=symmetric)
-    assert (qw.zeros is None) == symmetric and qw.group_size == group_size
+    assert (qw.zeros is None) == symmetric and qw.zero_point == (not symmetric) and qw.group_size == group_size
+    if not symmetric:   # integer zero points in [-8, 7]
+        z = np.asarray(qw.zeros)
+        assert np.array_equal(z, np.round(z)) and z.min() >= -8 and z.max() <= 7
     deq = np.asarray(dequantize(qw))
     # Every element is within half a quantization step of its group (plus float rounding).
     step = np.repeat(np.asarray(qw.scales), group_size, axis=0)[:k, :n]
     assert np.all(np.abs(deq - w) <= 0.5 * step * (1 + 1e-5) + 1e-7)
 
 
-def test_int4_asymmetric_uses_zeros_for_shifted_groups():
-    w = _weight(256, 64) * 0.1 + 3.0  # all positive: a symmetric grid wastes half its levels
-    sym, asym = quantize(w, "int4", symmetric=True), quantize(w, "int4", symmetric=False)
-    assert np.allclose(np.asarray(asym.zeros)[:, :64], w.reshape(2, 128, 64).min(1), atol=1e-6)
-    assert _rel(dequantize(asym), w) < 0.5 * _rel(dequantize(sym), w)
+def test_int4_asymmetric_fits_skewed_groups():
+    # Mostly positive groups: a symmetric grid wastes most of its negative levels; the asymmetric
+    # one spans [min(w, 0), max(w, 0)] with 0 exact.
+    w = np.abs(_weight(256, 64)) * 0.1 - 0.02
+    sym, asym = quantize(w, "int4", symmetric=True), quantize(w, "int4")
+    assert asym.zero_point and sym.zeros is None   # int4 defaults to asymmetric, as the engine loads it
+    assert _rel(dequantize(asym), w) < 0.6 * _rel(dequantize(sym), w)
+    assert np.all(np.asarray(dequantize(quantize(np.zeros((256, 64), np.float32), "int4"))) == 0)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
@@ -58,14 +64,17 @@ def test_quantize_dequantize_is_idempotent(fmt):
 
 
 def test_padding_and_pytree():
-    qw = quantize(_weight(100, 50), "int4", group_size=32)
+    qw = quantize(_weight(100, 50), "int4", group_size=32, symmetric=True)
     assert qw.qweight.shape == (128, 256) and qw.qweight.dtype == jnp.int4
     assert qw.scales.shape == (8, 128)
     assert np.all(np.asarray(dequantize(qw, jnp.float32)).shape == (100, 50))
     leaves, treedef = jax.tree.flatten(qw)
-    assert len(leaves) == 2  # zeros=None is no leaf; format/group_size/shape are static
+    assert len(leaves) == 2  # zeros=None is no leaf; format/group_size/shape/zero_point are static
     rebuilt = jax.tree.unflatten(treedef, leaves)
     assert (rebuilt.format, rebuilt.group_size, rebuilt.shape) == ("int4", 32, (100, 50))
+    asym = quantize(_weight(100, 50), "int4", group_size=32)
+    leaves, treedef = jax.tree.flatten(asym)
+    assert len(leaves) == 3 and jax.tree.unflatten(treedef, leaves).zero_point
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
@@ -78,7 +87,7 @@ def test_from_gguf_blocks_is_exact(qtype, n, k):
     qw = from_gguf_blocks(raw, qtype, (n, k))
     assert qw.shape == (k, n) and qw.group_size == 32
     assert qw.format == ("int8" if qtype.name == "Q8_0" else "int4")
-    assert (qw.zeros is not None) == (qtype.name == "Q4_1")
+    assert (qw.zeros is not None) == (qtype.name == "Q4_1") and not qw.zero_point   # Q4_1: float offsets
     np.testing.assert_array_equal(np.asarray(dequantize(qw)), expected)
     np.testing.assert_array_equal(np.asarray(dequantize(from_gguf_blocks(raw.reshape(-1), int(qtype), (n, k)))),
                                   expected)
@@ -123,6 +132,7 @@ def test_concat_quantized_undoes_slice_quantized(fmt, kw, dim):
     qw = quantize(w, fmt, **kw)
     cut = 64 if dim == 0 else 96
     parts = [slice_quantized(qw, dim, 0, cut), slice_quantized(qw, dim, cut, w.shape[dim] - cut)]
+    assert all(p.zero_point == qw.zero_point for p in parts)
     joined = concat_quantized(parts, dim)
-    assert joined.shape == qw.shape and joined.group_size == qw.group_size
+    assert joined.shape == qw.shape and joined.group_size == qw.group_size and joined.zero_point == qw.zero_point
     np.testing.assert_array_equal(np.asarray(dequantize(joined)), np.asarray(dequantize(qw)))

@@ -4,31 +4,40 @@ On CPU the Mosaic GPU kernel runs in GPU interpret mode (its wgmma reads the deq
 shared memory there); the `gpu` tests run the native kernel (register operand) on a GPU.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from atlasjax.quantization import quantize
+from pallas_kernels.quant_format import with_float_offsets
 from pallas_kernels.quantized_matmul import DECODE_ROWS, QuantMatmulConfig, quantized_matmul, quantized_matmul_reference
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
 
-CASES = [  # (format, group_size, symmetric)
-    ("int8", None, True),
-    ("fp8", None, True),
-    ("int4", 128, True),
-    ("int4", 64, False),
-    ("int8", 32, True),  # GGUF Q8_0 grouping
+# zeros: "sym" (none), "zp" (asymmetric, integer zero points: what quantize makes) or "offsets"
+# (asymmetric with float offsets, GGUF Q4_1's form: the same weight through `with_float_offsets`).
+CASES = [  # (format, group_size, zeros)
+    ("int8", None, "sym"),
+    ("fp8", None, "sym"),
+    ("int4", 128, "sym"),
+    ("int4", 64, "zp"),
+    ("int4", 64, "offsets"),
+    ("int8", 32, "sym"),  # GGUF Q8_0 grouping
 ]
 
 
-def _check(fmt, group_size, symmetric, m, k, n, seed=0, **kwargs):
+def _check(fmt, group_size, zeros, m, k, n, seed=0, **kwargs):
     kwargs.setdefault("prefill", "pallas")
     rng = np.random.default_rng(seed)
     qw = quantize(rng.standard_normal((k, n)).astype(np.float32), fmt, group_size=group_size,
-                  symmetric=symmetric)
+                  symmetric=zeros == "sym")
+    assert qw.zero_point == (zeros != "sym")
+    if zeros == "offsets":
+        qw = with_float_offsets(qw)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     kwargs.setdefault("backend", "pallas")
     y = quantized_matmul(x, qw, out_dtype=jnp.float32, **kwargs)
@@ -39,10 +48,10 @@ def _check(fmt, group_size, symmetric, m, k, n, seed=0, **kwargs):
     assert err < 4e-3, (fmt, group_size, m, k, n, err)  # bf16 rounding of the weight tile at most
 
 
-@pytest.mark.parametrize("fmt,group_size,symmetric", CASES)
+@pytest.mark.parametrize("fmt,group_size,zeros", CASES)
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_interpret_matches_reference(fmt, group_size, symmetric, m):
-    _check(fmt, group_size, symmetric, m, k=200, n=70, seed=m, interpret=True)
+def test_interpret_matches_reference(fmt, group_size, zeros, m):
+    _check(fmt, group_size, zeros, m, k=200, n=70, seed=m, interpret=True)
 
 
 def test_interpret_k_splits_and_m_tiles():
@@ -50,42 +59,45 @@ def test_interpret_k_splits_and_m_tiles():
     # M tiles; N = 130 needs 3 tiles of 64 after padding.
     cfg = QuantMatmulConfig(num_k_splits=2, tile_m=48)
     m = DECODE_ROWS + 16
-    _check("int8", None, True, m, 512, 130, config=cfg, interpret=True, prefill="pallas")
-    _check("int4", 128, False, m, 512, 130, config=cfg, interpret=True, prefill="pallas")
+    _check("int8", None, "sym", m, 512, 130, config=cfg, interpret=True, prefill="pallas")
+    _check("int4", 128, "zp", m, 512, 130, config=cfg, interpret=True, prefill="pallas")
 
 
-@pytest.mark.parametrize("fmt,group_size,symmetric,k,tile_k", [
-    ("int4", 128, True, 512, 128), ("int4", 128, False, 512, 256), ("int4", 32, True, 576, 128),
-    ("int4", 32, False, 160, 128), ("int8", 32, True, 200, 64),
+@pytest.mark.parametrize("fmt,group_size,zeros,k,tile_k", [
+    ("int4", 128, "sym", 512, 128), ("int4", 128, "offsets", 512, 256), ("int4", 32, "sym", 576, 128),
+    ("int4", 32, "offsets", 160, 128), ("int8", 32, "sym", 200, 64),
 ])
 @pytest.mark.parametrize("m", [1, 17])
-def test_interpret_prescaled_groups(fmt, group_size, symmetric, k, tile_k, m):
+def test_interpret_prescaled_groups(fmt, group_size, zeros, k, tile_k, m):
     # Group scales folded into the dequantized tile, one accumulator; steps of several groups
     # (int4 groups of 32, GGUF Q4_0/Q4_1), K not a multiple of the requested step (576, 160, 200).
-    # Asymmetric groups here take the XLA offset term (fold_zeros=False); the folded path is below.
+    # Float offsets here take the XLA offset term (fold_zeros=False); the folded path is below.
     cfg = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=False)
-    _check(fmt, group_size, symmetric, m, k, 70, seed=k + m, config=cfg, interpret=True)
+    _check(fmt, group_size, zeros, m, k, 70, seed=k + m, config=cfg, interpret=True)
 
 
+@pytest.mark.parametrize("zeros", ["offsets", "zp"])
 @pytest.mark.parametrize("group_size,k,tile_k", [(32, 576, 256), (32, 160, 128), (128, 512, 256)])
 @pytest.mark.parametrize("m", [1, 17])
-def test_interpret_prescaled_folded_zeros(group_size, k, tile_k, m):
-    # Asymmetric groups with the offsets (8 s + zeros) added in the tile: no XLA offset term.
+def test_interpret_prescaled_asymmetric(zeros, group_size, k, tile_k, m):
+    # Asymmetric groups applied in the prescaled tile, no XLA offset term: float offsets added
+    # (8 s + zeros), or integer zero points subtracted before the scale.
     cfg = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=True)
-    _check("int4", group_size, False, m, k, 70, seed=k + m, config=cfg, interpret=True)
+    _check("int4", group_size, zeros, m, k, 70, seed=k + m, config=cfg, interpret=True)
 
 
-@pytest.mark.parametrize("symmetric,fold_zeros", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("zeros,fold_zeros", [("sym", True), ("zp", True), ("offsets", True), ("offsets", False)])
 @pytest.mark.parametrize("group_size,k,unroll", [(128, 1024, 1), (128, 1024, 2), (128, 1024, 4),
                                                  (64, 384, 3), (256, 512, 2)])
-def test_interpret_per_group_unroll(symmetric, fold_zeros, group_size, k, unroll):
+def test_interpret_per_group_unroll(zeros, fold_zeros, group_size, k, unroll):
     # Groups of >= 128 (and 64) keep the scale on each group's f32 partial; `unroll` groups per
-    # pipeline step share one wgmma wait. Asymmetric offsets either come from a ones-tile wgmma in
-    # the kernel (fold_zeros) or from the XLA offset term. Group 256 with 128-element tiles spans
-    # two steps per group (no unroll there); 3 groups per step must divide 6 groups of 64.
+    # pipeline step share one wgmma wait. Integer zero points are subtracted from the tile; float
+    # offsets come from a ones-tile wgmma in the kernel (fold_zeros) or from the XLA offset term.
+    # Group 256 with 128-element tiles spans two steps per group (no unroll there); 3 groups per
+    # step must divide 6 groups of 64.
     cfg = QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros, num_k_splits=2)
     for m in (1, 17):
-        _check("int4", group_size, symmetric, m, k, 70, seed=k + m + unroll, config=cfg, interpret=True)
+        _check("int4", group_size, zeros, m, k, 70, seed=k + m + unroll, config=cfg, interpret=True)
 
 
 def test_per_group_unroll_divides_the_groups():
@@ -96,14 +108,22 @@ def test_per_group_unroll_divides_the_groups():
         assert qw.num_groups == groups and _unroll(qw, cfg, _tile_k(qw, cfg)) == unroll
 
 
-def test_interpret_constant_groups_stay_finite():
-    # A constant group quantizes to scale 0 (asymmetric: the offset alone carries the value); the
-    # in-kernel offset term must not divide by the scale.
+@pytest.mark.parametrize("zeros", ["zp", "offsets"])
+def test_interpret_constant_groups_stay_finite(zeros):
+    # Constant groups: 0.25 is exact with zero points (the range widened to hold 0); an all-zero
+    # group has scale 0. Float offsets of a constant group carry the value with scale 0 (as GGUF
+    # Q4_1 can), so the in-kernel offset term must not divide by the scale.
     rng = np.random.default_rng(5)
     w = rng.standard_normal((512, 64)).astype(np.float32)
     w[128:256, :10] = 0.25    # one whole group of ten channels is constant
+    w[256:384, 10:20] = 0.0   # and one is zero
     qw = quantize(w, "int4", group_size=128, symmetric=False)
-    assert float(np.asarray(qw.scales)[1, :10].max()) == 0.0
+    assert float(np.asarray(qw.scales)[2, 10:20].max()) == 0.0
+    np.testing.assert_allclose(np.asarray(quantized_matmul_reference(jnp.eye(512), qw))[128:256, :10], 0.25,
+                               rtol=1e-6)
+    if zeros == "offsets":
+        qw = with_float_offsets(qw)
+        qw = dataclasses.replace(qw, scales=qw.scales.at[1, :10].set(0.0), zeros=qw.zeros.at[1, :10].set(0.25))
     x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
     y = np.asarray(quantized_matmul(x, qw, backend="pallas", interpret=True, out_dtype=jnp.float32))
     ref = np.asarray(quantized_matmul_reference(x, qw))
@@ -121,7 +141,7 @@ def test_prescaled_int4_g32_takes_the_kernel():
 
 def test_interpret_batched_decode_rows():
     # A decode batch of 17..DECODE_ROWS rows takes the kernel (one M tile), not dequantize + dot.
-    _check("int4", 128, True, 40, 256, 64, interpret=True)
+    _check("int4", 128, "sym", 40, 256, 64, interpret=True)
 
 
 def test_interpret_prefill_xla_path():
@@ -129,12 +149,12 @@ def test_interpret_prefill_xla_path():
     _check("int4", 32, True, 3, 256, 64, interpret=True, config=QuantMatmulConfig(prescale=False))  # no kernel: XLA
 
 
-@pytest.mark.parametrize("fmt,group_size,symmetric", CASES)
+@pytest.mark.parametrize("fmt,group_size,zeros", CASES)
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
-def test_xla_backend_matches_reference(fmt, group_size, symmetric, m):
+def test_xla_backend_matches_reference(fmt, group_size, zeros, m):
     # Per-channel int8/fp8: convert fused into XLA's dot, scale on the output (the GPU default for
     # them); grouped formats given backend="xla" dequantize + dot. K, N off every tile size.
-    _check(fmt, group_size, symmetric, m, k=200, n=70, seed=m, backend="xla")
+    _check(fmt, group_size, zeros, m, k=200, n=70, seed=m, backend="xla")
 
 
 def test_reference_backend_and_dtypes():
@@ -152,39 +172,40 @@ def test_reference_backend_and_dtypes():
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("fmt,group_size,symmetric", CASES)
+@pytest.mark.parametrize("fmt,group_size,zeros", CASES)
 @pytest.mark.parametrize("m,k,n", [(1, 200, 70), (3, 4096, 1000), (17, 1000, 4100), (64, 512, 256)])
-def test_gpu_matches_reference(fmt, group_size, symmetric, m, k, n):
-    _check(fmt, group_size, symmetric, m, k, n, seed=k + m)
+def test_gpu_matches_reference(fmt, group_size, zeros, m, k, n):
+    _check(fmt, group_size, zeros, m, k, n, seed=k + m)
 
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("fmt,group_size,symmetric,tile_k", [
-    ("int4", 128, True, 128), ("int4", 128, False, 256), ("int4", 32, True, 128), ("int4", 32, False, 64),
-    ("int8", 32, True, 128)])
+@pytest.mark.parametrize("fmt,group_size,zeros,tile_k", [
+    ("int4", 128, "sym", 128), ("int4", 128, "offsets", 256), ("int4", 32, "sym", 128), ("int4", 32, "offsets", 64),
+    ("int8", 32, "sym", 128)])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 70), (8, 4096, 1000), (40, 1024, 4100)])
-def test_gpu_prescaled_groups(fmt, group_size, symmetric, tile_k, m, k, n):
-    _check(fmt, group_size, symmetric, m, k, n, seed=k + m,
+def test_gpu_prescaled_groups(fmt, group_size, zeros, tile_k, m, k, n):
+    _check(fmt, group_size, zeros, m, k, n, seed=k + m,
            config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=False))
 
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("zeros", ["offsets", "zp"])
 @pytest.mark.parametrize("group_size,tile_k", [(32, 256), (32, 128), (128, 256)])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 70), (8, 4096, 1000), (40, 1024, 4100)])
-def test_gpu_prescaled_folded_zeros(group_size, tile_k, m, k, n):
-    _check("int4", group_size, False, m, k, n, seed=k + m,
+def test_gpu_prescaled_asymmetric(zeros, group_size, tile_k, m, k, n):
+    _check("int4", group_size, zeros, m, k, n, seed=k + m,
            config=QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, fold_zeros=True))
 
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("symmetric,fold_zeros", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("zeros,fold_zeros", [("sym", True), ("zp", True), ("offsets", True), ("offsets", False)])
 @pytest.mark.parametrize("unroll", [1, 2, 4])
 @pytest.mark.parametrize("m,k,n", [(1, 1024, 70), (8, 4096, 1000), (40, 2048, 4100)])
-def test_gpu_per_group_unroll(symmetric, fold_zeros, unroll, m, k, n):
-    _check("int4", 128, symmetric, m, k, n, seed=k + m + unroll,
+def test_gpu_per_group_unroll(zeros, fold_zeros, unroll, m, k, n):
+    _check("int4", 128, zeros, m, k, n, seed=k + m + unroll,
            config=QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros))
 
 
@@ -194,12 +215,12 @@ def test_gpu_per_group_unroll(symmetric, fold_zeros, unroll, m, k, n):
 def test_gpu_full_decode_tile_fits_shared_memory(fmt, group_size):
     # DECODE_ROWS rows in one M tile with 256-element prescaled steps: the pipeline depth shrinks
     # to fit shared memory (it overflowed at 4 steps in flight, found on the H100).
-    _check(fmt, group_size, True, DECODE_ROWS, 2048, 512, seed=3)
+    _check(fmt, group_size, "sym", DECODE_ROWS, 2048, 512, seed=3)
 
 
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_gpu_prefill(fmt):
-    _check(fmt, 128 if fmt == "int4" else None, True, 300, 1024, 384, config=QuantMatmulConfig(tile_m=128),
+    _check(fmt, 128 if fmt == "int4" else None, "zp" if fmt == "int4" else "sym", 300, 1024, 384, config=QuantMatmulConfig(tile_m=128),
            prefill="pallas")

@@ -15,7 +15,7 @@ from models.transformer import Transformer, init_kv_cache
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "In 1969, astronauts first",
            "Water boils at a temperature of"]
-KL_BOUNDS = {"int8": 0.01, "fp8": 0.035, "int4": 0.8, "gguf-q4_1": 0.0}   # mean nats per token
+KL_BOUNDS = {"int8": 0.01, "fp8": 0.035, "int4": 0.55, "gguf-q4_1": 0.0}   # mean nats per token
 
 
 def _full_logprobs(engine, ids):
