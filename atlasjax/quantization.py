@@ -10,8 +10,10 @@ Storage layout (the same for every format, chosen for the kernels):
   register operand of the matrix instruction, so this is the layout they stream.
   dtype: `int8` ("int8"), `float8_e4m3fn` ("fp8"), `int4` ("int4": signed nibbles q in [-8, 7],
   packed two per byte in device memory by XLA).
-- `scales`: `[K_pad // group_size, N_pad]` float32, one row per K-group.
-- `zeros`: `[K_pad // group_size, N_pad]` float32 or None. Only asymmetric "int4" uses it, in one
+- `scales`: `[K_pad // group_size, N_pad]`, one row per K-group: float32 per output channel,
+  float16 for groups (quantized at load, the codes computed with the rounded scale; or GGUF's
+  own). The kernels multiply in float32 whatever the storage.
+- `zeros`: `[K_pad // group_size, N_pad]` float16 or None. Only asymmetric "int4" uses it, in one
   of two ways (`zero_point`, static): the integer zero point z of the group, a whole number in
   [-8, 7] (quantize at load), or the group's additive float offset ("min" in GGUF Q4_1).
 - Padding: `N_pad` is `N` rounded up to `N_ALIGN`, `K_pad` is `K` rounded up to `K_ALIGN` (and to a
@@ -84,12 +86,17 @@ def _quantize_padded(w, *, fmt, group_size, symmetric, k_pad, n_pad):
     k, n = w.shape
     w = jnp.pad(w.astype(jnp.float32), ((0, k_pad - k), (0, n_pad - n)))
     wg = w.reshape(k_pad // group_size, group_size, n_pad)
+    # Group scales (int4, or any grouping along K) are stored in float16, as GGUF and GPTQ store
+    # them, and the codes computed with the rounded scale (a group's extremes may then clip by at
+    # most 15 * 2^-11 of a step); per-channel scales stay f32 (their bytes do not matter).
+    compact = fmt == "int4" or group_size < k_pad
     zeros = None
     if fmt == "int4" and not symmetric:
         # The group's range, widened to hold 0 (so 0 is exact), on a grid of 16 steps whose zero
         # point u0 is a whole number: w = (u - u0) s, stored as q = u - 8 and z = u0 - 8.
         lo, hi = jnp.minimum(wg.min(axis=1), 0.0), jnp.maximum(wg.max(axis=1), 0.0)  # [G, N_pad]
         scales = (hi - lo) / 15.0
+        scales = _f16_values(scales) if compact else scales
         inv = jnp.where(scales > 0, 1.0 / jnp.where(scales > 0, scales, 1.0), 0.0)
         u0 = jnp.clip(jnp.round(-lo * inv), 0, 15)
         u = jnp.clip(jnp.round(wg * inv[:, None]) + u0[:, None], 0, 15)
@@ -98,6 +105,7 @@ def _quantize_padded(w, *, fmt, group_size, symmetric, k_pad, n_pad):
     else:
         qmax = {"int8": 127.0, "fp8": FP8_MAX, "int4": 7.0}[fmt]
         scales = jnp.abs(wg).max(axis=1) / qmax  # [G, N_pad]
+        scales = _f16_values(scales) if compact else scales
         inv = jnp.where(scales > 0, 1.0 / jnp.where(scales > 0, scales, 1.0), 0.0)
         scaled = wg * inv[:, None]
         if fmt == "fp8":
@@ -106,7 +114,16 @@ def _quantize_padded(w, *, fmt, group_size, symmetric, k_pad, n_pad):
             q = jnp.clip(jnp.round(scaled), -qmax - (fmt == "int4"), qmax)
             q = q.astype(jnp.int8 if fmt == "int8" else jnp.int4)
     qweight = q.reshape(k_pad, n_pad).T  # [N_pad, K_pad]
+    if compact:
+        scales = scales.astype(jnp.float16)
+        zeros = None if zeros is None else zeros.astype(jnp.float16)
     return qweight, scales, zeros
+
+
+def _f16_values(x):
+    """x (>= 0) rounded to the nearest float16 values (subnormals included, capped at the largest
+    finite one), kept in float32."""
+    return jnp.minimum(x, float(jnp.finfo(jnp.float16).max)).astype(jnp.float16).astype(jnp.float32)
 
 
 def quantize(
@@ -259,7 +276,7 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> 
         raise ValueError(f"in_features {k} is not a multiple of the GGUF block size 32")
     type_size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[name]
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // _GGUF_BLOCK, type_size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32], float16 as stored
     zeros = None
     if name == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8)  # [N, K/32, 32]
@@ -267,7 +284,7 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> 
         offset = 4 if name == "Q4_1" else 2
         q = (_split_nibbles(blocks[..., offset:]).astype(np.int8) - 8)
         if name == "Q4_1":
-            zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     k_pad, n_pad, _ = padded_sizes(k, n, _GGUF_BLOCK)
     q = np.pad(q.reshape(n, k), ((0, n_pad - n), (0, k_pad - k)))
     pad_groups = ((0, (k_pad - k) // _GGUF_BLOCK), (0, n_pad - n))

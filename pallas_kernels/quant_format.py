@@ -23,8 +23,9 @@ class QuantizedWeight:
 
     Attributes:
       qweight: [N_pad, K_pad] int8 | float8_e4m3fn | int4.
-      scales: [K_pad // group_size, N_pad] float32.
-      zeros: [K_pad // group_size, N_pad] float32 or None ("int4" asymmetric only): additive
+      scales: [K_pad // group_size, N_pad] float32 (per channel) or float16 (groups: quantized at
+        load, or GGUF's own); always multiplied in float32.
+      zeros: [K_pad // group_size, N_pad] (a float dtype) or None ("int4" asymmetric only): additive
         offsets, w = (q + 8) s + zeros (GGUF Q4_1), or, with `zero_point`, integer zero points
         z in [-8, 7], w = (q - z) s (quantize at load).
       format: "int8" | "fp8" | "int4" (static).
@@ -57,14 +58,14 @@ def with_float_offsets(qw: QuantizedWeight) -> QuantizedWeight:
     (q + 8) s + zeros' = (q - z) s for zeros' = -(z + 8) s."""
     if not qw.zero_point:
         return qw
-    return dataclasses.replace(qw, zeros=-(qw.zeros + 8.0) * qw.scales, zero_point=False)
+    s, z = qw.scales.astype(jnp.float32), qw.zeros.astype(jnp.float32)
+    return dataclasses.replace(qw, zeros=-(z + 8.0) * s, zero_point=False)
 
 
 def group_offsets(qw: QuantizedWeight) -> jax.Array:
     """[G, N_pad] float32 b such that w = q * s + b for an asymmetric weight (either kind of zeros)."""
-    if qw.zero_point:
-        return -qw.zeros * qw.scales
-    return 8.0 * qw.scales + qw.zeros
+    s, z = qw.scales.astype(jnp.float32), qw.zeros.astype(jnp.float32)
+    return -z * s if qw.zero_point else 8.0 * s + z
 
 
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -73,10 +74,12 @@ def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     k_pad, n_pad = qw.padded_shape
     g = qw.group_size
     q = qw.qweight.T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
-    if qw.zeros is not None and qw.zero_point:
-        w = (q - qw.zeros[:, None, :]) * qw.scales[:, None, :]
-    elif qw.zeros is not None:
-        w = (q + 8.0) * qw.scales[:, None, :] + qw.zeros[:, None, :]
+    s = qw.scales.astype(jnp.float32)[:, None, :]
+    z = None if qw.zeros is None else qw.zeros.astype(jnp.float32)[:, None, :]
+    if z is not None and qw.zero_point:
+        w = (q - z) * s
+    elif z is not None:
+        w = (q + 8.0) * s + z
     else:
-        w = q * qw.scales[:, None, :]
+        w = q * s
     return w.reshape(k_pad, n_pad)[:k, :n].astype(dtype)

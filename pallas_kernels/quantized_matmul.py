@@ -125,6 +125,9 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     w_bits = _elem_bits(w_gmem.dtype)
 
+    def load_row(rows_smem, i):  # row i of a group-rows tile, as f32 [TILE_N] (stored f32, bf16 or f16)
+        return plgpu.load(rows_smem.at[i], layout=row_layout).astype(jnp.float32)
+
     def dequantized(w_smem):  # [TILE_N, tile_k] -> bf16 registers; exact for int8/int4/e4m3
         a = w_smem[...]
         if a.dtype == jnp.float8_e4m3fn:  # sm_90 has no e4m3 -> bf16 cvt; e4m3 -> f16 is exact
@@ -156,7 +159,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
     def per_group(rows_smem, shape, row=lambda j, r: r):  # [gps, TILE_N] -> shape: row j over group j's columns
         def load(j):
-            return lax.broadcast_in_dim(row(j, plgpu.load(rows_smem.at[j], layout=row_layout)), shape, [0])
+            return lax.broadcast_in_dim(row(j, load_row(rows_smem, j)), shape, [0])
         full = load(0)
         if groups_per_step > 1:
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
@@ -170,7 +173,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             return ((a - per_group(z_smem, a.shape)) * per_group(s_smem, a.shape)).astype(jnp.bfloat16)
         a = a * per_group(s_smem, a.shape)
         if z_smem is not None:  # w = q s + (8 s + zeros)
-            a = a + per_group(z_smem, a.shape, lambda j, z: z + 8.0 * plgpu.load(s_smem.at[j], layout=row_layout))
+            a = a + per_group(z_smem, a.shape, lambda j, z: z + 8.0 * load_row(s_smem, j))
         return a.astype(jnp.bfloat16)
 
     if prescale and not per_channel:
@@ -193,7 +196,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         def step_per_channel(acc_ref, w_smem, x_smem, s_smem, scale):
             del scale
             mma(acc_ref, dequantized(w_smem), x_smem)
-            return plgpu.load(s_smem.at[0], layout=row_layout)  # the carry: [TILE_N] scales
+            return load_row(s_smem, 0)  # the carry: [TILE_N] scales
 
         def body(acc_ref):
             scale = plgpu.emit_pipeline(
@@ -223,7 +226,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
 
         def row(rows_smem, i, shape, dtype=jnp.float32):
-            return lax.broadcast_in_dim(plgpu.load(rows_smem.at[i], layout=row_layout).astype(dtype), shape, [0])
+            return lax.broadcast_in_dim(load_row(rows_smem, i).astype(dtype), shape, [0])
 
         def tile(ws, z_smem, i):  # group i's weight tile in bf16: q, or q - z (exact) with zero points
             a = dequantized(ws[i])
@@ -296,7 +299,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     depth = max(1, min(config.max_concurrent_steps, (SMEM_BUDGET - fixed) // per_step))
     kernel = functools.partial(
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
-        steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.scales.shape[0] == 1,
+        steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.num_groups == 1 and qw.zeros is None,
         max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size,
         unroll=unroll, zero_point=qw.zero_point)
 

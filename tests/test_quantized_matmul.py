@@ -100,6 +100,23 @@ def test_interpret_per_group_unroll(zeros, fold_zeros, group_size, k, unroll):
         _check("int4", group_size, zeros, m, k, 70, seed=k + m + unroll, config=cfg, interpret=True)
 
 
+@pytest.mark.parametrize("zeros", ["sym", "zp", "offsets"])
+def test_interpret_single_group(zeros):
+    # K = 200 with groups of 256: one group, which the per-channel path must not take when the
+    # weight has zeros (it has no zero-point or offset term).
+    _check("int4", 256, zeros, 3, 200, 70, seed=11, interpret=True)
+
+
+def test_group_scales_are_compact():
+    # Group scales (and zero points) are stored in float16; per-channel scales stay f32.
+    w = np.random.default_rng(2).standard_normal((512, 64)).astype(np.float32)
+    qw = quantize(w, "int4")
+    assert qw.scales.dtype == jnp.float16 and qw.zeros.dtype == jnp.float16
+    exact = (w.reshape(4, 128, 64).max(1) - np.minimum(w.reshape(4, 128, 64).min(1), 0)) / 15
+    np.testing.assert_allclose(np.asarray(qw.scales, np.float32)[:, :64], exact, rtol=2 ** -11)
+    assert quantize(w, "int8").scales.dtype == jnp.float32
+
+
 def test_per_group_unroll_divides_the_groups():
     from pallas_kernels.quantized_matmul import _tile_k, _unroll
     cfg = QuantMatmulConfig(group_unroll=4)
@@ -110,7 +127,7 @@ def test_per_group_unroll_divides_the_groups():
 
 @pytest.mark.parametrize("zeros", ["zp", "offsets"])
 def test_interpret_constant_groups_stay_finite(zeros):
-    # Constant groups: 0.25 is exact with zero points (the range widened to hold 0); an all-zero
+    # Constant groups: 0.25 is 15 steps with zero points (the range widened to hold 0); an all-zero
     # group has scale 0. Float offsets of a constant group carry the value with scale 0 (as GGUF
     # Q4_1 can), so the in-kernel offset term must not divide by the scale.
     rng = np.random.default_rng(5)
@@ -120,7 +137,7 @@ def test_interpret_constant_groups_stay_finite(zeros):
     qw = quantize(w, "int4", group_size=128, symmetric=False)
     assert float(np.asarray(qw.scales)[2, 10:20].max()) == 0.0
     np.testing.assert_allclose(np.asarray(quantized_matmul_reference(jnp.eye(512), qw))[128:256, :10], 0.25,
-                               rtol=1e-6)
+                               rtol=2 ** -11)   # 15 steps of the f16-rounded scale
     if zeros == "offsets":
         qw = with_float_offsets(qw)
         qw = dataclasses.replace(qw, scales=qw.scales.at[1, :10].set(0.0), zeros=qw.zeros.at[1, :10].set(0.25))
