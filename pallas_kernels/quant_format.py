@@ -54,12 +54,13 @@ class QuantizedWeight:
 
 
 def with_float_offsets(qw: QuantizedWeight) -> QuantizedWeight:
-    """The same weight with its integer zero points rewritten as float offsets (GGUF Q4_1's form):
-    (q + 8) s + zeros' = (q - z) s for zeros' = -(z + 8) s."""
+    """The weight with its integer zero points rewritten as float offsets, stored like the scales
+    (GGUF Q4_1's form): (q + 8) s + zeros' = (q - z) s for zeros' = -(z + 8) s, up to the rounding
+    of zeros' to the scales' dtype."""
     if not qw.zero_point:
         return qw
     s, z = qw.scales.astype(jnp.float32), qw.zeros.astype(jnp.float32)
-    return dataclasses.replace(qw, zeros=-(z + 8.0) * s, zero_point=False)
+    return dataclasses.replace(qw, zeros=(-(z + 8.0) * s).astype(qw.scales.dtype), zero_point=False)
 
 
 def group_offsets(qw: QuantizedWeight) -> jax.Array:
