@@ -113,8 +113,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
-    f32 scales (integer zero points with `zero_point`, else float offsets to fold in); out_gmem [splits, M_pad, N_pad] f32 (the output dtype
-    when K is not split); out_smem [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k]
+    scales (integer zero points with `zero_point`, else float offsets to fold in), any float
+    dtype; out_gmem [splits, M_pad, N_pad] f32 (the output dtype when K is not split); out_smem [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k]
     bf16 scratch or None: when given (interpret mode, whose wgmma reads only shared memory), the
     dequantized tile is staged there instead of feeding wgmma from registers.
     """
@@ -213,8 +213,9 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # K groups: a step covers `unroll` whole groups (or part of one, when tile_k < group_size).
         # All of the step's wgmmas are issued before one wait, so the dequantization of a group
         # overlaps the previous group's wgmma; each group's f32 partial is then scaled by its row.
-        # Asymmetric groups with fold_zeros also run a wgmma of a ones tile with x: its every row
-        # is the group's x row sum, which times the offset row (8 s + zeros) is the offset term.
+        # Integer zero points are subtracted from each group's tile. Float offsets with fold_zeros
+        # run one more wgmma, of a ones tile with x: its every row is the group's x row sum, which
+        # times the offset row (8 s + zeros) is the offset term.
         fold = z_gmem is not None and not zero_point
         ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16) if fold else None
         specs = ([plgpu.BlockSpec((TILE_N, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
