@@ -65,7 +65,7 @@ def rotated(fn):
     return jax.jit(lambda x, ws: [fn(x, w) for w in ws])
 
 
-def bench_decode(k, n, m, results, configs):
+def bench_decode(k, n, m, results, configs, formats=FORMATS):
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
@@ -73,7 +73,7 @@ def bench_decode(k, n, m, results, configs):
     ws = [w + i for i in range(copies)]
     bf16_ms = device_ms(rotated(lambda x, w: x @ w), x, ws) / copies
     row = {"K": k, "N": n, "M": m, "bf16_us": bf16_ms * 1e3, "bf16_bytes": w.nbytes}
-    for fmt, g, zeros in FORMATS:
+    for fmt, g, zeros in formats:
         qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
         qw = with_float_offsets(qw) if zeros == "offsets" else qw
         copies = max(2, -(-MIN_ROTATION_BYTES // weight_bytes(qw)))
@@ -123,10 +123,11 @@ def main():
     parser.add_argument("--no-prefill", action="store_true", help="decode shapes only")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    formats = FORMATS
     if args.formats:
         keep = set(args.formats.split(","))
-        FORMATS[:] = [f for f in FORMATS if _name(*f) in keep]
-        if not FORMATS:
+        formats = [f for f in FORMATS if _name(*f) in keep]
+        if not formats:
             parser.error(f"--formats {args.formats!r} names none of the formats")
     t0 = time.time()
     dev = jax.devices()[0]
@@ -138,7 +139,7 @@ def main():
     configs = {"engine": None, "pallas": QuantMatmulConfig(),
                "pallas_unfolded": QuantMatmulConfig(fold_zeros=False)}   # differs for asym groups under 128 only
     for k, n in DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES:
-        row = bench_decode(k, n, args.rows, results, configs)
+        row = bench_decode(k, n, args.rows, results, configs, formats)
         for key, v in row.items():
             if isinstance(v, dict):
                 if "error" in v:
