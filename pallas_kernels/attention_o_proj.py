@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_write import decode_slots, write_kv
+from pallas_kernels.kv_write import decode_slots, store_token_kv, write_kv
 from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
                                            online_softmax_update, positions_before, pv_product)
 from pallas_kernels.paged_attention import paged_decode_attention_reference
@@ -82,7 +82,6 @@ def _kernel(tile_ref, w_ref, table_ref, lens_ref, k_ref, v_ref, out_ref, scratch
     n_cols = out_ref.shape[-1] // scratch_ref.shape[1]   # output columns per program
     dtype = w_ref.dtype
     num_k_steps = group_d // tile_k
-    num_pages = k_ref.shape[1]
     pages_per_block = block_kv // page_size
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -176,18 +175,10 @@ def _kernel(tile_ref, w_ref, table_ref, lens_ref, k_ref, v_ref, out_ref, scratch
 
         @pl.when((c == 0) & (seq_len > 0))
         def _():   # the new K/V into their page slot (nobody reads it in this launch)
-            pos = seq_len - 1
-            page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
-            row = pl.ds(lax.rem(pos, page_size), 1)
-
-            def copy(kv_smem, bar):
-                plgpu.copy_gmem_to_smem(tile_ref.at[seq, h, pl.ds(_K_ROW, 1)], kv_smem.at[pl.ds(0, 1)], bar.at[0])
-                plgpu.copy_gmem_to_smem(tile_ref.at[seq, h, pl.ds(_V_ROW, 1)], kv_smem.at[pl.ds(1, 1)], bar.at[0])
-                plgpu.barrier_wait(bar.at[0])
-                plgpu.copy_smem_to_gmem(kv_smem.at[pl.ds(0, 1)], k_ref.at[h, page, row])
-                plgpu.copy_smem_to_gmem(kv_smem.at[pl.ds(1, 1)], v_ref.at[h, page, row])
-                plgpu.wait_smem_to_gmem(0)
-            pl.run_scoped(copy, plgpu.SMEM((2, head_dim), dtype), plgpu.Barrier(num_arrivals=2, num_barriers=1))
+            def load(rows, bar):   # the tile's K and V rows are not adjacent: two loads
+                plgpu.copy_gmem_to_smem(tile_ref.at[seq, h, pl.ds(_K_ROW, 1)], rows.at[pl.ds(0, 1)], bar)
+                plgpu.copy_gmem_to_smem(tile_ref.at[seq, h, pl.ds(_V_ROW, 1)], rows.at[pl.ds(1, 1)], bar)
+            store_token_kv(load, k_ref, v_ref, table_ref, seq, h, seq_len - 1, num_loads=2)
 
     pl.run_scoped(body, plgpu.SMEM((w_stages, tile_k, n_cols), dtype, transforms=transforms),
                   plgpu.Barrier(num_barriers=w_stages))

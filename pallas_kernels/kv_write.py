@@ -1,9 +1,13 @@
-"""Writing a step's K/V into the paged pool (jnp; XLA turns it into an in-place scatter).
+"""Writing a step's K/V into the paged pool: in jnp (XLA turns it into an in-place scatter), and
+from inside a Mosaic GPU kernel (`store_token_kv`).
 
 Pool layout: k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim]. A token's flat slot is
 `page * page_size + offset`; slot >= num_pages * page_size means "write nothing" (padding tokens).
 """
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
@@ -22,3 +26,22 @@ def decode_slots(page_table, seq_lens, page_size: int, num_pages: int):
     positions = jnp.maximum(seq_lens - 1, 0)
     pages = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
     return jnp.where(seq_lens > 0, pages * page_size + positions % page_size, num_pages * page_size)
+
+
+def store_token_kv(load_rows, k_ref, v_ref, table_ref, seq, kv_head, pos, *, num_loads: int = 1):
+    """In a Mosaic GPU kernel: one token's K and V rows into the page slot of position `pos` of
+    sequence `seq`, waiting until the stores have landed. `load_rows(rows, bar)` issues the
+    `num_loads` TMA loads (on barrier `bar`) that put K in row 0 and V in row 1 of `rows`, a
+    [2, head_dim] shared-memory tile."""
+    num_pages, page_size, head_dim = k_ref.shape[1:]
+    page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
+    row = pl.ds(lax.rem(pos, page_size), 1)
+
+    def copy(rows, bar):
+        load_rows(rows, bar)
+        plgpu.barrier_wait(bar)
+        plgpu.copy_smem_to_gmem(rows.at[pl.ds(0, 1)], k_ref.at[kv_head, page, row])
+        plgpu.copy_smem_to_gmem(rows.at[pl.ds(1, 1)], v_ref.at[kv_head, page, row])
+        plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(copy, plgpu.SMEM((2, head_dim), k_ref.dtype),
+                  plgpu.Barrier(num_arrivals=num_loads, num_barriers=1))

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_write import decode_slots, write_kv
+from pallas_kernels.kv_write import decode_slots, store_token_kv, write_kv
 from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
                                            positions_before, resolve_interpret)
 
@@ -53,7 +53,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
   q_rows, head_dim = q_ref.shape[-2:]
   dtype = k_ref.dtype
   pages_per_block = block_kv // page_size
-  num_pages = k_ref.shape[1]
   seq_len = lens_ref[seq]
   # The sequence's own context (not the page table's width) is shared evenly by the splits, so
   # a short sequence in a long table still spreads over all of them.
@@ -79,16 +78,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
 
     @pl.when((seq_len > 0) & (pos >= start) & (pos < start + split_len))
     def _():
-      page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
-      row = pl.ds(lax.rem(pos, page_size), 1)
-
-      def copy(rows, bar):
+      def load(rows, bar):   # the q tile's last two rows are the new K and V
         plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(q_rows - 2, 2)], rows, bar)
-        plgpu.barrier_wait(bar)
-        plgpu.copy_smem_to_gmem(rows.at[pl.ds(0, 1)], k_ref.at[kv_head, page, row])
-        plgpu.copy_smem_to_gmem(rows.at[pl.ds(1, 1)], v_ref.at[kv_head, page, row])
-        plgpu.wait_smem_to_gmem(0)
-      pl.run_scoped(copy, plgpu.SMEM((2, head_dim), dtype), plgpu.Barrier(num_barriers=1))
+      store_token_kv(load, k_ref, v_ref, table_ref, seq, kv_head, pos)
 
   def body(q_smem, q_bar):
     @pl.when(num_steps > 0)
