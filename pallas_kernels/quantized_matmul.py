@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import int8_mma_matmul as int8_mma
 from pallas_kernels.quant_format import QuantizedWeight, dequantize, group_offsets
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
@@ -55,6 +57,9 @@ MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
 DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_quant.md, session 7)
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline may use (the H100 allows 227 KB per block)
+# Per-channel int8 at decode sizes on the GPU: "xla" (convert fused into XLA's GEMM) or "mma"
+# (int8_mma_matmul: the int8 tensor cores against a two-part int8 split of the activations).
+INT8_DECODE_BACKEND = os.environ.get("ATLASJAX_INT8_DECODE", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,10 +417,14 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
             backend = "pallas"
         elif jax.default_backend() == "gpu":
             backend = "xla" if is_per_channel(qw) else "pallas"
+            if INT8_DECODE_BACKEND == "mma" and int8_mma.supports(qw, m):
+                backend = "int8_mma"
         else:
             backend = "reference"
-    if backend not in ("pallas", "xla", "reference"):
+    if backend not in ("pallas", "xla", "reference", "int8_mma"):
         raise ValueError(f"unknown backend {backend!r}")
+    if backend == "int8_mma":
+        return int8_mma.int8_mma_matmul(x, qw, out_dtype=out_dtype, interpret=interpret)
     if backend == "reference":
         return quantized_matmul_reference(x, qw).astype(out_dtype)
     if backend == "xla" and is_per_channel(qw):
