@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +56,6 @@ MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
 DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_quant.md, session 7)
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline may use (the H100 allows 227 KB per block)
-# Per-channel int8 at decode sizes on the GPU: "xla" (convert fused into XLA's GEMM) or "mma"
-# (int8_mma_matmul: the int8 tensor cores against a two-part int8 split of the activations).
-INT8_DECODE_BACKEND = os.environ.get("ATLASJAX_INT8_DECODE", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,8 +392,11 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
       qw: QuantizedWeight of logical shape (K, N).
       backend: "pallas" (the Mosaic GPU kernel), "xla" (per-channel int8/fp8: the convert fused into
         XLA's GEMM, see `xla_convert_matmul`; other formats dequantize + dot), "reference"
-        (dequantize + dot in f32), or "auto" (on a GPU "xla" for per-channel int8/fp8 and "pallas"
-        otherwise; "pallas" when `interpret` is set; the reference elsewhere).
+        (dequantize + dot in f32), "int8_mma" (per-channel int8, up to 128 rows: the int8 tensor
+        cores against a two-part split of x, pallas_kernels/int8_mma_matmul.py; experimental, not
+        chosen by "auto": in the engine its activation split costs more than it saves), or "auto"
+        (on a GPU "xla" for per-channel int8/fp8 and "pallas" otherwise; "pallas" when `interpret`
+        is set; the reference elsewhere).
       interpret: False, True or plgpu.InterpretGPUParams(): run the kernel in interpret mode.
       out_dtype: dtype of y (default x.dtype).
       config: kernel tunables.
@@ -417,8 +416,6 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
             backend = "pallas"
         elif jax.default_backend() == "gpu":
             backend = "xla" if is_per_channel(qw) else "pallas"
-            if INT8_DECODE_BACKEND == "mma" and int8_mma.supports(qw, m):
-                backend = "int8_mma"
         else:
             backend = "reference"
     if backend not in ("pallas", "xla", "reference", "int8_mma"):
