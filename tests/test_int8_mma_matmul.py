@@ -1,5 +1,5 @@
 """The experimental int8 tensor-core matmul (pallas_kernels/int8_mma_matmul.py) against the
-plain-jnp reference: interpret mode on CPU, the native kernel with ATLASJAX_TEST_GPU=1 on a GPU."""
+plain-jnp reference: interpret mode on CPU, the native kernel on a GPU (`JAX_PLATFORMS=cuda pytest ...`)."""
 
 import jax
 import jax.numpy as jnp
