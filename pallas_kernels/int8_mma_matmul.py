@@ -35,12 +35,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
 from pallas_kernels.quant_format import QuantizedWeight
 
 TILE_N = 64  # weight rows per block: the M of one wgmma
 LO_SCALE = 254.0  # (x / r - hi) is in [-0.5, 0.5]: times 254 it fills [-127, 127]
 MAX_ROWS = 128  # 2 * rows must fit one wgmma N (<= 256)
-SMEM_BUDGET = 200 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,26 +77,14 @@ def split_activations(x: jax.Array, k_pad: int) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(parts, ((0, rows - 2 * m), (0, k_pad - k))), r
 
 
-def _num_sms() -> int:
-    try:
-        return jax.devices()[0].core_count
-    except (AttributeError, RuntimeError):
-        return 132
-
-
-def _swizzled():
-    return (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-
-
 def int8_mma_kernel(w_gmem, x_gmem, out_gmem, out_smem, *, tile_k, rows, steps_per_split, max_concurrent_steps):
     """One (N tile, K split) block: out[split, :, n_tile] = the s32 sums over its K steps."""
     n_idx, split = lax.axis_index("n"), lax.axis_index("split")
     n_slice = pl.ds(n_idx * TILE_N, TILE_N)
     first_step = split * steps_per_split
-    in_specs = [
-        plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, first_step + k), transforms=_swizzled(), delay_release=1),
-        plgpu.BlockSpec((rows, tile_k), lambda k: (0, first_step + k), transforms=_swizzled(), delay_release=1),
-    ]
+    transforms = swizzled(tile_k * 8, 8, "int8")  # both operands: int8 rows of tile_k, K contiguous
+    in_specs = [plgpu.BlockSpec(shape, lambda k: (0, first_step + k), transforms=transforms, delay_release=1)
+                for shape in ((TILE_N, tile_k), (rows, tile_k))]
 
     def body(acc_ref):
         def step(_, w_smem, x_smem):
@@ -124,15 +112,10 @@ def _int8_mma_sums(parts, qw: QuantizedWeight, config: Int8MmaConfig, interpret)
         tile_k -= 128
     num_steps = k_pad // tile_k
     num_blocks = n_pad // TILE_N
-    splits = config.num_k_splits
-    if splits is None:  # ~2 blocks per SM, each keeping >= 4 steps
-        splits = max(1, min(num_steps // 4, -(-2 * _num_sms() // num_blocks)))
-    splits = max(1, min(splits, num_steps))
-    while num_steps % splits:
-        splits -= 1
+    # auto: each split keeps >= 4 steps
+    splits = k_splits(num_steps, num_blocks, requested=config.num_k_splits, max_auto=num_steps // 4)
     per_step = (TILE_N + rows) * tile_k
-    depth = max(2, min(config.max_concurrent_steps, num_steps // splits + 1,
-                       (SMEM_BUDGET - TILE_N * rows * 4) // per_step))
+    depth = max(2, min(config.max_concurrent_steps, (SMEM_BUDGET - TILE_N * rows * 4) // per_step))
     kernel = functools.partial(int8_mma_kernel, tile_k=tile_k, rows=rows,
                                steps_per_split=num_steps // splits, max_concurrent_steps=depth)
     call = plgpu.kernel(

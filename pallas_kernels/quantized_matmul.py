@@ -49,13 +49,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int8_mma_matmul as int8_mma
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, dequantize, group_offsets
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
 DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_quant.md, session 7)
-SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline may use (the H100 allows 227 KB per block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +94,6 @@ class QuantMatmulConfig:
             raise ValueError(f"group_unroll must be >= 1, got {self.group_unroll}")
 
 
-def _swizzled(rows_bits: int, elem_bits: int, what: str):
-    swizzle = plgpu.find_swizzle(rows_bits, what)
-    return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
-
-
 def _elem_bits(dtype) -> int:
     return 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
 
@@ -115,8 +110,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
     scales (integer zero points with `zero_point`, else float offsets to fold in), any float
-    dtype; out_gmem [splits, M_pad, N_pad] f32 (the output dtype when K is not split); out_smem [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k]
-    bf16 scratch or None: when given (interpret mode, whose wgmma reads only shared memory), the
+    dtype; out_gmem [splits, M_pad, N_pad] f32 (the output dtype when K is not split); out_smem
+    [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k] bf16 scratch or None: when given (interpret mode, whose wgmma reads only shared memory), the
     dequantized tile is staged there instead of feeding wgmma from registers.
     """
     n_idx, m_idx, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
@@ -148,9 +143,9 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
     in_specs = [
         plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, first_step + k),
-                        transforms=_swizzled(tile_k * w_bits, w_bits, "weight")),
+                        transforms=swizzled(tile_k * w_bits, w_bits, "weight")),
         plgpu.BlockSpec((m_tile, tile_k), lambda k: (0, first_step + k),
-                        transforms=_swizzled(tile_k * 16, 16, "x")),
+                        transforms=swizzled(tile_k * 16, 16, "x")),
     ]
     operands = (w_gmem.at[n_slice], x_gmem.at[m_slice])
     scale_spec = plgpu.BlockSpec((1, TILE_N), lambda k: ((first_step + k) // steps_per_group, 0))
@@ -220,9 +215,9 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         fold = z_gmem is not None and not zero_point
         ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16) if fold else None
         specs = ([plgpu.BlockSpec((TILE_N, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
-                                  transforms=_swizzled(tile_k * w_bits, w_bits, "weight")) for i in range(unroll)]
+                                  transforms=swizzled(tile_k * w_bits, w_bits, "weight")) for i in range(unroll)]
                  + [plgpu.BlockSpec((m_tile, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
-                                    transforms=_swizzled(tile_k * 16, 16, "x")) for i in range(unroll)])
+                                    transforms=swizzled(tile_k * 16, 16, "x")) for i in range(unroll)])
         # unroll > 1 only with one group per tile (steps_per_group == 1): rows [k * unroll, (k + 1) * unroll)
         rows_spec = scale_spec if unroll == 1 else plgpu.BlockSpec((unroll, TILE_N), lambda k: (first_step + k, 0))
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
@@ -267,13 +262,6 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     plgpu.wait_smem_to_gmem(0)
 
 
-def _num_sms() -> int:
-    try:
-        return jax.devices()[0].core_count
-    except (AttributeError, RuntimeError):
-        return 132
-
-
 def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: int, interpret, out_dtype):
     """xp: [M_pad, K_pad] bf16, M_pad a multiple of m_tile. Returns y [M_pad, N_pad]: f32 (the K split
     partials summed), or out_dtype when K is not split."""
@@ -283,12 +271,8 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     unroll = _unroll(qw, config, tile_k)
     num_steps = k_pad // (tile_k * unroll)
     num_blocks = (n_pad // TILE_N) * (m_pad // m_tile)
-    splits = config.num_k_splits
-    if splits is None:  # enough blocks for ~2 per SM, each keeping >= 8 tiles of K
-        splits = max(1, min(num_steps * unroll // 8, -(-2 * _num_sms() // num_blocks)))
-    splits = max(1, min(splits, num_steps))
-    while num_steps % splits:
-        splits -= 1
+    # auto: each split keeps >= 8 tiles of K
+    splits = k_splits(num_steps, num_blocks, requested=config.num_k_splits, max_auto=num_steps * unroll // 8)
     # Steps in flight: as many as asked that fit shared memory (a 128-row M tile of 256-element
     # steps holds 64 KB of x per step).
     fold = _folds_zeros(qw, config)
@@ -312,7 +296,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         quantized_matmul_kernel_refs,
         out_type=jax.ShapeDtypeStruct((splits, m_pad, n_pad), y_dtype),
         scratch_types=[plgpu.SMEM((m_tile, TILE_N), y_dtype)] + ([
-            plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=_swizzled(tile_k * 16, 16, "a"))
+            plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=swizzled(tile_k * 16, 16, "a"))
         ] if interpret else []),
         grid=(n_pad // TILE_N, m_pad // m_tile, splits),
         grid_names=("n", "m", "split"),

@@ -1,0 +1,29 @@
+"""How the streamed decode matmul kernels (quantized_matmul, int8_mma_matmul) lay a weight out over
+the GPU: shared-memory tile transforms, the number of SMs, and the K split that fills them."""
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory a pipeline may use (the H100 allows 227 KB per block)
+
+
+def swizzled(rows_bits: int, elem_bits: int, what: str):
+    """Tiling + swizzle transforms for a shared-memory tile whose rows hold `rows_bits` bits."""
+    swizzle = plgpu.find_swizzle(rows_bits, what)
+    return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def num_sms() -> int:
+    try:
+        return jax.devices()[0].core_count
+    except (AttributeError, RuntimeError):
+        return 132
+
+
+def k_splits(num_steps: int, num_blocks: int, *, requested: int | None, max_auto: int) -> int:
+    """Grid splits of a K loop of `num_steps` steps: `requested`, or (None) enough for ~2 blocks per
+    SM but at most `max_auto`; then clamped to a divisor of num_steps."""
+    splits = requested if requested is not None else min(max_auto, -(-2 * num_sms() // num_blocks))
+    splits = max(1, min(splits, num_steps))
+    while num_steps % splits:
+        splits -= 1
+    return splits
