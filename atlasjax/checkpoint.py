@@ -33,7 +33,7 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
         if is_quantized(leaf):
             quantized[key] = dict(format=leaf.format, group_size=leaf.group_size, shape=list(leaf.shape),
                                   qweight_dtype=str(leaf.qweight.dtype), has_zeros=leaf.zeros is not None,
-                                  zero_point=leaf.zero_point)
+                                  zero_point=leaf.zero_point, mma_order=leaf.mma_order)
             qweight = leaf.qweight.astype(jnp.int8) if leaf.qweight.dtype == jnp.int4 else leaf.qweight
             leaves[key + "|qweight"], leaves[key + "|scales"] = qweight, leaf.scales
             if leaf.zeros is not None:
@@ -79,7 +79,7 @@ def load_checkpoint(directory: str, dtype) -> LoadedModel:
         zeros = jnp.asarray(leaves[key + "|zeros"]) if q["has_zeros"] else None
         _set(params, tuple(key.split("/")), QuantizedWeight(qweight, jnp.asarray(leaves[key + "|scales"]), zeros,
                                                             q["format"], q["group_size"], tuple(q["shape"]),
-                                                            q.get("zero_point", False)))
+                                                            q.get("zero_point", False), q.get("mma_order", False)))
     for key, value in leaves.items():
         if "|" not in key:
             _set(params, tuple(key.split("/")), jnp.asarray(value).astype(dtype))

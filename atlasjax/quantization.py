@@ -46,7 +46,7 @@ N_ALIGN = 128  # output-channel padding: the kernels' widest N tile
 K_ALIGN = 256  # input-channel padding: the kernels' widest K step
 DEFAULT_GROUP_SIZE = {"int8": None, "fp8": None, "int4": 128}  # None: per output channel
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-from pallas_kernels.quant_format import QuantizedWeight, dequantize  # noqa: E402,F401 (re-exported)
+from pallas_kernels.quant_format import QuantizedWeight, dequantize, with_mma_order  # noqa: E402,F401 (re-exported)
 
 DEFAULT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -159,7 +159,10 @@ def quantize(
     qweight, scales, zeros = _quantize_padded(
         jnp.asarray(w), fmt=format, group_size=group_size, symmetric=symmetric,
         k_pad=k_pad, n_pad=n_pad)
-    return QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n), zero_point=zeros is not None)
+    # int4 is stored in mma order (pallas_kernels/int4_mma_order.py): the kernel then converts a
+    # 32-bit word per eight weights (docs/perf_quant.md, session 14)
+    return with_mma_order(QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n),
+                                          zero_point=zeros is not None))
 
 
 def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
@@ -173,6 +176,8 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
     LM head whose vocab does not split evenly.
     """
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    if qw.mma_order and dim == 0:   # the K order is permuted in blocks of 32: slice the natural one
+        return with_mma_order(slice_quantized(with_mma_order(qw, False), dim, start, size))
     k, n = qw.shape
     g = qw.group_size
     per_channel = qw.num_groups == 1
@@ -196,7 +201,7 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
     qweight = np.pad(qweight, ((0, n_pad - qweight.shape[0]), (0, k_pad - qweight.shape[1])))
     pad_groups = ((0, k_pad // group_size - scales.shape[0]), (0, n_pad - scales.shape[1]))
     return QuantizedWeight(qweight, np.pad(scales, pad_groups), None if zeros is None else np.pad(zeros, pad_groups),
-                           qw.format, group_size, (new_k, new_n), qw.zero_point)
+                           qw.format, group_size, (new_k, new_n), qw.zero_point, qw.mma_order)
 
 
 def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
@@ -205,6 +210,8 @@ def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
     arrays may carry leading (device) axes, kept as they are. Along K, per-channel scales are the
     parts' shared channel scales (slice_quantized keeps them whole)."""
     first = parts[0]
+    if first.mma_order and dim == 0:   # join the natural K order (blocks of 32 are permuted)
+        return with_mma_order(concat_quantized([with_mma_order(p, False) for p in parts], dim))
     k, n = first.shape
     per_channel = first.scales.shape[-2] == 1
     ks, ns = tuple(p.shape[0] for p in parts), tuple(p.shape[1] for p in parts)
@@ -224,7 +231,8 @@ def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
         else:
             groups = tuple(x // first.group_size for x in ks)
             scales, zeros = (join(f, -2, groups, k_pad // group) for f in ("scales", "zeros"))
-    return QuantizedWeight(qweight, scales, zeros, first.format, group, (new_k, new_n), first.zero_point)
+    return QuantizedWeight(qweight, scales, zeros, first.format, group, (new_k, new_n), first.zero_point,
+                           first.mma_order)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "axis", "size"))
@@ -291,9 +299,9 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> 
     scales = np.pad(d.T, pad_groups)
     fmt = "int8" if name == "Q8_0" else "int4"
     qweight = jnp.asarray(q.astype(jnp.int4) if fmt == "int4" else q)
-    return QuantizedWeight(
+    return with_mma_order(QuantizedWeight(
         qweight, jnp.asarray(scales), None if zeros is None else jnp.asarray(np.pad(zeros.T, pad_groups)),
-        fmt, _GGUF_BLOCK, (k, n))
+        fmt, _GGUF_BLOCK, (k, n)))
 
 
 # ---------------------------------------------------------------------------------------------

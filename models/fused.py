@@ -92,7 +92,7 @@ def _compatible(parts: list[dict]) -> bool:
         first = kernels[0]
         return all(k.format == first.format and k.group_size == first.group_size and k.shape[0] == first.shape[0]
                    and k.qweight.shape[-1] == first.qweight.shape[-1] and (k.zeros is None) == (first.zeros is None)
-                   and k.zero_point == first.zero_point
+                   and k.zero_point == first.zero_point and k.mma_order == first.mma_order
                    for k in kernels)
     return (not any(is_quantized(k) for k in kernels)
             and all(k.dtype == kernels[0].dtype and k.shape[0] == kernels[0].shape[0] for k in kernels))
@@ -140,7 +140,7 @@ def _split_quantized(qw, widths):
     def split(leaf, n_axis):
         return [None] * len(widths) if leaf is None else _split_n(leaf, widths=tuple(widths), n_axis=n_axis,
                                                                   n_pads=n_pads)
-    return [qw.__class__(q, s, z, qw.format, qw.group_size, (k, w), qw.zero_point)
+    return [qw.__class__(q, s, z, qw.format, qw.group_size, (k, w), qw.zero_point, qw.mma_order)
             for q, s, z, w in zip(split(qw.qweight, -2), split(qw.scales, -1), split(qw.zeros, -1), widths)]
 
 

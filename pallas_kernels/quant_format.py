@@ -15,7 +15,7 @@ import jax.numpy as jnp
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["qweight", "scales", "zeros"],
-    meta_fields=["format", "group_size", "shape", "zero_point"],
+    meta_fields=["format", "group_size", "shape", "zero_point", "mma_order"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
@@ -32,6 +32,9 @@ class QuantizedWeight:
       group_size: K-group size; per-channel formats use group_size = K_pad (static).
       shape: logical (K, N) (static).
       zero_point: how `zeros` is read (static).
+      mma_order: "int4" only (static): each 32-element block of a qweight row is stored in the
+        order the kernel's matrix instruction consumes it (`to_mma_order`), so that one 32-bit load
+        gives a thread the eight values it needs. `dequantize` undoes it.
     """
 
     qweight: jax.Array
@@ -41,6 +44,7 @@ class QuantizedWeight:
     group_size: int
     shape: tuple[int, int]
     zero_point: bool = False
+    mma_order: bool = False
 
     @property
     def padded_shape(self) -> tuple[int, int]:
@@ -51,6 +55,39 @@ class QuantizedWeight:
     @property
     def num_groups(self) -> int:
         return self.scales.shape[-2]
+
+
+# An "mma order" int4 row: each block of 32 K positions is stored as [t, b, q] (4 x 2 x 4) where the
+# natural order is [q, t, b]: stored position 8t + 4b + q holds logical column 8q + 2t + b. Thread t
+# of a row's quad holds, in wgmma's A-fragment layout, the column pairs 8q + 2t + {0, 1} of each
+# 8-column slice q, i.e. exactly stored positions 8t .. 8t + 7: one 32-bit word, whose nibbles
+# q and q + 4 are the pair of slice q (pallas_kernels/int4_mma_order.py converts them).
+MMA_BLOCK = 32
+
+
+def to_mma_order(q):
+    """[..., K] (K a multiple of 32) natural order -> mma order. numpy or jax arrays."""
+    *lead, k = q.shape
+    blocks = q.reshape(*lead, k // MMA_BLOCK, 4, 4, 2)  # [.., block, q, t, b]
+    n = blocks.ndim
+    return blocks.transpose(*range(n - 4), n - 4, n - 2, n - 1, n - 3).reshape(q.shape)
+
+
+def from_mma_order(q):
+    """Inverse of `to_mma_order`."""
+    *lead, k = q.shape
+    blocks = q.reshape(*lead, k // MMA_BLOCK, 4, 2, 4)  # [.., block, t, b, q]
+    n = blocks.ndim
+    return blocks.transpose(*range(n - 4), n - 4, n - 1, n - 3, n - 2).reshape(q.shape)
+
+
+def with_mma_order(qw: QuantizedWeight, mma_order: bool = True) -> QuantizedWeight:
+    """The same weight with its qweight stored in (or out of) mma order. Only int4 weights whose
+    K_pad is a multiple of 32 take it; others are returned as they are."""
+    if qw.mma_order == mma_order or qw.format != "int4" or qw.qweight.shape[-1] % MMA_BLOCK:
+        return qw
+    convert = to_mma_order if mma_order else from_mma_order
+    return dataclasses.replace(qw, qweight=convert(qw.qweight), mma_order=mma_order)
 
 
 def with_float_offsets(qw: QuantizedWeight) -> QuantizedWeight:
@@ -74,7 +111,8 @@ def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     k, n = qw.shape
     k_pad, n_pad = qw.padded_shape
     g = qw.group_size
-    q = qw.qweight.T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
+    q = from_mma_order(qw.qweight) if qw.mma_order else qw.qweight
+    q = q.T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
     s = qw.scales.astype(jnp.float32)[:, None, :]
     z = None if qw.zeros is None else qw.zeros.astype(jnp.float32)[:, None, :]
     if z is not None and qw.zero_point:

@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int8_mma_matmul as int8_mma
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
+from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import QuantizedWeight, dequantize, group_offsets
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
@@ -105,7 +106,8 @@ def _elem_bits(dtype) -> int:
 
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
-                            prescale=False, group_size=None, unroll=1, z_gmem=None, zero_point=False):
+                            prescale=False, group_size=None, unroll=1, z_gmem=None, zero_point=False,
+                            mma_order=False):
     """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
@@ -124,7 +126,9 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     def load_row(rows_smem, i):  # row i of a group-rows tile, as f32 [TILE_N] (stored f32, bf16 or f16)
         return plgpu.load(rows_smem.at[i], layout=row_layout).astype(jnp.float32)
 
-    def dequantized(w_smem):  # [TILE_N, tile_k] -> bf16 registers; exact for int8/int4/e4m3
+    def dequantized(w_smem, zero_row=None):  # [TILE_N, tile_k] -> bf16 registers; exact for int8/int4/e4m3
+        if mma_order:  # int4 in mma order: one word per 8 weights, minus the zero points if given
+            return mma_tile_to_bf16(w_smem[...], zero_row, interpret=a_smem is not None)
         a = w_smem[...]
         if a.dtype == jnp.float8_e4m3fn:  # sm_90 has no e4m3 -> bf16 cvt; e4m3 -> f16 is exact
             a = a.astype(jnp.float16)
@@ -226,6 +230,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             return lax.broadcast_in_dim(load_row(rows_smem, i).astype(dtype), shape, [0])
 
         def tile(ws, z_smem, i):  # group i's weight tile in bf16: q, or q - z (exact) with zero points
+            if mma_order:
+                return dequantized(ws[i], load_row(z_smem[0], i) if zero_point else None)
             a = dequantized(ws[i])
             return a - row(z_smem[0], i, a.shape, jnp.bfloat16) if zero_point else a
 
@@ -287,7 +293,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.num_groups == 1 and qw.zeros is None,
         max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size,
-        unroll=unroll, zero_point=qw.zero_point)
+        unroll=unroll, zero_point=qw.zero_point, mma_order=qw.mma_order)
 
     def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when read
         z, refs = (refs[0], refs[1:]) if with_zeros else (None, refs)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from atlasjax.quantization import quantize
-from pallas_kernels.quant_format import with_float_offsets
+from pallas_kernels.quant_format import with_float_offsets, with_mma_order
 from pallas_kernels.quantized_matmul import DECODE_ROWS, QuantMatmulConfig, quantized_matmul, quantized_matmul_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -30,7 +30,7 @@ CASES = [  # (format, group_size, zeros)
 ]
 
 
-def _check(fmt, group_size, zeros, m, k, n, seed=0, **kwargs):
+def _check(fmt, group_size, zeros, m, k, n, seed=0, natural_order=False, **kwargs):
     kwargs.setdefault("prefill", "pallas")
     rng = np.random.default_rng(seed)
     qw = quantize(rng.standard_normal((k, n)).astype(np.float32), fmt, group_size=group_size,
@@ -38,6 +38,9 @@ def _check(fmt, group_size, zeros, m, k, n, seed=0, **kwargs):
     assert qw.zero_point == (zeros != "sym")
     if zeros == "offsets":
         qw = with_float_offsets(qw)
+    assert qw.mma_order == (fmt == "int4")   # int4 is stored in mma order (test_int4_mma_order.py)
+    if natural_order:   # as checkpoints saved before it load
+        qw = with_mma_order(qw, False)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     kwargs.setdefault("backend", "pallas")
     y = quantized_matmul(x, qw, out_dtype=jnp.float32, **kwargs)
@@ -224,6 +227,19 @@ def test_gpu_prescaled_asymmetric(zeros, group_size, tile_k, m, k, n):
 def test_gpu_per_group_unroll(zeros, fold_zeros, unroll, m, k, n):
     _check("int4", 128, zeros, m, k, n, seed=k + m + unroll,
            config=QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros))
+
+
+@pytest.mark.parametrize("zeros,group_size", [("sym", 128), ("zp", 128), ("offsets", 32)])
+def test_interpret_natural_order(zeros, group_size):
+    _check("int4", group_size, zeros, 3, 256, 70, seed=4, natural_order=True, interpret=True)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("zeros,group_size", [("sym", 128), ("zp", 128), ("offsets", 128), ("sym", 32), ("offsets", 32)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 70), (8, 4096, 1000)])
+def test_gpu_natural_order(zeros, group_size, m, k, n):
+    _check("int4", group_size, zeros, m, k, n, seed=k + m, natural_order=True)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,83 @@
+"""int4 -> bf16 for a weight tile stored in mma order (`quant_format.to_mma_order`), in registers.
+
+The tile [64, tile_k] is loaded from shared memory in Mosaic's `WGMMA_UPCAST_4X` layout: thread t
+of a row's quad gets stored positions 8t .. 8t + 7 of each 32-column block as one 32-bit word
+(one shared-memory load per eight weights). In mma order those are exactly the columns the thread
+holds in wgmma's A-fragment layout (`WGMMA`), so no data moves between threads: each word becomes
+four bf16 pairs, pair q taking nibbles q and q + 4,
+
+    pair_q = ((word >> 4q) & 0x000F000F) ^ 0x43084308    (bf16 pair 128 + (n ^ 8) = 136 + n)
+    out_q  = pair_q - bias                                (bf16x2 subtract, exact)
+
+a shift, a lop3 and a subtract per two weights. With bias = 136 + z the subtract also removes the
+group's integer zero point (n - z is a whole number in [-15, 15], exact in bf16); with 136 it
+leaves n. Mosaic's own int4 conversion of the natural layout reads one byte per two weights and
+subtracts the zero point separately (docs/perf_quant.md, session 13).
+
+`inline_mgpu` has no interpret mode: there `mma_tile_to_bf16` undoes the order with jnp instead,
+which computes the same values.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
+from jax.experimental import mosaic
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.quant_format import from_mma_order
+
+ZERO_BIAS = 136.0  # the bias of the lop3 trick: a pair holds 136 + n
+
+
+def _pair_asm(shift: int, with_bias: bool) -> str:
+    """PTX: $0 = (($1 >> shift) & 0x000F000F ^ 0x43084308) - bias, bias = $2 or 136 in both halves."""
+    shr = f"shr.u32 s, $1, {shift};" if shift else "mov.b32 s, $1;"
+    bias = "$2" if with_bias else "b"
+    return (f"{{ .reg .b32 s, b; {shr} lop3.b32 s, s, 0x000F000F, 0x43084308, 0x6a; "
+            f"{'' if with_bias else 'mov.b32 b, 0x43084308; '}sub.bf16x2 $0, s, {bias}; }}")
+
+
+def _convert(rows: int, tile_k: int, with_bias: bool):
+    mgpu = mosaic.gpu
+    arg_types = (plgpu.Layout.WGMMA_UPCAST_4X,) + ((plgpu.Layout.WGMMA.reduce(1),) if with_bias else ())
+
+    @plgpu.inline_mgpu(arg_types=arg_types,
+                       return_type=plgpu.ShapeDtypeStruct((rows, tile_k), jnp.bfloat16, plgpu.Layout.WGMMA))
+    def convert(_, w, *bias):
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+        if with_bias:  # [64] bf16 rows, two per thread (rows r and r + 8 of its warp's 16)
+            assert bias[0].registers.size == 2, bias[0].registers.shape
+            halves = [arith.extui(i32, mgpu.utils.bitcast(r, i16)) for r in bias[0].registers.flat]
+            bias_words = [arith.ori(h, arith.shli(h, arith.constant(i32, 16))) for h in halves]
+        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
+        # w registers [.., T, .., row half, ..]: the word of 32-column block T; the WGMMA registers
+        # [.., c8, .., row half, ..]: the pair of 8-column slice c8 = 4T + q.
+        for idx, reg in np.ndenumerate(w.registers):
+            word = mgpu.utils.bitcast(reg, i32)
+            half = idx[-5]
+            for q in range(4):
+                if with_bias:
+                    pair = llvm.inline_asm(i32, [word, bias_words[half]], _pair_asm(4 * q, True), "=r,r,r")
+                else:
+                    pair = llvm.inline_asm(i32, [word], _pair_asm(4 * q, False), "=r,r")
+                out[(*idx[:-8], 4 * idx[-8] + q, *idx[-7:])] = mgpu.utils.bitcast(pair, pair_ty)
+        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return convert
+
+
+def mma_tile_to_bf16(w, zero_row=None, *, interpret: bool):
+    """w: [rows, tile_k] int4 tile value in mma order; zero_row: [rows] f32 integer zero points or
+    None. Returns the bf16 tile in natural column order, q - z (or q), in the WGMMA layout."""
+    rows, tile_k = w.shape
+    if interpret:
+        a = from_mma_order(w.astype(jnp.bfloat16))
+        if zero_row is None:
+            return a
+        return a - jnp.broadcast_to(zero_row.astype(jnp.bfloat16)[:, None], a.shape)
+    if zero_row is None:
+        return _convert(rows, tile_k, False)(w)
+    return _convert(rows, tile_k, True)(w, (zero_row + ZERO_BIAS).astype(jnp.bfloat16))
