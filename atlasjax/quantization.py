@@ -9,7 +9,8 @@ Storage layout (the same for every format, chosen for the kernels):
   layout, i.e. W transposed). The kernels compute `y.T = W.T @ x.T` with the weight tile as the
   register operand of the matrix instruction, so this is the layout they stream.
   dtype: `int8` ("int8"), `float8_e4m3fn` ("fp8"), `int4` ("int4": signed nibbles q in [-8, 7],
-  packed two per byte in device memory by XLA).
+  packed two per byte in device memory by XLA, each 32-element K block in "mma order", the order
+  the kernel's matrix instruction reads it: `QuantizedWeight.mma_order`, `to_mma_order`).
 - `scales`: `[K_pad // group_size, N_pad]`, one row per K-group: float32 per output channel,
   float16 for groups (quantized at load, the codes computed with the rounded scale; or GGUF's
   own). The kernels multiply in float32 whatever the storage.

@@ -1,7 +1,8 @@
 """GPU: a small target for Nsight Compute, the fused dequantize kernel alone on 8B decode shapes.
 
 Runs `quantized_matmul(..., backend="pallas")` a few times per shape, 8 activation rows, with the
-format quantize-at-load makes (int4: groups of 128, integer zero points). Profile it with
+format quantize-at-load makes (int4: groups of 128, integer zero points, mma order since session
+14). Profile it with
 
   ncu --target-processes all -k regex:quantized_matmul -c 2 --set full -o $OUT/q \
       python notebooks/gpu_ncu_quant.py
