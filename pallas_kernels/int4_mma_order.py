@@ -39,12 +39,15 @@ def _pair_asm(shift: int, with_bias: bool) -> str:
             f"{'' if with_bias else 'mov.b32 b, 0x43084308; '}sub.bf16x2 $0, s, {bias}; }}")
 
 
-def _convert(rows: int, tile_k: int, with_bias: bool):
+def _convert(rows: int, tile_k: int, parts: int, part: int, with_bias: bool):
+    """The inline conversion of columns [part * tile_k / parts, (part + 1) * tile_k / parts) of a
+    [rows, tile_k] tile (one K group of several side by side; the others' registers go unused)."""
     mgpu = mosaic.gpu
+    part_k = tile_k // parts
     arg_types = (plgpu.Layout.WGMMA_UPCAST_4X,) + ((plgpu.Layout.WGMMA.reduce(1),) if with_bias else ())
 
     @plgpu.inline_mgpu(arg_types=arg_types,
-                       return_type=plgpu.ShapeDtypeStruct((rows, tile_k), jnp.bfloat16, plgpu.Layout.WGMMA))
+                       return_type=plgpu.ShapeDtypeStruct((rows, part_k), jnp.bfloat16, plgpu.Layout.WGMMA))
     def convert(_, w, *bias):
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
         pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -52,32 +55,37 @@ def _convert(rows: int, tile_k: int, with_bias: bool):
             assert bias[0].registers.size == 2, bias[0].registers.shape
             halves = [arith.extui(i32, mgpu.utils.bitcast(r, i16)) for r in bias[0].registers.flat]
             bias_words = [arith.ori(h, arith.shli(h, arith.constant(i32, 16))) for h in halves]
-        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
+        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((rows, part_k)), dtype=object)
+        blocks_per_part = part_k // 32
         # w registers [.., T, .., row half, ..]: the word of 32-column block T; the WGMMA registers
-        # [.., c8, .., row half, ..]: the pair of 8-column slice c8 = 4T + q.
+        # [.., c8, .., row half, ..]: the pair of 8-column slice c8 = 4T + q (T counted in the part).
         for idx, reg in np.ndenumerate(w.registers):
+            if idx[-8] // blocks_per_part != part:
+                continue
             word = mgpu.utils.bitcast(reg, i32)
-            half = idx[-5]
+            block, half = idx[-8] % blocks_per_part, idx[-5]
             for q in range(4):
                 if with_bias:
                     pair = llvm.inline_asm(i32, [word, bias_words[half]], _pair_asm(4 * q, True), "=r,r,r")
                 else:
                     pair = llvm.inline_asm(i32, [word], _pair_asm(4 * q, False), "=r,r")
-                out[(*idx[:-8], 4 * idx[-8] + q, *idx[-7:])] = mgpu.utils.bitcast(pair, pair_ty)
+                out[(*idx[:-8], 4 * block + q, *idx[-7:])] = mgpu.utils.bitcast(pair, pair_ty)
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert
 
 
-def mma_tile_to_bf16(w, zero_row=None, *, interpret: bool):
-    """w: [rows, tile_k] int4 tile value in mma order; zero_row: [rows] f32 integer zero points or
-    None. Returns the bf16 tile in natural column order, q - z (or q), in the WGMMA layout."""
+def mma_tile_to_bf16(w, zero_row=None, *, parts: int = 1, part: int = 0, interpret: bool):
+    """w: [rows, tile_k] int4 tile value in mma order holding `parts` K groups side by side;
+    zero_row: [rows] f32 integer zero points of group `part`, or None. Returns that group's bf16
+    tile [rows, tile_k / parts] in natural column order, q - z (or q), in the WGMMA layout."""
     rows, tile_k = w.shape
+    part_k = tile_k // parts
     if interpret:
-        a = from_mma_order(w.astype(jnp.bfloat16))
+        a = from_mma_order(w.astype(jnp.bfloat16))[:, part * part_k:(part + 1) * part_k]
         if zero_row is None:
             return a
         return a - jnp.broadcast_to(zero_row.astype(jnp.bfloat16)[:, None], a.shape)
     if zero_row is None:
-        return _convert(rows, tile_k, False)(w)
-    return _convert(rows, tile_k, True)(w, (zero_row + ZERO_BIAS).astype(jnp.bfloat16))
+        return _convert(rows, tile_k, parts, part, False)(w)
+    return _convert(rows, tile_k, parts, part, True)(w, (zero_row + ZERO_BIAS).astype(jnp.bfloat16))

@@ -218,10 +218,14 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # times the offset row (8 s + zeros) is the offset term.
         fold = z_gmem is not None and not zero_point
         ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16) if fold else None
-        specs = ([plgpu.BlockSpec((TILE_N, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
-                                  transforms=swizzled(tile_k * w_bits, w_bits, "weight")) for i in range(unroll)]
-                 + [plgpu.BlockSpec((m_tile, tile_k), lambda k, i=i: (0, (first_step + k) * unroll + i),
-                                    transforms=swizzled(tile_k * 16, 16, "x")) for i in range(unroll)])
+        # int4 in mma order loads a step's groups as one tile (128-byte weight rows for two groups of
+        # 128: docs/perf_quant.md, session 14); otherwise one tile per group.
+        wide = unroll if mma_order else 1
+        tiles = unroll // wide   # TMA tiles of weight (and of x) per step
+        specs = ([plgpu.BlockSpec((TILE_N, tile_k * wide), lambda k, i=i: (0, (first_step + k) * tiles + i),
+                                  transforms=swizzled(tile_k * wide * w_bits, w_bits, "weight")) for i in range(tiles)]
+                 + [plgpu.BlockSpec((m_tile, tile_k * wide), lambda k, i=i: (0, (first_step + k) * tiles + i),
+                                    transforms=swizzled(tile_k * wide * 16, 16, "x")) for i in range(tiles)])
         # unroll > 1 only with one group per tile (steps_per_group == 1): rows [k * unroll, (k + 1) * unroll)
         rows_spec = scale_spec if unroll == 1 else plgpu.BlockSpec((unroll, TILE_N), lambda k: (first_step + k, 0))
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
@@ -229,20 +233,25 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         def row(rows_smem, i, shape, dtype=jnp.float32):
             return lax.broadcast_in_dim(load_row(rows_smem, i).astype(dtype), shape, [0])
 
-        def tile(ws, z_smem, i):  # group i's weight tile in bf16: q, or q - z (exact) with zero points
+        def tile(ws, z_smem, i, w_wide=None):  # group i's weight tile in bf16: q, or q - z (exact) with zero points
             if mma_order:
-                return dequantized(ws[i], load_row(z_smem[0], i) if zero_point else None)
+                z = load_row(z_smem[0], i) if zero_point else None
+                return mma_tile_to_bf16(w_wide, z, parts=wide, part=i, interpret=a_smem is not None)
             a = dequantized(ws[i])
             return a - row(z_smem[0], i, a.shape, jnp.bfloat16) if zero_point else a
 
+        def x_tile(xs, i):  # group i's [m_tile, tile_k] activations
+            return xs[i] if wide == 1 else xs[0].at[:, pl.ds(i * tile_k, tile_k)]
+
         def step(_, *refs):
-            ws, xs, (s_smem, *z_smem), acc = refs[:unroll], refs[unroll:2 * unroll], refs[2 * unroll:-1], refs[-1]
+            ws, xs, (s_smem, *z_smem), acc = refs[:tiles], refs[tiles:2 * tiles], refs[2 * tiles:-1], refs[-1]
+            w_wide = ws[0][...] if mma_order else None   # loaded once, converted group by group
 
             def issue_all(*acc_refs):
                 for i in range(unroll):
-                    issue(acc_refs[i], tile(ws, z_smem, i), xs[i])
+                    issue(acc_refs[i], tile(ws, z_smem, i, w_wide), x_tile(xs, i))
                     if fold:
-                        issue(acc_refs[unroll + i], ones, xs[i])
+                        issue(acc_refs[unroll + i], ones, x_tile(xs, i))
                 plgpu.wgmma_wait(0)
                 return [r[...] for r in acc_refs]
 
@@ -259,7 +268,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             in_specs=specs + [rows_spec] * len(group_rows),
             max_concurrent_steps=max_concurrent_steps,
             init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
-        )(*([w_gmem.at[n_slice]] * unroll + [x_gmem.at[m_slice]] * unroll), *group_rows)
+        )(*([w_gmem.at[n_slice]] * tiles + [x_gmem.at[m_slice]] * tiles), *group_rows)
     # Stored as y [M, N] (a transposed view of the [m_tile, TILE_N] scratch; WGMMA_TRANSPOSED keeps
     # each register pair along N, the scratch's contiguous dim), so no XLA transpose follows.
     out_smem.T[...] = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
