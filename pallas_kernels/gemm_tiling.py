@@ -20,10 +20,15 @@ def num_sms() -> int:
 
 
 def k_splits(num_steps: int, num_blocks: int, *, requested: int | None, max_auto: int) -> int:
-    """Grid splits of a K loop of `num_steps` steps: `requested`, or (None) enough for ~2 blocks per
-    SM but at most `max_auto`; then clamped to a divisor of num_steps."""
-    splits = requested if requested is not None else min(max_auto, -(-2 * num_sms() // num_blocks))
-    splits = max(1, min(splits, num_steps))
-    while num_steps % splits:
-        splits -= 1
-    return splits
+    """Grid splits of a K loop of `num_steps` steps: `requested`, clamped down to a divisor of
+    num_steps; or (None) the divisor nearest to enough splits for ~2 blocks per SM (at most
+    `max_auto`), the larger on a tie (int4 qkv, 96 blocks: 4 splits, not 2, measured 0.9 us faster
+    on the H100; docs/perf_quant.md, session 14)."""
+    if requested is not None:
+        splits = max(1, min(requested, num_steps))
+        while num_steps % splits:
+            splits -= 1
+        return splits
+    want = max(1, min(max_auto, -(-2 * num_sms() // num_blocks), num_steps))
+    divisors = [d for d in range(1, min(num_steps, max(max_auto, 1)) + 1) if num_steps % d == 0]
+    return min(divisors, key=lambda d: (abs(d - want), -d))
