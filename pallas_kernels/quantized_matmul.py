@@ -7,11 +7,13 @@ kernel computes y.T = W.T @ x.T. Each warpgroup owns 64 output channels; per K s
 1. TMA-loads the quantized tile W.T[64, tile_k] and x[m_pad, tile_k] into shared memory
    (a `plgpu.emit_pipeline`, several steps in flight: decode is a stream over the weight);
 2. converts the tile to bf16 in registers (int8/int4/fp8 -> bf16 is exact; Mosaic GPU picks the
-   fast conversions) and issues one wgmma with it as the register A operand and x.T as the
-   shared-memory B operand (M of the product = 64 weight rows, N = m_pad >= 8 activation rows);
+   fast conversions; int4 stored in mma order converts a 32-bit word per eight weights,
+   pallas_kernels/int4_mma_order.py) and issues one wgmma with it as the register A operand and
+   x.T as the shared-memory B operand (M of the product = 64 weight rows, N = m_pad >= 8 activation rows);
 3. multiplies the step's f32 partial by the group's scale row and adds it to the carry.
 A step covers `group_unroll` groups (2 by default), whose wgmmas are all issued before one wait,
-so dequantizing a group overlaps the previous group's wgmma.
+so dequantizing a group overlaps the previous group's wgmma; in mma order the step's groups are
+one TMA tile (wider weight rows stream faster).
 Groups under 128 elements (GGUF's 32) instead multiply the dequantized tile by its groups' scales
 in registers before the wgmma ("prescale"), so a step spans several groups and one accumulator
 serves all of K; int4 groups of 32 need that (a 16-byte row is under the smallest swizzle).
@@ -19,7 +21,8 @@ The dequantized weight never leaves registers. K is split across a second grid a
 N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
 Asymmetric int4 with integer zero points (what quantize at load makes) subtracts each group's
 zero-point row from the dequantized tile (q - z is exact in bf16), so it costs one packed subtract
-per two weights and no more wgmmas. With float offsets (GGUF Q4_1) the offset term
+per two weights and no more wgmmas (in mma order, none: the conversion's own subtract takes it).
+With float offsets (GGUF Q4_1) the offset term
 sum_g (8 s + zeros)[g, n] * sum_{k in g} x[m, k] stays in the kernel (`fold_zeros`): prescaled
 steps add the offsets to the tile; per-group steps run one more wgmma per group, of a ones tile
 with x, whose rows are the group's x row sums (exact in f32, and no division by a scale, which is
