@@ -1,4 +1,5 @@
 """Quantize once: save the quantized param tree with orbax and load it back directly."""
+import json
 import os
 import subprocess
 import sys
@@ -48,8 +49,8 @@ def test_save_command_writes_a_checkpoint_the_cli_loads(tmp_path_factory):
 
 
 def test_int4_zero_points_survive_save_and_load(tmp_path_factory):
-    # An int4 checkpoint keeps how its zeros are read (integer zero points), so it loads back to the
-    # same weights and the same greedy output.
+    # An int4 checkpoint keeps how its zeros are read (integer zero points) and its K order (mma
+    # order), so it loads back to the same weights and the same greedy output.
     model = tiny_model_dir(tmp_path_factory)
     kw = dict(max_num_seqs=1, max_model_len=64, dtype="float32")
     llm = LLM(model, quantization="int4", **kw)
@@ -59,5 +60,32 @@ def test_int4_zero_points_survive_save_and_load(tmp_path_factory):
     llm.save(saved)
     again = LLM(saved, **kw)
     leaf = again.engine.runner.checkpoint_params()["layers_0"]["mlp"]["down_proj"]["kernel"]
-    assert leaf.format == "int4" and leaf.zero_point and leaf.zeros is not None
+    assert leaf.format == "int4" and leaf.zero_point and leaf.zeros is not None and leaf.mma_order
+    with open(os.path.join(saved, "atlasjax_checkpoint.json")) as f:   # older ones lack it: natural order
+        assert any(q.get("mma_order") for q in json.load(f)["quantized"].values())
+    assert again.generate(["One two three"], params)[0].outputs[0].token_ids == ref.token_ids
+
+
+def test_int4_checkpoint_from_before_mma_order_loads_as_natural_order(tmp_path_factory, monkeypatch):
+    # Checkpoints saved before session 14 hold int4 in natural K order and no "mma_order" key; they
+    # must load as natural order (which the kernel still runs), computing what they did.
+    model = tiny_model_dir(tmp_path_factory)
+    kw = dict(max_num_seqs=1, max_model_len=64, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ref = LLM(model, quantization="int4", **kw).generate(["One two three"], params)[0].outputs[0]
+    with monkeypatch.context() as m:   # quantize as before: natural order
+        m.setattr("atlasjax.quantization.with_mma_order", lambda qw, mma_order=True: qw)
+        old = LLM(model, quantization="int4", **kw)
+        saved = str(tmp_path_factory.mktemp("saved_int4_natural"))
+        old.save(saved)
+    meta_path = os.path.join(saved, "atlasjax_checkpoint.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for q in meta["quantized"].values():
+        assert q.pop("mma_order") is False
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    again = LLM(saved, **kw)
+    leaf = again.engine.runner.checkpoint_params()["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert leaf.format == "int4" and not leaf.mma_order
     assert again.generate(["One two three"], params)[0].outputs[0].token_ids == ref.token_ids
