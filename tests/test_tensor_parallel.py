@@ -114,15 +114,18 @@ def test_int8_quantized_model_splits_per_device(hf_model_factory):
     _assert_same(_run(llm, prompts), one, "int8 TP=2")
 
 
-def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path):
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=["Q8_0", "Q4_0"])   # Q4_0: int4 in mma order, split along K
+def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path, qtype):
     hf, path = hf_model_factory("llama_gqa4")
     gguf_path = tmp_path / "tiny.gguf"
-    write_gguf_from_hf(path, hf.config, gguf_path, qtype=Q.Q8_0)
+    write_gguf_from_hf(path, hf.config, gguf_path, qtype=qtype)
     prompts = _prompts(256, seed=4)   # the writer's byte vocabulary is not used: token ids go in directly
     one = _run(LLM(str(gguf_path), keep_gguf_quantized=True, **ENGINE), prompts)
     llm = LLM(str(gguf_path), keep_gguf_quantized=True, tensor_parallel_size=2, **ENGINE)   # K/2 keeps whole 32-blocks
     assert is_quantized(llm.engine.runner.params["layers_1"]["self_attn"]["qkv_proj"]["kernel"])
-    _assert_same(_run(llm, prompts), one, "GGUF Q8_0 TP=2")
+    down = llm.engine.runner.params["layers_1"]["mlp"]["down_proj"]["kernel"]   # row-parallel: split along K
+    assert is_quantized(down) and down.mma_order == (qtype == Q.Q4_0)
+    _assert_same(_run(llm, prompts), one, f"GGUF {qtype.name} TP=2")
 
 
 def _same_tree(a, b):
