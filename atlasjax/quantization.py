@@ -47,7 +47,8 @@ N_ALIGN = 128  # output-channel padding: the kernels' widest N tile
 K_ALIGN = 256  # input-channel padding: the kernels' widest K step
 DEFAULT_GROUP_SIZE = {"int8": None, "fp8": None, "int4": 128}  # None: per output channel
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-from pallas_kernels.quant_format import QuantizedWeight, dequantize, with_mma_order  # noqa: E402,F401 (re-exported)
+from pallas_kernels.quant_format import (  # noqa: E402,F401 (QuantizedWeight, dequantize re-exported)
+    MMA_BLOCK, QuantizedWeight, dequantize, to_mma_order, with_mma_order)
 
 DEFAULT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -115,6 +116,8 @@ def _quantize_padded(w, *, fmt, group_size, symmetric, k_pad, n_pad):
             q = jnp.clip(jnp.round(scaled), -qmax - (fmt == "int4"), qmax)
             q = q.astype(jnp.int8 if fmt == "int8" else jnp.int4)
     qweight = q.reshape(k_pad, n_pad).T  # [N_pad, K_pad]
+    if fmt == "int4":   # stored in mma order (pallas_kernels/int4_mma_order.py), inside this jit
+        qweight = to_mma_order(qweight)
     if compact:
         scales = scales.astype(jnp.float16)
         zeros = None if zeros is None else zeros.astype(jnp.float16)
@@ -160,10 +163,10 @@ def quantize(
     qweight, scales, zeros = _quantize_padded(
         jnp.asarray(w), fmt=format, group_size=group_size, symmetric=symmetric,
         k_pad=k_pad, n_pad=n_pad)
-    # int4 is stored in mma order (pallas_kernels/int4_mma_order.py): the kernel then converts a
-    # 32-bit word per eight weights (docs/perf_quant.md, session 14)
-    return with_mma_order(QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n),
-                                          zero_point=zeros is not None))
+    # int4 is stored in mma order: the kernel then converts a 32-bit word per eight weights
+    # (docs/perf_quant.md, session 14)
+    return QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n), zero_point=zeros is not None,
+                           mma_order=format == "int4")
 
 
 def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
@@ -177,7 +180,8 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
     LM head whose vocab does not split evenly.
     """
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
-    if qw.mma_order and dim == 0:   # the K order is permuted in blocks of 32: slice the natural one
+    if qw.mma_order and dim == 0 and (start % MMA_BLOCK or size % MMA_BLOCK):
+        # a cut inside a permuted block of 32 (groups of 16): slice the natural order
         return with_mma_order(slice_quantized(with_mma_order(qw, False), dim, start, size))
     k, n = qw.shape
     g = qw.group_size
@@ -211,7 +215,8 @@ def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
     arrays may carry leading (device) axes, kept as they are. Along K, per-channel scales are the
     parts' shared channel scales (slice_quantized keeps them whole)."""
     first = parts[0]
-    if first.mma_order and dim == 0:   # join the natural K order (blocks of 32 are permuted)
+    if first.mma_order and dim == 0 and any(p.shape[0] % MMA_BLOCK for p in parts):
+        # a join inside a permuted block of 32: join the natural order
         return with_mma_order(concat_quantized([with_mma_order(p, False) for p in parts], dim))
     k, n = first.shape
     per_channel = first.scales.shape[-2] == 1

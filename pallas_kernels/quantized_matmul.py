@@ -116,8 +116,9 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
     scales (integer zero points with `zero_point`, else float offsets to fold in), any float
     dtype; out_gmem [splits, M_pad, N_pad] f32 (the output dtype when K is not split); out_smem
-    [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k] bf16 scratch or None: when given (interpret mode, whose wgmma reads only shared memory), the
-    dequantized tile is staged there instead of feeding wgmma from registers.
+    [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k] bf16 scratch or None: when given
+    (interpret mode, whose wgmma reads only shared memory), the dequantized tile is staged there
+    instead of feeding wgmma from registers.
     """
     n_idx, m_idx, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     n_slice = pl.ds(n_idx * TILE_N, TILE_N)

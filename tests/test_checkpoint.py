@@ -73,8 +73,10 @@ def test_int4_checkpoint_from_before_mma_order_loads_as_natural_order(tmp_path_f
     kw = dict(max_num_seqs=1, max_model_len=64, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8)
     ref = LLM(model, quantization="int4", **kw).generate(["One two three"], params)[0].outputs[0]
+    from atlasjax import quantization
+    quantize = quantization.quantize
     with monkeypatch.context() as m:   # quantize as before: natural order
-        m.setattr("atlasjax.quantization.with_mma_order", lambda qw, mma_order=True: qw)
+        m.setattr(quantization, "quantize", lambda *a, **kw: quantization.with_mma_order(quantize(*a, **kw), False))
         old = LLM(model, quantization="int4", **kw)
         saved = str(tmp_path_factory.mktemp("saved_int4_natural"))
         old.save(saved)
