@@ -3,9 +3,10 @@
 MODE=bf16 (default): for TP=1 and TP=2: greedy generations (4 prompts x 32 tokens, Pallas kernels),
 decode step time at bs=1 and bs=32 (engine.step() in steady state, tokens read back every step),
 and per-step all-reduce time from a profiler trace. MODE=f32: greedy equality in float32 (reference
-attention), where rounding cannot flip near-ties. Writes $OUT/tp_<mode>.json.
+attention), where rounding cannot flip near-ties. QUANT=int8|fp8|int4 quantizes the random weights
+(LM head included) before they are split. Writes $OUT/tp_<mode>[_<quant>].json.
 
-  JAX_PLATFORMS=cuda MODE=bf16 python notebooks/gpu_tensor_parallel.py
+  JAX_PLATFORMS=cuda MODE=bf16 [QUANT=int4] python notebooks/gpu_tensor_parallel.py
 """
 import collections
 import gc
@@ -33,20 +34,21 @@ OUT = os.environ.get("OUT", "/tmp")
 MODE = os.environ.get("MODE", "bf16")
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 TPS = [int(t) for t in os.environ.get("TPS", "1,2").split(",")]
+QUANT = os.environ.get("QUANT") or None
 res = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()), "jax": jax.__version__,
-       "preset": PRESET, "mode": MODE}
+       "preset": PRESET, "mode": MODE, "quantization": QUANT}
 
 
 def log(key, value):
     res[key] = value
     print(key, json.dumps(value), flush=True)
-    with open(f"{OUT}/tp_{MODE}.json", "w") as f:
+    with open(f"{OUT}/tp_{MODE}{'_' + QUANT if QUANT else ''}.json", "w") as f:
         json.dump(res, f, indent=1)
 
 
 def make_engine(tp, seqs):
     dtype = "bfloat16" if MODE == "bf16" else "float32"
-    loaded = load_preset(PRESET, jnp.dtype(dtype), None, 0, tp)
+    loaded = load_preset(PRESET, jnp.dtype(dtype), QUANT, 0, tp, quantize_lm_head=QUANT is not None)
     cfg = EngineConfig(dtype=dtype, max_num_seqs=seqs, max_model_len=1024, num_pages=seqs * 16 + 8, page_size=16,
                        max_num_batched_tokens=512, tensor_parallel_size=tp)
     return LLMEngine(cfg, loaded)
