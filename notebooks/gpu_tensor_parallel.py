@@ -4,7 +4,9 @@ MODE=bf16 (default): for TP=1 and TP=2: greedy generations (4 prompts x 32 token
 decode step time at bs=1 and bs=32 (engine.step() in steady state, tokens read back every step),
 and per-step all-reduce time from a profiler trace. MODE=f32: greedy equality in float32 (reference
 attention), where rounding cannot flip near-ties. QUANT=int8|fp8|int4 quantizes the random weights
-(LM head included) before they are split. Writes $OUT/tp_<mode>[_<quant>].json.
+(LM head included) before they are split. CONTROL=splits (with QUANT) runs TP=1 a second time with
+each quantized kernel's K split changed, to show how far summation order alone moves greedy
+outputs. Writes $OUT/tp_<mode>[_<quant>].json.
 
   JAX_PLATFORMS=cuda MODE=bf16 [QUANT=int4] python notebooks/gpu_tensor_parallel.py
 """
@@ -119,7 +121,31 @@ def collective_time(trace_dir, steps):
     return out
 
 
+def compare(key, tokens, lps, ref_tokens, ref_lps):
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(tokens, ref_tokens)]
+    n = [min(s, len(a)) for s, a in zip(same, lps)]
+    diff = max(float(np.max(np.abs(np.array(a[:k]) - np.array(b[:k])))) if k else 0.0
+               for a, b, k in zip(lps, ref_lps, n))
+    log(key, {"equal": tokens == ref_tokens, "matching_prefix": same, "max_logprob_diff_on_prefix": diff})
+
+
+def other_k_splits(num_steps, num_blocks, *, requested, max_auto):
+    """The next divisor of num_steps after the automatic split (a different summation order)."""
+    auto = gemm_tiling.k_splits(num_steps, num_blocks, requested=requested, max_auto=max_auto)
+    return next((d for d in range(auto + 1, num_steps + 1) if num_steps % d == 0), 1)
+
+
 results = {}
+if os.environ.get("CONTROL") == "splits":
+    from unittest import mock
+
+    import pallas_kernels.quantized_matmul as qmm
+    from pallas_kernels import gemm_tiling
+    ref = greedy(make_engine(1, 4))
+    with mock.patch.object(qmm, "k_splits", other_k_splits):
+        jax.clear_caches()
+        compare("tp1_other_k_splits_vs_tp1", *greedy(make_engine(1, 4)), *ref)
+    TPS = []
 for tp in TPS:
     t0 = time.perf_counter()
     engine = make_engine(tp, 32 if MODE == "bf16" else 4)
@@ -129,13 +155,7 @@ for tp in TPS:
     log(f"tp{tp}_greedy_s", round(time.perf_counter() - t0, 1))
     results[tp] = (tokens, lps)
     if tp != TPS[0]:
-        ref_tokens, ref_lps = results[TPS[0]]
-        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(tokens, ref_tokens)]
-        n = [min(s, len(a)) for s, a in zip(same, lps)]
-        diff = max(float(np.max(np.abs(np.array(a[:k]) - np.array(b[:k])))) if k else 0.0
-                   for a, b, k in zip(lps, ref_lps, n))
-        log(f"tp{tp}_vs_tp{TPS[0]}", {"equal": tokens == ref_tokens, "matching_prefix": same,
-                                      "max_logprob_diff_on_prefix": diff})
+        compare(f"tp{tp}_vs_tp{TPS[0]}", tokens, lps, *results[TPS[0]])
     if MODE == "bf16":
         for bs in (1, 32):
             log(f"tp{tp}_bs{bs}", decode_steps(engine, bs, trace_dir=f"/tmp/trace_tp{tp}_bs{bs}"))
