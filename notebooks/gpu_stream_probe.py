@@ -11,11 +11,12 @@ Llama-3.1-8B projection (int4 bytes: K / 2 per weight row), variants:
   bytes256 256-byte weight rows (four groups per step);
   depthD   D steps in flight;
   occB     shared memory padded so that only B blocks fit per SM;
-  splitS   S K splits.
+  splitS   S K splits;
+  rows     base plus the int4 kernel's per-step scale and zero-point rows (two [2, 64] f16 tiles).
 Times: CUPTI kernel time per call, weights rotated past the L2; fraction of a device-to-device copy
 measured in the same run. The real int4 kernel (g128 zero points, mma order) runs beside it.
 
-  [BITS=4,8] [KERNELS_ONLY=1] JAX_PLATFORMS=cuda python notebooks/gpu_stream_probe.py   # writes $OUT/stream_probe.json
+  [BITS=4,8] [KERNELS_ONLY=1] [ONLY=base,rows] JAX_PLATFORMS=cuda python notebooks/gpu_stream_probe.py   # writes $OUT/stream_probe.json
 """
 import functools
 import json
@@ -40,6 +41,7 @@ SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672),
 ROWS = 8
 BITS = [int(b) for b in os.environ.get("BITS", "4,8").split(",")]
 KERNELS_ONLY = os.environ.get("KERNELS_ONLY") == "1"   # only the real kernels, no stream variants
+ONLY = os.environ.get("ONLY", "").split(",") if os.environ.get("ONLY") else None   # these stream variants only
 
 
 def kernel_splits(k, n, bits):
@@ -50,13 +52,13 @@ def kernel_splits(k, n, bits):
     return k_splits(steps, n // 64, requested=None, max_auto=steps * unroll // 8)
 
 
-def stream(k, n, *, bits=4, tile_n=64, row_bytes=128, depth=4, splits=1, with_x=True, pad_kb=0):
+def stream(k, n, *, bits=4, tile_n=64, row_bytes=128, depth=4, splits=1, with_x=True, pad_kb=0, rows=False):
     """A jitted fn(x [8, K] bf16, w [N, K * bits / 8] uint8) -> [splits, 8, N] f32 of zeros that streams w."""
     steps = (k * bits // 8) // row_bytes
     assert steps % splits == 0, (k, row_bytes, splits)
     per_split = steps // splits
 
-    def kernel(w_gmem, x_gmem, out_gmem, out_smem, *pad):
+    def kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, *pad):
         ni, sp = lax.axis_index("n"), lax.axis_index("split")
         first = sp * per_split
         specs = [plgpu.BlockSpec((tile_n, row_bytes), lambda s: (0, first + s),
@@ -67,6 +69,10 @@ def stream(k, n, *, bits=4, tile_n=64, row_bytes=128, depth=4, splits=1, with_x=
             specs.append(plgpu.BlockSpec((ROWS, x_cols), lambda s: (0, first + s),
                                          transforms=swizzled(x_cols * 16, 16, "x")))
             operands.append(x_gmem)
+        if rows:   # a step's groups of 128: rows [2 s, 2 s + 2) of the scales and of the zero points
+            groups = row_bytes * 8 // bits // 128
+            specs += [plgpu.BlockSpec((groups, tile_n), lambda s: (first + s, 0))] * 2
+            operands += [s_gmem.at[:, pl.ds(ni * tile_n, tile_n)]] * 2
 
         def step(_, *refs):
             return refs[-1]
@@ -87,7 +93,8 @@ def stream(k, n, *, bits=4, tile_n=64, row_bytes=128, depth=4, splits=1, with_x=
         grid=(n // tile_n, splits), grid_names=("n", "split"), kernel_name="stream_probe",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return lambda x, w: call(w, x)
+    group_rows = jnp.zeros((k // 128, n), jnp.float16)
+    return lambda x, w: call(w, x, group_rows)
 
 
 def smem_kb(tile_n, row_bytes, depth, with_x, bits=4):
@@ -98,6 +105,8 @@ def variants(name, bits):
     k, n = SHAPES[name]
     s = kernel_splits(k, n, bits)
     v = {"base": dict(splits=s), "bytes256": dict(splits=s, row_bytes=256)}
+    if bits == 4:
+        v["rows"] = dict(splits=s, rows=True)
     if name == "lm_head" or bits == 8:
         return v
     v |= {"nox": dict(splits=s, with_x=False), "rows128": dict(splits=2 * s, tile_n=128)}
@@ -140,7 +149,8 @@ def main():
             w = jnp.asarray(rng.integers(0, 256, (n, k * bits // 8), np.uint8))
             copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
             ws = [w ^ np.uint8(i) for i in range(copies)]
-            for vname, kw in ({} if KERNELS_ONLY else variants(name, bits)).items():
+            chosen = {} if KERNELS_ONLY else variants(name, bits)
+            for vname, kw in {v: kw for v, kw in chosen.items() if ONLY is None or v in ONLY}.items():
                 timed(name, k, n, f"stream{bits}_{vname}", stream(k, n, bits=bits, **kw), x, ws, w.nbytes, **kw)
             del ws
             # the real kernels on the same shape: int4 g128 zero points in mma order (what quantize
