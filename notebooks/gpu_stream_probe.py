@@ -97,8 +97,9 @@ def stream(k, n, *, bits=4, tile_n=64, row_bytes=128, depth=4, splits=1, with_x=
     return lambda x, w: call(w, x, group_rows)
 
 
-def smem_kb(tile_n, row_bytes, depth, with_x, bits=4):
-    return depth * (tile_n * row_bytes + (ROWS * row_bytes * 16 // bits if with_x else 0)) / 1024 + 2
+def smem_kb(tile_n, row_bytes, depth):
+    """Shared memory of an int4 stream block with its x tile: `depth` stages plus the output tile."""
+    return depth * (tile_n * row_bytes + ROWS * row_bytes * 4) / 1024 + 2
 
 
 def variants(name, bits):
@@ -113,7 +114,7 @@ def variants(name, bits):
     for d in (2, 3, 6, 8):
         v[f"depth{d}"] = dict(splits=s, depth=d)
     for b in (1, 2, 3):   # pad shared memory so that only b blocks fit in 227 KB
-        v[f"occ{b}"] = dict(splits=s, pad_kb=int(227 // b - smem_kb(64, 128, 4, True)) - 1)
+        v[f"occ{b}"] = dict(splits=s, pad_kb=int(227 // b - smem_kb(64, 128, 4)) - 1)
     for sp in (1, 2, 4, 8, 16):
         if sp != s and (k // 256) % sp == 0:
             v[f"split{sp}"] = dict(splits=sp)

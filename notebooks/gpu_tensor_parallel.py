@@ -18,6 +18,7 @@ import json
 import os
 import re
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,8 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.llm import LLM
 from atlasjax.sampling_params import SamplingParams
+from pallas_kernels import gemm_tiling
+from pallas_kernels import quantized_matmul as qmm
 
 OUT = os.environ.get("OUT", "/tmp")
 MODE = os.environ.get("MODE", "bf16")
@@ -137,10 +140,6 @@ def other_k_splits(num_steps, num_blocks, *, requested, max_auto):
 
 results = {}
 if os.environ.get("CONTROL") == "splits":
-    from unittest import mock
-
-    import pallas_kernels.quantized_matmul as qmm
-    from pallas_kernels import gemm_tiling
     ref = greedy(make_engine(1, 4))
     with mock.patch.object(qmm, "k_splits", other_k_splits):
         jax.clear_caches()
