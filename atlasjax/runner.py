@@ -23,6 +23,7 @@ import numpy as np
 
 from atlasjax import sampling
 from atlasjax.sharding import TP_AXIS
+from atlasjax.step_options import step_compiler_options
 from models.attention import AttentionMetadata
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
 from models.transformer import Transformer, init_kv_cache
@@ -231,7 +232,8 @@ class ModelRunner:
         if key in self._compiled:
             return self._compiled[key]
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*self._on_mesh(args)).compile()
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*self._on_mesh(args)).compile(
+            compiler_options=self._compiler_options)
         dt = time.perf_counter() - t0
         self.num_compiles += 1
         self.compile_seconds += dt
@@ -255,6 +257,13 @@ class ModelRunner:
         for i, x in zip(host, jax.device_put([leaves[i] for i in host], self.plan.replicated)):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
+
+    @functools.cached_property
+    def _compiler_options(self) -> dict:
+        if self.plan is None:
+            return {}
+        mesh = self.plan.mesh.devices
+        return step_compiler_options(mesh.flat[0].platform, mesh.size)
 
     @functools.cached_property
     def _mesh_devices(self):
