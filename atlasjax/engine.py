@@ -43,6 +43,7 @@ from atlasjax.runner import ModelRunner, StepOutput
 from atlasjax.sampling import pack_rows, plan_rows
 from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
+from atlasjax.step_options import use_process_flags
 from atlasjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("atlasjax.engine")
@@ -80,6 +81,7 @@ def resolve_dtype(name: str):
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
         from atlasjax.model_source import load_for_engine, shard_loaded  # noqa: PLC0415
+        use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config
         self.dtype = resolve_dtype(config.dtype)
         given = loaded

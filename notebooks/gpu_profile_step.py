@@ -24,16 +24,18 @@ from atlasjax.bench.presets import load_preset
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.sampling_params import SamplingParams
+from atlasjax.step_options import use_process_flags
 
 OUT = os.environ.get("OUT", "/tmp")
 QUANT = os.environ.get("QUANT") or None
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 BS = int(os.environ.get("BS", "1"))
 TP = int(os.environ.get("TP", "1"))
+use_process_flags(TP)   # as the engine would, before jax starts (atlasjax/step_options.py)
 STEPS = 10
 NAME = f"profile_{QUANT or 'bf16'}_bs{BS}_tp{TP}{os.environ.get('TAG', '')}"
 res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT, "bs": BS, "tp": TP,
-       "xla_flags": os.environ.get("XLA_FLAGS", "")}
+       "xla_flags": os.environ.get("XLA_FLAGS", "")}   # after use_process_flags
 
 
 def log(key, value):

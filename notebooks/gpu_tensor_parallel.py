@@ -32,6 +32,7 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.llm import LLM
 from atlasjax.sampling_params import SamplingParams
+from atlasjax.step_options import use_process_flags
 from pallas_kernels import gemm_tiling
 from pallas_kernels import quantized_matmul as qmm
 
@@ -39,9 +40,10 @@ OUT = os.environ.get("OUT", "/tmp")
 MODE = os.environ.get("MODE", "bf16")
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 TPS = [int(t) for t in os.environ.get("TPS", "1,2").split(",")]
+use_process_flags(max(TPS))   # as the engine would, before jax starts (atlasjax/step_options.py)
 QUANT = os.environ.get("QUANT") or None
 res = {"device": jax.devices()[0].device_kind, "num_devices": len(jax.devices()), "jax": jax.__version__,
-       "preset": PRESET, "mode": MODE, "quantization": QUANT}
+       "preset": PRESET, "mode": MODE, "quantization": QUANT, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def log(key, value):

@@ -61,6 +61,7 @@ def check_common(rep: dict, mode: str) -> None:
     for key in ("device", "jax", "jaxlib", "flax", "git_commit", "command", "timestamp"):
         assert env.get(key), key
     assert env["command"].startswith("python") and f"atlasjax.bench {mode}" in env["command"]
+    assert "xla_flags" in env   # what the backend read: XLA_FLAGS change the numbers
     ceil = rep["roofline"]["ceilings"]
     assert ceil["copy_bandwidth_Bps"] > 1e8 and ceil["matmul_flops_per_s"] > 1e8
 

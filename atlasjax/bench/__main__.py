@@ -94,6 +94,8 @@ def main(argv=None) -> int:
         from atlasjax.bench import latency  # noqa: PLC0415
         latency.compare_formats(args)   # a bad --compare-quantization fails before any device work
     hf = _hf_comparison(args) if getattr(args, "compare", None) == "hf" else None
+    from atlasjax.step_options import use_process_flags  # noqa: PLC0415
+    use_process_flags(getattr(args, "tensor_parallel_size", 1))   # before measuring starts the backend
     from atlasjax.bench.roofline import measure_ceilings  # noqa: PLC0415
     progress("measuring device ceilings (copy bandwidth, matmul rate)")
     ceilings = measure_ceilings()

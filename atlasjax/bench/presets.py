@@ -79,6 +79,8 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
     quantize_lm_head: with `quantization`, the untied LM head is quantized too (see EngineConfig)."""
     from atlasjax.loader import LoadedModel, random_params  # noqa: PLC0415
     from atlasjax.model_source import shard_loaded  # noqa: PLC0415
+    from atlasjax.step_options import use_process_flags  # noqa: PLC0415
+    use_process_flags(tensor_parallel_size)   # before the weights start the jax backend
     cfg = PRESETS[name]
     plan = None
     if tensor_parallel_size > 1 and not quantization:

@@ -55,6 +55,7 @@ def environment(argv: list[str], with_device: bool = True) -> dict:
                hostname=platform.node(), python=platform.python_version(),
                jax=version("jax"), jaxlib=version("jaxlib"), flax=version("flax"),
                command=shlex.join([os.path.basename(sys.executable), "-m", "atlasjax.bench", *argv]),
+               xla_flags=os.environ.get("XLA_FLAGS", ""),   # as the backend read them (atlasjax may add one)
                **{f"git_{k}": v for k, v in git_commit().items()})
     if with_device:
         import jax  # noqa: PLC0415
