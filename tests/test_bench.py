@@ -214,6 +214,22 @@ def test_roofline_counts_match_the_llama_8b_anchor():
     assert 0.5 < q / w < 0.6                                    # projections at 1 byte, embeddings stay bf16
 
 
+def test_tensor_parallel_step_is_held_against_every_device(tmp_path, capsys):
+    # At TP=2 each device moves half the bytes, so the roofline is two devices' copy bandwidth and
+    # matmul rate (the ceilings are measured on one): a TP=2 step at the one-device floor is at 50%.
+    rep = run_bench(tmp_path, "latency", "--preset", "tiny", "--batch-size", "2", "--input-len", "12",
+                    "--output-len", "4", "--num-iters", "1", "-tp", "2")
+    assert rep["settings"]["engine"]["tensor_parallel_size"] == 2
+    ceil, dec = rep["roofline"]["ceilings"], rep["roofline"]["decode_step"]
+    assert dec["devices"] == 2
+    assert dec["frac_copy_bandwidth"] == pytest.approx(dec["bytes_per_s"] / (2 * ceil["copy_bandwidth_Bps"]))
+    assert dec["frac_matmul_rate"] == pytest.approx(dec["flops_per_s"] / (2 * ceil["matmul_flops_per_s"]))
+    assert "of copy x 2 devices" in capsys.readouterr().out
+    one = roofline.achieved(dict(bytes=1e9, flops=1e9), 1.0, ceil)
+    two = roofline.achieved(dict(bytes=1e9, flops=1e9), 1.0, ceil, devices=2)
+    assert two["floor_seconds"] == pytest.approx(one["floor_seconds"] / 2)
+
+
 def test_summarize_percentiles():
     s = report.summarize([4.0, 1.0, 3.0, 2.0, float("nan"), None])
     assert s["n"] == 4 and s["median"] == 2.5 and s["mean"] == 2.5

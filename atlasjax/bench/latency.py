@@ -187,10 +187,11 @@ def _roofline(engine, args, results, ceilings) -> dict:
     w = roofline.weight_bytes_per_step(engine.runner.params, cfg, bs, item)
     ctx = args.input_len + args.output_len / 2            # mean context over the decode steps
     roof = dict(ceilings=ceilings)
+    devices = engine.config.tensor_parallel_size
     roof["decode_step"] = roofline.achieved(roofline.decode_cost(cfg, w, item, bs, ctx),
-                                            results["tpot_s"]["median"], ceilings)
+                                            results["tpot_s"]["median"], ceilings, devices)
     roof["prefill"] = roofline.achieved(roofline.prefill_cost(cfg, w, item, [args.input_len] * bs),
-                                        results["ttft_s"]["median"], ceilings)
+                                        results["ttft_s"]["median"], ceilings, devices)
     return roof
 
 

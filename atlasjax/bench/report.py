@@ -119,10 +119,11 @@ def roofline_rows(roof: dict) -> list[list[str]]:
                      f"weights {si(a['weight_bytes'], 'B')} + KV {si(a['kv_bytes'], 'B')}"])
         rows.append([f"{name}: FLOPs", si(a["flops"], "FLOP"), ""])
         if "bytes_per_s" in a:
+            of = f" x {a['devices']} devices" if a.get("devices", 1) > 1 else ""
             rows.append([f"{name}: achieved bandwidth", si(a["bytes_per_s"], "B/s"),
-                         f"{fmt(a.get('frac_copy_bandwidth'), '%', 100)} of copy"])
+                         f"{fmt(a.get('frac_copy_bandwidth'), '%', 100)} of copy{of}"])
             rows.append([f"{name}: achieved FLOP rate", si(a["flops_per_s"], "FLOP/s"),
-                         f"{fmt(a.get('frac_matmul_rate'), '%', 100)} of matmul"])
+                         f"{fmt(a.get('frac_matmul_rate'), '%', 100)} of matmul{of}"])
         if "floor_seconds" in a:
             rows.append([f"{name}: roofline floor ({a['bound']}-bound)", fmt(a["floor_seconds"], " ms", 1e3),
                          f"measured time is {fmt(a['frac_roofline'], '%', 100)} of roofline speed"])

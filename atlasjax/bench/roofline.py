@@ -8,7 +8,8 @@ Costs (counted, not measured):
 - prefill of prompts n_i: FLOPs 2 * sum(n_i) * layer_params + 2 * num_seqs * lm_head params
   (logits at the last row only) + causal attention 2 * sum(n_i^2) * layers * heads * head_dim;
   bytes: the weights once plus the KV written.
-Ceilings (measured on the same device, in the same process, before the benchmark):
+Ceilings (measured on the same device, in the same process, before the benchmark; a step that
+runs tensor-parallel on N devices is held against N times them):
 - copy bandwidth: a large device-to-device elementwise pass (bytes read + bytes written; on CPU a
   large matrix-vector product, see `measure_ceilings`);
 - matmul rate: a large square product in bf16 on GPU/TPU, f32 on CPU.
@@ -135,13 +136,18 @@ def prefill_cost(cfg: ModelConfig, weight_bytes: int, kv_itemsize: int, prompt_l
                 flops=flops)
 
 
-def achieved(cost: dict, seconds: float, ceilings: dict | None) -> dict:
-    """Bytes/s and FLOP/s of `cost` done in `seconds`, and their fractions of the measured ceilings."""
+def achieved(cost: dict, seconds: float, ceilings: dict | None, devices: int = 1) -> dict:
+    """Bytes/s and FLOP/s of `cost` done in `seconds`, and their fractions of the measured ceilings.
+
+    `devices`: how many devices share the work (tensor parallelism). The ceilings are measured on
+    one device, so the roofline is `devices` times theirs: each device moves and computes its shard.
+    """
     if not seconds or seconds <= 0:
-        return dict(cost)
-    out = dict(cost, seconds=seconds, bytes_per_s=cost["bytes"] / seconds, flops_per_s=cost["flops"] / seconds)
+        return dict(cost, devices=devices)
+    out = dict(cost, devices=devices, seconds=seconds, bytes_per_s=cost["bytes"] / seconds,
+               flops_per_s=cost["flops"] / seconds)
     if ceilings:
-        bw, mm = ceilings["copy_bandwidth_Bps"], ceilings["matmul_flops_per_s"]
+        bw, mm = ceilings["copy_bandwidth_Bps"] * devices, ceilings["matmul_flops_per_s"] * devices
         out.update(frac_copy_bandwidth=out["bytes_per_s"] / bw, frac_matmul_rate=out["flops_per_s"] / mm,
                    floor_seconds=max(cost["bytes"] / bw, cost["flops"] / mm),
                    bound="memory" if cost["bytes"] / bw >= cost["flops"] / mm else "compute")

@@ -187,7 +187,7 @@ def _roofline(engine, reqs, seqs, num_calls, elapsed, ceilings) -> dict:
     cost = dict(weight_bytes=int(w * num_calls), kv_bytes=int(kv_read + pre["kv_bytes"]),
                 bytes=int(w * num_calls + kv_read + pre["kv_bytes"]), flops=pre["flops"] + flops_dec,
                 num_forward_calls=num_calls)
-    return dict(ceilings=ceilings, run=roofline.achieved(cost, elapsed, ceilings))
+    return dict(ceilings=ceilings, run=roofline.achieved(cost, elapsed, ceilings, engine.config.tensor_parallel_size))
 
 
 def _table(r, label: str) -> str:
