@@ -68,7 +68,7 @@ def l2_prefetch(w, after):
 
     def kernel(w_ref, after_ref, o_ref):
         del after_ref, o_ref
-        p = lax_axis()
+        p = jax.lax.axis_index("p")
         for j in range(pl.cdiv(num_chunks, PROGRAMS)):
             i = p + j * PROGRAMS
 
@@ -78,10 +78,6 @@ def l2_prefetch(w, after):
 
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((128,), jnp.float32), grid=(PROGRAMS,),
                         grid_names=("p",))(flat, after)
-
-
-def lax_axis():
-    return jax.lax.axis_index("p")
 
 
 def rms(x):

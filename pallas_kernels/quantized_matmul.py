@@ -132,7 +132,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
     def dequantized(w_smem):  # [TILE_N, tile_k] -> bf16 registers; exact for int8/int4/e4m3
         if mma_order:  # int4 in mma order: one word per 8 weights
-            return mma_tile_to_bf16(w_smem[...], None, interpret=a_smem is not None)
+            return mma_tile_to_bf16(w_smem[...], interpret=a_smem is not None)
         a = w_smem[...]
         if a.dtype == jnp.float8_e4m3fn:  # sm_90 has no e4m3 -> bf16 cvt; e4m3 -> f16 is exact
             a = a.astype(jnp.float16)
