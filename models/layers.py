@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models.parallel import Parallel
+from pallas_kernels import decode_matmul
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -21,16 +22,30 @@ def is_quantized(w) -> bool:
     return hasattr(w, "qweight")
 
 
-def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
-    """The one matmul entry. x: [tokens, in]; w: [in, out] array or a quantized weight pytree."""
+def matmul(x: jax.Array, w, out_dtype=None, residual: jax.Array | None = None, *, decode_kernel: bool = True
+           ) -> jax.Array:
+    """The one matmul entry. x: [tokens, in]; w: [in, out] array or a quantized weight pytree.
+    residual: None or [tokens, out], returned as `residual + x @ w` (the product rounded to
+    out_dtype first); the bf16 decode kernel adds it in its epilogue. decode_kernel=False keeps
+    XLA's GEMM for a bf16 weight (tensor-parallel partial sums: not measured with the kernel yet)."""
     out_dtype = out_dtype or x.dtype
     if is_quantized(w):
         from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
         # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
         # (bf16 on GPU): the logits of a quantized LM head and a row-parallel projection's partial
         # sums stay f32, as they do for an unquantized weight.
-        return quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype))
-    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+        y = quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype))
+    elif decode_kernel and x.ndim == 2 and _on_gpu() and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w.dtype):
+        # a decode step's qkv / o_proj / down: no split-K sum kernel, and the residual add in the
+        # kernel's epilogue (pallas_kernels/decode_matmul.py)
+        return decode_matmul.decode_matmul(x, w, residual, out_dtype=jnp.dtype(out_dtype))
+    else:
+        y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+    return y if residual is None else residual + y
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
 
 
 def given_or_param(module: nn.Module, name: str, init, axes: tuple[str, ...], shape: tuple[int, ...], dtype):
@@ -55,18 +70,21 @@ class Linear(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x):  # [tokens, in]
+    def __call__(self, x, residual=None):  # x [tokens, in]; residual None or [tokens, out]: added to y
         kernel = given_or_param(self, "kernel", _init, self.axes, (x.shape[-1], self.features), self.dtype)
         if self.parallel.mesh_axis(self.axes[0]) is None:
+            if not self.use_bias:
+                return matmul(x, kernel, self.out_dtype, residual)
             y = matmul(x, kernel, self.out_dtype)
         else:
             # Partial sums are all-reduced in float32 and rounded once, as one device's f32-accumulated
             # matmul is: bf16 outputs then match the single-device engine (2x bytes on a tiny all-reduce).
-            y = self.parallel.reduce(matmul(x, kernel, jnp.float32), self.axes[0]).astype(self.out_dtype or x.dtype)
+            partial = matmul(x, kernel, jnp.float32, decode_kernel=False)
+            y = self.parallel.reduce(partial, self.axes[0]).astype(self.out_dtype or x.dtype)
         if self.use_bias:
             bias = given_or_param(self, "bias", nn.initializers.zeros, self.axes[1:], (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)
-        return y
+        return y if residual is None else residual + y
 
 
 class Embed(nn.Module):
@@ -110,14 +128,14 @@ class MLP(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x):  # [tokens, embed]
+    def __call__(self, x, residual=None):  # [tokens, embed]; residual: added to the output
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
         if self.has_variable("params", "gate_up_proj"):   # the runner's fused layout (models/fused.py)
             gate, up = jnp.split(linear(0, ("embed", "mlp"), name="gate_up_proj")(x), 2, axis=-1)
         else:
             gate = linear(self.intermediate_size, ("embed", "mlp"), name="gate_proj")(x)
             up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x)
-        return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)
+        return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up, residual)
 
 
 def rope_inv_freq(cfg) -> jax.Array:

@@ -32,7 +32,8 @@ class Attention(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, positions, kv, meta: AttentionMetadata):
+    def __call__(self, x, positions, kv, meta: AttentionMetadata, residual=None):
+        """-> (o_proj output + residual (when given), kv)."""
         cfg = self.cfg
         t = x.shape[0]
         hd = cfg.head_dim
@@ -55,7 +56,7 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend)   # K/V land in the donated pool
-        out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1))
+        out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1), residual)
         return out, kv
 
 
@@ -68,11 +69,13 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, positions, kv, meta):
         cfg = self.cfg
+        # the residual adds go into the projections (x + o_proj(...), x + down(...)), where a decode
+        # matmul kernel can take them into its epilogue
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="input_layernorm")(x)
-        h, kv = Attention(cfg, self.attn_backend, self.dtype, self.parallel, name="self_attn")(h, positions, kv, meta)
-        x = x + h
+        x, kv = Attention(cfg, self.attn_backend, self.dtype, self.parallel, name="self_attn")(
+            h, positions, kv, meta, residual=x)
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="post_attention_layernorm")(x)
-        x = x + MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.parallel, name="mlp")(h)
+        x = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.parallel, name="mlp")(h, residual=x)
         return x, kv
 
 
