@@ -1,25 +1,30 @@
-"""bf16 decode matmul: y = x @ W for the few rows of a decode step, W [K, N] as the model stores it.
+"""bf16 decode matmul: y = x @ W (+ residual) for the few rows of a decode step, W [K, N] as stored.
 
 Why a kernel of our own when XLA's GEMM streams bf16 weights near copy bandwidth: at 8 rows XLA
-splits K on the projections whose N is small (qkv, o_proj, down: split-K 4-8) and sums the f32
-partials in a second kernel. That sum is a reduction, so XLA cannot fuse the residual add behind
-it into the next RMSNorm: every layer pays two extra launch-bound kernels (~1.7 us each) and the
-q/k/v fusion carries the sum. This kernel streams each 64-column slice of W over all of K in one
-block and writes y itself, which measured as fast as XLA's GEMM on those shapes on the H100
-(notebooks/gpu_bf16_smem_gemv.py, docs/performance.md, session 18); XLA then fuses the residual
-add into the RMSNorm after it.
+splits K on the projections whose N is small (qkv, o_proj, down of an 8B model: split-K 4-8) and
+sums the f32 partials in a second kernel, which also carries the residual add after o_proj and
+down (~1.8 us each, 63 per Llama-3.1-8B step). This kernel streams each 64-column slice of W over
+all of K in one block, so the product needs no second kernel, and adds the residual in its
+epilogue. On the H100 it streams those shapes as fast as XLA's GEMM and the bf16 bs=1 step went
+from 5.58 to 5.49-5.52 ms (notebooks/gpu_bf16_smem_gemv.py, docs/performance.md, session 18).
+Without the epilogue add it did not pay: XLA then fused each add into the RMSNorm after it, and
+that fused kernel was as slow as the two it replaced.
 
 Kernel (Mosaic GPU, Hopper wgmma, "swap AB"): grid over N tiles of 64 columns, one warpgroup
 each; `emit_pipeline` over K in steps of `tile_k` rows TMA-loads W[tile_k, 64] and x[m, tile_k]
 into shared memory and issues wgmma(acc[64, m], W.T, x.T): the weight tile is the shared-memory
 A operand (transposed view, no register copy) and the activations the B operand (wgmma N = m, a
 multiple of 8). `wgmmas_in_flight` > 0 keeps that many wgmmas running across steps (the pipeline
-delays releasing their tiles). The f32 accumulator is stored as y [m, 64] in the output dtype.
+delays releasing their tiles). The residual tile is fetched while the weight streams; the product
+is rounded to the output dtype and then added, as `residual + x @ w` rounds.
 
-Where it runs (`pays`): bf16 weights on a GPU, at most `MAX_ROWS` rows, and N between 64 and
-2 x SMs tiles of 64. Wider weights (gate_up, the LM head) fill the GPU without a K split, and
-there XLA's GEMM measured 1-3% faster; narrower ones would leave most SMs idle.
-`ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere (for A/B measurements).
+Where it runs (`pays`): bf16 weights on a GPU, at most `MAX_ROWS` rows, N of 32-96 tiles of 64
+columns, the range measured: the 8B qkv / o_proj / down (64-96 tiles) as fast as XLA's GEMM or
+faster; Llama-3.2-1B's qkv and o_proj (48 and 32 tiles) in less than half XLA's time, its down
+(32 tiles) 3% slower than XLA's GEMM but without XLA's add kernel after it. Wider weights
+(gate_up, the LM head) fill the GPU without a K split and XLA's GEMM was 1-3% faster there.
+Tensor-parallel partial sums keep XLA's GEMM for now (not measured with the kernel in the
+engine). `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere (for A/B measurements).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from pallas_kernels.gemm_tiling import SMEM_BUDGET, swizzled
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 64     # decode steps up to this many rows (docs/performance.md, session 18)
-MIN_TILES, MAX_TILES = 64, 96   # the N tiles (of 64 columns) where it measured faster than XLA
+MIN_TILES, MAX_TILES = 32, 96   # the N tiles (of 64 columns) where it measured faster than XLA
 
 
 @dataclasses.dataclass(frozen=True)
