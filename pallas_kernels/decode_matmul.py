@@ -18,13 +18,17 @@ multiple of 8). `wgmmas_in_flight` > 0 keeps that many wgmmas running across ste
 delays releasing their tiles). The residual tile is fetched while the weight streams; the product
 is rounded to the output dtype and then added, as `residual + x @ w` rounds.
 
-Where it runs (`pays`): bf16 weights on a GPU, at most `MAX_ROWS` rows, N of 32-96 tiles of 64
-columns, the range measured: the 8B qkv / o_proj / down (64-96 tiles) as fast as XLA's GEMM or
-faster; Llama-3.2-1B's qkv and o_proj (48 and 32 tiles) in less than half XLA's time, its down
-(32 tiles) 3% slower than XLA's GEMM but without XLA's add kernel after it. Wider weights
-(gate_up, the LM head) fill the GPU without a K split and XLA's GEMM was 1-3% faster there.
-Tensor-parallel partial sums keep XLA's GEMM for now (not measured with the kernel in the
-engine). `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere (for A/B measurements).
+Where it runs (`pays`): bf16 weights on a GPU, at most `MAX_ROWS` rows, N of 64-96 tiles of 64
+columns: what made whole steps faster on the H100 (Llama-3.1-8B's qkv, o_proj and down at bs=1
+and bs=32). Measured and left to XLA (session 18):
+- 64 rows (bs=64): the step took 7.97 ms against 6.94 with XLA's GEMM, although the kernel alone
+  measured faster than XLA's GEMM at 64 rows (with the residual tile, shared memory holds only two
+  256-row steps of a 64-row x);
+- Llama-3.2-1B (32-48 tiles): the kernel alone ran its qkv and o_proj in under half XLA's time,
+  but the multi-step bs=1 step was no faster (1.21 against 1.18 ms);
+- wider weights (gate_up, the LM head) fill the GPU without a K split, and XLA's GEMM was 1-3%
+  faster there; tensor-parallel partial sums were not measured with the kernel.
+`ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere (for A/B measurements).
 """
 from __future__ import annotations
 
@@ -41,8 +45,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, swizzled
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
-MAX_ROWS = 64     # decode steps up to this many rows (docs/performance.md, session 18)
-MIN_TILES, MAX_TILES = 32, 96   # the N tiles (of 64 columns) where it measured faster than XLA
+MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
+MIN_TILES, MAX_TILES = 64, 96   # the N tiles (of 64 columns) where it made steps faster
 
 
 @dataclasses.dataclass(frozen=True)
