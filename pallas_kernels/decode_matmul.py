@@ -22,8 +22,8 @@ Where it runs (`pays`): bf16 weights on a GPU, at most `MAX_ROWS` rows, N of 64-
 columns: what made whole steps faster on the H100 (Llama-3.1-8B's qkv, o_proj and down at bs=1
 and bs=32). Measured and left to XLA (session 18):
 - 64 rows (bs=64): the step took 7.97 ms against 6.94 with XLA's GEMM, although the kernel alone
-  measured faster than XLA's GEMM at 64 rows (with the residual tile, shared memory holds only two
-  256-row steps of a 64-row x);
+  measured faster than XLA's GEMM at 64 rows (not profiled; with the residual tile, shared memory
+  holds only two 256-row steps of a 64-row x);
 - Llama-3.2-1B (32-48 tiles): the kernel alone ran its qkv and o_proj in under half XLA's time,
   but the multi-step bs=1 step was no faster (1.21 against 1.18 ms);
 - wider weights (gate_up, the LM head) fill the GPU without a K split, and XLA's GEMM was 1-3%
