@@ -6,7 +6,7 @@ sums the f32 partials in a second kernel, which also carries the residual add af
 down (~1.8 us each, 63 per Llama-3.1-8B step). This kernel streams each 64-column slice of W over
 all of K in one block, so the product needs no second kernel, and adds the residual in its
 epilogue. On the H100 it streams those shapes as fast as XLA's GEMM and the bf16 bs=1 step went
-from 5.58 to 5.49-5.52 ms (notebooks/gpu_bf16_smem_gemv.py, docs/performance.md, session 18).
+from 5.58 to 5.49-5.53 ms (notebooks/gpu_bf16_smem_gemv.py, docs/performance.md, session 18).
 Without the epilogue add it did not pay: XLA then fused each add into the RMSNorm after it, and
 that fused kernel was as slow as the two it replaced.
 
