@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, swizzled
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
@@ -161,7 +161,7 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
         out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         scratch_types=scratch,
         grid=(n // TILE_N,), grid_names=("n",),
-        interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
+        interpret=interpret_params(interpret),
         kernel_name="decode_matmul",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )

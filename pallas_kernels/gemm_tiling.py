@@ -1,5 +1,6 @@
-"""How the streamed decode matmul kernels (quantized_matmul, int8_mma_matmul) lay a weight out over
-the GPU: shared-memory tile transforms, the number of SMs, and the K split that fills them."""
+"""How the streamed decode matmul kernels (quantized_matmul, int8_mma_matmul, decode_matmul) lay a
+weight out over the GPU: shared-memory tile transforms, the number of SMs, the K split that fills
+them; and the interpret-mode switch they share."""
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -10,6 +11,12 @@ def swizzled(rows_bits: int, elem_bits: int, what: str):
     """Tiling + swizzle transforms for a shared-memory tile whose rows hold `rows_bits` bits."""
     swizzle = plgpu.find_swizzle(rows_bits, what)
     return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def interpret_params(interpret):
+    """`plgpu.kernel`'s interpret argument from a kernel entry's: True -> default interpret-mode
+    params, False/None -> native, an `InterpretGPUParams` as given."""
+    return (plgpu.InterpretGPUParams() if interpret is True else interpret) or None
 
 
 def num_sms() -> int:

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, k_splits, swizzled
 from pallas_kernels.quant_format import QuantizedWeight
 
 TILE_N = 64  # weight rows per block: the M of one wgmma
@@ -124,7 +124,7 @@ def _int8_mma_sums(parts, qw: QuantizedWeight, config: Int8MmaConfig, interpret)
         scratch_types=[plgpu.SMEM((rows, TILE_N), jnp.int32)],
         grid=(num_blocks, splits),
         grid_names=("n", "split"),
-        interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
+        interpret=interpret_params(interpret),
         kernel_name="int8_mma_matmul",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )

@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int8_mma_matmul as int8_mma
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import QuantizedWeight, dequantize, group_offsets
 
@@ -319,7 +319,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         ] if interpret else []),
         grid=(n_pad // TILE_N, m_pad // m_tile, splits),
         grid_names=("n", "m", "split"),
-        interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
+        interpret=interpret_params(interpret),
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
