@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.deferred import Deferred, RMSNormed, SwiGLU, materialize, rms_norm
 from models.parallel import Parallel
 from pallas_kernels import decode_matmul
 
@@ -22,23 +23,30 @@ def is_quantized(w) -> bool:
     return hasattr(w, "qweight")
 
 
-def matmul(x: jax.Array, w, out_dtype=None, residual: jax.Array | None = None, *, decode_kernel: bool = True
+def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_kernel: bool = True
            ) -> jax.Array:
-    """The one matmul entry. x: [tokens, in]; w: [in, out] array or a quantized weight pytree.
-    residual: None or [tokens, out], returned as `residual + x @ w` (the product rounded to
-    out_dtype first); the bf16 decode kernel adds it in its epilogue. decode_kernel=False keeps
-    XLA's GEMM for a bf16 weight (tensor-parallel partial sums: not measured with the kernel yet)."""
+    """The one matmul entry. x: [tokens, in] array, or a deferred `RMSNormed` / `SwiGLU`
+    (models/deferred.py); w: [in, out] array or a quantized weight pytree. residual: None or
+    [tokens, out], returned as `residual + x @ w` (the product rounded to out_dtype first).
+    The bf16 decode kernel computes a deferred x in its prologue and adds the residual in its
+    epilogue; every other path materializes x first. decode_kernel=False keeps XLA's GEMM for a
+    bf16 weight (tensor-parallel partial sums: not measured with the kernel yet)."""
     out_dtype = out_dtype or x.dtype
+    if (decode_kernel and not is_quantized(w) and x.ndim == 2 and _on_gpu()
+            and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w.dtype)):
+        # a decode step's qkv / o_proj / down: no split-K sum kernel, the input RMSNorm or SwiGLU
+        # in the kernel's prologue and the residual add in its epilogue (pallas_kernels/decode_matmul.py)
+        operand, fused = x.kernel_operands() if isinstance(x, Deferred) else (x, {})
+        if not decode_matmul.prologues_enabled():
+            operand, fused = materialize(x), {}
+        return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
+    x = materialize(x)
     if is_quantized(w):
         from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
         # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
         # (bf16 on GPU): the logits of a quantized LM head and a row-parallel projection's partial
         # sums stay f32, as they do for an unquantized weight.
         y = quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype))
-    elif decode_kernel and x.ndim == 2 and _on_gpu() and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w.dtype):
-        # a decode step's qkv / o_proj / down: no split-K sum kernel, and the residual add in the
-        # kernel's epilogue (pallas_kernels/decode_matmul.py)
-        return decode_matmul.decode_matmul(x, w, residual, out_dtype=jnp.dtype(out_dtype))
     else:
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
     return y if residual is None else residual + y
@@ -112,12 +120,11 @@ class RMSNorm(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, *, deferred: bool = False):
+        """deferred: return `RMSNormed` for the next matmul to compute (models/deferred.py)."""
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
                            (x.shape[-1],), self.dtype)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return scale.astype(x.dtype) * xf.astype(x.dtype)
+        return RMSNormed(x, scale, self.eps) if deferred else rms_norm(x, scale, self.eps)
 
 
 class MLP(nn.Module):
@@ -128,14 +135,16 @@ class MLP(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, residual=None):  # [tokens, embed]; residual: added to the output
+    def __call__(self, x, residual=None):  # x [tokens, embed] (or deferred); residual: added to the output
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
         if self.has_variable("params", "gate_up_proj"):   # the runner's fused layout (models/fused.py)
-            gate, up = jnp.split(linear(0, ("embed", "mlp"), name="gate_up_proj")(x), 2, axis=-1)
+            act = SwiGLU(linear(0, ("embed", "mlp"), name="gate_up_proj")(x))   # down_proj may fuse it
         else:
+            x = materialize(x)
             gate = linear(self.intermediate_size, ("embed", "mlp"), name="gate_proj")(x)
             up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x)
-        return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up, residual)
+            act = nn.silu(gate) * up
+        return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(act, residual)
 
 
 def rope_inv_freq(cfg) -> jax.Array:

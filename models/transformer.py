@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, write_and_attend
+from models.deferred import materialize
 from models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inv_freq
 from models.parallel import Parallel
 
@@ -39,10 +40,12 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
         if self.has_variable("params", "qkv_proj"):   # the runner's fused layout (models/fused.py)
+            # x may be a deferred RMSNormed (models/deferred.py), for the qkv matmul to compute
             qkv = linear(0, ("embed", "heads"), cfg.qkv_bias, name="qkv_proj")(x)
             nq = cfg.num_heads * hd // self.parallel.shards("heads")
             q, k, v = jnp.split(qkv, [nq, nq + (qkv.shape[-1] - nq) // 2], axis=-1)
         else:
+            x = materialize(x)
             q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x)
             k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(x)
             v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(x)
@@ -69,12 +72,13 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, positions, kv, meta):
         cfg = self.cfg
-        # the residual adds go into the projections (x + o_proj(...), x + down(...)), where a decode
-        # matmul kernel can take them into its epilogue
-        h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="input_layernorm")(x)
+        # The norms go to the projections after them as deferred activations and the residual adds
+        # into the projections (x + o_proj(...), x + down(...)): a decode matmul kernel can take the
+        # norm into its prologue and the add into its epilogue (models/deferred.py).
+        h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="input_layernorm")(x, deferred=True)
         x, kv = Attention(cfg, self.attn_backend, self.dtype, self.parallel, name="self_attn")(
             h, positions, kv, meta, residual=x)
-        h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="post_attention_layernorm")(x)
+        h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="post_attention_layernorm")(x, deferred=True)
         x = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.parallel, name="mlp")(h, residual=x)
         return x, kv
 

@@ -18,8 +18,14 @@ MODE=kernel times what came of it, pallas_kernels/decode_matmul.py (the [K, N] l
 over its configs at 8 rows and with its default config at 16-64 rows, against XLA's dot, on the
 8B shapes, their TP=2 shards and Llama-3.2-1B's.
 
+MODE=prologue times the kernel's fused prologues (session 19) on the 8B shapes they serve, at 8
+and 32 rows: qkv with the input RMSNorm, down with SwiGLU and the residual; each against XLA
+computing the same (norm or silu * up, dot, add: all its kernels) and against XLA's norm or
+SwiGLU followed by the kernel without a prologue (the session-18 engine).
+
   JAX_PLATFORMS=cuda PYTHONPATH=. [SHAPES=qkv,down] python notebooks/gpu_bf16_smem_gemv.py   # -> $OUT/bf16_smem_gemv.json
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=kernel python notebooks/gpu_bf16_smem_gemv.py          # -> $OUT/decode_matmul.json
+  JAX_PLATFORMS=cuda PYTHONPATH=. MODE=prologue python notebooks/gpu_bf16_smem_gemv.py        # -> $OUT/decode_prologue.json
 """
 import json
 import os
@@ -32,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, device_ms, rotated
+from models.deferred import SwiGLU, rms_norm
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
 
@@ -156,9 +163,50 @@ def kernel_main():
                            results=results), f, indent=1)
 
 
+def prologue_main():
+    """MODE=prologue: the kernel's RMSNorm (qkv) and SwiGLU (down) prologues against XLA."""
+    copy = copy_bandwidth()
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  copy {copy / 1e9:.0f} GB/s", flush=True)
+    rng = np.random.default_rng(0)
+    results = []
+    for name, (k, n), swiglu in (("qkv+norm", KERNEL_SHAPES["qkv"], False), ("down+swiglu", KERNEL_SHAPES["down"], True)):
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+        copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
+        ws = [w + i for i in range(copies)]
+        scale = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
+        for rows in (8, 32):
+            x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k), np.float32), jnp.bfloat16)
+            r = jnp.asarray(rng.standard_normal((rows, n), np.float32), jnp.bfloat16) if swiglu else None
+            act = (lambda x: SwiGLU(x).materialize()) if swiglu else (lambda x: rms_norm(x, scale, 1e-5))
+            fused_kw = dict(swiglu=True) if swiglu else dict(norm_scale=scale, norm_eps=1e-5)
+            add = (lambda y: y + r) if swiglu else (lambda y: y)
+            xs = [x + i for i in range(copies)]   # an x per weight copy: XLA may not share one norm / SwiGLU
+
+            def timed(fn, xs=xs, ws=ws):
+                return device_ms(jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)]), xs, ws) / copies * 1e3
+            row = dict(proj=name, K=k, N=n, rows=rows)
+            row["xla_us"] = timed(lambda x, w: add(act(x) @ w))
+            row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r))
+            ref = np.asarray(add(act(x) @ w), np.float32)
+            for cname, cfg in {"default": None, **{c: KERNEL_CONFIGS[c] for c in ("k128_d4_r0", "k128_d4_r1", "k256_d4_r0", "k256_d4_r1")}}.items():
+                fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731
+                y = np.asarray(fn(x, ws[0]), np.float32)
+                row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                row[f"{cname}_us"] = timed(fn)
+            print(f"{name} {k}x{n} rows {rows}: " + ", ".join(f"{key[:-3]} {v:.2f}" for key, v in row.items()
+                                                               if key.endswith("_us")) + f"; default err {row['default_err']:.1e}", flush=True)
+            results.append(row)
+        del ws
+    with open(os.path.join(os.environ.get("OUT", "."), "decode_prologue.json"), "w") as f:
+        json.dump(dict(copy_bytes_per_s=copy, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                       results=results), f, indent=1)
+
+
 def main():
     if os.environ.get("MODE") == "kernel":
         return kernel_main()
+    if os.environ.get("MODE") == "prologue":
+        return prologue_main()
     copy = copy_bandwidth()
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  copy {copy / 1e9:.0f} GB/s", flush=True)
     names = os.environ.get("SHAPES", ",".join(SHAPES)).split(",")

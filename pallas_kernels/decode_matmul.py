@@ -75,6 +75,12 @@ def enabled() -> bool:
     return os.environ.get("ATLASJAX_DECODE_MATMUL", "").lower() not in ("off", "0", "false")
 
 
+def prologues_enabled() -> bool:
+    """Whether the model hands the kernel its input RMSNorm / SwiGLU (`ATLASJAX_DECODE_PROLOGUE=off`:
+    XLA computes them and the kernel gets the result, for A/B measurements)."""
+    return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
+
+
 def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend."""
     tiles = n // TILE_N
@@ -84,38 +90,83 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
             and MIN_TILES <= tiles <= MAX_TILES)
 
 
-def decode_matmul_kernel(w_gmem, x_gmem, *refs, tile_k, depth, in_flight, with_residual):
-    """One block: out[:, n tile] = x @ w[:, n tile] over all of K (+ residual[:, n tile]).
+def _stage_rms_norm(x_smem, g_smem, ssq):
+    """x * scale for the wgmma (the row scale waits for the epilogue); x * x added to the carry."""
+    x = plgpu.load(x_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)   # [tile_k, m]
+    g = g_smem[...].astype(jnp.float32)
+    return (x * g[:, None]).astype(jnp.bfloat16), ssq + x * x
 
-    Refs: w_gmem [K, N] bf16; x_gmem [m, K] bf16; (r_gmem [m, N] with_residual); out_gmem [m, N];
-    scratch out_smem [m, TILE_N] (and r_smem [m, TILE_N] + a barrier with_residual).
+
+def _stage_swiglu(gate_smem, up_smem):
+    gate = plgpu.load(gate_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
+    up = plgpu.load(up_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
+    return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
+
+
+def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps):
+    """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]).
+
+    Refs, in order: w_gmem [K, N] bf16; x_gmem [m, K] (prologue "swiglu": [m, 2K], gate | up);
+    scale_gmem [K] (prologue "rms_norm"); r_gmem [m, N] (with_residual); out_gmem [m, N]; scratch
+    out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a prologue); r_smem
+    [m, TILE_N] and a barrier (with_residual).
     """
-    if with_residual:
-        r_gmem, out_gmem, out_smem, r_smem, r_barrier = refs
-    else:
-        out_gmem, out_smem = refs
+    refs = list(refs)
+    take = lambda present: refs.pop(0) if present else None   # noqa: E731
+    w_gmem, x_gmem = take(True), take(True)
+    scale_gmem = take(prologue == "rms_norm")
+    r_gmem, out_gmem, out_smem = take(with_residual), take(True), take(True)
+    staged_smem = take(prologue is not None)
+    r_smem, r_barrier = take(with_residual), take(with_residual)
+
     cols = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
     m = x_gmem.shape[0]
     if with_residual:   # in flight while the weight streams
         plgpu.copy_gmem_to_smem(r_gmem.at[:, cols], r_smem, r_barrier)
+    # Without a prologue the wgmma reads the x tile itself, so its release waits with the weight's.
+    x_release = in_flight if prologue is None else 0
     w_spec = plgpu.BlockSpec((tile_k, TILE_N), lambda s: (s, 0), delay_release=in_flight,
                              transforms=swizzled(TILE_N * 16, 16, "weight"))
-    x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, s), delay_release=in_flight,
+    x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, s), delay_release=x_release,
                              transforms=swizzled(tile_k * 16, 16, "x"))
+    specs, operands = [w_spec, x_spec], [w_gmem.at[:, cols], x_gmem]
+    if prologue == "swiglu":   # gate and up tiles from the two halves of x
+        specs.append(x_spec)
+        operands = [w_gmem.at[:, cols], x_gmem.at[:, pl.ds(0, k)], x_gmem.at[:, pl.ds(k, k)]]
+    elif prologue == "rms_norm":
+        specs.append(plgpu.BlockSpec((tile_k,), lambda s: (s,)))
+        operands.append(scale_gmem)
 
     def body(acc_ref):
-        def step(_, w_smem, x_smem):
+        def step(idx, w_smem, *tiles):
+            carry = None
+            if prologue is None:
+                x_smem = tiles[0]
+            else:   # the wgmma's activations, staged in shared memory (one buffer per wgmma in flight)
+                if prologue == "rms_norm":
+                    staged, carry = _stage_rms_norm(*tiles)
+                else:
+                    staged = _stage_swiglu(*tiles)
+                x_smem = staged_smem.at[idx[0] % (in_flight + 1) if in_flight else 0]
+                x_smem.T[...] = staged
+                plgpu.commit_smem()
             plgpu.wgmma(acc_ref, w_smem.T, x_smem.T)
             plgpu.wgmma_wait(in_flight)
+            return carry
 
-        plgpu.emit_pipeline(step, grid=(x_gmem.shape[1] // tile_k,), in_specs=[w_spec, x_spec],
-                            max_concurrent_steps=depth)(w_gmem.at[:, cols], x_gmem)
+        pipeline = plgpu.emit_pipeline(step, grid=(k // tile_k,), in_specs=specs, max_concurrent_steps=depth,
+                                       init_carry=(jnp.zeros((tile_k, m), jnp.float32)
+                                                   if prologue == "rms_norm" else None))
+        ssq = pipeline(*operands)
         plgpu.wgmma_wait(0)
-        return acc_ref[...]
+        return acc_ref[...], ssq
 
-    acc = pl.run_scoped(body, plgpu.ACC((TILE_N, m), jnp.float32))
+    acc, ssq = pl.run_scoped(body, plgpu.ACC((TILE_N, m), jnp.float32))
     # y [m, N] through a transposed view of the [m, TILE_N] scratch (no XLA transpose after it)
-    y = plgpu.layout_cast(acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+    y = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+    if prologue == "rms_norm":   # each row's 1 / rms, from the sum of squares of its x
+        y = y * lax.rsqrt(jnp.sum(ssq, axis=0) * (1.0 / k) + eps)[None, :]
+    y = y.astype(out_smem.dtype)
     if with_residual:   # rounded as `residual + (x @ w)` is: the product first, then the sum
         plgpu.barrier_wait(r_barrier)
         r = plgpu.load(r_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED)
@@ -126,38 +177,57 @@ def decode_matmul_kernel(w_gmem, x_gmem, *refs, tile_k, depth, in_flight, with_r
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *, out_dtype=None,
-                  config: DecodeMatmulConfig | None = None, interpret=False) -> jax.Array:
-    """y = x @ w with f32 accumulation (+ residual). x: [M, K] bf16 (M <= MAX_ROWS); w: [K, N] bf16,
-    N a multiple of 64 and K of the config's tile_k; residual: None or [M, N], added to the product
-    rounded to out_dtype, as `residual + x @ w` rounds. Returns [M, N] in out_dtype (default x.dtype).
-    config None: `default_config(N)`."""
+@functools.partial(jax.jit, static_argnames=("swiglu", "norm_eps", "out_dtype", "config", "interpret"))
+def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *,
+                  norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False,
+                  out_dtype=None, config: DecodeMatmulConfig | None = None, interpret=False) -> jax.Array:
+    """y = a @ w with f32 accumulation (+ residual), where the activations a are
+    - x itself: [M, K] bf16 (M <= MAX_ROWS);
+    - norm_scale given: RMSNorm(x) * norm_scale, x [M, K], norm_scale [K]. The kernel stages
+      x * norm_scale (rounded to bf16) for the wgmma and scales each row of the product by
+      1 / rms(x) in f32: `x * (1/rms) * scale` rounded in another place than the unfused model's;
+    - swiglu: silu(gate) * up (rounded to bf16 once), x = [M, 2K] holding gate | up.
+    w: [K, N] bf16, N a multiple of 64 and K of the config's tile_k; residual: None or [M, N], added
+    to the product rounded to out_dtype, as `residual + a @ w` rounds. Returns [M, N] in out_dtype
+    (default x.dtype). config None: `default_config(N)`."""
+    if norm_scale is not None and swiglu:
+        raise ValueError("decode_matmul takes one prologue: norm_scale or swiglu, not both")
     m, k = x.shape
+    k //= 2 if swiglu else 1
     n = w.shape[1]
     config = config or default_config(n)
-    if w.shape[0] != k:
-        raise ValueError(f"x has K={k} but the weight is {w.shape}")
+    if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
+        raise ValueError(f"x {x.shape} does not match the weight {w.shape}" + (" (swiglu: x is gate | up)" if swiglu else ""))
     if n % TILE_N or k % config.tile_k or not 0 < m <= MAX_ROWS:
         raise ValueError(f"decode_matmul needs N % {TILE_N} == 0, K % {config.tile_k} == 0 and "
                          f"1 <= M <= {MAX_ROWS}; got M={m}, K={k}, N={n}")
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual {residual.shape} is not the product's shape {(m, n)}")
+    if norm_scale is not None and norm_scale.shape != (k,):
+        raise ValueError(f"norm_scale {norm_scale.shape} is not x's row ({k},)")
+    prologue = "rms_norm" if norm_scale is not None else "swiglu" if swiglu else None
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m_pad = -(-m // 8) * 8    # wgmma N: a multiple of 8
     pad = ((0, m_pad - m), (0, 0))
-    per_step = (config.tile_k * TILE_N + m_pad * config.tile_k) * 2
+    x_tiles = 2 if swiglu else 1
+    per_step = (config.tile_k * TILE_N + x_tiles * m_pad * config.tile_k + (norm_scale is not None) * config.tile_k) * 2
     fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2)
-    depth = max(1, min(config.max_concurrent_steps, k // config.tile_k, (SMEM_BUDGET - fixed) // per_step))
+    staged = (config.wgmmas_in_flight + 1) * m_pad * config.tile_k * 2 if prologue else 0
+    depth = max(1, min(config.max_concurrent_steps, k // config.tile_k, (SMEM_BUDGET - fixed - staged) // per_step))
     in_flight = min(config.wgmmas_in_flight, depth - 1)
     operands = [w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
+    if norm_scale is not None:
+        operands.append(norm_scale.astype(jnp.bfloat16))
     scratch = [plgpu.SMEM((m_pad, TILE_N), out_dtype)]
+    if prologue:
+        scratch.append(plgpu.SMEM((in_flight + 1, m_pad, config.tile_k), jnp.bfloat16,
+                                  transforms=swizzled(config.tile_k * 16, 16, "x")))
     if residual is not None:
         operands.append(jnp.pad(residual.astype(out_dtype), pad))
         scratch += [plgpu.SMEM((m_pad, TILE_N), out_dtype), plgpu.Barrier(num_arrivals=1)]
     call = plgpu.kernel(
-        functools.partial(decode_matmul_kernel, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
-                          with_residual=residual is not None),
+        functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
+                          prologue=prologue, with_residual=residual is not None, eps=norm_eps),
         out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         scratch_types=scratch,
         grid=(n // TILE_N,), grid_names=("n",),
@@ -168,9 +238,19 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
     return call(*operands)[:m]
 
 
-def decode_matmul_reference(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
-                            out_dtype=None) -> jax.Array:
-    """Plain jnp: bf16 operands, f32 accumulation, the product rounded to out_dtype (+ residual)."""
-    y = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+def decode_matmul_reference(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, out_dtype=None, *,
+                            norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False
+                            ) -> jax.Array:
+    """Plain jnp, rounded where the kernel rounds: the staged activations to bf16, f32 accumulation
+    (times 1 / rms with norm_scale), the product to out_dtype, then the residual's sum."""
+    xf = x.astype(jnp.float32)
+    row_scale = 1.0
+    if swiglu:
+        gate, up = jnp.split(xf, 2, axis=-1)
+        xf = jax.nn.silu(gate) * up
+    elif norm_scale is not None:
+        row_scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+        xf = xf * norm_scale.astype(jnp.float32)
+    y = jnp.dot(xf.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32) * row_scale
     y = y.astype(out_dtype or x.dtype)
     return y if residual is None else (residual.astype(y.dtype) + y)

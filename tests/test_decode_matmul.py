@@ -8,7 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from atlasjax.config import ModelConfig
+from atlasjax.loader import random_params
 from models import layers
+from models.attention import AttentionMetadata
+from models.deferred import RMSNormed, SwiGLU, rms_norm
+from models.fused import fuse_projections
+from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, decode_matmul_reference
 
@@ -74,6 +80,52 @@ def test_interpret_adds_the_residual_as_the_unfused_model_does(m):
         decode_matmul(x, w, r[:, :64], interpret=True)
 
 
+def _prologue_operands(m, k, n, seed=0):
+    """x [m, k] (a residual stream, larger than unit scale), gate | up [m, 2k], a norm scale near 1."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 4, jnp.bfloat16)
+    gate_up = jnp.asarray(rng.standard_normal((m, 2 * k)) * 2, jnp.bfloat16)
+    scale = jnp.asarray(1 + 0.2 * rng.standard_normal(k), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+    return x, gate_up, scale, w
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+@pytest.mark.parametrize("config", [DecodeMatmulConfig(tile_k=128), DecodeMatmulConfig(tile_k=64, wgmmas_in_flight=1)],
+                         ids=["k128", "k64_inflight1"])
+def test_interpret_prologues_match_reference(m, config):
+    """The RMSNorm and SwiGLU prologues (with a residual) against jnp rounded where the kernel rounds."""
+    x, gate_up, scale, w = _prologue_operands(m, 256, 128, seed=m)
+    r = jnp.asarray(np.random.default_rng(9).standard_normal((m, 128)), jnp.bfloat16)
+    for a, kw in ((x, dict(norm_scale=scale, norm_eps=1e-5)), (gate_up, dict(swiglu=True))):
+        y = decode_matmul(a, w, r, out_dtype=jnp.float32, config=config, interpret=True, **kw)
+        assert y.shape == (m, 128)
+        assert _rel_err(y, decode_matmul_reference(a, w, r, jnp.float32, **kw)) < 1e-5
+
+
+def test_interpret_prologues_agree_with_the_unfused_model():
+    """What a user would see: the fused RMSNorm and SwiGLU give the unfused model's product up to
+    bf16 rounding. The kernel rounds x * scale and scales the f32 product by 1 / rms; the model
+    rounds x / rms, then its product with scale, then the matmul: a few bf16 roundings apart."""
+    x, gate_up, scale, w = _prologue_operands(8, 512, 128)
+    y = decode_matmul(x, w, norm_scale=scale, norm_eps=1e-5, out_dtype=jnp.float32, interpret=True)
+    unfused = decode_matmul_reference(rms_norm(x, scale, 1e-5), w, out_dtype=jnp.float32)
+    assert _rel_err(y, unfused) < 6e-3
+    y = decode_matmul(gate_up, w, swiglu=True, out_dtype=jnp.float32, interpret=True)
+    unfused = decode_matmul_reference(SwiGLU(gate_up).materialize(), w, out_dtype=jnp.float32)
+    assert _rel_err(y, unfused) < 6e-3
+
+
+def test_prologue_argument_errors():
+    x, gate_up, scale, w = _prologue_operands(8, 256, 128)
+    with pytest.raises(ValueError, match="one prologue"):
+        decode_matmul(gate_up, w, norm_scale=scale, swiglu=True, interpret=True)
+    with pytest.raises(ValueError, match="norm_scale"):
+        decode_matmul(x, w, norm_scale=scale[:128], interpret=True)
+    with pytest.raises(ValueError, match="gate | up"):
+        decode_matmul(x, w, swiglu=True, interpret=True)
+
+
 def test_pays_on_the_narrow_projections_only(monkeypatch):
     bf16 = jnp.bfloat16
     assert dm.pays(8, 4096, 6144, bf16, bf16)        # qkv
@@ -115,6 +167,75 @@ def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
     assert calls == [(8, 256), (8, 256)]
 
 
+def test_model_matmul_fuses_deferred_activations(monkeypatch):
+    """A deferred RMSNorm / SwiGLU goes into the kernel's prologue on a GPU (interpret mode here);
+    `ATLASJAX_DECODE_PROLOGUE=off` hands the kernel the computed activations; elsewhere the matmul
+    computes exactly what the unfused model computes."""
+    calls = []
+    real = dm.decode_matmul
+
+    def spy(x, w, residual=None, **kw):
+        calls.append((x.shape, sorted(k for k in kw if k in ("norm_scale", "swiglu"))))
+        return real(x, w, residual, interpret=True, **kw)
+    x, gate_up, scale, w = _prologue_operands(8, 256, 128)
+    normed, act = RMSNormed(x, scale, 1e-5), SwiGLU(gate_up)
+    # CPU: materialized, as the model computed it before deferral existed
+    np.testing.assert_array_equal(layers.matmul(normed, w), layers.matmul(rms_norm(x, scale, 1e-5), w))
+    np.testing.assert_array_equal(layers.matmul(act, w), layers.matmul(act.materialize(), w))
+    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(dm, "MIN_TILES", 2)
+    monkeypatch.setattr(dm, "decode_matmul", spy)
+    for deferred in (normed, act):
+        y = layers.matmul(deferred, w, jnp.float32)
+        assert _rel_err(y, layers.matmul(deferred.materialize(), w, jnp.float32)) < 6e-3
+    assert calls == [((8, 256), ["norm_scale"]), ((8, 256), []), ((8, 512), ["swiglu"]), ((8, 256), [])]
+    calls.clear()
+    monkeypatch.setenv("ATLASJAX_DECODE_PROLOGUE", "off")
+    layers.matmul(normed, w)
+    layers.matmul(act, w)
+    assert calls == [((8, 256), []), ((8, 256), [])]
+
+
+# shapes every projection of which the kernel takes once the tile floor is lowered (K % 256 == 0)
+_KERNEL_CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+
+
+def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
+    """A tiny bf16 Llama's decode step with every projection on the kernel (interpret mode; the norms,
+    SwiGLU and residual adds fused) against the same step on XLA's dots: the logits agree to bf16
+    rounding and the greedy token is the same."""
+    cfg = _KERNEL_CFG
+    params = fuse_projections(random_params(cfg, jnp.bfloat16, seed=5))
+    model = Transformer(cfg, attn_backend="reference", dtype=jnp.bfloat16)
+    kv = init_kv_cache(cfg, 4, 16, jnp.bfloat16)
+    meta = AttentionMetadata(slot_mapping=jnp.array([0, 16]), page_table=jnp.array([[0, 1], [2, 3]], jnp.int32),
+                             seq_lens=jnp.array([1, 1]))
+    tokens, positions = jnp.array([7, 42]), jnp.array([0, 0])
+
+    def run_step():   # a new function per call, so jax traces it again (its cache keys on the function)
+        def step(tokens, positions, kv):
+            hidden, _ = model.apply({"params": params}, tokens, positions, kv, meta)
+            return model.apply({"params": params}, hidden, method=Transformer.logits)
+        return np.asarray(jax.block_until_ready(jax.jit(step)(tokens, positions, kv)), np.float32)
+
+    reference = run_step()
+    prologues = []
+    real = dm.decode_matmul
+
+    def spy(x, w, residual=None, **kw):
+        prologues.append("norm" if "norm_scale" in kw else "swiglu" if kw.get("swiglu") else "plain")
+        return real(x, w, residual, interpret=True, **kw)
+    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(dm, "MIN_TILES", 1)
+    monkeypatch.setattr(dm, "decode_matmul", spy)
+    fused = run_step()
+    # per layer: qkv and gate_up with the norm, o_proj plain, down with SwiGLU; then the LM head
+    assert prologues == ["norm", "plain", "norm", "swiglu"] * cfg.num_layers + ["plain"]
+    assert _rel_err(fused, reference) < 2e-2
+    np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
 @pytest.mark.parametrize("m", [1, 8, 32])
 @pytest.mark.parametrize("k,n", [(4096, 4096), (14336, 4096), (2048, 6144)])
@@ -123,3 +244,14 @@ def test_gpu_matches_reference(m, k, n):
     y = decode_matmul(x, w, out_dtype=jnp.float32)
     # f32 sums of up to 14336 products in another order than XLA's (tensor-core accumulation)
     assert _rel_err(y, decode_matmul_reference(x, w, out_dtype=jnp.float32)) < 1e-4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("prologue,k,n", [("norm", 4096, 6144), ("swiglu", 14336, 4096)])
+def test_gpu_prologues_match_reference(m, prologue, k, n):
+    x, gate_up, scale, w = _prologue_operands(m, k, n)
+    r = jnp.asarray(np.random.default_rng(9).standard_normal((m, n)), jnp.bfloat16)
+    a, kw = (x, dict(norm_scale=scale, norm_eps=1e-5)) if prologue == "norm" else (gate_up, dict(swiglu=True))
+    y = decode_matmul(a, w, r, out_dtype=jnp.float32, **kw)
+    assert _rel_err(y, decode_matmul_reference(a, w, r, jnp.float32, **kw)) < 1e-4
