@@ -18,8 +18,8 @@ MODE=kernel times what came of it, pallas_kernels/decode_matmul.py (the [K, N] l
 over its configs at 8 rows and with its default config at 16-64 rows, against XLA's dot, on the
 8B shapes, their TP=2 shards and Llama-3.2-1B's.
 
-MODE=prologue times the kernel's fused prologues (session 19) on the 8B shapes they serve, at 8
-and 32 rows: qkv with the input RMSNorm, down with SwiGLU and the residual; each against XLA
+MODE=prologue times the kernel's fused prologues (session 19) on the 8B shapes they serve, at 8-32
+rows: qkv with the input RMSNorm, down with SwiGLU and the residual; each against XLA
 computing the same (norm or silu * up, dot, add: all its kernels) and against XLA's norm or
 SwiGLU followed by the kernel without a prologue (the session-18 engine).
 
@@ -174,7 +174,7 @@ def prologue_main():
         copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
         ws = [w + i for i in range(copies)]
         scale = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
-        for rows in (8, 32):
+        for rows in (8, 16, 32):
             x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k), np.float32), jnp.bfloat16)
             r = jnp.asarray(rng.standard_normal((rows, n), np.float32), jnp.bfloat16) if swiglu else None
             act = (lambda x: SwiGLU(x).materialize()) if swiglu else (lambda x: rms_norm(x, scale, 1e-5))
@@ -188,7 +188,7 @@ def prologue_main():
             row["xla_us"] = timed(lambda x, w: add(act(x) @ w))
             row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r))
             ref = np.asarray(add(act(x) @ w), np.float32)
-            for cname, cfg in {"default": None, **{c: KERNEL_CONFIGS[c] for c in ("k128_d4_r0", "k128_d4_r1", "k256_d4_r0", "k256_d4_r1")}}.items():
+            for cname, cfg in {"default": None, **{c: KERNEL_CONFIGS[c] for c in ("k128_d4_r0", "k256_d4_r0", "k256_d4_r1")}}.items():
                 fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731
                 y = np.asarray(fn(x, ws[0]), np.float32)
                 row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))

@@ -233,7 +233,10 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
         grid=(n // TILE_N,), grid_names=("n",),
         interpret=interpret_params(interpret),
         kernel_name="decode_matmul",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        # approximate exp and reciprocal (ex2.approx, rcp.approx) for SwiGLU's sigmoid: exact ones made
+        # the prologue instruction-bound (one warpgroup per block converts every activation tile)
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                             approx_math=swiglu),
     )
     return call(*operands)[:m]
 
