@@ -29,6 +29,7 @@ class RMSNormed:
     x: jax.Array
     scale: jax.Array
     eps: float
+    prologue = "rms_norm"   # its name in pallas_kernels/decode_matmul.py
 
     @property
     def shape(self):
@@ -54,6 +55,7 @@ class RMSNormed:
 class SwiGLU:
     """silu(gate) * up, not yet computed, from gate_up: [tokens, 2 * mlp] (gate | up, per shard)."""
     gate_up: jax.Array
+    prologue = "swiglu"
 
     @property
     def shape(self):

@@ -36,8 +36,9 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
             and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w.dtype)):
         # a decode step's qkv / o_proj / down: no split-K sum kernel, the input RMSNorm or SwiGLU
         # in the kernel's prologue and the residual add in its epilogue (pallas_kernels/decode_matmul.py)
-        operand, fused = x.kernel_operands() if isinstance(x, Deferred) else (x, {})
-        if not decode_matmul.prologues_enabled():
+        if isinstance(x, Deferred) and decode_matmul.prologue_pays(x.prologue, x.shape[0]):
+            operand, fused = x.kernel_operands()
+        else:
             operand, fused = materialize(x), {}
         return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     x = materialize(x)

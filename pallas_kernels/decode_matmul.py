@@ -47,6 +47,7 @@ from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
 MIN_TILES, MAX_TILES = 64, 96   # the N tiles (of 64 columns) where it made steps faster
+SWIGLU_MAX_ROWS = 8   # the SwiGLU prologue paid at 8 rows, and cost 10-80 us per call at 16-32 (session 19)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +63,13 @@ class DecodeMatmulConfig:
             raise ValueError("need 0 <= wgmmas_in_flight < max_concurrent_steps")
 
 
-def default_config(n: int) -> DecodeMatmulConfig:
-    """Per weight width, from the H100 sweep (notebooks/gpu_bf16_smem_gemv.py MODE=kernel, session
-    18): 64 N tiles (o_proj, down) stream best in 256-row steps with one wgmma left in flight; more
-    tiles (qkv's 96) in 128-row steps, waiting for each wgmma."""
+def default_config(n: int, swiglu: bool = False) -> DecodeMatmulConfig:
+    """Per weight width, from the H100 sweeps (notebooks/gpu_bf16_smem_gemv.py MODE=kernel, session
+    18; MODE=prologue, session 19): 64 N tiles (o_proj, down) stream best in 256-row steps with one
+    wgmma left in flight, but with the SwiGLU prologue waiting for each wgmma (39.99 against 40.85
+    us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma."""
+    if swiglu:
+        return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=0)
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
     return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
@@ -75,10 +79,15 @@ def enabled() -> bool:
     return os.environ.get("ATLASJAX_DECODE_MATMUL", "").lower() not in ("off", "0", "false")
 
 
-def prologues_enabled() -> bool:
-    """Whether the model hands the kernel its input RMSNorm / SwiGLU (`ATLASJAX_DECODE_PROLOGUE=off`:
-    XLA computes them and the kernel gets the result, for A/B measurements)."""
-    return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
+def prologue_pays(prologue: str, m: int) -> bool:
+    """Whether a matmul that `pays` should also compute its activations ("rms_norm" or "swiglu") in
+    the kernel for m rows. The RMSNorm prologue was faster than XLA's norm kernel + the kernel at 8-32
+    rows; the SwiGLU prologue only at 8 (each thread converts 2 x rows x 2 activations per step of one
+    warpgroup: at 16-32 rows that step outlasted the weight's). `ATLASJAX_DECODE_PROLOGUE=off`: XLA
+    computes both, for A/B measurements."""
+    if os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() in ("off", "0", "false"):
+        return False
+    return prologue == "rms_norm" or (prologue == "swiglu" and m <= SWIGLU_MAX_ROWS)
 
 
 def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
@@ -189,13 +198,13 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
     - swiglu: silu(gate) * up (rounded to bf16 once), x = [M, 2K] holding gate | up.
     w: [K, N] bf16, N a multiple of 64 and K of the config's tile_k; residual: None or [M, N], added
     to the product rounded to out_dtype, as `residual + a @ w` rounds. Returns [M, N] in out_dtype
-    (default x.dtype). config None: `default_config(N)`."""
+    (default x.dtype). config None: `default_config(N, swiglu)`."""
     if norm_scale is not None and swiglu:
         raise ValueError("decode_matmul takes one prologue: norm_scale or swiglu, not both")
     m, k = x.shape
     k //= 2 if swiglu else 1
     n = w.shape[1]
-    config = config or default_config(n)
+    config = config or default_config(n, swiglu)
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
         raise ValueError(f"x {x.shape} does not match the weight {w.shape}" + (" (swiglu: x is gate | up)" if swiglu else ""))
     if n % TILE_N or k % config.tile_k or not 0 < m <= MAX_ROWS:

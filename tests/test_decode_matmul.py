@@ -142,6 +142,14 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     assert not dm.pays(8, 4096, 4096, bf16, bf16)
 
 
+def test_prologue_pays_where_it_measured_faster(monkeypatch):
+    assert dm.prologue_pays("rms_norm", 1) and dm.prologue_pays("rms_norm", 32)
+    assert dm.prologue_pays("swiglu", 8)
+    assert not dm.prologue_pays("swiglu", 16)   # slower than XLA's silu * up kernel + the kernel
+    monkeypatch.setenv("ATLASJAX_DECODE_PROLOGUE", "off")
+    assert not dm.prologue_pays("rms_norm", 8) and not dm.prologue_pays("swiglu", 8)
+
+
 def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
     """On a GPU, `models.layers.matmul` sends a bf16 decode matmul the rule accepts to the kernel
     (here in interpret mode, with the tile floor lowered to fit a small weight), and nothing else."""
@@ -189,6 +197,10 @@ def test_model_matmul_fuses_deferred_activations(monkeypatch):
         y = layers.matmul(deferred, w, jnp.float32)
         assert _rel_err(y, layers.matmul(deferred.materialize(), w, jnp.float32)) < 6e-3
     assert calls == [((8, 256), ["norm_scale"]), ((8, 256), []), ((8, 512), ["swiglu"]), ((8, 256), [])]
+    calls.clear()
+    layers.matmul(SwiGLU(jnp.concatenate([gate_up] * 2)), w)   # 16 rows: SwiGLU by XLA, then the kernel
+    layers.matmul(RMSNormed(jnp.concatenate([x] * 4), scale, 1e-5), w)   # 32 rows: the norm still fused
+    assert calls == [((16, 256), []), ((32, 256), ["norm_scale"])]
     calls.clear()
     monkeypatch.setenv("ATLASJAX_DECODE_PROLOGUE", "off")
     layers.matmul(normed, w)
