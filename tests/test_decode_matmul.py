@@ -128,6 +128,7 @@ def test_prologue_argument_errors():
 
 def test_pays_on_the_narrow_projections_only(monkeypatch):
     bf16 = jnp.bfloat16
+    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     assert dm.pays(8, 4096, 6144, bf16, bf16)        # qkv
     assert dm.pays(8, 4096, 4096, bf16, bf16)        # o_proj
     assert dm.pays(8, 14336, 4096, bf16, bf16)       # down
@@ -140,6 +141,14 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     assert not dm.pays(8, 4096, 4096, jnp.float32, jnp.float32)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
     assert not dm.pays(8, 4096, 4096, bf16, bf16)
+
+
+def test_runs_only_on_the_gpus_where_it_measured_faster(monkeypatch):
+    bf16 = jnp.bfloat16
+    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H200")   # no faster there (session 19)
+    assert not dm.pays(8, 4096, 4096, bf16, bf16)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
+    assert dm.pays(8, 4096, 4096, bf16, bf16)
 
 
 def test_prologue_pays_where_it_measured_faster(monkeypatch):
@@ -160,6 +169,7 @@ def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
         calls.append(x.shape)
         return real(x, w, residual, interpret=True, **kw)
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(dm, "MIN_TILES", 2)
     monkeypatch.setattr(dm, "decode_matmul", spy)
     x, w = _operands(8, 256, 128)
@@ -191,6 +201,7 @@ def test_model_matmul_fuses_deferred_activations(monkeypatch):
     np.testing.assert_array_equal(layers.matmul(normed, w), layers.matmul(rms_norm(x, scale, 1e-5), w))
     np.testing.assert_array_equal(layers.matmul(act, w), layers.matmul(act.materialize(), w))
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(dm, "MIN_TILES", 2)
     monkeypatch.setattr(dm, "decode_matmul", spy)
     for deferred in (normed, act):
@@ -239,6 +250,7 @@ def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
         prologues.append("norm" if "norm_scale" in kw else "swiglu" if kw.get("swiglu") else "plain")
         return real(x, w, residual, interpret=True, **kw)
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(dm, "MIN_TILES", 1)
     monkeypatch.setattr(dm, "decode_matmul", spy)
     fused = run_step()
