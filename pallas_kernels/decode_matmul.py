@@ -1,4 +1,4 @@
-"""bf16 decode matmul: y = x @ W (+ residual) for the few rows of a decode step, W [K, N] as stored.
+"""bf16 decode matmul: y = prologue(x) @ W (+ residual) for the few rows of a decode step, W [K, N] as stored.
 
 Why a kernel of our own when XLA's GEMM streams bf16 weights near copy bandwidth: at 8 rows XLA
 splits K on the projections whose N is small (qkv, o_proj, down of an 8B model: split-K 4-8) and
@@ -18,6 +18,18 @@ multiple of 8). `wgmmas_in_flight` > 0 keeps that many wgmmas running across ste
 delays releasing their tiles). The residual tile is fetched while the weight streams; the product
 is rounded to the output dtype and then added, as `residual + x @ w` rounds.
 
+Prologues (session 19): the kernel may compute its activations tile by tile from what XLA would
+otherwise compute in a kernel of its own before it. Each step loads the activation tiles into
+registers, computes, and stages the bf16 result in shared memory for the wgmma:
+- RMSNorm (qkv after the input norm): stages x * scale and accumulates x * x; the epilogue scales
+  each row of the product by 1 / rms(x). One kernel fewer per layer, at every decode row count;
+- SwiGLU (down after silu(gate) * up, from the fused gate_up output): at <= 8 rows only, where it
+  paid (1.7 us per call); at 16-32 rows converting 2 x rows x 2 values per thread and step of one
+  warpgroup outlasted the weight's stream (52-122 us against 43).
+On the H100 the bf16 bs=1 step went from 5.50 (kernel without prologues) to 5.45 ms, against 5.57
+with XLA's GEMM (docs/performance.md, session 19). The models hand the kernel its prologue as a
+deferred activation (models/deferred.py); `ATLASJAX_DECODE_PROLOGUE=off` computes them in XLA.
+
 Where it runs (`pays`): bf16 weights on a GPU, at most `MAX_ROWS` rows, N of 64-96 tiles of 64
 columns: what made whole steps faster on the H100 (Llama-3.1-8B's qkv, o_proj and down at bs=1
 and bs=32). Measured and left to XLA (session 18):
@@ -27,7 +39,9 @@ and bs=32). Measured and left to XLA (session 18):
 - Llama-3.2-1B (32-48 tiles): the kernel alone ran its qkv and o_proj in under half XLA's time,
   but the multi-step bs=1 step was no faster (1.21 against 1.18 ms);
 - wider weights (gate_up, the LM head) fill the GPU without a K split, and XLA's GEMM was 1-3%
-  faster there; tensor-parallel partial sums were not measured with the kernel.
+  faster there;
+- tensor-parallel partial sums (session 19, 2x H200 forced on, 8B TP=2 bs=1 with 4 steps per
+  launch): 3.31-3.33 ms against 3.26 with XLA's GEMM.
 It runs on H100s only (`enabled`): on an H200 the same steps were no faster, or slower with the
 prologues. `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere, `=on` forces the kernel on
 any GPU (for A/B measurements).
