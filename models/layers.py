@@ -30,7 +30,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     [tokens, out], returned as `residual + x @ w` (the product rounded to out_dtype first).
     The bf16 decode kernel computes a deferred x in its prologue and adds the residual in its
     epilogue; every other path materializes x first. decode_kernel=False keeps XLA's GEMM for a
-    bf16 weight (tensor-parallel partial sums: not measured with the kernel yet)."""
+    bf16 weight (tensor-parallel partial sums: on 2x H200 the kernel made the TP=2 step slower,
+    3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
     out_dtype = out_dtype or x.dtype
     if (decode_kernel and not is_quantized(w) and x.ndim == 2 and _on_gpu()
             and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w.dtype)):
