@@ -83,12 +83,11 @@ def default_config(n: int, swiglu: bool = False) -> DecodeMatmulConfig:
     """Per weight width, from the H100 sweeps (notebooks/gpu_bf16_smem_gemv.py MODE=kernel, session
     18; MODE=prologue, session 19): 64 N tiles (o_proj, down) stream best in 256-row steps with one
     wgmma left in flight, but with the SwiGLU prologue waiting for each wgmma (39.99 against 40.85
-    us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma."""
-    if swiglu:
-        return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=0)
+    us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma. The prologue keeps
+    the width's tile_k, so `pays` (which checks K against it) holds for it too."""
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
-    return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
+    return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=0 if swiglu else 1)
 
 
 MEASURED_FASTER_ON = ("H100",)   # device kinds on which whole decode steps measured faster
@@ -249,14 +248,14 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m_pad = -(-m // 8) * 8    # wgmma N: a multiple of 8
     pad = ((0, m_pad - m), (0, 0))
-    x_tiles = 2 if swiglu else 1
-    per_step = (config.tile_k * TILE_N + x_tiles * m_pad * config.tile_k + (norm_scale is not None) * config.tile_k) * 2
+    # shared memory per pipeline step: the weight tile, one x tile (gate and up for SwiGLU), the norm scale
+    per_step = (config.tile_k * TILE_N + (1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2
     fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2)
-    staged = (config.wgmmas_in_flight + 1) * m_pad * config.tile_k * 2 if prologue else 0
+    staged = (config.wgmmas_in_flight + 1) * m_pad * config.tile_k * 2 if prologue else 0   # at most
     depth = max(1, min(config.max_concurrent_steps, k // config.tile_k, (SMEM_BUDGET - fixed - staged) // per_step))
     in_flight = min(config.wgmmas_in_flight, depth - 1)
     operands = [w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
-    if norm_scale is not None:
+    if prologue == "rms_norm":
         operands.append(norm_scale.astype(jnp.bfloat16))
     scratch = [plgpu.SMEM((m_pad, TILE_N), out_dtype)]
     if prologue:
