@@ -39,10 +39,6 @@ class RMSNormed:
     def dtype(self):
         return self.x.dtype
 
-    @property
-    def ndim(self):
-        return self.x.ndim
-
     def materialize(self) -> jax.Array:
         return rms_norm(self.x, self.scale, self.eps)
 
@@ -64,10 +60,6 @@ class SwiGLU:
     @property
     def dtype(self):
         return self.gate_up.dtype
-
-    @property
-    def ndim(self):
-        return self.gate_up.ndim
 
     def materialize(self) -> jax.Array:
         gate, up = jnp.split(self.gate_up, 2, axis=-1)

@@ -33,7 +33,7 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     bf16 weight (tensor-parallel partial sums: on 2x H200 the kernel made the TP=2 step slower,
     3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
     out_dtype = out_dtype or x.dtype
-    if (decode_kernel and not is_quantized(w) and x.ndim == 2 and _on_gpu()
+    if (decode_kernel and not is_quantized(w) and len(x.shape) == 2 and _on_gpu()
             and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w.dtype)):
         # a decode step's qkv / o_proj / down: no split-K sum kernel, the input RMSNorm or SwiGLU
         # in the kernel's prologue and the residual add in its epilogue (pallas_kernels/decode_matmul.py)

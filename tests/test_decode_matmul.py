@@ -159,19 +159,25 @@ def test_prologue_pays_where_it_measured_faster(monkeypatch):
     assert not dm.prologue_pays("rms_norm", 8) and not dm.prologue_pays("swiglu", 8)
 
 
+def _route_to_interpreted_kernel(monkeypatch, record, min_tiles):
+    """Make `models.layers.matmul` see an H100 and send what the rule accepts to the kernel in
+    interpret mode, with the tile floor lowered to fit small weights; record(x, kwargs) per call."""
+    real = dm.decode_matmul
+
+    def spy(x, w, residual=None, **kw):
+        record(x, kw)
+        return real(x, w, residual, interpret=True, **kw)
+    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(dm, "MIN_TILES", min_tiles)
+    monkeypatch.setattr(dm, "decode_matmul", spy)
+
+
 def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
     """On a GPU, `models.layers.matmul` sends a bf16 decode matmul the rule accepts to the kernel
     (here in interpret mode, with the tile floor lowered to fit a small weight), and nothing else."""
     calls = []
-    real = dm.decode_matmul
-
-    def spy(x, w, residual=None, **kw):
-        calls.append(x.shape)
-        return real(x, w, residual, interpret=True, **kw)
-    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(dm, "MIN_TILES", 2)
-    monkeypatch.setattr(dm, "decode_matmul", spy)
+    _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append(x.shape), min_tiles=2)
     x, w = _operands(8, 256, 128)
     r = jnp.ones((8, 128), jnp.bfloat16)
     y = layers.matmul(x, w, jnp.float32)
@@ -190,20 +196,14 @@ def test_model_matmul_fuses_deferred_activations(monkeypatch):
     `ATLASJAX_DECODE_PROLOGUE=off` hands the kernel the computed activations; elsewhere the matmul
     computes exactly what the unfused model computes."""
     calls = []
-    real = dm.decode_matmul
-
-    def spy(x, w, residual=None, **kw):
-        calls.append((x.shape, sorted(k for k in kw if k in ("norm_scale", "swiglu"))))
-        return real(x, w, residual, interpret=True, **kw)
     x, gate_up, scale, w = _prologue_operands(8, 256, 128)
     normed, act = RMSNormed(x, scale, 1e-5), SwiGLU(gate_up)
     # CPU: materialized, as the model computed it before deferral existed
     np.testing.assert_array_equal(layers.matmul(normed, w), layers.matmul(rms_norm(x, scale, 1e-5), w))
     np.testing.assert_array_equal(layers.matmul(act, w), layers.matmul(act.materialize(), w))
-    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(dm, "MIN_TILES", 2)
-    monkeypatch.setattr(dm, "decode_matmul", spy)
+    _route_to_interpreted_kernel(
+        monkeypatch, lambda x, kw: calls.append((x.shape, sorted(k for k in kw if k in ("norm_scale", "swiglu")))),
+        min_tiles=2)
     for deferred in (normed, act):
         y = layers.matmul(deferred, w, jnp.float32)
         assert _rel_err(y, layers.matmul(deferred.materialize(), w, jnp.float32)) < 6e-3
@@ -244,15 +244,9 @@ def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
 
     reference = run_step()
     prologues = []
-    real = dm.decode_matmul
-
-    def spy(x, w, residual=None, **kw):
-        prologues.append("norm" if "norm_scale" in kw else "swiglu" if kw.get("swiglu") else "plain")
-        return real(x, w, residual, interpret=True, **kw)
-    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(dm, "MIN_TILES", 1)
-    monkeypatch.setattr(dm, "decode_matmul", spy)
+    _route_to_interpreted_kernel(
+        monkeypatch, lambda x, kw: prologues.append("norm" if "norm_scale" in kw else "swiglu" if kw.get("swiglu") else "plain"),
+        min_tiles=1)
     fused = run_step()
     # per layer: qkv and gate_up with the norm, o_proj plain, down with SwiGLU; then the LM head
     assert prologues == ["norm", "plain", "norm", "swiglu"] * cfg.num_layers + ["plain"]
