@@ -125,6 +125,26 @@ def variants(k, n):
     return out
 
 
+def start() -> float:
+    """The copy bandwidth (bytes/s), measured and printed with the device and jax version."""
+    copy = copy_bandwidth()
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  copy {copy / 1e9:.0f} GB/s", flush=True)
+    return copy
+
+
+def weight_copies(rng, k, n):
+    """A random bf16 weight [k, n] and enough distinct copies of it to rotate past the L2."""
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+    copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
+    return w, [w + i for i in range(copies)]
+
+
+def write(name, copy, results):
+    with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
+        json.dump(dict(copy_bytes_per_s=copy, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                       results=results), f, indent=1)
+
+
 def default_name(n):
     c = default_config(n)
     return f"k{c.tile_k}_d{c.max_concurrent_steps}_r{c.wgmmas_in_flight}"
@@ -132,14 +152,12 @@ def default_name(n):
 
 def kernel_main():
     """MODE=kernel: pallas_kernels/decode_matmul.py against XLA's dot."""
-    copy = copy_bandwidth()
-    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  copy {copy / 1e9:.0f} GB/s", flush=True)
+    copy = start()
     results = []
     rng = np.random.default_rng(0)
     for name, (k, n) in KERNEL_SHAPES.items():
-        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
-        copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
-        ws = [w + i for i in range(copies)]
+        w, ws = weight_copies(rng, k, n)
+        copies = len(ws)
         for rows in (8, 16, 32, 64):
             x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
             ref = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32))
@@ -158,21 +176,17 @@ def kernel_main():
                   + (f"default ({default_name(n)}) {row[default_name(n) + '_us']:.2f}" if rows == 8 else ""), flush=True)
             results.append(row)
         del ws
-        with open(os.path.join(os.environ.get("OUT", "."), "decode_matmul.json"), "w") as f:
-            json.dump(dict(copy_bytes_per_s=copy, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           results=results), f, indent=1)
+        write("decode_matmul.json", copy, results)
 
 
 def prologue_main():
     """MODE=prologue: the kernel's RMSNorm (qkv) and SwiGLU (down) prologues against XLA."""
-    copy = copy_bandwidth()
-    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  copy {copy / 1e9:.0f} GB/s", flush=True)
+    copy = start()
     rng = np.random.default_rng(0)
     results = []
     for name, (k, n), swiglu in (("qkv+norm", KERNEL_SHAPES["qkv"], False), ("down+swiglu", KERNEL_SHAPES["down"], True)):
-        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
-        copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
-        ws = [w + i for i in range(copies)]
+        w, ws = weight_copies(rng, k, n)
+        copies = len(ws)
         scale = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
         for rows in (8, 16, 32):
             x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k), np.float32), jnp.bfloat16)
@@ -197,9 +211,7 @@ def prologue_main():
                                                                if key.endswith("_us")) + f"; default err {row['default_err']:.1e}", flush=True)
             results.append(row)
         del ws
-    with open(os.path.join(os.environ.get("OUT", "."), "decode_prologue.json"), "w") as f:
-        json.dump(dict(copy_bytes_per_s=copy, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                       results=results), f, indent=1)
+    write("decode_prologue.json", copy, results)
 
 
 def main():
@@ -207,18 +219,16 @@ def main():
         return kernel_main()
     if os.environ.get("MODE") == "prologue":
         return prologue_main()
-    copy = copy_bandwidth()
-    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  copy {copy / 1e9:.0f} GB/s", flush=True)
+    copy = start()
     names = os.environ.get("SHAPES", ",".join(SHAPES)).split(",")
     results = []
     rng = np.random.default_rng(0)
     for name in names:
         k, n = SHAPES[name]
-        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+        w, ws_kn = weight_copies(rng, k, n)
+        copies = len(ws_kn)
         x = jnp.asarray(rng.standard_normal((ROWS, k), np.float32), jnp.bfloat16)
         ref = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32))
-        copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
-        ws_kn = [w + i for i in range(copies)]
         ws_nk = [jnp.asarray(v.T) for v in ws_kn]
 
         def timed(variant, fn, ws, **info):
@@ -248,9 +258,7 @@ def main():
             print(f"== {name}: best {best[0]} {best[1]:.2f} us against XLA {xla:.2f} us "
                   f"({best[1] / xla:.3f}x)", flush=True)
         del ws_kn, ws_nk
-        with open(os.path.join(os.environ.get("OUT", "."), "bf16_smem_gemv.json"), "w") as f:
-            json.dump(dict(copy_bytes_per_s=copy, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                           results=results), f, indent=1)
+        write("bf16_smem_gemv.json", copy, results)
 
 
 if __name__ == "__main__":
