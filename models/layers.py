@@ -28,15 +28,17 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     """The one matmul entry. x: [tokens, in] array, or a deferred `RMSNormed` / `SwiGLU`
     (models/deferred.py); w: [in, out] array or a quantized weight pytree. residual: None or
     [tokens, out], returned as `residual + x @ w` (the product rounded to out_dtype first).
-    The bf16 decode kernel computes a deferred x in its prologue and adds the residual in its
-    epilogue; every other path materializes x first. decode_kernel=False keeps XLA's GEMM for a
-    bf16 weight (tensor-parallel partial sums: on 2x H200 the kernel made the TP=2 step slower,
-    3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
+    The decode kernel (bf16 or per-channel int8 / fp8 weights) computes a deferred x in its
+    prologue and adds the residual in its epilogue; every other path materializes x first.
+    decode_kernel=False keeps the other paths (tensor-parallel partial sums: on 2x H200 the kernel
+    made the TP=2 step slower, 3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
     out_dtype = out_dtype or x.dtype
-    if (decode_kernel and not is_quantized(w) and len(x.shape) == 2 and _on_gpu()
-            and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w.dtype)):
-        # a decode step's qkv / o_proj / down: no split-K sum kernel, the input RMSNorm or SwiGLU
-        # in the kernel's prologue and the residual add in its epilogue (pallas_kernels/decode_matmul.py)
+    w_dtype = decode_matmul.weight_dtype(w) if decode_kernel else None
+    if (w_dtype is not None and len(x.shape) == 2 and _on_gpu()
+            and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w_dtype)):
+        # a decode step's qkv / o_proj / down (bf16, or int8 / fp8 per channel): no split-K sum
+        # kernel, the input RMSNorm or SwiGLU in the kernel's prologue and the residual add in its
+        # epilogue (pallas_kernels/decode_matmul.py)
         if isinstance(x, Deferred) and decode_matmul.prologue_pays(x.prologue, x.shape[0]):
             operand, fused = x.kernel_operands()
         else:

@@ -26,6 +26,13 @@ SwiGLU followed by the kernel without a prologue (the session-18 engine).
   JAX_PLATFORMS=cuda PYTHONPATH=. [SHAPES=qkv,down] python notebooks/gpu_bf16_smem_gemv.py   # -> $OUT/bf16_smem_gemv.json
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=kernel python notebooks/gpu_bf16_smem_gemv.py          # -> $OUT/decode_matmul.json
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=prologue python notebooks/gpu_bf16_smem_gemv.py        # -> $OUT/decode_prologue.json
+  JAX_PLATFORMS=cuda PYTHONPATH=. MODE=quant python notebooks/gpu_bf16_smem_gemv.py           # -> $OUT/decode_quant.json
+
+MODE=quant (session 20) times the kernel on per-channel int8 / fp8 weights (stored [N, K], each
+tile converted to bf16 in registers or staged in shared memory: `stage_weight`) over its configs
+at 8 rows and with the default at 1-32 rows, against the engine's path for them (XLA's GEMM with
+the convert fused, then the channel scale); then with its prologues and residual against XLA
+computing the same (norm or SwiGLU, GEMM, scale, add).
 """
 import json
 import os
@@ -38,9 +45,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, device_ms, rotated
+from atlasjax.quantization import quantize
 from models.deferred import SwiGLU, rms_norm
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
+from pallas_kernels.quantized_matmul import quantized_matmul
 
 SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}
@@ -214,7 +223,85 @@ def prologue_main():
     write("decode_prologue.json", copy, results)
 
 
+QUANT_SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "down": (14336, 4096)}
+QUANT_CONFIGS = {f"k{k}_d{d}_r{r}{'_st' if st else ''}": DecodeMatmulConfig(k, d, r, st)
+                 for k in (128, 256, 512) for d in (4, 6) for r in (0, 1) for st in (False, True)}
+
+
+def quant_main():
+    """MODE=quant: the kernel on per-channel int8 / fp8 weights against XLA's convert-fused GEMM."""
+    copy = start()
+    rng = np.random.default_rng(0)
+    results = []
+    for name, (k, n) in QUANT_SHAPES.items():
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.float32)
+        best = None   # the fastest int8 config at 8 rows, also timed for fp8 and at other row counts
+        for fmt in ("int8", "fp8"):
+            qw = quantize(w, fmt)
+            copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
+            qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
+
+            def timed(fn, x, *, per_weight_x=False):
+                if per_weight_x:   # an x per weight copy: XLA may not share one norm / SwiGLU
+                    xs = [x + i for i in range(copies)]
+                    f = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
+                    return device_ms(f, xs, qws) / copies * 1e3
+                return device_ms(rotated(fn), x, qws) / copies * 1e3
+
+            for rows in (8, 1, 16, 32):
+                x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
+                ref = np.asarray(quantized_matmul(x, qw, backend="reference"), np.float32)
+                row = dict(proj=name, fmt=fmt, K=k, N=n, rows=rows)
+                row["xla_us"] = timed(lambda x, w: quantized_matmul(x, w), x)
+                configs = (QUANT_CONFIGS if rows == 8 and fmt == "int8" else
+                           {"default": None} | ({best: QUANT_CONFIGS[best]} if best else {}))
+                for cname, cfg in configs.items():
+                    fn = lambda x, w, cfg=cfg: decode_matmul(x, w, config=cfg)   # noqa: E731
+                    try:
+                        y = np.asarray(fn(x, qw), np.float32)
+                    except Exception as e:  # noqa: BLE001 - a config that does not lower is reported
+                        print(f"{name} {fmt} {cname}: failed: {str(e).splitlines()[0][:160]}", flush=True)
+                        continue
+                    row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                    row[f"{cname}_us"] = timed(fn, x)
+                fastest = min((key for key in row if key.endswith("_us") and key != "xla_us"), key=row.get)
+                if rows == 8 and fmt == "int8":
+                    best = fastest[:-3]
+                print(f"{name} {fmt} {k}x{n} rows {rows}: XLA {row['xla_us']:.2f} us; best {fastest} "
+                      f"{row[fastest]:.2f} us ({row[fastest] / row['xla_us']:.3f}x, "
+                      f"{qw.qweight.nbytes / (row[fastest] * 1e-6) / copy:.1%} of copy); default "
+                      f"{row.get('default_us', float('nan')):.2f}; err {row[fastest[:-3] + '_err']:.1e}", flush=True)
+                results.append(row)
+            # the prologue and the residual, at 8 rows, against XLA computing the same
+            if name in ("qkv", "down"):
+                swiglu = name == "down"
+                rows = 8
+                scale = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
+                x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k), np.float32), jnp.bfloat16)
+                r = jnp.asarray(rng.standard_normal((rows, n), np.float32), jnp.bfloat16) if swiglu else None
+                act = (lambda x: SwiGLU(x).materialize()) if swiglu else (lambda x: rms_norm(x, scale, 1e-5))
+                fused_kw = dict(swiglu=True) if swiglu else dict(norm_scale=scale, norm_eps=1e-5)
+                add = (lambda y: y + r) if swiglu else (lambda y: y)
+                row = dict(proj=f"{name}+{'swiglu' if swiglu else 'norm'}", fmt=fmt, K=k, N=n, rows=rows)
+                row["xla_us"] = timed(lambda x, w: add(quantized_matmul(act(x), w)), x, per_weight_x=True)
+                row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r), x, per_weight_x=True)
+                ref = np.asarray(add(quantized_matmul(act(x), qw)), np.float32)
+                for cname, cfg in {"default": None, best: QUANT_CONFIGS[best]}.items():
+                    if not swiglu and cfg is not None and cfg.tile_k > 256:
+                        continue   # the norm scale's TMA box holds at most 256 elements
+                    fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731
+                    y = np.asarray(fn(x, qw), np.float32)
+                    row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                    row[f"{cname}_us"] = timed(fn, x, per_weight_x=True)
+                print(f"{row['proj']} {fmt}: " + ", ".join(f"{key[:-3]} {v:.2f}" for key, v in row.items()
+                                                          if key.endswith("_us")) + f"; default err {row['default_err']:.1e}", flush=True)
+                results.append(row)
+            write("decode_quant.json", copy, results)
+
+
 def main():
+    if os.environ.get("MODE") == "quant":
+        return quant_main()
     if os.environ.get("MODE") == "kernel":
         return kernel_main()
     if os.environ.get("MODE") == "prologue":

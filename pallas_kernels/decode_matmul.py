@@ -59,6 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
+from pallas_kernels.quant_format import QuantizedWeight
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
@@ -71,6 +72,9 @@ class DecodeMatmulConfig:
     tile_k: int = 256             # K rows per pipeline step (a multiple of 64 that divides K)
     max_concurrent_steps: int = 4  # TMA steps in flight (capped by shared memory)
     wgmmas_in_flight: int = 0     # wgmmas left running across steps (< max_concurrent_steps)
+    # int8 / fp8 weights: stage the bf16 tile in shared memory for the wgmma instead of feeding it
+    # from registers (interpret mode always stages: its wgmma reads shared memory only)
+    stage_weight: bool = False
 
     def __post_init__(self):
         if self.tile_k <= 0 or self.tile_k % 64:
@@ -79,15 +83,30 @@ class DecodeMatmulConfig:
             raise ValueError("need 0 <= wgmmas_in_flight < max_concurrent_steps")
 
 
-def default_config(n: int, swiglu: bool = False) -> DecodeMatmulConfig:
+def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16) -> DecodeMatmulConfig:
     """Per weight width, from the H100 sweeps (notebooks/gpu_bf16_smem_gemv.py MODE=kernel, session
     18; MODE=prologue, session 19): 64 N tiles (o_proj, down) stream best in 256-row steps with one
     wgmma left in flight, but with the SwiGLU prologue waiting for each wgmma (39.99 against 40.85
     us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma. The prologue keeps
     the width's tile_k, so `pays` (which checks K against it) holds for it too."""
+    if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8: QUANT_CONFIG_OVERRIDE until swept
+        return QUANT_CONFIG
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
     return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=0 if swiglu else 1)
+
+
+QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
+QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def weight_dtype(w):
+    """The dtype the kernel would stream `w` in, or None if it cannot take it: a bf16 array [K, N],
+    or a per-channel int8 / fp8 `QuantizedWeight` stored without padding."""
+    if isinstance(w, QuantizedWeight):
+        per_channel = w.num_groups == 1 and w.zeros is None and w.padded_shape == tuple(w.shape)
+        return w.qweight.dtype if per_channel and jnp.dtype(w.qweight.dtype) in QUANT_DTYPES else None
+    return w.dtype if jnp.dtype(w.dtype) == jnp.bfloat16 else None
 
 
 MEASURED_FASTER_ON = ("H100",)   # device kinds on which whole decode steps measured faster
@@ -123,8 +142,9 @@ def prologue_pays(prologue: str, m: int) -> bool:
 def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend."""
     tiles = n // TILE_N
-    config = default_config(n)
-    return (enabled() and jnp.dtype(w_dtype) == jnp.bfloat16 and jnp.dtype(x_dtype) == jnp.bfloat16
+    config = default_config(n, w_dtype=w_dtype)
+    return (enabled() and (jnp.dtype(w_dtype) == jnp.bfloat16 or jnp.dtype(w_dtype) in QUANT_DTYPES)
+            and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % config.tile_k == 0
             and MIN_TILES <= tiles <= MAX_TILES)
 
@@ -142,36 +162,60 @@ def _stage_swiglu(gate_smem, up_smem):
     return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
-def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps):
+def _to_bf16(w_smem):
+    """An int8 / e4m3 weight tile as bf16 registers (exact: both are bf16 values). sm_90 has no
+    e4m3 -> bf16 conversion; e4m3 -> f16 is exact."""
+    a = w_smem[...]
+    if a.dtype == jnp.float8_e4m3fn:
+        a = a.astype(jnp.float16)
+    return a.astype(jnp.bfloat16)
+
+
+def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
+                         stage_weight):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]).
 
-    Refs, in order: w_gmem [K, N] bf16; x_gmem [m, K] (prologue "swiglu": [m, 2K], gate | up);
-    scale_gmem [K] (prologue "rms_norm"); r_gmem [m, N] (with_residual); out_gmem [m, N]; scratch
-    out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a prologue); r_smem
-    [m, TILE_N] and a barrier (with_residual).
+    Refs, in order: w_gmem, [K, N] bf16 (or, `quantized`, the per-channel int8 / fp8 weight stored
+    [N, K]); x_gmem [m, K] (prologue "swiglu": [m, 2K], gate | up); scale_gmem [K] (prologue
+    "rms_norm"); ws_gmem [1, N] f32 channel scales (quantized); r_gmem [m, N] (with_residual);
+    out_gmem [m, N]; scratch out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a
+    prologue); ws_smem [TILE_N] and a barrier (quantized); staged_w_smem [in_flight + 1, TILE_N,
+    tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual).
     """
     refs = list(refs)
     take = lambda present: refs.pop(0) if present else None   # noqa: E731
     w_gmem, x_gmem = take(True), take(True)
     scale_gmem = take(prologue == "rms_norm")
+    ws_gmem = take(quantized)
     r_gmem, out_gmem, out_smem = take(with_residual), take(True), take(True)
     staged_smem = take(prologue is not None)
+    ws_smem, ws_barrier = take(quantized), take(quantized)
+    staged_w_smem = take(stage_weight)
     r_smem, r_barrier = take(with_residual), take(with_residual)
 
     cols = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
     m = x_gmem.shape[0]
     if with_residual:   # in flight while the weight streams
         plgpu.copy_gmem_to_smem(r_gmem.at[:, cols], r_smem, r_barrier)
+    if quantized:
+        plgpu.copy_gmem_to_smem(ws_gmem.at[0, cols], ws_smem, ws_barrier)
     # Without a prologue the wgmma reads the x tile itself, so its release waits with the weight's.
     x_release = in_flight if prologue is None else 0
-    w_spec = plgpu.BlockSpec((tile_k, TILE_N), lambda s: (s, 0), delay_release=in_flight,
-                             transforms=swizzled(TILE_N * 16, 16, "weight"))
+    if quantized:   # the wgmma reads the converted tile (registers or staged), not this one
+        w_bits = jnp.dtype(w_gmem.dtype).itemsize * 8
+        w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, s),
+                                 transforms=swizzled(tile_k * w_bits, w_bits, "weight"))
+        w_operand = w_gmem.at[cols]
+    else:
+        w_spec = plgpu.BlockSpec((tile_k, TILE_N), lambda s: (s, 0), delay_release=in_flight,
+                                 transforms=swizzled(TILE_N * 16, 16, "weight"))
+        w_operand = w_gmem.at[:, cols]
     x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, s), delay_release=x_release,
                              transforms=swizzled(tile_k * 16, 16, "x"))
-    specs, operands = [w_spec, x_spec], [w_gmem.at[:, cols], x_gmem]
+    specs, operands = [w_spec, x_spec], [w_operand, x_gmem]
     if prologue == "swiglu":   # gate and up tiles from the two halves of x
         specs.append(x_spec)
-        operands = [w_gmem.at[:, cols], x_gmem.at[:, pl.ds(0, k)], x_gmem.at[:, pl.ds(k, k)]]
+        operands = [w_operand, x_gmem.at[:, pl.ds(0, k)], x_gmem.at[:, pl.ds(k, k)]]
     elif prologue == "rms_norm":
         specs.append(plgpu.BlockSpec((tile_k,), lambda s: (s,)))
         operands.append(scale_gmem)
@@ -179,6 +223,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     def body(acc_ref):
         def step(idx, w_smem, *tiles):
             carry = None
+            buffer = idx[0] % (in_flight + 1) if in_flight else 0   # of the staged tiles of this step
             if prologue is None:
                 x_smem = tiles[0]
             else:   # the wgmma's activations, staged in shared memory (one buffer per wgmma in flight)
@@ -186,10 +231,18 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
                     staged, carry = _stage_rms_norm(*tiles)
                 else:
                     staged = _stage_swiglu(*tiles)
-                x_smem = staged_smem.at[idx[0] % (in_flight + 1) if in_flight else 0]
+                x_smem = staged_smem.at[buffer]
                 x_smem.T[...] = staged
+            if not quantized:
+                a = w_smem.T
+            elif stage_weight:
+                a = staged_w_smem.at[buffer]
+                a[...] = _to_bf16(w_smem)
+            else:
+                a = _to_bf16(w_smem)
+            if prologue is not None or stage_weight:
                 plgpu.commit_smem()
-            plgpu.wgmma(acc_ref, w_smem.T, x_smem.T)
+            plgpu.wgmma(acc_ref, a, x_smem.T)
             plgpu.wgmma_wait(in_flight)
             return carry
 
@@ -201,6 +254,10 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         return acc_ref[...], ssq
 
     acc, ssq = pl.run_scoped(body, plgpu.ACC((TILE_N, m), jnp.float32))
+    if quantized:   # each weight column's (output channel's) scale
+        plgpu.barrier_wait(ws_barrier)
+        scale = plgpu.load(ws_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
     # y [m, N] through a transposed view of the [m, TILE_N] scratch (no XLA transpose after it)
     y = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
     if prologue == "rms_norm":   # each row's 1 / rms, from the sum of squares of its x
@@ -217,7 +274,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu", "norm_eps", "out_dtype", "config", "interpret"))
-def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *,
+def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
                   norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False,
                   out_dtype=None, config: DecodeMatmulConfig | None = None, interpret=False) -> jax.Array:
     """y = a @ w with f32 accumulation (+ residual), where the activations a are
@@ -226,17 +283,26 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
       x * norm_scale (rounded to bf16) for the wgmma and scales each row of the product by
       1 / rms(x) in f32: `x * (1/rms) * scale` rounded in another place than the unfused model's;
     - swiglu: silu(gate) * up (rounded to bf16 once), x = [M, 2K] holding gate | up.
-    w: [K, N] bf16, N a multiple of 64 and K of the config's tile_k; residual: None or [M, N], added
-    to the product rounded to out_dtype, as `residual + a @ w` rounds. Returns [M, N] in out_dtype
-    (default x.dtype). config None: `default_config(N, swiglu)`."""
+    w: [K, N] bf16, or a per-channel int8 / fp8 `QuantizedWeight` of logical shape (K, N) stored
+    without padding (`weight_dtype`), whose codes are converted to bf16 in the kernel and whose
+    channel scales multiply the f32 product, as `xla_convert_matmul` computes. N a multiple of 64
+    and K of the config's tile_k. residual: None or [M, N], added to the product rounded to
+    out_dtype, as `residual + a @ w` rounds. Returns [M, N] in out_dtype (default x.dtype).
+    config None: `default_config(N, swiglu, weight dtype)`."""
     if norm_scale is not None and swiglu:
         raise ValueError("decode_matmul takes one prologue: norm_scale or swiglu, not both")
+    w_dtype = weight_dtype(w)
+    if w_dtype is None:
+        raise ValueError("decode_matmul takes a bf16 weight or a per-channel int8 / fp8 QuantizedWeight "
+                         f"without padding; got {getattr(w, 'format', None) or w.dtype}")
+    quantized = isinstance(w, QuantizedWeight)
     m, k = x.shape
     k //= 2 if swiglu else 1
     n = w.shape[1]
-    config = config or default_config(n, swiglu)
+    config = config or default_config(n, swiglu, w_dtype)
+    stage_weight = quantized and (config.stage_weight or bool(interpret))
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
-        raise ValueError(f"x {x.shape} does not match the weight {w.shape}" + (" (swiglu: x is gate | up)" if swiglu else ""))
+        raise ValueError(f"x {x.shape} does not match the weight {tuple(w.shape)}" + (" (swiglu: x is gate | up)" if swiglu else ""))
     if n % TILE_N or k % config.tile_k or not 0 < m <= MAX_ROWS:
         raise ValueError(f"decode_matmul needs N % {TILE_N} == 0, K % {config.tile_k} == 0 and "
                          f"1 <= M <= {MAX_ROWS}; got M={m}, K={k}, N={n}")
@@ -249,29 +315,39 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
     m_pad = -(-m // 8) * 8    # wgmma N: a multiple of 8
     pad = ((0, m_pad - m), (0, 0))
     # shared memory per pipeline step: the weight tile, one x tile (gate and up for SwiGLU), the norm scale
-    per_step = (config.tile_k * TILE_N + (1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2
-    fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2)
-    staged = (config.wgmmas_in_flight + 1) * m_pad * config.tile_k * 2 if prologue else 0   # at most
+    per_step = (config.tile_k * TILE_N * jnp.dtype(w_dtype).itemsize
+                + ((1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2)
+    fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + quantized * TILE_N * 4
+    # at most: the staged activations and weight tiles, one per wgmma in flight
+    staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
     depth = max(1, min(config.max_concurrent_steps, k // config.tile_k, (SMEM_BUDGET - fixed - staged) // per_step))
     in_flight = min(config.wgmmas_in_flight, depth - 1)
-    operands = [w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
+    operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
     if prologue == "rms_norm":
         operands.append(norm_scale.astype(jnp.bfloat16))
+    if quantized:
+        operands.append(w.scales.astype(jnp.float32))
     scratch = [plgpu.SMEM((m_pad, TILE_N), out_dtype)]
     if prologue:
         scratch.append(plgpu.SMEM((in_flight + 1, m_pad, config.tile_k), jnp.bfloat16,
                                   transforms=swizzled(config.tile_k * 16, 16, "x")))
+    if quantized:
+        scratch += [plgpu.SMEM((TILE_N,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
+    if stage_weight:
+        scratch.append(plgpu.SMEM((in_flight + 1, TILE_N, config.tile_k), jnp.bfloat16,
+                                  transforms=swizzled(config.tile_k * 16, 16, "a")))
     if residual is not None:
         operands.append(jnp.pad(residual.astype(out_dtype), pad))
         scratch += [plgpu.SMEM((m_pad, TILE_N), out_dtype), plgpu.Barrier(num_arrivals=1)]
     call = plgpu.kernel(
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
-                          prologue=prologue, with_residual=residual is not None, eps=norm_eps),
+                          prologue=prologue, with_residual=residual is not None, eps=norm_eps,
+                          quantized=quantized, stage_weight=stage_weight),
         out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         scratch_types=scratch,
         grid=(n // TILE_N,), grid_names=("n",),
         interpret=interpret_params(interpret),
-        kernel_name="decode_matmul",
+        kernel_name=f"decode_matmul_{w.format}" if quantized else "decode_matmul",
         # approximate exp and reciprocal (ex2.approx, rcp.approx) for SwiGLU's sigmoid: exact ones made
         # the prologue instruction-bound (one warpgroup per block converts every activation tile)
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
@@ -280,11 +356,12 @@ def decode_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
     return call(*operands)[:m]
 
 
-def decode_matmul_reference(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, out_dtype=None, *,
+def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, out_dtype=None, *,
                             norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False
                             ) -> jax.Array:
     """Plain jnp, rounded where the kernel rounds: the staged activations to bf16, f32 accumulation
-    (times 1 / rms with norm_scale), the product to out_dtype, then the residual's sum."""
+    (times the channel scales of a quantized w, times 1 / rms with norm_scale), the product to
+    out_dtype, then the residual's sum."""
     xf = x.astype(jnp.float32)
     row_scale = 1.0
     if swiglu:
@@ -293,6 +370,10 @@ def decode_matmul_reference(x: jax.Array, w: jax.Array, residual: jax.Array | No
     elif norm_scale is not None:
         row_scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
         xf = xf * norm_scale.astype(jnp.float32)
-    y = jnp.dot(xf.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32) * row_scale
-    y = y.astype(out_dtype or x.dtype)
+    if isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
+        codes = w.qweight.astype(jnp.float32).astype(jnp.bfloat16).T
+        y = jnp.dot(xf.astype(jnp.bfloat16), codes, preferred_element_type=jnp.float32) * w.scales[0].astype(jnp.float32)
+    else:
+        y = jnp.dot(xf.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    y = (y * row_scale).astype(out_dtype or x.dtype)
     return y if residual is None else (residual.astype(y.dtype) + y)

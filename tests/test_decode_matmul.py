@@ -1,4 +1,5 @@
-"""The bf16 decode matmul kernel against jnp, and where the model routes its matmuls to it.
+"""The decode matmul kernel (bf16 weights, and per-channel int8 / fp8 ones) against jnp, and where
+the model routes its matmuls to it.
 
 On CPU the Mosaic GPU kernel runs in GPU interpret mode; the `gpu` test runs the native kernel.
 """
@@ -10,6 +11,7 @@ import pytest
 
 from atlasjax.config import ModelConfig
 from atlasjax.loader import random_params
+from atlasjax.quantization import quantize, quantize_params
 from models import layers
 from models.attention import AttentionMetadata
 from models.deferred import RMSNormed, SwiGLU, rms_norm
@@ -17,6 +19,7 @@ from models.fused import fuse_projections
 from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, decode_matmul_reference
+from pallas_kernels.quantized_matmul import quantized_matmul
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -126,6 +129,40 @@ def test_prologue_argument_errors():
         decode_matmul(x, w, swiglu=True, interpret=True)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 8, 17])
+@pytest.mark.parametrize("prologue", [None, "norm", "swiglu"])
+def test_interpret_quantized_weights_match_reference(fmt, m, prologue):
+    """Per-channel int8 / fp8 weights (converted to bf16 in the kernel, the channel scale on the f32
+    product), with each prologue and the residual: as jnp computes it, and as the engine's other
+    path (the convert fused into XLA's GEMM, then the scale) computes it, up to bf16 rounding."""
+    x, gate_up, scale, w = _prologue_operands(m, 256, 128, seed=m)
+    qw = quantize(w.astype(jnp.float32), fmt)
+    r = jnp.asarray(np.random.default_rng(9).standard_normal((m, 128)), jnp.bfloat16)
+    a, kw, act = {None: (x, {}, x), "norm": (x, dict(norm_scale=scale, norm_eps=1e-5), rms_norm(x, scale, 1e-5)),
+                  "swiglu": (gate_up, dict(swiglu=True), SwiGLU(gate_up).materialize())}[prologue]
+    config = DecodeMatmulConfig(tile_k=128, wgmmas_in_flight=1)
+    y = decode_matmul(a, qw, r, out_dtype=jnp.float32, config=config, interpret=True, **kw)
+    assert y.shape == (m, 128) and y.dtype == jnp.float32
+    assert _rel_err(y, decode_matmul_reference(a, qw, r, jnp.float32, **kw)) < 1e-5
+    engine = r.astype(jnp.float32) + quantized_matmul(act, qw, out_dtype=jnp.float32, backend="xla")
+    assert _rel_err(y, engine) < (1e-5 if prologue is None else 6e-3)   # the prologues round elsewhere
+
+
+def test_quantized_weights_it_cannot_take():
+    """Grouped, int4 or padded quantized weights are refused (the model keeps them on their own
+    kernels); so is a weight whose K does not match x."""
+    x, w = _operands(8, 256, 128)
+    w = w.astype(jnp.float32)
+    for qw in (quantize(w, "int8", group_size=128), quantize(w, "int4"), quantize(w[:, :100], "int8")):
+        assert dm.weight_dtype(qw) is None
+        with pytest.raises(ValueError, match="per-channel int8 / fp8"):
+            decode_matmul(x[:, :qw.shape[0]], qw, interpret=True)
+    assert dm.weight_dtype(quantize(w, "fp8")) == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match="does not match"):
+        decode_matmul(x[:, :128], quantize(w, "int8"), interpret=True)
+
+
 def test_pays_on_the_narrow_projections_only(monkeypatch):
     bf16 = jnp.bfloat16
     monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
@@ -191,6 +228,21 @@ def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
     assert calls == [(8, 256), (8, 256)]
 
 
+def test_model_matmul_routes_per_channel_quantized_weights(monkeypatch):
+    """int8 / fp8 per-channel weights take the kernel (with their prologue) like bf16 ones; grouped
+    int4 weights stay on the quantized kernel."""
+    calls = []
+    _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append((x.shape, sorted(kw))), min_tiles=2)
+    x, gate_up, scale, w = _prologue_operands(8, 256, 128)
+    qw = quantize(w.astype(jnp.float32), "int8")
+    y = layers.matmul(RMSNormed(x, scale, 1e-5), qw, jnp.float32)
+    assert calls == [((8, 256), ["norm_eps", "norm_scale", "out_dtype"])]
+    assert _rel_err(y, quantized_matmul(rms_norm(x, scale, 1e-5), qw, out_dtype=jnp.float32, backend="xla")) < 6e-3
+    monkeypatch.setattr(layers, "_on_gpu", lambda: False)   # int4's own kernel needs a GPU: keep it off
+    layers.matmul(x, quantize(w.astype(jnp.float32), "int4"))
+    assert len(calls) == 1
+
+
 def test_model_matmul_fuses_deferred_activations(monkeypatch):
     """A deferred RMSNorm / SwiGLU goes into the kernel's prologue on a GPU (interpret mode here);
     `ATLASJAX_DECODE_PROLOGUE=off` hands the kernel the computed activations; elsewhere the matmul
@@ -254,6 +306,34 @@ def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
     np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
 
 
+def test_int8_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
+    """The same with the projections quantized to int8 per channel: the kernel path against the
+    engine's other int8 path (XLA's convert-fused GEMM), same greedy token."""
+    cfg = _KERNEL_CFG
+    params = quantize_params(fuse_projections(random_params(cfg, jnp.bfloat16, seed=5)), "int8")
+    model = Transformer(cfg, attn_backend="reference", dtype=jnp.bfloat16)
+    kv = init_kv_cache(cfg, 4, 16, jnp.bfloat16)
+    meta = AttentionMetadata(slot_mapping=jnp.array([0, 16]), page_table=jnp.array([[0, 1], [2, 3]], jnp.int32),
+                             seq_lens=jnp.array([1, 1]))
+    tokens, positions = jnp.array([7, 42]), jnp.array([0, 0])
+    monkeypatch.setattr(layers, "_on_gpu", lambda: True)   # the int8 path the GPU takes without the kernel
+    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H200")
+
+    def run_step():
+        def step(tokens, positions, kv):
+            hidden, _ = model.apply({"params": params}, tokens, positions, kv, meta)
+            return model.apply({"params": params}, hidden, method=Transformer.logits)
+        return np.asarray(jax.block_until_ready(jax.jit(step)(tokens, positions, kv)), np.float32)
+
+    reference = run_step()
+    calls = []
+    _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append(x.shape), min_tiles=1)
+    fused = run_step()
+    assert len(calls) == 4 * cfg.num_layers + 1   # every projection, and the (bf16) LM head
+    assert _rel_err(fused, reference) < 2e-2
+    np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
 @pytest.mark.parametrize("m", [1, 8, 32])
 @pytest.mark.parametrize("k,n", [(4096, 4096), (14336, 4096), (2048, 6144)])
@@ -273,3 +353,20 @@ def test_gpu_prologues_match_reference(m, prologue, k, n):
     a, kw = (x, dict(norm_scale=scale, norm_eps=1e-5)) if prologue == "norm" else (gate_up, dict(swiglu=True))
     y = decode_matmul(a, w, r, out_dtype=jnp.float32, **kw)
     assert _rel_err(y, decode_matmul_reference(a, w, r, jnp.float32, **kw)) < 1e-4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("stage_weight", [False, True], ids=["registers", "staged"])
+@pytest.mark.parametrize("prologue,k,n", [(None, 4096, 4096), ("norm", 4096, 6144), ("swiglu", 14336, 4096)])
+def test_gpu_quantized_weights_match_reference(fmt, m, stage_weight, prologue, k, n):
+    x, gate_up, scale, w = _prologue_operands(m, k, n)
+    qw = quantize(w.astype(jnp.float32), fmt)
+    r = jnp.asarray(np.random.default_rng(9).standard_normal((m, n)), jnp.bfloat16)
+    a, kw = {None: (x, {}), "norm": (x, dict(norm_scale=scale, norm_eps=1e-5)),
+             "swiglu": (gate_up, dict(swiglu=True))}[prologue]
+    config = dm.default_config(n, prologue == "swiglu", qw.qweight.dtype)
+    config = DecodeMatmulConfig(config.tile_k, config.max_concurrent_steps, config.wgmmas_in_flight, stage_weight)
+    y = decode_matmul(a, qw, r, out_dtype=jnp.float32, config=config, **kw)
+    assert _rel_err(y, decode_matmul_reference(a, qw, r, jnp.float32, **kw)) < 1e-4
