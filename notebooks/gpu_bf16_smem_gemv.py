@@ -299,9 +299,113 @@ def quant_main():
             write("decode_quant.json", copy, results)
 
 
+def int8_gemv(k, n, *, tile_k=256, depth=4, in_flight=1, variant="inferred", fmt=jnp.int8):
+    """MODE=int8probe: where the per-channel int8 kernel's step time goes. fn(x [8, K] bf16, w [N, K]
+    int8 / e4m3 (bf16 for "bf16_smem")) -> y [8, N] f32 (no channel scale). Variants of the step:
+      empty       the pipeline alone (the stream's floor);
+      inferred    w_smem[...].astype(bf16) into a register-A wgmma (Mosaic infers the load layout);
+      upcast      loaded in WGMMA_UPCAST_2X (32-bit loads), relaid to WGMMA, converted, register A;
+      upcast_st   the same, staged in shared memory for a shared-memory-A wgmma;
+      convert_st  converted and staged, no wgmma (what the conversion costs);
+      bf16_smem   a bf16 weight tile straight from shared memory (no conversion)."""
+    w_bits = 16 if variant == "bf16_smem" else 8
+
+    def to_bf16(w_smem):
+        if variant == "inferred":
+            a = w_smem[...]
+        else:
+            a = plgpu.layout_cast(plgpu.load(w_smem, layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
+        if a.dtype == jnp.float8_e4m3fn:
+            a = a.astype(jnp.float16)
+        return a.astype(jnp.bfloat16)
+
+    def kernel(w_gmem, x_gmem, out_gmem, out_smem, staged_smem):
+        rows = pl.ds(lax.axis_index("n") * 64, 64)
+        w_spec = plgpu.BlockSpec((64, tile_k), lambda s: (0, s), delay_release=in_flight if variant == "bf16_smem" else 0,
+                                 transforms=swizzled(tile_k * w_bits, w_bits, "weight"))
+        x_spec = plgpu.BlockSpec((ROWS, tile_k), lambda s: (0, s), delay_release=in_flight,
+                                 transforms=swizzled(tile_k * 16, 16, "x"))
+
+        def body(acc_ref):
+            def step(idx, w_smem, x_smem):
+                if variant == "empty":
+                    return
+                buf = staged_smem.at[idx[0] % (in_flight + 1) if in_flight else 0]
+                if variant == "bf16_smem":
+                    a = w_smem
+                elif variant in ("upcast_st", "convert_st"):
+                    buf[...] = to_bf16(w_smem)
+                    plgpu.commit_smem()
+                    a = buf
+                else:
+                    a = to_bf16(w_smem)
+                if variant != "convert_st":
+                    plgpu.wgmma(acc_ref, a, x_smem.T)
+                    plgpu.wgmma_wait(in_flight)
+
+            plgpu.emit_pipeline(step, grid=(k // tile_k,), in_specs=[w_spec, x_spec],
+                                max_concurrent_steps=depth)(w_gmem.at[rows], x_gmem)
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(body, plgpu.ACC((64, ROWS), jnp.float32))
+        out_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, rows])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((ROWS, n), jnp.float32),
+        scratch_types=[plgpu.SMEM((ROWS, 64), jnp.float32),
+                       plgpu.SMEM((in_flight + 1, 64, tile_k), jnp.bfloat16, transforms=swizzled(tile_k * 16, 16, "a"))],
+        grid=(n // 64,), grid_names=("n",), kernel_name=f"int8_probe_{variant}",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
+def int8_probe_main():
+    """MODE=int8probe: the step variants of `int8_gemv` on the 8B decode shapes, against XLA."""
+    copy = start()
+    rng = np.random.default_rng(0)
+    results = []
+    for name, (k, n) in QUANT_SHAPES.items():
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.float32)
+        x = jnp.asarray(rng.standard_normal((ROWS, k), np.float32), jnp.bfloat16)
+        for fmt in ("int8", "fp8"):
+            qw = quantize(w, fmt)
+            copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
+            qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
+            ref = np.asarray(jnp.dot(x.astype(jnp.float32), qw.qweight.T.astype(jnp.float32)))
+            row = dict(proj=name, fmt=fmt, K=k, N=n, rows=ROWS)
+            row["xla_us"] = device_ms(rotated(lambda x, w: quantized_matmul(x, w)), x, qws) / copies * 1e3
+            bf16_ws = []
+            for variant in ("empty", "inferred", "upcast", "upcast_st", "convert_st", "bf16_smem"):
+                if variant == "bf16_smem" and fmt == "fp8":
+                    continue
+                for tile_k, in_flight in ((128, 1), (256, 1), (256, 0)):
+                    key = f"{variant}_k{tile_k}_r{in_flight}"
+                    try:
+                        f = int8_gemv(k, n, tile_k=tile_k, in_flight=in_flight, variant=variant)
+                        ws = [q.qweight for q in qws]
+                        if variant == "bf16_smem":   # the same bytes per step as int8 at twice tile_k
+                            bf16_ws = bf16_ws or [jnp.asarray(q.qweight, jnp.bfloat16) for q in qws[:max(2, copies // 2)]]
+                            ws = bf16_ws
+                        if variant not in ("empty", "convert_st"):
+                            y = np.asarray(f(ws[0], x), np.float32)
+                            row[f"{key}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                        row[f"{key}_us"] = device_ms(jax.jit(lambda x, ws: [f(w, x) for w in ws]), x, ws) / len(ws) * 1e3
+                    except Exception as e:  # noqa: BLE001 - a variant that does not lower is reported
+                        print(f"{name} {fmt} {key}: failed: {str(e).splitlines()[0][:200]}", flush=True)
+            print(f"{name} {fmt}: " + ", ".join(f"{key[:-3]} {v:.1f}" for key, v in row.items() if key.endswith("_us")), flush=True)
+            results.append(row)
+            write("int8_probe.json", copy, results)
+
+
 def main():
     if os.environ.get("MODE") == "quant":
         return quant_main()
+    if os.environ.get("MODE") == "int8probe":
+        return int8_probe_main()
     if os.environ.get("MODE") == "kernel":
         return kernel_main()
     if os.environ.get("MODE") == "prologue":
