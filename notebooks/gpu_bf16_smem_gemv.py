@@ -34,6 +34,7 @@ at 8 rows and with the default at 1-32 rows, against the engine's path for them 
 the convert fused, then the channel scale); then with its prologues and residual against XLA
 computing the same (norm or SwiGLU, GEMM, scale, add).
 """
+import functools
 import json
 import os
 
@@ -363,6 +364,67 @@ def int8_gemv(k, n, *, tile_k=256, depth=4, in_flight=1, variant="inferred", fmt
     )
 
 
+def int8_gemv_ws(k, n, *, tile_k=256, depth=4, wgs=2):
+    """MODE=int8probe, variant ws{wgs}: a warp-specialized pipeline (one memory warpgroup issuing the
+    TMA copies) whose `wgs` compute warpgroups each convert and multiply 1/wgs of every weight tile's
+    K columns into an accumulator of their own; at the end warpgroups 1.. add theirs into warpgroup
+    0's through shared memory. More warps per SM to hide the conversion's latency, one kernel."""
+    part = tile_k // wgs
+
+    def kernel(w_gmem, x_gmem, out_gmem, out_smem, red_smem, red_barrier):
+        rows = pl.ds(lax.axis_index("n") * 64, 64)
+        wg = lax.axis_index("wg")
+        cols = pl.ds(wg * part, part)
+
+        def step(_, w_smem, x_smem, acc_ref):
+            a = plgpu.layout_cast(plgpu.load(w_smem.at[:, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X),
+                                  plgpu.Layout.WGMMA)
+            if a.dtype == jnp.float8_e4m3fn:
+                a = a.astype(jnp.float16)
+            plgpu.wgmma(acc_ref, a.astype(jnp.bfloat16), x_smem.at[:, cols].T)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((64, ROWS), jnp.float32))
+            def _(acc_ref):
+                eval_pipeline(acc_ref)
+                acc = acc_ref[...]
+                for i in range(1, wgs):   # warpgroup i hands its sum to warpgroup 0
+                    @pl.when(wg == i)
+                    def _():
+                        red_smem.at[i - 1][...] = acc
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(red_barrier.at[i - 1])
+
+                @pl.when(wg == 0)
+                def _():
+                    total = acc
+                    for i in range(1, wgs):
+                        plgpu.barrier_wait(red_barrier.at[i - 1])
+                        total = total + plgpu.load(red_smem.at[i - 1], layout=plgpu.Layout.WGMMA)
+                    out_smem.T[...] = plgpu.layout_cast(total, plgpu.Layout.WGMMA_TRANSPOSED)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, rows])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k // tile_k,), memory_registers=40, max_concurrent_steps=depth,
+            in_specs=[plgpu.BlockSpec((64, tile_k), lambda s: (0, s), transforms=swizzled(tile_k * 8, 8, "weight")),
+                      plgpu.BlockSpec((ROWS, tile_k), lambda s: (0, s), transforms=swizzled(tile_k * 16, 16, "x"))],
+            wg_axis="wg", num_compute_wgs=wgs, compute_context=compute_context,
+        )(w_gmem.at[rows], x_gmem)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((ROWS, n), jnp.float32),
+        scratch_types=[plgpu.SMEM((ROWS, 64), jnp.float32), plgpu.SMEM((wgs - 1, 64, ROWS), jnp.float32),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=wgs - 1)],
+        grid=(n // 64,), grid_names=("n",), num_threads=wgs + 1, thread_name="wg",
+        kernel_name=f"int8_probe_ws{wgs}",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
 def int8_probe_main():
     """MODE=int8probe: the step variants of `int8_gemv` on the 8B decode shapes, against XLA."""
     copy = start()
@@ -379,7 +441,7 @@ def int8_probe_main():
             row = dict(proj=name, fmt=fmt, K=k, N=n, rows=ROWS)
             row["xla_us"] = device_ms(rotated(lambda x, w: quantized_matmul(x, w)), x, qws) / copies * 1e3
             bf16_ws = []
-            for variant in ("empty", "inferred", "upcast", "upcast_st", "convert_st", "bf16_smem"):
+            for variant in os.environ.get("VARIANTS", "empty,inferred,upcast,upcast_st,convert_st,bf16_smem").split(","):
                 if variant == "bf16_smem" and fmt == "fp8":
                     continue
                 for tile_k, in_flight in ((128, 1), (256, 1), (256, 0)):
@@ -396,7 +458,18 @@ def int8_probe_main():
                         row[f"{key}_us"] = device_ms(jax.jit(lambda x, ws: [f(w, x) for w in ws]), x, ws) / len(ws) * 1e3
                     except Exception as e:  # noqa: BLE001 - a variant that does not lower is reported
                         print(f"{name} {fmt} {key}: failed: {str(e).splitlines()[0][:200]}", flush=True)
+            for wgs, tile_k, depth in ((2, 256, 4), (2, 256, 6), (2, 512, 4), (4, 512, 4)):
+                key = f"ws{wgs}_k{tile_k}_d{depth}"
+                try:
+                    f = int8_gemv_ws(k, n, tile_k=tile_k, depth=depth, wgs=wgs)
+                    ws = [q.qweight for q in qws]
+                    y = np.asarray(f(ws[0], x), np.float32)
+                    row[f"{key}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                    row[f"{key}_us"] = device_ms(jax.jit(lambda x, ws: [f(w, x) for w in ws]), x, ws) / len(ws) * 1e3
+                except Exception as e:  # noqa: BLE001 - a variant that does not lower is reported
+                    print(f"{name} {fmt} {key}: failed: {str(e).splitlines()[0][:300]}", flush=True)
             print(f"{name} {fmt}: " + ", ".join(f"{key[:-3]} {v:.1f}" for key, v in row.items() if key.endswith("_us")), flush=True)
+            print(f"{name} {fmt} errors: " + ", ".join(f"{key[:-4]} {v:.1e}" for key, v in row.items() if key.endswith("_err")), flush=True)
             results.append(row)
             write("int8_probe.json", copy, results)
 
