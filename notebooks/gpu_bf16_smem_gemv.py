@@ -27,6 +27,8 @@ SwiGLU followed by the kernel without a prologue (the session-18 engine).
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=kernel python notebooks/gpu_bf16_smem_gemv.py          # -> $OUT/decode_matmul.json
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=prologue python notebooks/gpu_bf16_smem_gemv.py        # -> $OUT/decode_prologue.json
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=quant python notebooks/gpu_bf16_smem_gemv.py           # -> $OUT/decode_quant.json
+  JAX_PLATFORMS=cuda PYTHONPATH=. MODE=int8probe [VARIANTS=empty,inferred] [WS=2:256:4] [SHAPES=o_proj] \
+      [FORMATS=int8] python notebooks/gpu_bf16_smem_gemv.py                                   # -> $OUT/int8_probe.json
 
 MODE=quant (session 20) times the kernel on per-channel int8 / fp8 weights (stored [N, K], each
 tile converted to bf16 in registers or staged in shared memory: `stage_weight`) over its configs
@@ -49,7 +51,7 @@ from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, dev
 from atlasjax.quantization import quantize
 from models.deferred import SwiGLU, rms_norm
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, k_splits, swizzled
 from pallas_kernels.quantized_matmul import quantized_matmul
 
 SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
@@ -364,14 +366,14 @@ def int8_gemv(k, n, *, tile_k=256, depth=4, in_flight=1, variant="inferred", fmt
     )
 
 
-def int8_gemv_ws(k, n, *, tile_k=256, depth=4, wgs=2):
+def int8_gemv_ws(k, n, *, tile_k=256, depth=4, wgs=2, interpret=False):
     """MODE=int8probe, variant ws{wgs}: a warp-specialized pipeline (one memory warpgroup issuing the
     TMA copies) whose `wgs` compute warpgroups each convert and multiply 1/wgs of every weight tile's
     K columns into an accumulator of their own; at the end warpgroups 1.. add theirs into warpgroup
     0's through shared memory. More warps per SM to hide the conversion's latency, one kernel."""
     part = tile_k // wgs
 
-    def kernel(w_gmem, x_gmem, out_gmem, out_smem, red_smem, red_barrier):
+    def kernel(w_gmem, x_gmem, out_gmem, out_smem, red_smem, red_barrier, a_smem):
         rows = pl.ds(lax.axis_index("n") * 64, 64)
         wg = lax.axis_index("wg")
         cols = pl.ds(wg * part, part)
@@ -381,7 +383,12 @@ def int8_gemv_ws(k, n, *, tile_k=256, depth=4, wgs=2):
                                   plgpu.Layout.WGMMA)
             if a.dtype == jnp.float8_e4m3fn:
                 a = a.astype(jnp.float16)
-            plgpu.wgmma(acc_ref, a.astype(jnp.bfloat16), x_smem.at[:, cols].T)
+            a = a.astype(jnp.bfloat16)
+            if interpret:   # interpret mode's wgmma reads shared memory only
+                a_smem.at[wg][...] = a
+                plgpu.commit_smem()
+                a = a_smem.at[wg]
+            plgpu.wgmma(acc_ref, a, x_smem.at[:, cols].T)
             plgpu.wgmma_wait(0)
             return acc_ref
 
@@ -418,9 +425,10 @@ def int8_gemv_ws(k, n, *, tile_k=256, depth=4, wgs=2):
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((ROWS, n), jnp.float32),
         scratch_types=[plgpu.SMEM((ROWS, 64), jnp.float32), plgpu.SMEM((wgs - 1, 64, ROWS), jnp.float32),
-                       plgpu.Barrier(num_arrivals=1, num_barriers=wgs - 1)],
+                       plgpu.Barrier(num_arrivals=1, num_barriers=wgs - 1),
+                       plgpu.SMEM((wgs, 64, part), jnp.bfloat16, transforms=swizzled(part * 16, 16, "a"))],
         grid=(n // 64,), grid_names=("n",), num_threads=wgs + 1, thread_name="wg",
-        kernel_name=f"int8_probe_ws{wgs}",
+        kernel_name=f"int8_probe_ws{wgs}", interpret=interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
 
@@ -430,10 +438,11 @@ def int8_probe_main():
     copy = start()
     rng = np.random.default_rng(0)
     results = []
-    for name, (k, n) in QUANT_SHAPES.items():
+    for name in os.environ.get("SHAPES", ",".join(QUANT_SHAPES)).split(","):
+        k, n = QUANT_SHAPES[name]
         w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.float32)
         x = jnp.asarray(rng.standard_normal((ROWS, k), np.float32), jnp.bfloat16)
-        for fmt in ("int8", "fp8"):
+        for fmt in os.environ.get("FORMATS", "int8,fp8").split(","):
             qw = quantize(w, fmt)
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
@@ -441,7 +450,7 @@ def int8_probe_main():
             row = dict(proj=name, fmt=fmt, K=k, N=n, rows=ROWS)
             row["xla_us"] = device_ms(rotated(lambda x, w: quantized_matmul(x, w)), x, qws) / copies * 1e3
             bf16_ws = []
-            for variant in os.environ.get("VARIANTS", "empty,inferred,upcast,upcast_st,convert_st,bf16_smem").split(","):
+            for variant in filter(None, os.environ.get("VARIANTS", "empty,inferred,upcast,upcast_st,convert_st,bf16_smem").split(",")):
                 if variant == "bf16_smem" and fmt == "fp8":
                     continue
                 for tile_k, in_flight in ((128, 1), (256, 1), (256, 0)):
@@ -458,7 +467,8 @@ def int8_probe_main():
                         row[f"{key}_us"] = device_ms(jax.jit(lambda x, ws: [f(w, x) for w in ws]), x, ws) / len(ws) * 1e3
                     except Exception as e:  # noqa: BLE001 - a variant that does not lower is reported
                         print(f"{name} {fmt} {key}: failed: {str(e).splitlines()[0][:200]}", flush=True)
-            for wgs, tile_k, depth in ((2, 256, 4), (2, 256, 6), (2, 512, 4), (4, 512, 4)):
+            ws_configs = [tuple(map(int, c.split(":"))) for c in os.environ.get("WS", "2:256:4,2:256:6,2:512:4,4:512:4").split(",") if c]
+            for wgs, tile_k, depth in ws_configs:
                 key = f"ws{wgs}_k{tile_k}_d{depth}"
                 try:
                     f = int8_gemv_ws(k, n, tile_k=tile_k, depth=depth, wgs=wgs)

@@ -89,7 +89,7 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16) -> Decode
     wgmma left in flight, but with the SwiGLU prologue waiting for each wgmma (39.99 against 40.85
     us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma. The prologue keeps
     the width's tile_k, so `pays` (which checks K against it) holds for it too."""
-    if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8: QUANT_CONFIG_OVERRIDE until swept
+    if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8 (session 20, MODE=int8probe)
         return QUANT_CONFIG
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
@@ -97,6 +97,7 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16) -> Decode
 
 
 QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
+QUANT_MIN_TILES = 96   # int8 / fp8: qkv only (o_proj and down measured slower than XLA's GEMM, session 20)
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
@@ -143,7 +144,8 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend."""
     tiles = n // TILE_N
     config = default_config(n, w_dtype=w_dtype)
-    return (enabled() and (jnp.dtype(w_dtype) == jnp.bfloat16 or jnp.dtype(w_dtype) in QUANT_DTYPES)
+    quantized = jnp.dtype(w_dtype) in QUANT_DTYPES
+    return (enabled() and (jnp.dtype(w_dtype) == jnp.bfloat16 or (quantized and tiles >= QUANT_MIN_TILES))
             and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % config.tile_k == 0
             and MIN_TILES <= tiles <= MAX_TILES)

@@ -176,6 +176,10 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     assert not dm.pays(64, 4096, 4096, bf16, bf16)   # bs=64: a slower step
     assert not dm.pays(128, 4096, 4096, bf16, bf16)  # a prefill chunk
     assert not dm.pays(8, 4096, 4096, jnp.float32, jnp.float32)
+    for quantized in (jnp.int8, jnp.float8_e4m3fn):   # per channel: qkv only (o_proj, down slower than XLA)
+        assert dm.pays(8, 4096, 6144, bf16, quantized)
+        assert not dm.pays(8, 4096, 4096, bf16, quantized)
+        assert not dm.pays(8, 14336, 4096, bf16, quantized)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
     assert not dm.pays(8, 4096, 4096, bf16, bf16)
 
@@ -207,6 +211,7 @@ def _route_to_interpreted_kernel(monkeypatch, record, min_tiles):
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
     monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(dm, "MIN_TILES", min_tiles)
+    monkeypatch.setattr(dm, "QUANT_MIN_TILES", min_tiles)
     monkeypatch.setattr(dm, "decode_matmul", spy)
 
 
