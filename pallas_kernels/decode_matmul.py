@@ -1,4 +1,4 @@
-"""bf16 decode matmul: y = prologue(x) @ W (+ residual) for the few rows of a decode step, W [K, N] as stored.
+"""Decode matmul: y = prologue(x) @ W (+ residual) for the few rows of a decode step, W [K, N] bf16 as stored.
 
 Why a kernel of our own when XLA's GEMM streams bf16 weights near copy bandwidth: at 8 rows XLA
 splits K on the projections whose N is small (qkv, o_proj, down of an 8B model: split-K 4-8) and
@@ -45,6 +45,17 @@ and bs=32). Measured and left to XLA (session 18):
 It runs on H100s only (`enabled`): on an H200 the same steps were no faster, or slower with the
 prologues. `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere, `=on` forces the kernel on
 any GPU (for A/B measurements).
+
+Per-channel int8 / fp8 weights (session 20): the kernel also takes a `QuantizedWeight` stored
+[N, K], converts each [64, tile_k] tile to bf16 in registers (the wgmma's register A operand; or
+staged in shared memory, `stage_weight`) and multiplies the f32 product by the channel scales
+before its epilogue, with the same prologues and residual. Correct (tests), but not faster: on the
+H100 at 8 rows it streams qkv as fast as XLA's convert-fused GEMM (int8 12.5 against 12.3 us, fp8
+11.5 against 12.4) and o_proj and down ~1.4x slower (int8 12.0 against 8.7 us, 35.2 against 25.4),
+although their weights stream empty in 7.6 and 22.4 us: the tile's conversion is what takes the
+time, with one or with two compute warpgroups per block alike (notebooks/gpu_bf16_smem_gemv.py
+MODE=int8probe). With it on qkv the 8B int8 bs=1 step was 3.42 against 3.39 ms, fp8 3.36 against
+3.36. So quantized weights take it only when forced (`ATLASJAX_DECODE_MATMUL=on`), on qkv only.
 """
 from __future__ import annotations
 
@@ -97,7 +108,10 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16) -> Decode
 
 
 QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
-QUANT_MIN_TILES = 96   # int8 / fp8: qkv only (o_proj and down measured slower than XLA's GEMM, session 20)
+# int8 / fp8 weights take the kernel only when forced (`ATLASJAX_DECODE_MATMUL=on`), and then on qkv
+# only: on the H100 it streams qkv as fast as XLA's convert-fused GEMM but o_proj and down 1.4x
+# slower, and the 8B bs=1 step with it on qkv was no faster (session 20, docs/performance.md)
+QUANT_MIN_TILES = 96
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
@@ -122,7 +136,12 @@ def enabled() -> bool:
     setting = os.environ.get("ATLASJAX_DECODE_MATMUL", "auto").lower()
     if setting in ("off", "0", "false"):
         return False
-    return setting in ("on", "1", "true") or any(kind in device_kind() for kind in MEASURED_FASTER_ON)
+    return forced() or any(kind in device_kind() for kind in MEASURED_FASTER_ON)
+
+
+def forced() -> bool:
+    """`ATLASJAX_DECODE_MATMUL=on`: the kernel on any GPU, per-channel int8 / fp8 weights included."""
+    return os.environ.get("ATLASJAX_DECODE_MATMUL", "auto").lower() in ("on", "1", "true")
 
 
 def device_kind() -> str:
@@ -144,8 +163,8 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend."""
     tiles = n // TILE_N
     config = default_config(n, w_dtype=w_dtype)
-    quantized = jnp.dtype(w_dtype) in QUANT_DTYPES
-    return (enabled() and (jnp.dtype(w_dtype) == jnp.bfloat16 or (quantized and tiles >= QUANT_MIN_TILES))
+    quantized = jnp.dtype(w_dtype) in QUANT_DTYPES and forced() and tiles >= QUANT_MIN_TILES
+    return (enabled() and (jnp.dtype(w_dtype) == jnp.bfloat16 or quantized)
             and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % config.tile_k == 0
             and MIN_TILES <= tiles <= MAX_TILES)

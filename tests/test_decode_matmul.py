@@ -176,7 +176,10 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     assert not dm.pays(64, 4096, 4096, bf16, bf16)   # bs=64: a slower step
     assert not dm.pays(128, 4096, 4096, bf16, bf16)  # a prefill chunk
     assert not dm.pays(8, 4096, 4096, jnp.float32, jnp.float32)
-    for quantized in (jnp.int8, jnp.float8_e4m3fn):   # per channel: qkv only (o_proj, down slower than XLA)
+    for quantized in (jnp.int8, jnp.float8_e4m3fn):   # per channel: not by default (no faster step)
+        assert not dm.pays(8, 4096, 6144, bf16, quantized)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")   # forced: qkv only (o_proj, down slower than XLA)
+    for quantized in (jnp.int8, jnp.float8_e4m3fn):
         assert dm.pays(8, 4096, 6144, bf16, quantized)
         assert not dm.pays(8, 4096, 4096, bf16, quantized)
         assert not dm.pays(8, 14336, 4096, bf16, quantized)
@@ -234,9 +237,11 @@ def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
 
 
 def test_model_matmul_routes_per_channel_quantized_weights(monkeypatch):
-    """int8 / fp8 per-channel weights take the kernel (with their prologue) like bf16 ones; grouped
-    int4 weights stay on the quantized kernel."""
+    """With the kernel forced on (`ATLASJAX_DECODE_MATMUL=on`), int8 / fp8 per-channel weights take
+    it (with their prologue) like bf16 ones; grouped int4 weights stay on the quantized kernel;
+    by default they stay on XLA's GEMM."""
     calls = []
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
     _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append((x.shape, sorted(kw))), min_tiles=2)
     x, gate_up, scale, w = _prologue_operands(8, 256, 128)
     qw = quantize(w.astype(jnp.float32), "int8")
@@ -246,6 +251,11 @@ def test_model_matmul_routes_per_channel_quantized_weights(monkeypatch):
     monkeypatch.setattr(layers, "_on_gpu", lambda: False)   # int4's own kernel needs a GPU: keep it off
     layers.matmul(x, quantize(w.astype(jnp.float32), "int4"))
     assert len(calls) == 1
+    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.delenv("ATLASJAX_DECODE_MATMUL")
+    y = layers.matmul(x, qw, jnp.float32)   # auto: the quantized path (XLA's convert-fused GEMM on a GPU)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(y, quantized_matmul(x, qw, out_dtype=jnp.float32))
 
 
 def test_model_matmul_fuses_deferred_activations(monkeypatch):
@@ -312,8 +322,8 @@ def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
 
 
 def test_int8_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
-    """The same with the projections quantized to int8 per channel: the kernel path against the
-    engine's other int8 path (XLA's convert-fused GEMM), same greedy token."""
+    """The same with the projections quantized to int8 per channel and the kernel forced on: the
+    kernel path against the engine's default int8 path (XLA's convert-fused GEMM), same greedy token."""
     cfg = _KERNEL_CFG
     params = quantize_params(fuse_projections(random_params(cfg, jnp.bfloat16, seed=5)), "int8")
     model = Transformer(cfg, attn_backend="reference", dtype=jnp.bfloat16)
@@ -333,6 +343,7 @@ def test_int8_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch
     reference = run_step()
     calls = []
     _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append(x.shape), min_tiles=1)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
     fused = run_step()
     assert len(calls) == 4 * cfg.num_layers + 1   # every projection, and the (bf16) LM head
     assert _rel_err(fused, reference) < 2e-2
