@@ -291,24 +291,29 @@ _KERNEL_CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=256, inter
                           num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
 
 
-def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
-    """A tiny bf16 Llama's decode step with every projection on the kernel (interpret mode; the norms,
-    SwiGLU and residual adds fused) against the same step on XLA's dots: the logits agree to bf16
-    rounding and the greedy token is the same."""
+def _tiny_decode_step(params):
+    """run() -> the tiny model's logits for one decode step of two sequences. Each call traces the
+    step anew (jax's jit cache keys on the function), so it sees the routing in force then."""
     cfg = _KERNEL_CFG
-    params = fuse_projections(random_params(cfg, jnp.bfloat16, seed=5))
     model = Transformer(cfg, attn_backend="reference", dtype=jnp.bfloat16)
     kv = init_kv_cache(cfg, 4, 16, jnp.bfloat16)
     meta = AttentionMetadata(slot_mapping=jnp.array([0, 16]), page_table=jnp.array([[0, 1], [2, 3]], jnp.int32),
                              seq_lens=jnp.array([1, 1]))
     tokens, positions = jnp.array([7, 42]), jnp.array([0, 0])
 
-    def run_step():   # a new function per call, so jax traces it again (its cache keys on the function)
+    def run():
         def step(tokens, positions, kv):
             hidden, _ = model.apply({"params": params}, tokens, positions, kv, meta)
             return model.apply({"params": params}, hidden, method=Transformer.logits)
         return np.asarray(jax.block_until_ready(jax.jit(step)(tokens, positions, kv)), np.float32)
+    return run
 
+
+def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
+    """A tiny bf16 Llama's decode step with every projection on the kernel (interpret mode; the norms,
+    SwiGLU and residual adds fused) against the same step on XLA's dots: the logits agree to bf16
+    rounding and the greedy token is the same."""
+    run_step = _tiny_decode_step(fuse_projections(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5)))
     reference = run_step()
     prologues = []
     _route_to_interpreted_kernel(
@@ -316,36 +321,22 @@ def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
         min_tiles=1)
     fused = run_step()
     # per layer: qkv and gate_up with the norm, o_proj plain, down with SwiGLU; then the LM head
-    assert prologues == ["norm", "plain", "norm", "swiglu"] * cfg.num_layers + ["plain"]
+    assert prologues == ["norm", "plain", "norm", "swiglu"] * _KERNEL_CFG.num_layers + ["plain"]
     assert _rel_err(fused, reference) < 2e-2
     np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
 
 
 def test_int8_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
     """The same with the projections quantized to int8 per channel and the kernel forced on: the
-    kernel path against the engine's default int8 path (XLA's convert-fused GEMM), same greedy token."""
-    cfg = _KERNEL_CFG
-    params = quantize_params(fuse_projections(random_params(cfg, jnp.bfloat16, seed=5)), "int8")
-    model = Transformer(cfg, attn_backend="reference", dtype=jnp.bfloat16)
-    kv = init_kv_cache(cfg, 4, 16, jnp.bfloat16)
-    meta = AttentionMetadata(slot_mapping=jnp.array([0, 16]), page_table=jnp.array([[0, 1], [2, 3]], jnp.int32),
-                             seq_lens=jnp.array([1, 1]))
-    tokens, positions = jnp.array([7, 42]), jnp.array([0, 0])
-    monkeypatch.setattr(layers, "_on_gpu", lambda: True)   # the int8 path the GPU takes without the kernel
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H200")
-
-    def run_step():
-        def step(tokens, positions, kv):
-            hidden, _ = model.apply({"params": params}, tokens, positions, kv, meta)
-            return model.apply({"params": params}, hidden, method=Transformer.logits)
-        return np.asarray(jax.block_until_ready(jax.jit(step)(tokens, positions, kv)), np.float32)
-
+    kernel path against the engine's default int8 path, same greedy token."""
+    params = quantize_params(fuse_projections(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5)), "int8")
+    run_step = _tiny_decode_step(params)
     reference = run_step()
     calls = []
     _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append(x.shape), min_tiles=1)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
     fused = run_step()
-    assert len(calls) == 4 * cfg.num_layers + 1   # every projection, and the (bf16) LM head
+    assert len(calls) == 4 * _KERNEL_CFG.num_layers + 1   # every projection, and the (bf16) LM head
     assert _rel_err(fused, reference) < 2e-2
     np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
 
