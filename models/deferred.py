@@ -2,11 +2,11 @@
 
 A decoder layer hands its projections `RMSNormed(x, scale, eps)` instead of the normalized
 activations, and the MLP hands down_proj `SwiGLU(gate_up)` instead of silu(gate) * up. The one
-matmul entry (`models.layers.matmul`) either passes them to the bf16 decode kernel, which
-computes them tile by tile as the weight streams (pallas_kernels/decode_matmul.py: one kernel
-fewer per norm and per MLP in a decode layer), or calls `materialize` and proceeds as before, so
-every other path (CPU, prefill, quantized or tensor-parallel weights) computes what the unfused
-model computes.
+matmul entry (`models.layers.matmul`) either passes them to the decode kernel, which computes
+them tile by tile as the weight streams (pallas_kernels/decode_matmul.py: one kernel fewer per norm
+and per MLP in a decode layer), or calls `materialize` and proceeds as before, so every other path
+(CPU, prefill, quantized weights the kernel does not take, tensor-parallel weights) computes what
+the unfused model computes.
 """
 from __future__ import annotations
 

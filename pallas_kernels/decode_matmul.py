@@ -53,8 +53,8 @@ before its epilogue, with the same prologues and residual. Correct (tests), but 
 H100 at 8 rows it streams qkv as fast as XLA's convert-fused GEMM (int8 12.5 against 12.3 us, fp8
 11.5 against 12.4) and o_proj and down ~1.4x slower (int8 12.0 against 8.7 us, 35.2 against 25.4),
 although their weights stream empty in 7.6 and 22.4 us: the tile's conversion is what takes the
-time, with one or with two compute warpgroups per block alike (notebooks/gpu_bf16_smem_gemv.py
-MODE=int8probe). With it on qkv the 8B int8 bs=1 step was 3.42 against 3.39 ms, fp8 3.36 against
+time, with one or with two compute warpgroups per block alike (notebooks/gpu_quant_decode_matmul.py
+MODE=probe). With it on qkv the 8B int8 bs=1 step was 3.42 against 3.39 ms, fp8 3.36 against
 3.36. So quantized weights take it only when forced (`ATLASJAX_DECODE_MATMUL=on`), on qkv only.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
-from pallas_kernels.quant_format import QuantizedWeight
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
@@ -100,7 +100,7 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16) -> Decode
     wgmma left in flight, but with the SwiGLU prologue waiting for each wgmma (39.99 against 40.85
     us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma. The prologue keeps
     the width's tile_k, so `pays` (which checks K against it) holds for it too."""
-    if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8 (session 20, MODE=int8probe)
+    if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8 (session 20, notebooks/gpu_quant_decode_matmul.py)
         return QUANT_CONFIG
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
@@ -183,15 +183,6 @@ def _stage_swiglu(gate_smem, up_smem):
     return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
-def _to_bf16(w_smem):
-    """An int8 / e4m3 weight tile as bf16 registers (exact: both are bf16 values). sm_90 has no
-    e4m3 -> bf16 conversion; e4m3 -> f16 is exact."""
-    a = w_smem[...]
-    if a.dtype == jnp.float8_e4m3fn:
-        a = a.astype(jnp.float16)
-    return a.astype(jnp.bfloat16)
-
-
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
                          stage_weight):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]).
@@ -258,9 +249,9 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
                 a = w_smem.T
             elif stage_weight:
                 a = staged_w_smem.at[buffer]
-                a[...] = _to_bf16(w_smem)
+                a[...] = codes_as_bf16(w_smem[...])
             else:
-                a = _to_bf16(w_smem)
+                a = codes_as_bf16(w_smem[...])
             if prologue is not None or stage_weight:
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a, x_smem.T)
@@ -392,7 +383,7 @@ def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, 
         row_scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
         xf = xf * norm_scale.astype(jnp.float32)
     if isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
-        codes = w.qweight.astype(jnp.float32).astype(jnp.bfloat16).T
+        codes = codes_as_bf16(w.qweight).T
         y = jnp.dot(xf.astype(jnp.bfloat16), codes, preferred_element_type=jnp.float32) * w.scales[0].astype(jnp.float32)
     else:
         y = jnp.dot(xf.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)

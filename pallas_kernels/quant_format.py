@@ -106,6 +106,14 @@ def group_offsets(qw: QuantizedWeight) -> jax.Array:
     return -z * s if qw.zero_point else 8.0 * s + z
 
 
+def codes_as_bf16(q):
+    """int8 / int4 / e4m3 codes as bf16, exactly (all are bf16 values), in jnp or inside a Mosaic GPU
+    kernel: sm_90 has no e4m3 -> bf16 conversion, e4m3 -> f16 is exact."""
+    if q.dtype == jnp.float8_e4m3fn:
+        q = q.astype(jnp.float16)
+    return q.astype(jnp.bfloat16)
+
+
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The logical weight W[K, N] in `dtype` (computed in float32)."""
     k, n = qw.shape

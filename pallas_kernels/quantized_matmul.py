@@ -54,7 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int8_mma_matmul as int8_mma
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
-from pallas_kernels.quant_format import QuantizedWeight, dequantize, group_offsets
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, dequantize, group_offsets
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
@@ -133,10 +133,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     def dequantized(w_smem):  # [TILE_N, tile_k] -> bf16 registers; exact for int8/int4/e4m3
         if mma_order:  # int4 in mma order: one word per 8 weights
             return mma_tile_to_bf16(w_smem[...], interpret=a_smem is not None)
-        a = w_smem[...]
-        if a.dtype == jnp.float8_e4m3fn:  # sm_90 has no e4m3 -> bf16 cvt; e4m3 -> f16 is exact
-            a = a.astype(jnp.float16)
-        return a.astype(jnp.bfloat16)
+        return codes_as_bf16(w_smem[...])
 
     def issue(acc_ref, a, x_smem):  # a: the [TILE_N, tile_k] bf16 weight tile in registers
         if a_smem is not None:  # interpret mode runs each wgmma at once, so one staging tile serves all
