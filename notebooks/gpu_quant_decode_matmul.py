@@ -5,8 +5,10 @@ The bf16 kernel took the input RMSNorm, SwiGLU and residual adds out of the bf16
 int8 / fp8 weights (stored [N, K], each tile converted to bf16 in registers or staged in shared
 memory: `stage_weight`) as fast as XLA's convert-fused GEMM, the engine's path for them.
 
-MODE=quant (default) times the kernel over its configs at 8 rows and with the default at 1-32
-rows, against XLA's GEMM; then with its prologues and residual against XLA computing the same
+MODE=quant (default) times the kernel against XLA's GEMM, for each of FORMATS (default
+int8,int8mma,fp8; int8mma: int8 stored in mma order, session 21, pallas_kernels/int8_mma_order.py):
+over its configs at 8 rows for the formats in SWEEP (default int8mma), with the default (and the
+swept best) at 1-32 rows; then with its prologues and residual against XLA computing the same
 (norm or SwiGLU, GEMM, scale, add).
 
 MODE=probe splits the kernel's step into variants to find where its time goes (`int8_gemv`: the
@@ -33,10 +35,11 @@ from gpu_bf16_smem_gemv import ROWS, start, write   # the copy-bandwidth header 
 from models.deferred import SwiGLU, rms_norm
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul
 from pallas_kernels.gemm_tiling import interpret_params, swizzled
-from pallas_kernels.quant_format import codes_as_bf16
+from pallas_kernels.quant_format import codes_as_bf16, with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
 
 QUANT_SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "down": (14336, 4096)}
+WIDE_SHAPES = {"gate_up": (4096, 28672)}   # MODE=quant SHAPES=gate_up: beyond `pays`' tiles
 QUANT_CONFIGS = {f"k{k}_d{d}_r{r}{'_st' if st else ''}": DecodeMatmulConfig(k, d, r, st)
                  for k in (128, 256, 512) for d in (4, 6) for r in (0, 1) for st in (False, True)}
 
@@ -46,11 +49,12 @@ def quant_main():
     copy = start()
     rng = np.random.default_rng(0)
     results = []
-    for name, (k, n) in QUANT_SHAPES.items():
+    for name in os.environ.get("SHAPES", ",".join(QUANT_SHAPES)).split(","):
+        k, n = QUANT_SHAPES[name] if name in QUANT_SHAPES else WIDE_SHAPES[name]
         w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.float32)
-        best = None   # the fastest int8 config at 8 rows, also timed for fp8 and at other row counts
-        for fmt in ("int8", "fp8"):
-            qw = quantize(w, fmt)
+        for fmt in os.environ.get("FORMATS", "int8,int8mma,fp8").split(","):
+            best = None   # the fastest swept config at 8 rows, also timed at other row counts
+            qw = with_mma_order(quantize(w, "int8")) if fmt == "int8mma" else quantize(w, fmt)
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
 
@@ -66,7 +70,8 @@ def quant_main():
                 ref = np.asarray(quantized_matmul(x, qw, backend="reference"), np.float32)
                 row = dict(proj=name, fmt=fmt, K=k, N=n, rows=rows)
                 row["xla_us"] = timed(lambda x, w: quantized_matmul(x, w), x)
-                configs = (QUANT_CONFIGS if rows == 8 and fmt == "int8" else
+                sweep = rows == 8 and fmt in os.environ.get("SWEEP", "int8mma").split(",")
+                configs = (QUANT_CONFIGS if sweep else
                            {"default": None} | ({best: QUANT_CONFIGS[best]} if best else {}))
                 for cname, cfg in configs.items():
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, config=cfg)   # noqa: E731
@@ -78,7 +83,7 @@ def quant_main():
                     row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                     row[f"{cname}_us"] = timed(fn, x)
                 fastest = min((key for key in row if key.endswith("_us") and key != "xla_us"), key=row.get)
-                if rows == 8 and fmt == "int8":
+                if sweep:
                     best = fastest[:-3]
                 print(f"{name} {fmt} {k}x{n} rows {rows}: XLA {row['xla_us']:.2f} us; best {fastest} "
                       f"{row[fastest]:.2f} us ({row[fastest] / row['xla_us']:.3f}x, "
@@ -99,7 +104,7 @@ def quant_main():
                 row["xla_us"] = timed(lambda x, w: add(quantized_matmul(act(x), w)), x, per_weight_x=True)
                 row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r), x, per_weight_x=True)
                 ref = np.asarray(add(quantized_matmul(act(x), qw)), np.float32)
-                for cname, cfg in {"default": None, best: QUANT_CONFIGS[best]}.items():
+                for cname, cfg in ({"default": None} | ({best: QUANT_CONFIGS[best]} if best else {})).items():
                     if not swiglu and cfg is not None and cfg.tile_k > 256:
                         continue   # the norm scale's TMA box holds at most 256 elements
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731

@@ -70,7 +70,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
-from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16
+from pallas_kernels import int8_mma_order
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
@@ -183,8 +184,15 @@ def _stage_swiglu(gate_smem, up_smem):
     return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
+def _weight_tile_bf16(w_smem, mma_order: bool, interpret: bool):
+    """A quantized weight tile [TILE_N, tile_k] as bf16 in natural column order, in registers."""
+    if mma_order:
+        return int8_mma_order.mma_tile_to_bf16(w_smem[...], interpret=interpret)
+    return codes_as_bf16(w_smem[...])
+
+
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
-                         stage_weight):
+                         stage_weight, mma_order=False, interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]).
 
     Refs, in order: w_gmem, [K, N] bf16 (or, `quantized`, the per-channel int8 / fp8 weight stored
@@ -249,9 +257,9 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
                 a = w_smem.T
             elif stage_weight:
                 a = staged_w_smem.at[buffer]
-                a[...] = codes_as_bf16(w_smem[...])
+                a[...] = _weight_tile_bf16(w_smem, mma_order, interpret)
             else:
-                a = codes_as_bf16(w_smem[...])
+                a = _weight_tile_bf16(w_smem, mma_order, interpret)
             if prologue is not None or stage_weight:
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a, x_smem.T)
@@ -354,7 +362,8 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     call = plgpu.kernel(
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
-                          quantized=quantized, stage_weight=stage_weight),
+                          quantized=quantized, stage_weight=stage_weight,
+                          mma_order=quantized and w.mma_order, interpret=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         scratch_types=scratch,
         grid=(n // TILE_N,), grid_names=("n",),
@@ -383,7 +392,7 @@ def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, 
         row_scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
         xf = xf * norm_scale.astype(jnp.float32)
     if isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
-        codes = codes_as_bf16(w.qweight).T
+        codes = codes_as_bf16(natural_codes(w)).T
         y = jnp.dot(xf.astype(jnp.bfloat16), codes, preferred_element_type=jnp.float32) * w.scales[0].astype(jnp.float32)
     else:
         y = jnp.dot(xf.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)

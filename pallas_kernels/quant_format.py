@@ -32,9 +32,10 @@ class QuantizedWeight:
       group_size: K-group size; per-channel formats use group_size = K_pad (static).
       shape: logical (K, N) (static).
       zero_point: how `zeros` is read (static).
-      mma_order: "int4" only (static): each 32-element block of a qweight row is stored in the
-        order the kernel's matrix instruction consumes it (`to_mma_order`), so that one 32-bit load
-        gives a thread the eight values it needs. `dequantize` undoes it.
+      mma_order: int4 and per-channel int8 (static): each 32-element block of a qweight row is
+        stored in the order the kernel's matrix instruction consumes it (`to_mma_order`), so that
+        one 32-bit (int4) or 64-bit (int8) load gives a thread the eight values it needs.
+        `dequantize` undoes it.
     """
 
     qweight: jax.Array
@@ -57,37 +58,67 @@ class QuantizedWeight:
         return self.scales.shape[-2]
 
 
-# An "mma order" int4 row: each block of 32 K positions is stored as [t, b, q] (4 x 2 x 4) where the
-# natural order is [q, t, b]: stored position 8t + 4b + q holds logical column 8q + 2t + b. Thread t
-# of a row's quad holds, in wgmma's A-fragment layout, the column pairs 8q + 2t + {0, 1} of each
-# 8-column slice q, i.e. exactly stored positions 8t .. 8t + 7: one 32-bit word, whose nibbles
-# q and q + 4 are the pair of slice q (pallas_kernels/int4_mma_order.py converts them).
+# "mma order": each block of 32 K positions of a qweight row is stored in the order the kernel's
+# matrix instruction consumes it. Thread t of a row's quad holds, in wgmma's A-fragment layout, the
+# column pairs 8q + 2t + {0, 1} of each 8-column slice q of the block (q, b: slice, pair element):
+# in mma order those eight columns are stored positions 8t .. 8t + 7, which the kernels load as one
+# 32-bit (int4) or 64-bit (int8) word per thread, converted without moving data between threads.
+# - int4 (pallas_kernels/int4_mma_order.py): stored 8t + 4b + q holds column 8q + 2t + b, so the
+#   pair of slice q sits at nibbles q and q + 4 of the thread's word;
+# - int8 (pallas_kernels/int8_mma_order.py): stored 8t + 4h + 2b + l holds column 16h + 8l + 2t + b
+#   (slice q = 2h + l), so the pair of slice q sits at bytes l and l + 2 of the thread's word h.
 MMA_BLOCK = 32
+# per format: the natural block's factors (sizes, outermost first) and their stored order
+_MMA_ORDERS = {
+    "int4": ((4, 4, 2), (1, 2, 0)),         # natural [q, t, b] -> stored [t, b, q]
+    "int8": ((2, 2, 4, 2), (2, 0, 3, 1)),   # natural [h, l, t, b] -> stored [t, h, b, l]
+}
 
 
-def to_mma_order(q):
-    """[..., K] (K a multiple of 32) natural order -> mma order. numpy or jax arrays."""
+def _permute_blocks(q, sizes, perm):
     *lead, k = q.shape
-    blocks = q.reshape(*lead, k // MMA_BLOCK, 4, 4, 2)  # [.., block, q, t, b]
-    n = blocks.ndim
-    return blocks.transpose(*range(n - 4), n - 4, n - 2, n - 1, n - 3).reshape(q.shape)
+    blocks = q.reshape(*lead, k // MMA_BLOCK, *sizes)
+    n = len(lead) + 1
+    return blocks.transpose(*range(n), *(n + p for p in perm)).reshape(q.shape)
 
 
-def from_mma_order(q):
+def to_mma_order(q, fmt: str = "int4"):
+    """[..., K] (K a multiple of 32) natural order -> `fmt`'s mma order. numpy or jax arrays."""
+    sizes, perm = _MMA_ORDERS[fmt]
+    return _permute_blocks(q, sizes, perm)
+
+
+def from_mma_order(q, fmt: str = "int4"):
     """Inverse of `to_mma_order`."""
-    *lead, k = q.shape
-    blocks = q.reshape(*lead, k // MMA_BLOCK, 4, 2, 4)  # [.., block, t, b, q]
-    n = blocks.ndim
-    return blocks.transpose(*range(n - 4), n - 4, n - 1, n - 3, n - 2).reshape(q.shape)
+    sizes, perm = _MMA_ORDERS[fmt]
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    return _permute_blocks(q, tuple(sizes[p] for p in perm), tuple(inverse))
+
+
+def takes_mma_order(qw: QuantizedWeight) -> bool:
+    """Whether `qw` can be stored in mma order: int4 (any groups), and per-channel int8, whose K_pad
+    is a multiple of 32."""
+    per_channel_int8 = qw.format == "int8" and qw.num_groups == 1 and qw.zeros is None
+    return (qw.format == "int4" or per_channel_int8) and qw.qweight.shape[-1] % MMA_BLOCK == 0
 
 
 def with_mma_order(qw: QuantizedWeight, mma_order: bool = True) -> QuantizedWeight:
-    """The same weight with its qweight stored in (or out of) mma order. Only int4 weights whose
-    K_pad is a multiple of 32 take it; others are returned as they are."""
-    if qw.mma_order == mma_order or qw.format != "int4" or qw.qweight.shape[-1] % MMA_BLOCK:
+    """The same weight with its qweight stored in (or out of) mma order; a weight that cannot take
+    it (`takes_mma_order`) is returned as it is."""
+    if qw.mma_order == mma_order or not takes_mma_order(qw):
         return qw
     convert = to_mma_order if mma_order else from_mma_order
-    return dataclasses.replace(qw, qweight=convert(qw.qweight), mma_order=mma_order)
+    return dataclasses.replace(qw, qweight=convert(qw.qweight, qw.format), mma_order=mma_order)
+
+
+def permuted_like_mma_order(x, qw: QuantizedWeight):
+    """(x', w') with x' @ w' = x @ qw, w' the stored codes read in natural order: int8 mma order
+    permutes K within blocks of 32, so x's K is permuted alike. x: [..., K_pad] (padded with zeros);
+    w' has logical shape (K_pad, N). Other weights are returned as they are."""
+    if not (qw.mma_order and qw.format == "int8"):
+        return x, qw
+    k_pad, _ = qw.padded_shape
+    return to_mma_order(x, "int8"), dataclasses.replace(qw, mma_order=False, shape=(k_pad, qw.shape[1]))
 
 
 def with_float_offsets(qw: QuantizedWeight) -> QuantizedWeight:
@@ -114,13 +145,17 @@ def codes_as_bf16(q):
     return q.astype(jnp.bfloat16)
 
 
+def natural_codes(qw: QuantizedWeight) -> jax.Array:
+    """qweight [N_pad, K_pad] with any mma order undone."""
+    return from_mma_order(qw.qweight, qw.format) if qw.mma_order else qw.qweight
+
+
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The logical weight W[K, N] in `dtype` (computed in float32)."""
     k, n = qw.shape
     k_pad, n_pad = qw.padded_shape
     g = qw.group_size
-    q = from_mma_order(qw.qweight) if qw.mma_order else qw.qweight
-    q = q.T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
+    q = natural_codes(qw).T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
     s = qw.scales.astype(jnp.float32)[:, None, :]
     z = None if qw.zeros is None else qw.zeros.astype(jnp.float32)[:, None, :]
     if z is not None and qw.zero_point:

@@ -54,7 +54,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import int8_mma_matmul as int8_mma
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
-from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, dequantize, group_offsets
+from pallas_kernels.quant_format import (QuantizedWeight, codes_as_bf16, dequantize, group_offsets,
+                                         permuted_like_mma_order)
 
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
@@ -420,10 +421,13 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
             backend = "reference"
     if backend not in ("pallas", "xla", "reference", "int8_mma"):
         raise ValueError(f"unknown backend {backend!r}")
-    if backend == "int8_mma":
-        return int8_mma.int8_mma_matmul(x, qw, out_dtype=out_dtype, interpret=interpret)
     if backend == "reference":
         return quantized_matmul_reference(x, qw).astype(out_dtype)
+    if qw.mma_order and qw.format == "int8":   # its K permuted (for decode_matmul): permute x's alike
+        x, qw = permuted_like_mma_order(jnp.pad(x, ((0, 0), (0, qw.padded_shape[0] - k))), qw)
+        m, k = x.shape
+    if backend == "int8_mma":
+        return int8_mma.int8_mma_matmul(x, qw, out_dtype=out_dtype, interpret=interpret)
     if backend == "xla" and is_per_channel(qw):
         return xla_convert_matmul(x, qw).astype(out_dtype)
     if backend == "xla" or (m > DECODE_ROWS and prefill == "xla") or not _can_use_pallas(qw, config):

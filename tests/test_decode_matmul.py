@@ -19,6 +19,7 @@ from models.fused import fuse_projections
 from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, decode_matmul_reference
+from pallas_kernels.quant_format import with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -129,7 +130,14 @@ def test_prologue_argument_errors():
         decode_matmul(x, w, swiglu=True, interpret=True)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def _quantized(w, fmt):
+    """fmt "int8mma": int8 stored in mma order (pallas_kernels/int8_mma_order.py)."""
+    if fmt == "int8mma":
+        return with_mma_order(quantize(w.astype(jnp.float32), "int8"))
+    return quantize(w.astype(jnp.float32), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8mma", "fp8"])
 @pytest.mark.parametrize("m", [1, 8, 17])
 @pytest.mark.parametrize("prologue", [None, "norm", "swiglu"])
 def test_interpret_quantized_weights_match_reference(fmt, m, prologue):
@@ -137,7 +145,7 @@ def test_interpret_quantized_weights_match_reference(fmt, m, prologue):
     product), with each prologue and the residual: as jnp computes it, and as the engine's other
     path (the convert fused into XLA's GEMM, then the scale) computes it, up to bf16 rounding."""
     x, gate_up, scale, w = _prologue_operands(m, 256, 128, seed=m)
-    qw = quantize(w.astype(jnp.float32), fmt)
+    qw = _quantized(w, fmt)
     r = jnp.asarray(np.random.default_rng(9).standard_normal((m, 128)), jnp.bfloat16)
     a, kw, act = {None: (x, {}, x), "norm": (x, dict(norm_scale=scale, norm_eps=1e-5), rms_norm(x, scale, 1e-5)),
                   "swiglu": (gate_up, dict(swiglu=True), SwiGLU(gate_up).materialize())}[prologue]
@@ -363,13 +371,13 @@ def test_gpu_prologues_match_reference(m, prologue, k, n):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "int8mma", "fp8"])
 @pytest.mark.parametrize("m", [1, 8, 32])
 @pytest.mark.parametrize("stage_weight", [False, True], ids=["registers", "staged"])
 @pytest.mark.parametrize("prologue,k,n", [(None, 4096, 4096), ("norm", 4096, 6144), ("swiglu", 14336, 4096)])
 def test_gpu_quantized_weights_match_reference(fmt, m, stage_weight, prologue, k, n):
     x, gate_up, scale, w = _prologue_operands(m, k, n)
-    qw = quantize(w.astype(jnp.float32), fmt)
+    qw = _quantized(w, fmt)
     r = jnp.asarray(np.random.default_rng(9).standard_normal((m, n)), jnp.bfloat16)
     a, kw = {None: (x, {}), "norm": (x, dict(norm_scale=scale, norm_eps=1e-5)),
              "swiglu": (gate_up, dict(swiglu=True))}[prologue]
