@@ -19,6 +19,7 @@ WGMMA_UPCAST_2X load, a bf16 tile; `int8_gemv_ws`: 2-4 compute warpgroups, warp-
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=probe [VARIANTS=empty,inferred] [WS=2:256:4] [SHAPES=o_proj] \
       [FORMATS=int8] python notebooks/gpu_quant_decode_matmul.py                                # -> $OUT/int8_probe.json
 """
+import dataclasses
 import functools
 import os
 
@@ -33,7 +34,7 @@ from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
 from atlasjax.quantization import quantize
 from gpu_bf16_smem_gemv import ROWS, start, write   # the copy-bandwidth header and JSON write they share
 from models.deferred import SwiGLU, rms_norm
-from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul
+from pallas_kernels.decode_matmul import QUANT_CONFIG, DecodeMatmulConfig, decode_matmul
 from pallas_kernels.gemm_tiling import interpret_params, swizzled
 from pallas_kernels.quant_format import codes_as_bf16, with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
@@ -54,7 +55,12 @@ def quant_main():
         w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.float32)
         for fmt in os.environ.get("FORMATS", "int8,int8mma,fp8").split(","):
             best = None   # the fastest swept config at 8 rows, also timed at other row counts
-            qw = with_mma_order(quantize(w, "int8")) if fmt == "int8mma" else quantize(w, fmt)
+            mma = fmt.startswith("int8mma")   # int8mma16: f16 wgmma operands (DecodeMatmulConfig.f16)
+            qw = with_mma_order(quantize(w, "int8")) if mma else quantize(w, fmt)
+            f16 = fmt == "int8mma16"
+            swept = {key: dataclasses.replace(c, f16=f16) for key, c in QUANT_CONFIGS.items()
+                     if not (mma and (c.stage_weight or c.tile_k == 128))}   # slower for int8mma (session 21)
+            default = dataclasses.replace(QUANT_CONFIG, f16=f16)
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
 
@@ -70,9 +76,9 @@ def quant_main():
                 ref = np.asarray(quantized_matmul(x, qw, backend="reference"), np.float32)
                 row = dict(proj=name, fmt=fmt, K=k, N=n, rows=rows)
                 row["xla_us"] = timed(lambda x, w: quantized_matmul(x, w), x)
-                sweep = rows == 8 and fmt in os.environ.get("SWEEP", "int8mma").split(",")
-                configs = (QUANT_CONFIGS if sweep else
-                           {"default": None} | ({best: QUANT_CONFIGS[best]} if best else {}))
+                sweep = rows == 8 and fmt in os.environ.get("SWEEP", "int8mma,int8mma16").split(",")
+                configs = (swept if sweep else
+                           {"default": default} | ({best: swept[best]} if best else {}))
                 for cname, cfg in configs.items():
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, config=cfg)   # noqa: E731
                     try:
@@ -104,7 +110,7 @@ def quant_main():
                 row["xla_us"] = timed(lambda x, w: add(quantized_matmul(act(x), w)), x, per_weight_x=True)
                 row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r), x, per_weight_x=True)
                 ref = np.asarray(add(quantized_matmul(act(x), qw)), np.float32)
-                for cname, cfg in ({"default": None} | ({best: QUANT_CONFIGS[best]} if best else {})).items():
+                for cname, cfg in ({"default": default} | ({best: swept[best]} if best else {})).items():
                     if not swiglu and cfg is not None and cfg.tile_k > 256:
                         continue   # the norm scale's TMA box holds at most 256 elements
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731
