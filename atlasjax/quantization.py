@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -166,11 +165,8 @@ def quantize(
         k_pad=k_pad, n_pad=n_pad)
     # int4 is stored in mma order: the kernel then converts a 32-bit word per eight weights
     # (docs/perf_quant.md, session 14)
-    qw = QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n), zero_point=zeros is not None,
-                         mma_order=format == "int4")
-    if format == "int8" and os.environ.get("ATLASJAX_INT8_MMA_ORDER", "") == "1":   # experiment (session 21)
-        qw = with_mma_order(qw)
-    return qw
+    return QuantizedWeight(qweight, scales, zeros, format, group_size, (k, n), zero_point=zeros is not None,
+                           mma_order=format == "int4")
 
 
 def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:

@@ -19,7 +19,6 @@ WGMMA_UPCAST_2X load, a bf16 tile; `int8_gemv_ws`: 2-4 compute warpgroups, warp-
   JAX_PLATFORMS=cuda PYTHONPATH=. MODE=probe [VARIANTS=empty,inferred] [WS=2:256:4] [SHAPES=o_proj] \
       [FORMATS=int8] python notebooks/gpu_quant_decode_matmul.py                                # -> $OUT/int8_probe.json
 """
-import dataclasses
 import functools
 import os
 
@@ -34,7 +33,7 @@ from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
 from atlasjax.quantization import quantize
 from gpu_bf16_smem_gemv import ROWS, start, write   # the copy-bandwidth header and JSON write they share
 from models.deferred import SwiGLU, rms_norm
-from pallas_kernels.decode_matmul import QUANT_CONFIG, DecodeMatmulConfig, decode_matmul
+from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul
 from pallas_kernels.gemm_tiling import interpret_params, swizzled
 from pallas_kernels.quant_format import codes_as_bf16, with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
@@ -55,12 +54,11 @@ def quant_main():
         w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.float32)
         for fmt in os.environ.get("FORMATS", "int8,int8mma,fp8").split(","):
             best = None   # the fastest swept config at 8 rows, also timed at other row counts
-            mma = fmt.startswith("int8mma")   # int8mma16: f16 wgmma operands (DecodeMatmulConfig.f16)
+            mma = fmt == "int8mma"
             qw = with_mma_order(quantize(w, "int8")) if mma else quantize(w, fmt)
-            f16 = fmt == "int8mma16"
-            swept = {key: dataclasses.replace(c, f16=f16) for key, c in QUANT_CONFIGS.items()
-                     if not (mma and (c.stage_weight or c.tile_k == 128))}   # slower for int8mma (session 21)
-            default = dataclasses.replace(QUANT_CONFIG, f16=f16)
+            swept = {key: c for key, c in QUANT_CONFIGS.items()   # staged / 128-row steps: slower for int8mma
+                     if not (mma and (c.stage_weight or c.tile_k == 128))}
+            default = None
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
 
@@ -76,7 +74,7 @@ def quant_main():
                 ref = np.asarray(quantized_matmul(x, qw, backend="reference"), np.float32)
                 row = dict(proj=name, fmt=fmt, K=k, N=n, rows=rows)
                 row["xla_us"] = timed(lambda x, w: quantized_matmul(x, w), x)
-                sweep = rows == 8 and fmt in os.environ.get("SWEEP", "int8mma,int8mma16").split(",")
+                sweep = rows == 8 and fmt in os.environ.get("SWEEP", "int8mma").split(",")
                 configs = (swept if sweep else
                            {"default": default} | ({best: swept[best]} if best else {}))
                 for cname, cfg in configs.items():

@@ -87,9 +87,6 @@ class DecodeMatmulConfig:
     # int8 / fp8 weights: stage the bf16 tile in shared memory for the wgmma instead of feeding it
     # from registers (interpret mode always stages: its wgmma reads shared memory only)
     stage_weight: bool = False
-    # int8 weights in mma order: wgmma operands in f16 (the activations rounded to f16, clipped to
-    # its range; the weight converted with a prmt and a subtract per pair) instead of bf16
-    f16: bool = False
 
     def __post_init__(self):
         if self.tile_k <= 0 or self.tile_k % 64:
@@ -117,6 +114,11 @@ QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_
 # slower, and the 8B bs=1 step with it on qkv was no faster (session 20, docs/performance.md)
 QUANT_MIN_TILES = 96
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+# Quantized weights: shared memory held per block, so that one block runs per SM. On the H100
+# (session 21) a quantized weight 448 tiles wide (N = 28672) came out wrong in a few 32-column
+# halves of some blocks with 82 KB per block (two blocks per SM), and right at 128 tiles (one block
+# per SM) and for bf16 (144 KB per block); the cause is not known.
+ONE_BLOCK_PER_SM_SMEM = 120 * 1024
 
 
 def weight_dtype(w):
@@ -174,43 +176,28 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
             and MIN_TILES <= tiles <= MAX_TILES)
 
 
-F16_MAX = 65504.0
-
-
-def as_operand(v, dtype):
-    """f32 activations as the wgmma's operand dtype: bf16, or f16 clipped to its finite range."""
-    if jnp.dtype(dtype) == jnp.float16:
-        v = jnp.minimum(jnp.maximum(v, -F16_MAX), F16_MAX)
-    return v.astype(dtype)
-
-
-def _stage_copy(x_smem, dtype):
-    """x as the operand dtype (f16 operands only: bf16 x is the wgmma's operand as loaded)."""
-    return as_operand(plgpu.load(x_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32), dtype)
-
-
-def _stage_rms_norm(x_smem, g_smem, ssq, dtype):
+def _stage_rms_norm(x_smem, g_smem, ssq):
     """x * scale for the wgmma (the row scale waits for the epilogue); x * x added to the carry."""
     x = plgpu.load(x_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)   # [tile_k, m]
     g = g_smem[...].astype(jnp.float32)
-    return as_operand(x * g[:, None], dtype), ssq + x * x
+    return (x * g[:, None]).astype(jnp.bfloat16), ssq + x * x
 
 
-def _stage_swiglu(gate_smem, up_smem, dtype):
+def _stage_swiglu(gate_smem, up_smem):
     gate = plgpu.load(gate_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
     up = plgpu.load(up_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
-    return as_operand(gate * jax.nn.sigmoid(gate) * up, dtype)
+    return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
-def _weight_tile(w_smem, mma_order: bool, dtype, interpret: bool):
-    """A quantized weight tile [TILE_N, tile_k] as `dtype` in natural column order, in registers."""
+def _weight_tile_bf16(w_smem, mma_order: bool, interpret: bool):
+    """A quantized weight tile [TILE_N, tile_k] as bf16 in natural column order, in registers."""
     if mma_order:
-        return int8_mma_order.mma_tile_to(w_smem[...], dtype, interpret=interpret)
+        return int8_mma_order.mma_tile_to_bf16(w_smem[...], interpret=interpret)
     return codes_as_bf16(w_smem[...])
 
 
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
-                         stage_weight, mma_order=False, operand_dtype=jnp.bfloat16, interpret=False):
+                         stage_weight, mma_order=False, interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]).
 
     Refs, in order: w_gmem, [K, N] bf16 (or, `quantized`, the per-channel int8 / fp8 weight stored
@@ -226,8 +213,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     scale_gmem = take(prologue == "rms_norm")
     ws_gmem = take(quantized)
     r_gmem, out_gmem, out_smem = take(with_residual), take(True), take(True)
-    stages_x = prologue is not None or operand_dtype != jnp.bfloat16   # x staged for the wgmma
-    staged_smem = take(stages_x)
+    staged_smem = take(prologue is not None)
     ws_smem, ws_barrier = take(quantized), take(quantized)
     staged_w_smem = take(stage_weight)
     r_smem, r_barrier = take(with_residual), take(with_residual)
@@ -239,7 +225,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     if quantized:
         plgpu.copy_gmem_to_smem(ws_gmem.at[0, cols], ws_smem, ws_barrier)
     # Without a prologue the wgmma reads the x tile itself, so its release waits with the weight's.
-    x_release = 0 if stages_x else in_flight
+    x_release = in_flight if prologue is None else 0
     if quantized:   # the wgmma reads the converted tile (registers or staged), not this one
         w_bits = jnp.dtype(w_gmem.dtype).itemsize * 8
         w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, s),
@@ -263,25 +249,23 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         def step(idx, w_smem, *tiles):
             carry = None
             buffer = idx[0] % (in_flight + 1) if in_flight else 0   # of the staged tiles of this step
-            if not stages_x:
+            if prologue is None:
                 x_smem = tiles[0]
             else:   # the wgmma's activations, staged in shared memory (one buffer per wgmma in flight)
                 if prologue == "rms_norm":
-                    staged, carry = _stage_rms_norm(*tiles, operand_dtype)
-                elif prologue == "swiglu":
-                    staged = _stage_swiglu(*tiles, operand_dtype)
+                    staged, carry = _stage_rms_norm(*tiles)
                 else:
-                    staged = _stage_copy(*tiles, operand_dtype)
+                    staged = _stage_swiglu(*tiles)
                 x_smem = staged_smem.at[buffer]
                 x_smem.T[...] = staged
             if not quantized:
                 a = w_smem.T
             elif stage_weight:
                 a = staged_w_smem.at[buffer]
-                a[...] = _weight_tile(w_smem, mma_order, operand_dtype, interpret)
+                a[...] = _weight_tile_bf16(w_smem, mma_order, interpret)
             else:
-                a = _weight_tile(w_smem, mma_order, operand_dtype, interpret)
-            if stages_x or stage_weight:
+                a = _weight_tile_bf16(w_smem, mma_order, interpret)
+            if prologue is not None or stage_weight:
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a, x_smem.T)
             plgpu.wgmma_wait(in_flight)
@@ -342,9 +326,6 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     n = w.shape[1]
     config = config or default_config(n, swiglu, w_dtype)
     stage_weight = quantized and (config.stage_weight or bool(interpret))
-    mma_order = quantized and w.mma_order
-    operand_dtype = jnp.dtype(jnp.float16 if mma_order and config.f16 else jnp.bfloat16)
-    stages_x = prologue_name(norm_scale, swiglu) is not None or operand_dtype != jnp.bfloat16
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
         raise ValueError(f"x {x.shape} does not match the weight {tuple(w.shape)}" + (" (swiglu: x is gate | up)" if swiglu else ""))
     if n % TILE_N or k % config.tile_k or not 0 < m <= MAX_ROWS:
@@ -354,7 +335,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         raise ValueError(f"residual {residual.shape} is not the product's shape {(m, n)}")
     if norm_scale is not None and norm_scale.shape != (k,):
         raise ValueError(f"norm_scale {norm_scale.shape} is not x's row ({k},)")
-    prologue = prologue_name(norm_scale, swiglu)
+    prologue = "rms_norm" if norm_scale is not None else "swiglu" if swiglu else None
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m_pad = -(-m // 8) * 8    # wgmma N: a multiple of 8
     pad = ((0, m_pad - m), (0, 0))
@@ -363,7 +344,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
                 + ((1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2)
     fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + quantized * TILE_N * 4
     # at most: the staged activations and weight tiles, one per wgmma in flight
-    staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * stages_x + TILE_N * stage_weight)
+    staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
     depth = max(1, min(config.max_concurrent_steps, k // config.tile_k, (SMEM_BUDGET - fixed - staged) // per_step))
     in_flight = min(config.wgmmas_in_flight, depth - 1)
     operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
@@ -372,22 +353,25 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     if quantized:
         operands.append(w.scales.astype(jnp.float32))
     scratch = [plgpu.SMEM((m_pad, TILE_N), out_dtype)]
-    if stages_x:
-        scratch.append(plgpu.SMEM((in_flight + 1, m_pad, config.tile_k), operand_dtype,
+    if prologue:
+        scratch.append(plgpu.SMEM((in_flight + 1, m_pad, config.tile_k), jnp.bfloat16,
                                   transforms=swizzled(config.tile_k * 16, 16, "x")))
     if quantized:
         scratch += [plgpu.SMEM((TILE_N,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
     if stage_weight:
-        scratch.append(plgpu.SMEM((in_flight + 1, TILE_N, config.tile_k), operand_dtype,
+        scratch.append(plgpu.SMEM((in_flight + 1, TILE_N, config.tile_k), jnp.bfloat16,
                                   transforms=swizzled(config.tile_k * 16, 16, "a")))
     if residual is not None:
         operands.append(jnp.pad(residual.astype(out_dtype), pad))
         scratch += [plgpu.SMEM((m_pad, TILE_N), out_dtype), plgpu.Barrier(num_arrivals=1)]
+    used = fixed + staged + depth * per_step
+    if quantized and used < ONE_BLOCK_PER_SM_SMEM:   # unused: keeps a second block off the SM
+        scratch.append(plgpu.SMEM((ONE_BLOCK_PER_SM_SMEM - used,), jnp.int8))
     call = plgpu.kernel(
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
                           quantized=quantized, stage_weight=stage_weight,
-                          mma_order=mma_order, operand_dtype=operand_dtype, interpret=bool(interpret)),
+                          mma_order=quantized and w.mma_order, interpret=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         scratch_types=scratch,
         grid=(n // TILE_N,), grid_names=("n",),
@@ -401,16 +385,12 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     return call(*operands)[:m]
 
 
-def prologue_name(norm_scale, swiglu: bool) -> str | None:
-    return "rms_norm" if norm_scale is not None else "swiglu" if swiglu else None
-
-
 def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, out_dtype=None, *,
-                            norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False,
-                            operand_dtype=jnp.bfloat16) -> jax.Array:
-    """Plain jnp, rounded where the kernel rounds: the staged activations to the operand dtype
-    (bf16, or f16 with `DecodeMatmulConfig.f16`), f32 accumulation (times the channel scales of a
-    quantized w, times 1 / rms with norm_scale), the product to out_dtype, then the residual's sum."""
+                            norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False
+                            ) -> jax.Array:
+    """Plain jnp, rounded where the kernel rounds: the staged activations to bf16, f32 accumulation
+    (times the channel scales of a quantized w, times 1 / rms with norm_scale), the product to
+    out_dtype, then the residual's sum."""
     xf = x.astype(jnp.float32)
     row_scale = 1.0
     if swiglu:
@@ -421,8 +401,7 @@ def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, 
         xf = xf * norm_scale.astype(jnp.float32)
     if isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
         codes = codes_as_bf16(natural_codes(w)).T
-        a = as_operand(xf, operand_dtype)
-        y = jnp.dot(a, codes.astype(a.dtype), preferred_element_type=jnp.float32) * w.scales[0].astype(jnp.float32)
+        y = jnp.dot(xf.astype(jnp.bfloat16), codes, preferred_element_type=jnp.float32) * w.scales[0].astype(jnp.float32)
     else:
         y = jnp.dot(xf.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     y = (y * row_scale).astype(out_dtype or x.dtype)

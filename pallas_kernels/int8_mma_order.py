@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, vector
+from jax._src.lib.mlir.dialects import llvm, vector
 from jax.experimental import mosaic
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -42,23 +42,14 @@ def _pair_asm(shift: int) -> str:
             f"sub.bf16x2 $0, lo, hi; }}")
 
 
-def _pair_asm_f16(lane_byte: int) -> str:
-    """PTX: $0 = f16x2 of the bytes l and l + 2 of $1, which holds x + 128 (x ^ 0x80) per byte:
-    f16 1024 + u has u in its low mantissa bits (0x64uu), less 1152 (0x6480) is x, exactly."""
-    sel = f"0x4{lane_byte + 2}4{lane_byte}"
-    return (f"{{ .reg .b32 s, c; prmt.b32 s, $1, 0x64, {sel}; mov.b32 c, 0x64806480; "
-            f"sub.f16x2 $0, s, c; }}")
-
-
-def _convert(rows: int, tile_k: int, f16: bool):
+def _convert(rows: int, tile_k: int):
     mgpu = mosaic.gpu
-    dtype = jnp.float16 if f16 else jnp.bfloat16
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-                       return_type=plgpu.ShapeDtypeStruct((rows, tile_k), dtype, plgpu.Layout.WGMMA))
+                       return_type=plgpu.ShapeDtypeStruct((rows, tile_k), jnp.bfloat16, plgpu.Layout.WGMMA))
     def convert(_, w):
         i32 = ir.IntegerType.get_signless(32)
-        pair_ty = ir.VectorType.get((2,), ir.F16Type.get() if f16 else ir.BF16Type.get())
+        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
         words_ty = ir.VectorType.get((2,), i32)
         out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
         # w registers [.., T, .., row half, ..]: the 8 bytes of 32-column block T; the WGMMA
@@ -67,11 +58,8 @@ def _convert(rows: int, tile_k: int, f16: bool):
             words = vector.bitcast(words_ty, reg)
             for h in range(2):
                 word = vector.extract(words, [], [h])
-                if f16:   # the signed bytes x as x + 128: one xor per four weights
-                    word = arith.xori(word, arith.constant(i32, 0x80808080 - (1 << 32)))
                 for lane_byte in range(2):
-                    asm = _pair_asm_f16(lane_byte) if f16 else _pair_asm(8 * lane_byte)
-                    pair = llvm.inline_asm(i32, [word], asm, "=r,r")
+                    pair = llvm.inline_asm(i32, [word], _pair_asm(8 * lane_byte), "=r,r")
                     q = 2 * h + lane_byte
                     out[(*idx[:-8], 4 * idx[-8] + q, *idx[-7:])] = mgpu.utils.bitcast(pair, pair_ty)
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
@@ -79,9 +67,9 @@ def _convert(rows: int, tile_k: int, f16: bool):
     return convert
 
 
-def mma_tile_to(w, dtype, *, interpret: bool):
-    """w: [rows, tile_k] int8 tile value in int8 mma order. Returns it as `dtype` (bf16 or f16) in
-    natural column order, in the WGMMA layout (interpret mode: undone with jnp)."""
+def mma_tile_to_bf16(w, *, interpret: bool):
+    """w: [rows, tile_k] int8 tile value in int8 mma order. Returns it as bf16 in natural column
+    order, in the WGMMA layout (interpret mode: undone with jnp)."""
     if interpret:
-        return codes_as_bf16(from_mma_order(w, "int8")).astype(dtype)
-    return _convert(*w.shape, jnp.dtype(dtype) == jnp.float16)(w)
+        return codes_as_bf16(from_mma_order(w, "int8"))
+    return _convert(*w.shape)(w)

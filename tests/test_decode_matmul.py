@@ -385,3 +385,15 @@ def test_gpu_quantized_weights_match_reference(fmt, m, stage_weight, prologue, k
     config = DecodeMatmulConfig(config.tile_k, config.max_concurrent_steps, config.wgmmas_in_flight, stage_weight)
     y = decode_matmul(a, qw, r, out_dtype=jnp.float32, config=config, **kw)
     assert _rel_err(y, decode_matmul_reference(a, qw, r, jnp.float32, **kw)) < 1e-4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8mma", "fp8"])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_wide_weights_match_reference(fmt, m):
+    """More column tiles than SMs (gate_up's N = 28672: 448 blocks). Quantized weights came out
+    wrong here with two blocks per SM (session 21): the kernel now holds one SM per block."""
+    x, w = _operands(m, 4096, 28672)
+    w = w if fmt == "bf16" else _quantized(w, fmt)
+    y = decode_matmul(x, w, out_dtype=jnp.float32)
+    assert _rel_err(y, decode_matmul_reference(x, w, out_dtype=jnp.float32)) < 1e-4
