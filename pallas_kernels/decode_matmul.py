@@ -56,6 +56,12 @@ although their weights stream empty in 7.6 and 22.4 us: the tile's conversion is
 time, with one or with two compute warpgroups per block alike (notebooks/gpu_quant_decode_matmul.py
 MODE=probe). With it on qkv the 8B int8 bs=1 step was 3.42 against 3.39 ms, fp8 3.36 against
 3.36. So quantized weights take it only when forced (`ATLASJAX_DECODE_MATMUL=on`), on qkv only.
+
+int8 weights in mma order (session 21, opt-in: `quant_format.with_mma_order`): each thread loads
+its eight bytes of a 32-column block as one 64-bit word and converts them without shuffles
+(pallas_kernels/int8_mma_order.py). On the H100 at 8 rows: o_proj 10.2 us, down 28.0, qkv 11.5
+(XLA's GEMM 8.6, 25.2, 12.3). f16 wgmma operands (a prmt and a subtract per two weights) were no
+faster (10.2, 27.3, 11.5), so the conversion's instructions are no longer what limits it.
 """
 from __future__ import annotations
 
@@ -69,8 +75,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
 from pallas_kernels import int8_mma_order
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
 TILE_N = 64       # weight columns per block: the M of one wgmma

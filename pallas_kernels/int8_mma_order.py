@@ -12,8 +12,8 @@ x = lo7 - 128 * bit7 then becomes bf16 exactly as
     out = lo - hi                          (bf16x2 subtract, exact: an integer in [-128, 127])
 
 two lop3, a subtract and (for l = 1) a shift per two weights, with no data moved between threads.
-Mosaic's own int8 -> bf16 conversion computes the same with a prmt per pair, from the layout the
-wgmma needs (16-bit loads, docs/performance.md session 20).
+Mosaic's own int8 -> bf16 conversion of a natural-order tile does the same with a prmt more per
+pair, from one 16-bit shared-memory load per pair (its PTX; docs/performance.md, session 21).
 
 `inline_mgpu` has no interpret mode: there `mma_tile_to_bf16` undoes the order with jnp instead,
 which computes the same values.
