@@ -58,7 +58,6 @@ def quant_main():
             qw = with_mma_order(quantize(w, "int8")) if mma else quantize(w, fmt)
             swept = {key: c for key, c in QUANT_CONFIGS.items()   # staged / 128-row steps: slower for int8mma
                      if not (mma and (c.stage_weight or c.tile_k == 128))}
-            default = None
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
 
@@ -76,7 +75,7 @@ def quant_main():
                 row["xla_us"] = timed(lambda x, w: quantized_matmul(x, w), x)
                 sweep = rows == 8 and fmt in os.environ.get("SWEEP", "int8mma").split(",")
                 configs = (swept if sweep else
-                           {"default": default} | ({best: swept[best]} if best else {}))
+                           {"default": None} | ({best: swept[best]} if best else {}))
                 for cname, cfg in configs.items():
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, config=cfg)   # noqa: E731
                     try:
@@ -108,7 +107,7 @@ def quant_main():
                 row["xla_us"] = timed(lambda x, w: add(quantized_matmul(act(x), w)), x, per_weight_x=True)
                 row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r), x, per_weight_x=True)
                 ref = np.asarray(add(quantized_matmul(act(x), qw)), np.float32)
-                for cname, cfg in ({"default": default} | ({best: swept[best]} if best else {})).items():
+                for cname, cfg in ({"default": None} | ({best: swept[best]} if best else {})).items():
                     if not swiglu and cfg is not None and cfg.tile_k > 256:
                         continue   # the norm scale's TMA box holds at most 256 elements
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731

@@ -211,7 +211,8 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     "rms_norm"); ws_gmem [1, N] f32 channel scales (quantized); r_gmem [m, N] (with_residual);
     out_gmem [m, N]; scratch out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a
     prologue); ws_smem [TILE_N] and a barrier (quantized); staged_w_smem [in_flight + 1, TILE_N,
-    tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual).
+    tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual); then, quantized,
+    unused padding (`ONE_BLOCK_PER_SM_SMEM`).
     """
     refs = list(refs)
     take = lambda present: refs.pop(0) if present else None   # noqa: E731

@@ -427,7 +427,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         x, qw = permuted_like_mma_order(jnp.pad(x, ((0, 0), (0, qw.padded_shape[0] - k))), qw)
         # its own fusion: fused into XLA's GEMM, the permutation made it ~3x slower at 8 rows (H100)
         x = lax.optimization_barrier(x)
-        m, k = x.shape
+        k = x.shape[1]
     if backend == "int8_mma":
         return int8_mma.int8_mma_matmul(x, qw, out_dtype=out_dtype, interpret=interpret)
     if backend == "xla" and is_per_channel(qw):
