@@ -49,8 +49,9 @@ SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672),
 KERNEL_SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "down": (14336, 4096),
                  "o_proj_tp2": (2048, 4096), "down_tp2": (7168, 4096), "qkv_tp2": (4096, 3072),
                  "qkv_1b": (2048, 3072), "o_proj_1b": (2048, 2048), "down_1b": (8192, 2048)}
-KERNEL_CONFIGS = {f"k{k}_d{d}_r{r}": DecodeMatmulConfig(tile_k=k, max_concurrent_steps=d, wgmmas_in_flight=r)
-                  for k in (128, 256) for d in (3, 4, 6) for r in (0, 1)}
+KERNEL_CONFIGS = {f"k{k}_d{d}_r{r}{'_s2' if s == 2 else ''}":
+                  DecodeMatmulConfig(tile_k=k, max_concurrent_steps=d, wgmmas_in_flight=r, k_split=s)
+                  for k in (128, 256) for d in (3, 4, 6) for r in (0, 1) for s in (1, 2)}
 ROWS = 8
 
 
@@ -158,6 +159,8 @@ def kernel_main():
     results = []
     rng = np.random.default_rng(0)
     for name, (k, n) in KERNEL_SHAPES.items():
+        if name not in os.environ.get("SHAPES", name).split(","):
+            continue
         w, ws = weight_copies(rng, k, n)
         copies = len(ws)
         for rows in (8, 16, 32, 64):
@@ -204,7 +207,8 @@ def prologue_main():
             row["xla_us"] = timed(lambda x, w: add(act(x) @ w))
             row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r))
             ref = np.asarray(add(act(x) @ w), np.float32)
-            for cname, cfg in {"default": None, **{c: KERNEL_CONFIGS[c] for c in ("k128_d4_r0", "k256_d4_r0", "k256_d4_r1")}}.items():
+            split = () if not swiglu else ("k256_d4_r0_s2", "k256_d4_r1_s2")   # the norm needs all of K in one block
+            for cname, cfg in {"default": None, **{c: KERNEL_CONFIGS[c] for c in ("k128_d4_r0", "k256_d4_r0", "k256_d4_r1", *split)}}.items():
                 fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731
                 y = np.asarray(fn(x, ws[0]), np.float32)
                 row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))

@@ -40,8 +40,8 @@ from pallas_kernels.quantized_matmul import quantized_matmul
 
 QUANT_SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "down": (14336, 4096)}
 WIDE_SHAPES = {"gate_up": (4096, 28672)}   # MODE=quant SHAPES=gate_up: beyond `pays`' tiles
-QUANT_CONFIGS = {f"k{k}_d{d}_r{r}{'_st' if st else ''}": DecodeMatmulConfig(k, d, r, st)
-                 for k in (128, 256, 512) for d in (4, 6) for r in (0, 1) for st in (False, True)}
+QUANT_CONFIGS = {f"k{k}_d{d}_r{r}{'_st' if st else ''}{'_s2' if s == 2 else ''}": DecodeMatmulConfig(k, d, r, st, s)
+                 for k in (128, 256, 512) for d in (4, 6) for r in (0, 1) for st in (False, True) for s in (1, 2)}
 
 
 def quant_main():
@@ -57,7 +57,8 @@ def quant_main():
             mma = fmt == "int8mma"
             qw = with_mma_order(quantize(w, "int8")) if mma else quantize(w, fmt)
             swept = {key: c for key, c in QUANT_CONFIGS.items()   # staged / 128-row steps: slower for int8mma
-                     if not (mma and (c.stage_weight or c.tile_k == 128))}
+                     if not (mma and (c.stage_weight or c.tile_k == 128))
+                     and (c.k_split == 1 or n // 64 <= 64)}   # a K split (session 22) for the 64-tile weights
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
 
@@ -93,23 +94,25 @@ def quant_main():
                       f"{qw.qweight.nbytes / (row[fastest] * 1e-6) / copy:.1%} of copy); default "
                       f"{row.get('default_us', float('nan')):.2f}; err {row[fastest[:-3] + '_err']:.1e}", flush=True)
                 results.append(row)
-            # the prologue and the residual, at 8 rows, against XLA computing the same
-            if name in ("qkv", "down"):
-                swiglu = name == "down"
+            # the prologue and the residual, at 8 rows, against XLA computing the same: qkv with the
+            # input RMSNorm, o_proj with the residual add, down with SwiGLU and the residual add
+            if name in ("qkv", "o_proj", "down"):
+                swiglu, norm = name == "down", name == "qkv"
                 rows = 8
                 scale = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
                 x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k), np.float32), jnp.bfloat16)
-                r = jnp.asarray(rng.standard_normal((rows, n), np.float32), jnp.bfloat16) if swiglu else None
-                act = (lambda x: SwiGLU(x).materialize()) if swiglu else (lambda x: rms_norm(x, scale, 1e-5))
-                fused_kw = dict(swiglu=True) if swiglu else dict(norm_scale=scale, norm_eps=1e-5)
-                add = (lambda y: y + r) if swiglu else (lambda y: y)
-                row = dict(proj=f"{name}+{'swiglu' if swiglu else 'norm'}", fmt=fmt, K=k, N=n, rows=rows)
+                r = None if norm else jnp.asarray(rng.standard_normal((rows, n), np.float32), jnp.bfloat16)
+                act = ((lambda x: SwiGLU(x).materialize()) if swiglu else (lambda x: rms_norm(x, scale, 1e-5))
+                       if norm else (lambda x: x))
+                fused_kw = dict(swiglu=True) if swiglu else dict(norm_scale=scale, norm_eps=1e-5) if norm else {}
+                add = (lambda y: y) if norm else (lambda y: y + r)
+                row = dict(proj=f"{name}+{'swiglu' if swiglu else 'norm' if norm else 'residual'}", fmt=fmt, K=k, N=n, rows=rows)
                 row["xla_us"] = timed(lambda x, w: add(quantized_matmul(act(x), w)), x, per_weight_x=True)
                 row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r), x, per_weight_x=True)
                 ref = np.asarray(add(quantized_matmul(act(x), qw)), np.float32)
                 for cname, cfg in ({"default": None} | ({best: swept[best]} if best else {})).items():
-                    if not swiglu and cfg is not None and cfg.tile_k > 256:
-                        continue   # the norm scale's TMA box holds at most 256 elements
+                    if norm and cfg is not None and (cfg.tile_k > 256 or cfg.k_split > 1):
+                        continue   # the norm scale's TMA box holds at most 256 elements; the norm needs all of K
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731
                     y = np.asarray(fn(x, qw), np.float32)
                     row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))

@@ -75,7 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import int8_mma_order
+from pallas_kernels import cluster_sum, int8_mma_order
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
@@ -93,12 +93,18 @@ class DecodeMatmulConfig:
     # int8 / fp8 weights: stage the bf16 tile in shared memory for the wgmma instead of feeding it
     # from registers (interpret mode always stages: its wgmma reads shared memory only)
     stage_weight: bool = False
+    # 2: the blocks of a 2-block cluster each stream half of K for the same columns; the second hands
+    # its f32 product to the first through distributed shared memory (pallas_kernels/cluster_sum.py).
+    # Twice the blocks for the 64-tile weights, which otherwise run on 64 of the H100's 132 SMs.
+    k_split: int = 1
 
     def __post_init__(self):
         if self.tile_k <= 0 or self.tile_k % 64:
             raise ValueError(f"tile_k must be a positive multiple of 64, got {self.tile_k}")
         if not 0 <= self.wgmmas_in_flight < self.max_concurrent_steps:
             raise ValueError("need 0 <= wgmmas_in_flight < max_concurrent_steps")
+        if self.k_split not in (1, 2):
+            raise ValueError(f"k_split must be 1 or 2, got {self.k_split}")
 
 
 def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16) -> DecodeMatmulConfig:
@@ -202,9 +208,19 @@ def _weight_tile_bf16(w_smem, mma_order: bool, interpret: bool):
     return codes_as_bf16(w_smem[...])
 
 
+def _when(cond, fn):
+    """fn() where cond holds (cond None: always, without a branch)."""
+    if cond is None:
+        fn()
+    else:
+        pl.when(cond)(fn)
+
+
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
-                         stage_weight, mma_order=False, interpret=False):
-    """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]).
+                         stage_weight, k_split=1, mma_order=False, interpret=False):
+    """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]);
+    with `k_split` 2, a cluster of two blocks, each over half of K, the first adding the second's
+    product before the epilogue (pallas_kernels/cluster_sum.py).
 
     Refs, in order: w_gmem, [K, N] bf16 (or, `quantized`, the per-channel int8 / fp8 weight stored
     [N, K]); x_gmem [m, K] (prologue "swiglu": [m, 2K], gate | up); scale_gmem [K] (prologue
@@ -212,42 +228,54 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     out_gmem [m, N]; scratch out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a
     prologue); ws_smem [TILE_N] and a barrier (quantized); staged_w_smem [in_flight + 1, TILE_N,
     tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual); then, quantized,
-    unused padding (`ONE_BLOCK_PER_SM_SMEM`).
+    unused padding (`ONE_BLOCK_PER_SM_SMEM`); k_split 2: recv_smem [TILE_N, m] f32, and in
+    interpret mode a spill output [N, m] f32 (after out_gmem), its barrier and a cluster barrier.
     """
     refs = list(refs)
     take = lambda present: refs.pop(0) if present else None   # noqa: E731
     w_gmem, x_gmem = take(True), take(True)
     scale_gmem = take(prologue == "rms_norm")
     ws_gmem = take(quantized)
-    r_gmem, out_gmem, out_smem = take(with_residual), take(True), take(True)
+    r_gmem, out_gmem = take(with_residual), take(True)
+    spill_gmem = take(k_split > 1 and interpret)
+    out_smem = take(True)
     staged_smem = take(prologue is not None)
     ws_smem, ws_barrier = take(quantized), take(quantized)
     staged_w_smem = take(stage_weight)
     r_smem, r_barrier = take(with_residual), take(with_residual)
+    recv_smem = take(k_split > 1)
+    spill_barrier, cluster_barrier = take(k_split > 1 and interpret), take(k_split > 1 and interpret)
 
     cols = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
     m = x_gmem.shape[0]
-    if with_residual:   # in flight while the weight streams
-        plgpu.copy_gmem_to_smem(r_gmem.at[:, cols], r_smem, r_barrier)
-    if quantized:
-        plgpu.copy_gmem_to_smem(ws_gmem.at[0, cols], ws_smem, ws_barrier)
+    part = lax.axis_index(cluster_sum.AXIS) if k_split > 1 else 0   # which half of K (k_split 2)
+    leader = part == 0 if k_split > 1 else None   # the block that runs the epilogue (None: the only one)
+    k_part = k // k_split
+    k_rows = pl.ds(part * k_part, k_part)
+
+    def fetch_epilogue_operands():   # in flight while the weight streams
+        if with_residual:
+            plgpu.copy_gmem_to_smem(r_gmem.at[:, cols], r_smem, r_barrier)
+        if quantized:
+            plgpu.copy_gmem_to_smem(ws_gmem.at[0, cols], ws_smem, ws_barrier)
+    _when(leader, fetch_epilogue_operands)
     # Without a prologue the wgmma reads the x tile itself, so its release waits with the weight's.
     x_release = in_flight if prologue is None else 0
     if quantized:   # the wgmma reads the converted tile (registers or staged), not this one
         w_bits = jnp.dtype(w_gmem.dtype).itemsize * 8
         w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, s),
                                  transforms=swizzled(tile_k * w_bits, w_bits, "weight"))
-        w_operand = w_gmem.at[cols]
+        w_operand = w_gmem.at[cols, k_rows]
     else:
         w_spec = plgpu.BlockSpec((tile_k, TILE_N), lambda s: (s, 0), delay_release=in_flight,
                                  transforms=swizzled(TILE_N * 16, 16, "weight"))
-        w_operand = w_gmem.at[:, cols]
+        w_operand = w_gmem.at[k_rows, cols]
     x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, s), delay_release=x_release,
                              transforms=swizzled(tile_k * 16, 16, "x"))
-    specs, operands = [w_spec, x_spec], [w_operand, x_gmem]
+    specs, operands = [w_spec, x_spec], [w_operand, x_gmem.at[:, k_rows]]
     if prologue == "swiglu":   # gate and up tiles from the two halves of x
         specs.append(x_spec)
-        operands = [w_operand, x_gmem.at[:, pl.ds(0, k)], x_gmem.at[:, pl.ds(k, k)]]
+        operands = [w_operand, x_gmem.at[:, k_rows], x_gmem.at[:, pl.ds(k + part * k_part, k_part)]]
     elif prologue == "rms_norm":
         specs.append(plgpu.BlockSpec((tile_k,), lambda s: (s,)))
         operands.append(scale_gmem)
@@ -278,7 +306,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
             plgpu.wgmma_wait(in_flight)
             return carry
 
-        pipeline = plgpu.emit_pipeline(step, grid=(k // tile_k,), in_specs=specs, max_concurrent_steps=depth,
+        pipeline = plgpu.emit_pipeline(step, grid=(k_part // tile_k,), in_specs=specs, max_concurrent_steps=depth,
                                        init_carry=(jnp.zeros((tile_k, m), jnp.float32)
                                                    if prologue == "rms_norm" else None))
         ssq = pipeline(*operands)
@@ -286,7 +314,23 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         return acc_ref[...], ssq
 
     acc, ssq = pl.run_scoped(body, plgpu.ACC((TILE_N, m), jnp.float32))
-    if quantized:   # each weight column's (output channel's) scale
+    if k_split == 1:
+        return _epilogue(acc, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem.at[:, cols],
+                         k=k, prologue=prologue, eps=eps)
+    exchange = dict(interpret=interpret, spill_gmem=spill_gmem.at[cols] if interpret else None)
+    _when(part == 1, lambda: cluster_sum.hand_over(acc, recv_smem, **exchange))
+    cluster_sum.barrier(interpret=interpret, cluster_barrier=cluster_barrier)
+
+    @pl.when(leader)
+    def _():
+        total = acc + cluster_sum.take(recv_smem, spill_barrier=spill_barrier, **exchange)
+        _epilogue(total, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem.at[:, cols],
+                  k=k, prologue=prologue, eps=eps)
+
+
+def _epilogue(acc, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem, *, k, prologue, eps):
+    """acc [TILE_N, m] f32 -> out_gmem [m, TILE_N]: channel scales, 1 / rms, rounding, residual."""
+    if ws_smem is not None:   # each weight column's (output channel's) scale
         plgpu.barrier_wait(ws_barrier)
         scale = plgpu.load(ws_smem, layout=plgpu.Layout.WGMMA.reduce(1))
         acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
@@ -295,13 +339,13 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     if prologue == "rms_norm":   # each row's 1 / rms, from the sum of squares of its x
         y = y * lax.rsqrt(jnp.sum(ssq, axis=0) * (1.0 / k) + eps)[None, :]
     y = y.astype(out_smem.dtype)
-    if with_residual:   # rounded as `residual + (x @ w)` is: the product first, then the sum
+    if r_smem is not None:   # rounded as `residual + (x @ w)` is: the product first, then the sum
         plgpu.barrier_wait(r_barrier)
         r = plgpu.load(r_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED)
         y = (r.astype(jnp.float32) + y.astype(jnp.float32)).astype(out_smem.dtype)
     out_smem.T[...] = y
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, cols])
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -335,9 +379,12 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     stage_weight = quantized and (config.stage_weight or bool(interpret))
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
         raise ValueError(f"x {x.shape} does not match the weight {tuple(w.shape)}" + (" (swiglu: x is gate | up)" if swiglu else ""))
-    if n % TILE_N or k % config.tile_k or not 0 < m <= MAX_ROWS:
-        raise ValueError(f"decode_matmul needs N % {TILE_N} == 0, K % {config.tile_k} == 0 and "
+    split = config.k_split
+    if n % TILE_N or k % (split * config.tile_k) or not 0 < m <= MAX_ROWS:
+        raise ValueError(f"decode_matmul needs N % {TILE_N} == 0, K % {split * config.tile_k} == 0 and "
                          f"1 <= M <= {MAX_ROWS}; got M={m}, K={k}, N={n}")
+    if split > 1 and norm_scale is not None:
+        raise ValueError("decode_matmul's RMSNorm prologue needs all of K in one block (k_split 1)")
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual {residual.shape} is not the product's shape {(m, n)}")
     if norm_scale is not None and norm_scale.shape != (k,):
@@ -352,7 +399,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + quantized * TILE_N * 4
     # at most: the staged activations and weight tiles, one per wgmma in flight
     staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
-    depth = max(1, min(config.max_concurrent_steps, k // config.tile_k, (SMEM_BUDGET - fixed - staged) // per_step))
+    fixed += (split > 1) * TILE_N * m_pad * 4   # the received product
+    depth = max(1, min(config.max_concurrent_steps, k // (split * config.tile_k),
+                       (SMEM_BUDGET - fixed - staged) // per_step))
     in_flight = min(config.wgmmas_in_flight, depth - 1)
     operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
     if prologue == "rms_norm":
@@ -371,17 +420,24 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     if residual is not None:
         operands.append(jnp.pad(residual.astype(out_dtype), pad))
         scratch += [plgpu.SMEM((m_pad, TILE_N), out_dtype), plgpu.Barrier(num_arrivals=1)]
+    if split > 1:
+        scratch.append(plgpu.SMEM((TILE_N, m_pad), jnp.float32))
+    out_type = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
+    if split > 1 and interpret:   # interpret mode hands the product over through HBM (cluster_sum.py)
+        out_type = (out_type, jax.ShapeDtypeStruct((n, m_pad), jnp.float32))
+        scratch += [plgpu.Barrier(num_arrivals=1), plgpu.ClusterBarrier(collective_axes=(cluster_sum.AXIS,))]
     used = fixed + staged + depth * per_step
     if quantized and used < ONE_BLOCK_PER_SM_SMEM:   # unused: keeps a second block off the SM
         scratch.append(plgpu.SMEM((ONE_BLOCK_PER_SM_SMEM - used,), jnp.int8))
     call = plgpu.kernel(
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
-                          quantized=quantized, stage_weight=stage_weight,
+                          quantized=quantized, stage_weight=stage_weight, k_split=split,
                           mma_order=quantized and w.mma_order, interpret=bool(interpret)),
-        out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(n // TILE_N,), grid_names=("n",),
+        **(dict(cluster=(split,), cluster_names=(cluster_sum.AXIS,)) if split > 1 else {}),
         interpret=interpret_params(interpret),
         kernel_name=f"decode_matmul_{w.format}" if quantized else "decode_matmul",
         # approximate exp and reciprocal (ex2.approx, rcp.approx) for SwiGLU's sigmoid: exact ones made
@@ -389,7 +445,8 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                              approx_math=swiglu),
     )
-    return call(*operands)[:m]
+    out = call(*operands)
+    return (out[0] if isinstance(out, (tuple, list)) else out)[:m]
 
 
 def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, out_dtype=None, *,

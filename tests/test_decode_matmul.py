@@ -157,6 +157,36 @@ def test_interpret_quantized_weights_match_reference(fmt, m, prologue):
     assert _rel_err(y, engine) < (1e-5 if prologue is None else 6e-3)   # the prologues round elsewhere
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8mma", "fp8"])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("prologue", [None, "swiglu"])
+def test_interpret_k_split_matches_reference(fmt, m, prologue):
+    """k_split 2: a cluster of two blocks per column tile, each over half of K, the first adding the
+    second's product before the residual (interpret mode hands it over through HBM, the GPU through
+    distributed shared memory: pallas_kernels/cluster_sum.py)."""
+    x, gate_up, _, w = _prologue_operands(m, 512, 128, seed=m)
+    w = w if fmt == "bf16" else _quantized(w, fmt)
+    r = jnp.asarray(np.random.default_rng(9).standard_normal((m, 128)), jnp.bfloat16)
+    a, kw = (gate_up, dict(swiglu=True)) if prologue else (x, {})
+    config = DecodeMatmulConfig(tile_k=128, wgmmas_in_flight=1, k_split=2)
+    y = decode_matmul(a, w, r, out_dtype=jnp.float32, config=config, interpret=True, **kw)
+    unsplit = decode_matmul(a, w, r, out_dtype=jnp.float32, config=DecodeMatmulConfig(tile_k=128), interpret=True, **kw)
+    assert y.shape == (m, 128)
+    assert _rel_err(y, decode_matmul_reference(a, w, r, jnp.float32, **kw)) < 1e-5
+    assert _rel_err(y, unsplit) < 1e-5
+
+
+def test_k_split_needs_whole_steps_and_no_norm():
+    x, w = _operands(8, 384, 128)
+    with pytest.raises(ValueError, match="K % 256 == 0"):   # 384 rows: three steps of 128 do not halve
+        decode_matmul(x, w, config=DecodeMatmulConfig(tile_k=128, k_split=2), interpret=True)
+    with pytest.raises(ValueError, match="all of K in one block"):
+        decode_matmul(x[:, :256], w[:256], norm_scale=jnp.ones((256,), jnp.bfloat16),
+                      config=DecodeMatmulConfig(tile_k=128, k_split=2), interpret=True)
+    with pytest.raises(ValueError, match="k_split must be 1 or 2"):
+        DecodeMatmulConfig(k_split=4)
+
+
 def test_quantized_weights_it_cannot_take():
     """Grouped, int4 or padded quantized weights are refused (the model keeps them on their own
     kernels); so is a weight whose K does not match x."""
@@ -385,6 +415,22 @@ def test_gpu_quantized_weights_match_reference(fmt, m, stage_weight, prologue, k
     config = DecodeMatmulConfig(config.tile_k, config.max_concurrent_steps, config.wgmmas_in_flight, stage_weight)
     y = decode_matmul(a, qw, r, out_dtype=jnp.float32, config=config, **kw)
     assert _rel_err(y, decode_matmul_reference(a, qw, r, jnp.float32, **kw)) < 1e-4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8mma", "fp8"])
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("prologue,k", [(None, 4096), ("swiglu", 14336)])
+@pytest.mark.parametrize("tile_k,in_flight", [(256, 1), (512, 0)])
+def test_gpu_k_split_matches_reference(fmt, m, prologue, k, tile_k, in_flight):
+    """o_proj and down (64 column tiles) as 2-block clusters over the halves of K, with the residual."""
+    x, gate_up, _, w = _prologue_operands(m, k, 4096)
+    w = w if fmt == "bf16" else _quantized(w, fmt)
+    r = jnp.asarray(np.random.default_rng(9).standard_normal((m, 4096)), jnp.bfloat16)
+    a, kw = (gate_up, dict(swiglu=True)) if prologue else (x, {})
+    config = DecodeMatmulConfig(tile_k=tile_k, wgmmas_in_flight=in_flight, k_split=2)
+    y = decode_matmul(a, w, r, out_dtype=jnp.float32, config=config, **kw)
+    assert _rel_err(y, decode_matmul_reference(a, w, r, jnp.float32, **kw)) < 1e-4
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
