@@ -35,7 +35,7 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     out_dtype = out_dtype or x.dtype
     w_dtype = decode_matmul.weight_dtype(w) if decode_kernel else None
     if (w_dtype is not None and len(x.shape) == 2 and _on_gpu()
-            and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w_dtype)):
+            and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w_dtype, getattr(w, "mma_order", False))):
         # a decode step's qkv / o_proj / down (bf16, or int8 / fp8 per channel): no split-K sum
         # kernel, the input RMSNorm or SwiGLU in the kernel's prologue and the residual add in its
         # epilogue (pallas_kernels/decode_matmul.py)

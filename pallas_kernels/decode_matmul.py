@@ -77,7 +77,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum, int8_mma_order
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
-from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes, takes_mma_order
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
@@ -107,30 +107,47 @@ class DecodeMatmulConfig:
             raise ValueError(f"k_split must be 1 or 2, got {self.k_split}")
 
 
-def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16) -> DecodeMatmulConfig:
+def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | None = None) -> DecodeMatmulConfig:
     """Per weight width, from the H100 sweeps (notebooks/gpu_bf16_smem_gemv.py MODE=kernel, session
     18; MODE=prologue, session 19): 64 N tiles (o_proj, down) stream best in 256-row steps with one
     wgmma left in flight, but with the SwiGLU prologue waiting for each wgmma (39.99 against 40.85
     us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma. The prologue keeps
-    the width's tile_k, so `pays` (which checks K against it) holds for it too."""
-    if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8 (session 20, notebooks/gpu_quant_decode_matmul.py)
-        return QUANT_CONFIG
+    the width's tile_k, so `pays` (which checks K against it) holds for it too. Quantized weights
+    (notebooks/gpu_quant_decode_matmul.py, sessions 20-22): 256-row steps, one wgmma in flight, and
+    at 64 tiles or fewer a 2-block cluster per tile over the halves of K (`k_split`), where K (if
+    given) halves into whole steps."""
+    if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8
+        split = n // TILE_N <= 64 and (k is None or k % (2 * QUANT_CONFIG.tile_k) == 0)
+        return QUANT_SPLIT_CONFIG if split else QUANT_CONFIG
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
     return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=0 if swiglu else 1)
 
 
 QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
-# int8 / fp8 weights take the kernel only when forced (`ATLASJAX_DECODE_MATMUL=on`), and then on qkv
-# only: on the H100 it streams qkv as fast as XLA's convert-fused GEMM but o_proj and down 1.4x
-# slower, and the 8B bs=1 step with it on qkv was no faster (session 20, docs/performance.md)
-QUANT_MIN_TILES = 96
+# o_proj and down at 8 rows on the H100, int8 in mma order (session 22): 8.74 / 23.03 us against
+# 10.2 / 28.0 without the split and XLA's 8.70 / 25.71
+QUANT_SPLIT_CONFIG = dataclasses.replace(QUANT_CONFIG, k_split=2)
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 # Quantized weights: shared memory held per block, so that one block runs per SM. On the H100
 # (session 21) a quantized weight 448 tiles wide (N = 28672) came out wrong in a few 32-column
 # halves of some blocks with 82 KB per block (two blocks per SM), and right at 128 tiles (one block
 # per SM) and for bf16 (144 KB per block); the cause is not known.
 ONE_BLOCK_PER_SM_SMEM = 120 * 1024
+
+
+def stores_in_mma_order(w) -> bool:
+    """Whether the engine should store `w` in int8 mma order for this kernel (on this GPU): a
+    per-channel int8 weight whose width the kernel takes at decode, where the order makes it faster
+    than XLA's GEMM (o_proj 8.74 against 8.70 us, down 23.0 against 25.7, qkv 11.5 against 12.3, at 8
+    rows; session 22). Every other path pays a permutation of x for it (`quantized_matmul`)."""
+    tiles = w.shape[1] // TILE_N if isinstance(w, QuantizedWeight) else 0
+    return (enabled() and _on_gpu() and weight_dtype(w) == jnp.int8
+            and takes_mma_order(w) and w.shape[1] % TILE_N == 0 and MIN_TILES <= tiles <= MAX_TILES)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
 
 
 def weight_dtype(w):
@@ -177,14 +194,17 @@ def prologue_pays(prologue: str, m: int) -> bool:
     return prologue == "rms_norm" or (prologue == "swiglu" and m <= SWIGLU_MAX_ROWS)
 
 
-def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
-    """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend."""
+def pays(m: int, k: int, n: int, x_dtype, w_dtype, mma_order: bool = False) -> bool:
+    """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend: bf16 weights, and
+    int8 ones stored in mma order (`stores_in_mma_order`); other int8 / fp8 weights only when forced
+    (`ATLASJAX_DECODE_MATMUL=on`): in natural order the kernel streamed o_proj and down 1.2-1.4x
+    slower than XLA's convert-fused GEMM (sessions 20-21)."""
     tiles = n // TILE_N
-    config = default_config(n, w_dtype=w_dtype)
-    quantized = jnp.dtype(w_dtype) in QUANT_DTYPES and forced() and tiles >= QUANT_MIN_TILES
+    config = default_config(n, w_dtype=w_dtype, k=k)
+    quantized = jnp.dtype(w_dtype) in QUANT_DTYPES and (forced() or (mma_order and jnp.dtype(w_dtype) == jnp.int8))
     return (enabled() and (jnp.dtype(w_dtype) == jnp.bfloat16 or quantized)
             and jnp.dtype(x_dtype) == jnp.bfloat16
-            and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % config.tile_k == 0
+            and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
             and MIN_TILES <= tiles <= MAX_TILES)
 
 
@@ -364,7 +384,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     channel scales multiply the f32 product, as `xla_convert_matmul` computes. N a multiple of 64
     and K of the config's tile_k. residual: None or [M, N], added to the product rounded to
     out_dtype, as `residual + a @ w` rounds. Returns [M, N] in out_dtype (default x.dtype).
-    config None: `default_config(N, swiglu, weight dtype)`."""
+    config None: `default_config(N, swiglu, weight dtype, K)`."""
     if norm_scale is not None and swiglu:
         raise ValueError("decode_matmul takes one prologue: norm_scale or swiglu, not both")
     w_dtype = weight_dtype(w)
@@ -375,7 +395,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     m, k = x.shape
     k //= 2 if swiglu else 1
     n = w.shape[1]
-    config = config or default_config(n, swiglu, w_dtype)
+    config = config or default_config(n, swiglu, w_dtype, k)
     stage_weight = quantized and (config.stage_weight or bool(interpret))
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
         raise ValueError(f"x {x.shape} does not match the weight {tuple(w.shape)}" + (" (swiglu: x is gate | up)" if swiglu else ""))

@@ -11,7 +11,7 @@ import pytest
 
 from atlasjax.config import ModelConfig
 from atlasjax.loader import random_params
-from atlasjax.quantization import quantize, quantize_params
+from atlasjax.quantization import in_decode_kernel_layout, quantize, quantize_params
 from models import layers
 from models.attention import AttentionMetadata
 from models.deferred import RMSNormed, SwiGLU, rms_norm
@@ -214,15 +214,19 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     assert not dm.pays(64, 4096, 4096, bf16, bf16)   # bs=64: a slower step
     assert not dm.pays(128, 4096, 4096, bf16, bf16)  # a prefill chunk
     assert not dm.pays(8, 4096, 4096, jnp.float32, jnp.float32)
-    for quantized in (jnp.int8, jnp.float8_e4m3fn):   # per channel: not by default (no faster step)
+    for quantized in (jnp.int8, jnp.float8_e4m3fn):   # per channel, natural order: not by default
         assert not dm.pays(8, 4096, 6144, bf16, quantized)
-    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")   # forced: qkv only (o_proj, down slower than XLA)
+    for k, n in ((4096, 6144), (4096, 4096), (14336, 4096)):   # int8 in mma order: qkv, o_proj, down
+        assert dm.pays(8, k, n, bf16, jnp.int8, mma_order=True)
+    assert not dm.pays(8, 4096, 28672, bf16, jnp.int8, mma_order=True)   # gate_up: XLA's GEMM
+    assert not dm.pays(64, 4096, 4096, bf16, jnp.int8, mma_order=True)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")   # forced: every width it takes
     for quantized in (jnp.int8, jnp.float8_e4m3fn):
         assert dm.pays(8, 4096, 6144, bf16, quantized)
-        assert not dm.pays(8, 4096, 4096, bf16, quantized)
-        assert not dm.pays(8, 14336, 4096, bf16, quantized)
+        assert dm.pays(8, 14336, 4096, bf16, quantized)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
     assert not dm.pays(8, 4096, 4096, bf16, bf16)
+    assert not dm.pays(8, 4096, 4096, bf16, jnp.int8, mma_order=True)
 
 
 def test_runs_only_on_the_gpus_where_it_measured_faster(monkeypatch):
@@ -252,7 +256,6 @@ def _route_to_interpreted_kernel(monkeypatch, record, min_tiles):
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
     monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(dm, "MIN_TILES", min_tiles)
-    monkeypatch.setattr(dm, "QUANT_MIN_TILES", min_tiles)
     monkeypatch.setattr(dm, "decode_matmul", spy)
 
 
@@ -377,6 +380,37 @@ def test_int8_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch
     assert len(calls) == 4 * _KERNEL_CFG.num_layers + 1   # every projection, and the (bf16) LM head
     assert _rel_err(fused, reference) < 2e-2
     np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
+
+
+def test_int8_in_mma_order_takes_the_kernel_by_default(monkeypatch):
+    """On an H100 the engine stores the int8 weights of the widths the kernel takes in int8 mma order
+    (`in_decode_kernel_layout`, here with the tile range narrowed to qkv, o_proj and down), and those
+    take the kernel without forcing it, down as a 2-block K split (K = 512); gate_up stays in natural
+    order on XLA's GEMM. The logits equal those of the kernel forced onto the natural-order weights
+    bit for bit, and the default int8 path's to bf16 rounding (this random model's second row is a
+    near-tie: both kernel paths pick another token than XLA's); the checkpoint layout is the natural
+    order again, bit for bit."""
+    # as the engine holds them: quantized per projection at load, then fused (q/k/v, gate/up)
+    params = fuse_projections(quantize_params(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5), "int8"))
+    reference = _tiny_decode_step(params)()
+    calls = []
+    _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append(x.shape), min_tiles=1)
+    monkeypatch.setattr(dm, "MAX_TILES", 8)    # qkv 8 tiles, o_proj and down 4; gate_up 16
+    monkeypatch.setattr(dm, "_on_gpu", lambda: True)
+    laid_out = in_decode_kernel_layout(params)
+    layer = laid_out["layers_0"]
+    assert layer["self_attn"]["qkv_proj"]["kernel"].mma_order and layer["self_attn"]["o_proj"]["kernel"].mma_order
+    assert layer["mlp"]["down_proj"]["kernel"].mma_order and not layer["mlp"]["gate_up_proj"]["kernel"].mma_order
+    fused = _tiny_decode_step(laid_out)()
+    # per layer qkv, o_proj, down; then the bf16 LM head (4 tiles)
+    assert calls == [(2, 256), (2, 256), (2, 1024)] * _KERNEL_CFG.num_layers + [(2, 256)]
+    assert _rel_err(fused, reference) < 2e-2
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
+    np.testing.assert_array_equal(fused, _tiny_decode_step(params)())
+    assert dm.default_config(256, True, jnp.int8, k=512).k_split == 2   # down's config
+    assert dm.default_config(512, False, jnp.int8, k=256).k_split == 1   # qkv's: K = 256 does not halve
+    natural = in_decode_kernel_layout(laid_out, for_kernel=False)
+    jax.tree.map(np.testing.assert_array_equal, natural, params)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
