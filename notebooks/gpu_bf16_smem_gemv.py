@@ -14,9 +14,10 @@ Beside them: XLA's dot on W [K, N] (the engine's bf16 path) and on W [N, K].
 Times: CUPTI kernel time per call (all kernels of the call, the split sum included), 8 rows,
 weights rotated past the L2; "%" is of a device-to-device copy measured in the same run.
 
-MODE=kernel times what came of it, pallas_kernels/decode_matmul.py (the [K, N] layout, no K split),
-over its configs at 8 rows and with its default config at 16-64 rows, against XLA's dot, on the
-8B shapes, their TP=2 shards and Llama-3.2-1B's.
+MODE=kernel times what came of it, pallas_kernels/decode_matmul.py (the [K, N] layout), over its
+configs at 8 rows (CONFIGS=a,b: only those; `_s2`: a 2-block cluster per tile over the halves of K,
+session 22) and with its default config at 16-64 rows, against XLA's dot, on the 8B shapes
+(SHAPES=a,b: only those), their TP=2 shards and Llama-3.2-1B's.
 
 MODE=prologue times the kernel's fused prologues (session 19) on the 8B shapes they serve, at 8-32
 rows: qkv with the input RMSNorm, down with SwiGLU and the residual; each against XLA
@@ -166,7 +167,9 @@ def kernel_main():
         for rows in (8, 16, 32, 64):
             x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
             ref = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32))
-            configs = KERNEL_CONFIGS if rows == 8 else {"default": None}   # None: default_config(N)
+            chosen = os.environ.get("CONFIGS")   # a comma list of KERNEL_CONFIGS names, default all
+            swept = {c: KERNEL_CONFIGS[c] for c in chosen.split(",")} if chosen else KERNEL_CONFIGS
+            configs = swept | {"default": None} if rows == 8 else {"default": None}   # None: default_config(N)
             row = dict(proj=name, K=k, N=n, rows=rows)
             row["xla_us"] = device_ms(rotated(lambda x, w: x @ w), x, ws) / copies * 1e3
             for cname, cfg in configs.items():
@@ -178,7 +181,7 @@ def kernel_main():
             row["best"] = best
             print(f"{name} {k}x{n} rows {rows}: XLA {row['xla_us']:.2f} us; best {best} {row[best]:.2f} us "
                   f"({row[best] / row['xla_us']:.3f}x, {w.nbytes / (row[best] * 1e-6) / copy:.1%} of copy); "
-                  + (f"default ({default_name(n)}) {row[default_name(n) + '_us']:.2f}" if rows == 8 else ""), flush=True)
+                  + (f"default ({default_name(n)}) {row['default_us']:.2f}" if rows == 8 else ""), flush=True)
             results.append(row)
         del ws
         write("decode_matmul.json", copy, results)

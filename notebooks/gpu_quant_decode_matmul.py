@@ -7,9 +7,10 @@ memory: `stage_weight`) as fast as XLA's convert-fused GEMM, the engine's path f
 
 MODE=quant (default) times the kernel against XLA's GEMM, for each of FORMATS (default
 int8,int8mma,fp8; int8mma: int8 stored in mma order, session 21, pallas_kernels/int8_mma_order.py):
-over its configs at 8 rows for the formats in SWEEP (default int8mma), with the default (and the
+over its configs at 8 rows for the formats in SWEEP (default int8mma; CONFIGS=a,b: only those;
+`_s2`: a 2-block cluster per tile over the halves of K, session 22), with the default (and the
 swept best) at 1-32 rows; then with its prologues and residual against XLA computing the same
-(norm or SwiGLU, GEMM, scale, add).
+(qkv: norm; o_proj: residual; down: SwiGLU and residual).
 
 MODE=probe splits the kernel's step into variants to find where its time goes (`int8_gemv`: the
 empty stream, the tile's conversion alone, register or shared-memory A, an explicit
@@ -58,7 +59,8 @@ def quant_main():
             qw = with_mma_order(quantize(w, "int8")) if mma else quantize(w, fmt)
             swept = {key: c for key, c in QUANT_CONFIGS.items()   # staged / 128-row steps: slower for int8mma
                      if not (mma and (c.stage_weight or c.tile_k == 128))
-                     and (c.k_split == 1 or n // 64 <= 64)}   # a K split (session 22) for the 64-tile weights
+                     and (c.k_split == 1 or n // 64 <= 64)   # a K split (session 22) for the 64-tile weights
+                     and key in os.environ.get("CONFIGS", key).split(",")}
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
 
