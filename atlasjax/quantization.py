@@ -388,20 +388,3 @@ def quantize_params(
 
     return walk(params, ())
 
-
-def in_decode_kernel_layout(params: Any, *, for_kernel: bool = True, free_replaced: bool = False) -> Any:
-    """The params with each int8 weight the decode kernel takes on this GPU stored in int8 mma order
-    (`pallas_kernels.decode_matmul.stores_in_mma_order`: a single-device engine on an H100);
-    for_kernel=False: every int8 weight back in natural order (what a checkpoint stores, so that it
-    loads the same on any device). int4 stays in mma order either way. free_replaced: delete each
-    replaced code array at once (nobody else holds `params`), so the peak is one weight more."""
-    from pallas_kernels.decode_matmul import stores_in_mma_order  # noqa: PLC0415
-
-    def convert(leaf):
-        if not isinstance(leaf, QuantizedWeight) or leaf.format != "int8":
-            return leaf
-        new = with_mma_order(leaf, for_kernel and stores_in_mma_order(leaf))
-        if free_replaced and new is not leaf and isinstance(leaf.qweight, jax.Array):
-            leaf.qweight.delete()
-        return new
-    return jax.tree.map(convert, params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))

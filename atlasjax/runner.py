@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax import sampling
-from atlasjax.quantization import in_decode_kernel_layout
 from atlasjax.sharding import TP_AXIS
 from atlasjax.step_options import step_compiler_options
 from models.attention import AttentionMetadata
@@ -192,8 +191,6 @@ class ModelRunner:
         self._host = jax.device_put if plan is None else np.asarray
         # Executed with fused q/k/v and gate/up projections (models/fused.py).
         self.params = fuse_projections(params, *(() if plan is None else (plan.mesh, TP_AXIS)), in_place=own_params)
-        if plan is None:   # int8 weights in the decode kernel's order, where it takes them (an H100)
-            self.params = in_decode_kernel_layout(self.params, free_replaced=own_params)
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_num_seqs = max_num_seqs
@@ -225,7 +222,7 @@ class ModelRunner:
         kv = (cfg.num_kv_heads if self.plan is None else self.plan.num_kv_heads) * hd
         widths = {"qkv_proj": (cfg.num_heads * hd, kv, kv), "gate_up_proj": (cfg.intermediate_size,) * 2}
         if self.plan is None:
-            return in_decode_kernel_layout(unfuse_projections(self.params, widths), for_kernel=False)
+            return unfuse_projections(self.params, widths)
         from atlasjax.sharding import logical_axes  # noqa: PLC0415
         params = unfuse_projections(self.params, widths, self.plan.mesh, TP_AXIS)
         return self.plan.gather(params, logical_axes(cfg, self.dtype))

@@ -35,11 +35,11 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     out_dtype = out_dtype or x.dtype
     w_dtype = decode_matmul.weight_dtype(w) if decode_kernel else None
     if (w_dtype is not None and len(x.shape) == 2 and _on_gpu()
-            and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w_dtype, getattr(w, "mma_order", False))):
+            and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w_dtype)):
         # a decode step's qkv / o_proj / down (bf16, or int8 / fp8 per channel): no split-K sum
         # kernel, the input RMSNorm or SwiGLU in the kernel's prologue and the residual add in its
         # epilogue (pallas_kernels/decode_matmul.py)
-        if isinstance(x, Deferred) and decode_matmul.prologue_pays(x.prologue, x.shape[0]):
+        if isinstance(x, Deferred) and decode_matmul.prologue_pays(x.prologue, x.shape[0], w_dtype):
             operand, fused = x.kernel_operands()
         else:
             operand, fused = materialize(x), {}

@@ -77,7 +77,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum, int8_mma_order
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
-from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes, takes_mma_order
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
@@ -125,8 +125,8 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | 
 
 
 QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
-# o_proj and down at 8 rows on the H100, int8 in mma order (session 22): 8.74 / 23.03 us against
-# 10.2 / 28.0 without the split and XLA's 8.70 / 25.71
+# o_proj and down at 8 rows on the H100 (session 22): int8 9.07 / 23.31 us, fp8 8.65 / 22.90, against
+# XLA's convert-fused GEMM at 8.55 / 24.45-25.00 and 12.0 / 35.2 (int8) without the split
 QUANT_SPLIT_CONFIG = dataclasses.replace(QUANT_CONFIG, k_split=2)
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 # Quantized weights: shared memory held per block, so that one block runs per SM. On the H100
@@ -134,20 +134,6 @@ QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 # halves of some blocks with 82 KB per block (two blocks per SM), and right at 128 tiles (one block
 # per SM) and for bf16 (144 KB per block); the cause is not known.
 ONE_BLOCK_PER_SM_SMEM = 120 * 1024
-
-
-def stores_in_mma_order(w) -> bool:
-    """Whether the engine should store `w` in int8 mma order for this kernel (on this GPU): a
-    per-channel int8 weight whose width the kernel takes at decode, where the order makes it faster
-    than XLA's GEMM (o_proj 8.74 against 8.70 us, down 23.0 against 25.7, qkv 11.5 against 12.3, at 8
-    rows; session 22). Every other path pays a permutation of x for it (`quantized_matmul`)."""
-    tiles = w.shape[1] // TILE_N if isinstance(w, QuantizedWeight) else 0
-    return (enabled() and _on_gpu() and weight_dtype(w) == jnp.int8
-            and takes_mma_order(w) and w.shape[1] % TILE_N == 0 and MIN_TILES <= tiles <= MAX_TILES)
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
 
 
 def weight_dtype(w):
@@ -175,7 +161,7 @@ def enabled() -> bool:
 
 
 def forced() -> bool:
-    """`ATLASJAX_DECODE_MATMUL=on`: the kernel on any GPU, per-channel int8 / fp8 weights included."""
+    """`ATLASJAX_DECODE_MATMUL=on`: the kernel on any GPU."""
     return os.environ.get("ATLASJAX_DECODE_MATMUL", "auto").lower() in ("on", "1", "true")
 
 
@@ -183,26 +169,25 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def prologue_pays(prologue: str, m: int) -> bool:
+def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16) -> bool:
     """Whether a matmul that `pays` should also compute its activations ("rms_norm" or "swiglu") in
     the kernel for m rows. The RMSNorm prologue was faster than XLA's norm kernel + the kernel at 8-32
     rows; the SwiGLU prologue only at 8 (each thread converts 2 x rows x 2 activations per step of one
-    warpgroup: at 16-32 rows that step outlasted the weight's). `ATLASJAX_DECODE_PROLOGUE=off`: XLA
-    computes both, for A/B measurements."""
+    warpgroup: at 16-32 rows that step outlasted the weight's), and only on bf16 weights: on int8
+    down it cost 1.2-1.7 us more than XLA's silu * up kernel before the kernel, on fp8 it tied
+    (session 22). `ATLASJAX_DECODE_PROLOGUE=off`: XLA computes both, for A/B measurements."""
     if os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() in ("off", "0", "false"):
         return False
-    return prologue == "rms_norm" or (prologue == "swiglu" and m <= SWIGLU_MAX_ROWS)
+    swiglu = prologue == "swiglu" and m <= SWIGLU_MAX_ROWS and jnp.dtype(w_dtype) == jnp.bfloat16
+    return prologue == "rms_norm" or swiglu
 
 
-def pays(m: int, k: int, n: int, x_dtype, w_dtype, mma_order: bool = False) -> bool:
-    """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend: bf16 weights, and
-    int8 ones stored in mma order (`stores_in_mma_order`); other int8 / fp8 weights only when forced
-    (`ATLASJAX_DECODE_MATMUL=on`): in natural order the kernel streamed o_proj and down 1.2-1.4x
-    slower than XLA's convert-fused GEMM (sessions 20-21)."""
+def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
+    """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend: bf16 weights and
+    per-channel int8 / fp8 ones (`weight_dtype`), at decode rows, of 64-96 column tiles."""
     tiles = n // TILE_N
     config = default_config(n, w_dtype=w_dtype, k=k)
-    quantized = jnp.dtype(w_dtype) in QUANT_DTYPES and (forced() or (mma_order and jnp.dtype(w_dtype) == jnp.int8))
-    return (enabled() and (jnp.dtype(w_dtype) == jnp.bfloat16 or quantized)
+    return (enabled() and jnp.dtype(w_dtype) in (jnp.dtype(jnp.bfloat16), *QUANT_DTYPES)
             and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
             and MIN_TILES <= tiles <= MAX_TILES)
