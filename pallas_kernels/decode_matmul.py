@@ -183,11 +183,14 @@ def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16) -> bool:
 
 
 def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
-    """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend: bf16 weights and
-    per-channel int8 / fp8 ones (`weight_dtype`), at decode rows, of 64-96 column tiles."""
+    """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend: bf16 and per-channel
+    fp8 weights (`weight_dtype`), at decode rows, of 64-96 column tiles. Per-channel int8 only when
+    forced (`ATLASJAX_DECODE_MATMUL=on`): the 8B bs=1 step was no faster with it (3.40 against 3.39
+    ms, session 22; fp8 3.31 against 3.37)."""
     tiles = n // TILE_N
     config = default_config(n, w_dtype=w_dtype, k=k)
-    return (enabled() and jnp.dtype(w_dtype) in (jnp.dtype(jnp.bfloat16), *QUANT_DTYPES)
+    takes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)) + ((jnp.dtype(jnp.int8),) if forced() else ())
+    return (enabled() and jnp.dtype(w_dtype) in takes
             and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
             and MIN_TILES <= tiles <= MAX_TILES)

@@ -214,16 +214,19 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     assert not dm.pays(64, 4096, 4096, bf16, bf16)   # bs=64: a slower step
     assert not dm.pays(128, 4096, 4096, bf16, bf16)  # a prefill chunk
     assert not dm.pays(8, 4096, 4096, jnp.float32, jnp.float32)
-    for quantized in (jnp.int8, jnp.float8_e4m3fn):   # per channel: qkv, o_proj, down (session 22)
-        for k, n in ((4096, 6144), (4096, 4096), (14336, 4096)):
-            assert dm.pays(8, k, n, bf16, quantized)
-        assert not dm.pays(8, 4096, 28672, bf16, quantized)   # gate_up: XLA's GEMM
-        assert not dm.pays(64, 4096, 4096, bf16, quantized)
+    fp8 = jnp.float8_e4m3fn   # per channel: qkv, o_proj, down (session 22)
+    for k, n in ((4096, 6144), (4096, 4096), (14336, 4096)):
+        assert dm.pays(8, k, n, bf16, fp8)
+        assert not dm.pays(8, k, n, bf16, jnp.int8)   # int8: a step no faster than with XLA's GEMM
+    assert not dm.pays(8, 4096, 28672, bf16, fp8)   # gate_up: XLA's GEMM
+    assert not dm.pays(64, 4096, 4096, bf16, fp8)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
+    assert dm.pays(8, 14336, 4096, bf16, jnp.int8)
     assert dm.default_config(4096, w_dtype=jnp.int8, k=14336).k_split == 2   # o_proj, down: 64 tiles
     assert dm.default_config(6144, w_dtype=jnp.int8, k=4096).k_split == 1    # qkv: 96 tiles
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
     assert not dm.pays(8, 4096, 4096, bf16, bf16)
-    assert not dm.pays(8, 4096, 4096, bf16, jnp.int8)
+    assert not dm.pays(8, 4096, 4096, bf16, fp8)
 
 
 def test_runs_only_on_the_gpus_where_it_measured_faster(monkeypatch):
@@ -276,10 +279,12 @@ def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
 
 
 def test_model_matmul_routes_per_channel_quantized_weights(monkeypatch):
-    """On an H100, int8 / fp8 per-channel weights take the kernel like bf16 ones, with the RMSNorm
-    prologue but SwiGLU computed by XLA first (it measured slower in the quantized kernel); grouped
-    int4 weights stay on their own kernel; `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM."""
+    """On an H100, fp8 per-channel weights take the kernel like bf16 ones (int8 ones when forced), with
+    the RMSNorm prologue but SwiGLU computed by XLA first (it measured slower in the quantized
+    kernel); grouped int4 weights stay on their own kernel; `ATLASJAX_DECODE_MATMUL=off` keeps XLA's
+    GEMM."""
     calls = []
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")   # for int8
     _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append((x.shape, sorted(kw))), min_tiles=2)
     x, gate_up, scale, w = _prologue_operands(8, 256, 128)
     for fmt in ("int8", "fp8"):
@@ -367,23 +372,25 @@ def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
     np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
 
 
-def test_int8_decode_step_takes_the_kernel_by_default(monkeypatch):
-    """As the engine holds them (quantized per projection at load, then fused), int8 weights of the
-    widths the kernel takes go to it on an H100 without forcing it: here qkv, o_proj and down, with the
-    tile range narrowed to exclude gate_up; down (K = 512) as a 2-block K split. The logits agree with
-    the default XLA path to bf16 rounding (this random model's second row is a near-tie, so the
-    greedy tokens are not compared)."""
-    params = fuse_projections(quantize_params(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5), "int8"))
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_decode_step_through_the_kernel(monkeypatch, fmt):
+    """As the engine holds them (quantized per projection at load, then fused), per-channel weights
+    of the widths the kernel takes go to it on an H100 (fp8 by default, int8 forced): here qkv,
+    o_proj and down, with the tile range narrowed to exclude gate_up; down (K = 512) as a 2-block K
+    split. The logits agree with XLA's path to quantized bf16 rounding (greedy tokens are not
+    compared: this random model has near-ties)."""
+    params = fuse_projections(quantize_params(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5), fmt))
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
     reference = _tiny_decode_step(params)()
-    monkeypatch.delenv("ATLASJAX_DECODE_MATMUL")
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on" if fmt == "int8" else "auto")
     calls = []
     _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append(x.shape), min_tiles=1)
     monkeypatch.setattr(dm, "MAX_TILES", 8)    # qkv 8 tiles, o_proj and down 4; gate_up 16
     fused = _tiny_decode_step(params)()
     # per layer qkv (normed), o_proj, down (SwiGLU by XLA first); then the bf16 LM head (4 tiles)
     assert calls == [(2, 256), (2, 256), (2, 512)] * _KERNEL_CFG.num_layers + [(2, 256)]
-    assert dm.default_config(256, w_dtype=jnp.int8, k=512).k_split == 2   # down's config
+    assert dm.default_config(256, w_dtype=params["layers_0"]["mlp"]["down_proj"]["kernel"].qweight.dtype,
+                             k=512).k_split == 2   # down's config
     assert _rel_err(fused, reference) < 2e-2
 
 
