@@ -30,7 +30,7 @@ On the H100 the bf16 bs=1 step went from 5.50 (kernel without prologues) to 5.45
 with XLA's GEMM (docs/performance.md, session 19). The models hand the kernel its prologue as a
 deferred activation (models/deferred.py); `ATLASJAX_DECODE_PROLOGUE=off` computes them in XLA.
 
-Where it runs (`pays`): bf16 weights on a GPU, at most `MAX_ROWS` rows, N of 64-96 tiles of 64
+Where it runs (`pays`): bf16 and per-channel fp8 weights on a GPU, at most `MAX_ROWS` rows, N of 64-96 tiles of 64
 columns: what made whole steps faster on the H100 (Llama-3.1-8B's qkv, o_proj and down at bs=1
 and bs=32). Measured and left to XLA (session 18):
 - 64 rows (bs=64): the step took 7.97 ms against 6.94 with XLA's GEMM, although the kernel alone
@@ -55,13 +55,26 @@ H100 at 8 rows it streams qkv as fast as XLA's convert-fused GEMM (int8 12.5 aga
 although their weights stream empty in 7.6 and 22.4 us: the tile's conversion is what takes the
 time, with one or with two compute warpgroups per block alike (notebooks/gpu_quant_decode_matmul.py
 MODE=probe). With it on qkv the 8B int8 bs=1 step was 3.42 against 3.39 ms, fp8 3.36 against
-3.36. So quantized weights take it only when forced (`ATLASJAX_DECODE_MATMUL=on`), on qkv only.
+3.36.
+
+The K split (session 22, `k_split` 2, pallas_kernels/cluster_sum.py): for o_proj and down (64
+column tiles, one block each on 64 of the H100's 132 SMs) each tile runs as a cluster of two
+blocks, each over half of K; the second stores its f32 product into the first's shared memory and
+the first runs the epilogue. At 8 rows o_proj and down then take 8.65 / 22.90 us (fp8) and 9.07 /
+23.31 (int8) against XLA's convert-fused GEMM at 8.55 / 24.45-25.00. The 8B bs=1 step with fp8
+on the kernel: 3.31 against 3.37 ms, so fp8 takes it by default on the H100; int8: 3.40 against
+3.39 (no gain; only when forced). bf16 o_proj and down were no faster split (13.29 / 40.19 against
+12.90 / 39.38 us). The SwiGLU prologue stays bf16-only: on int8 down it cost 1.2-1.7 us more than
+XLA's silu * up kernel before the kernel.
 
 int8 weights in mma order (session 21, opt-in: `quant_format.with_mma_order`): each thread loads
 its eight bytes of a 32-column block as one 64-bit word and converts them without shuffles
 (pallas_kernels/int8_mma_order.py). On the H100 at 8 rows: o_proj 10.2 us, down 28.0, qkv 11.5
 (XLA's GEMM 8.6, 25.2, 12.3). f16 wgmma operands (a prmt and a subtract per two weights) were no
-faster (10.2, 27.3, 11.5), so the conversion's instructions are no longer what limits it.
+faster (10.2, 27.3, 11.5), so the conversion's instructions are no longer what limits it. With the
+K split (session 22) o_proj and down take 8.74 / 23.03 us, as natural order does (9.07 / 23.31);
+the engine stored in mma order was 3.38 against 3.40 ms and 0.4 ms slower to first token (the x
+permutation at prefill), so it stays opt-in.
 """
 from __future__ import annotations
 
