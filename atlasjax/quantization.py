@@ -387,4 +387,3 @@ def quantize_params(
         return node
 
     return walk(params, ())
-

@@ -30,9 +30,9 @@ On the H100 the bf16 bs=1 step went from 5.50 (kernel without prologues) to 5.45
 with XLA's GEMM (docs/performance.md, session 19). The models hand the kernel its prologue as a
 deferred activation (models/deferred.py); `ATLASJAX_DECODE_PROLOGUE=off` computes them in XLA.
 
-Where it runs (`pays`): bf16 and per-channel fp8 weights on a GPU, at most `MAX_ROWS` rows, N of 64-96 tiles of 64
-columns: what made whole steps faster on the H100 (Llama-3.1-8B's qkv, o_proj and down at bs=1
-and bs=32). Measured and left to XLA (session 18):
+Where it runs (`pays`): bf16 and per-channel fp8 weights on a GPU, at most `MAX_ROWS` rows, N of
+64-96 tiles of 64 columns: what made whole steps faster on the H100 (Llama-3.1-8B's qkv, o_proj and
+down at bs=1 and bs=32; fp8 since session 22). Measured and left to XLA (session 18):
 - 64 rows (bs=64): the step took 7.97 ms against 6.94 with XLA's GEMM, although the kernel alone
   measured faster than XLA's GEMM at 64 rows (not profiled; with the residual tile, shared memory
   holds only two 256-row steps of a 64-row x);
