@@ -30,16 +30,11 @@ def _cluster_barrier(_):
                     "barrier.cluster.arrive.aligned; barrier.cluster.wait.aligned;", "", has_side_effects=True)
 
 
-def _store_to_leader():
-    mgpu = mosaic.gpu
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-    def store(_, acc, ref):
-        leader = mgpu.utils.get_cluster_ref(ref, gpu_dialect.Dimension.x, mgpu.utils.c(0, ir.IndexType.get()),
-                                            generic=False)
-        acc.store_untiled(leader, optimized=False)
-
-    return store
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+def _store_to_leader(_, acc, ref):
+    utils = mosaic.gpu.utils
+    leader = utils.get_cluster_ref(ref, gpu_dialect.Dimension.x, utils.c(0, ir.IndexType.get()), generic=False)
+    acc.store_untiled(leader, optimized=False)
 
 
 def _load(shape):
@@ -61,7 +56,7 @@ def hand_over(acc, recv_smem, *, interpret=False, spill_gmem=None):
         plgpu.copy_smem_to_gmem(recv_smem, spill_gmem)
         plgpu.wait_smem_to_gmem(0)
     else:
-        _store_to_leader()(acc, recv_smem)
+        _store_to_leader(acc, recv_smem)
 
 
 def barrier(*, interpret=False, cluster_barrier=None):

@@ -444,7 +444,8 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     if split > 1:
         scratch.append(plgpu.SMEM((TILE_N, m_pad), jnp.float32))
     out_type = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
-    if split > 1 and interpret:   # interpret mode hands the product over through HBM (cluster_sum.py)
+    spill = split > 1 and bool(interpret)   # interpret mode hands the product over through HBM (cluster_sum.py)
+    if spill:
         out_type = (out_type, jax.ShapeDtypeStruct((n, m_pad), jnp.float32))
         scratch += [plgpu.Barrier(num_arrivals=1), plgpu.ClusterBarrier(collective_axes=(cluster_sum.AXIS,))]
     used = fixed + staged + depth * per_step
@@ -467,7 +468,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
                                              approx_math=swiglu),
     )
     out = call(*operands)
-    return (out[0] if isinstance(out, (tuple, list)) else out)[:m]
+    return (out[0] if spill else out)[:m]
 
 
 def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, out_dtype=None, *,
