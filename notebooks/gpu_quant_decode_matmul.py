@@ -9,8 +9,8 @@ MODE=quant (default) times the kernel against XLA's GEMM, for each of FORMATS (d
 int8,int8mma,fp8; int8mma: int8 stored in mma order, session 21, pallas_kernels/int8_mma_order.py):
 over its configs at 8 rows for the formats in SWEEP (default int8mma; CONFIGS=a,b: only those;
 `_s2`: a 2-block cluster per tile over the halves of K, session 22), with the default (and the
-swept best) at 1-32 rows; then with its prologues and residual against XLA computing the same
-(qkv: norm; o_proj: residual; down: SwiGLU and residual).
+swept best) at 1-32 rows (ROW_COUNTS=8,1,16,32); then with its prologues and residual against XLA
+computing the same (qkv, gate_up, lm_head: norm; o_proj: residual; down: SwiGLU and residual).
 
 MODE=probe splits the kernel's step into variants to find where its time goes (`int8_gemv`: the
 empty stream, the tile's conversion alone, register or shared-memory A, an explicit
@@ -40,7 +40,8 @@ from pallas_kernels.quant_format import codes_as_bf16, with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
 
 QUANT_SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "down": (14336, 4096)}
-WIDE_SHAPES = {"gate_up": (4096, 28672)}   # MODE=quant SHAPES=gate_up: beyond `pays`' tiles
+# MODE=quant SHAPES=gate_up,lm_head: wider than `pays`' tiles (448 and 2004); both follow an RMSNorm
+WIDE_SHAPES = {"gate_up": (4096, 28672), "lm_head": (4096, 128256)}
 QUANT_CONFIGS = {f"k{k}_d{d}_r{r}{'_st' if st else ''}{'_s2' if s == 2 else ''}": DecodeMatmulConfig(k, d, r, st, s)
                  for k in (128, 256, 512) for d in (4, 6) for r in (0, 1) for st in (False, True) for s in (1, 2)}
 
@@ -71,7 +72,7 @@ def quant_main():
                     return device_ms(f, xs, qws) / copies * 1e3
                 return device_ms(rotated(fn), x, qws) / copies * 1e3
 
-            for rows in (8, 1, 16, 32):
+            for rows in map(int, os.environ.get("ROW_COUNTS", "8,1,16,32").split(",")):
                 x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
                 ref = np.asarray(quantized_matmul(x, qw, backend="reference"), np.float32)
                 row = dict(proj=name, fmt=fmt, K=k, N=n, rows=rows)
@@ -98,8 +99,9 @@ def quant_main():
                 results.append(row)
             # the prologue and the residual, at 8 rows, against XLA computing the same: qkv with the
             # input RMSNorm, o_proj with the residual add, down with SwiGLU and the residual add
-            if name in ("qkv", "o_proj", "down"):
-                swiglu, norm = name == "down", name == "qkv"
+            if name in ("qkv", "o_proj", "down", "gate_up", "lm_head"):
+                swiglu, norm = name == "down", name in ("qkv", "gate_up", "lm_head")
+                out_dtype = jnp.float32 if name == "lm_head" else jnp.bfloat16   # the engine's f32 logits
                 rows = 8
                 scale = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
                 x = jnp.asarray(rng.standard_normal((rows, 2 * k if swiglu else k), np.float32), jnp.bfloat16)
@@ -109,13 +111,15 @@ def quant_main():
                 fused_kw = dict(swiglu=True) if swiglu else dict(norm_scale=scale, norm_eps=1e-5) if norm else {}
                 add = (lambda y: y) if norm else (lambda y: y + r)
                 row = dict(proj=f"{name}+{'swiglu' if swiglu else 'norm' if norm else 'residual'}", fmt=fmt, K=k, N=n, rows=rows)
-                row["xla_us"] = timed(lambda x, w: add(quantized_matmul(act(x), w)), x, per_weight_x=True)
-                row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r), x, per_weight_x=True)
-                ref = np.asarray(add(quantized_matmul(act(x), qw)), np.float32)
+                row["xla_us"] = timed(lambda x, w: add(quantized_matmul(act(x), w, out_dtype=out_dtype)), x,
+                                      per_weight_x=True)
+                row["xla_act_kernel_us"] = timed(lambda x, w: decode_matmul(act(x), w, r, out_dtype=out_dtype), x,
+                                                 per_weight_x=True)
+                ref = np.asarray(add(quantized_matmul(act(x), qw, out_dtype=out_dtype)), np.float32)
                 for cname, cfg in ({"default": None} | ({best: swept[best]} if best else {})).items():
                     if norm and cfg is not None and (cfg.tile_k > 256 or cfg.k_split > 1):
                         continue   # the norm scale's TMA box holds at most 256 elements; the norm needs all of K
-                    fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, **fused_kw)   # noqa: E731
+                    fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, out_dtype=out_dtype, **fused_kw)   # noqa: E731
                     y = np.asarray(fn(x, qw), np.float32)
                     row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                     row[f"{cname}_us"] = timed(fn, x, per_weight_x=True)

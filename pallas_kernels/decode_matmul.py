@@ -206,7 +206,14 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     return (enabled() and jnp.dtype(w_dtype) in takes
             and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
-            and MIN_TILES <= tiles <= MAX_TILES)
+            and MIN_TILES <= tiles <= _max_tiles(w_dtype))
+
+
+def _max_tiles(w_dtype) -> int:
+    """MAX_TILES; with `ATLASJAX_DECODE_MATMUL_WIDE=on`, any width for int8 / fp8 weights (gate_up
+    and the LM head too), for A/B measurements (session 23)."""
+    wide = os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "").lower() in ("on", "1", "true")
+    return 1 << 30 if wide and jnp.dtype(w_dtype).itemsize == 1 else MAX_TILES
 
 
 def _stage_rms_norm(x_smem, g_smem, ssq):
