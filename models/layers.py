@@ -39,7 +39,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
         # a decode step's qkv / o_proj / down (bf16, or int8 / fp8 per channel): no split-K sum
         # kernel, the input RMSNorm or SwiGLU in the kernel's prologue and the residual add in its
         # epilogue (pallas_kernels/decode_matmul.py)
-        if isinstance(x, Deferred) and decode_matmul.prologue_pays(x.prologue, x.shape[0], w_dtype):
+        if (isinstance(x, Deferred)
+                and decode_matmul.prologue_pays(x.prologue, x.shape[0], w_dtype, w.shape[1], w.shape[0])):
             operand, fused = x.kernel_operands()
         else:
             operand, fused = materialize(x), {}

@@ -60,7 +60,7 @@ def quant_main():
             qw = with_mma_order(quantize(w, "int8")) if mma else quantize(w, fmt)
             swept = {key: c for key, c in QUANT_CONFIGS.items()   # staged / 128-row steps: slower for int8mma
                      if not (mma and (c.stage_weight or c.tile_k == 128))
-                     and (c.k_split == 1 or n // 64 <= 64)   # a K split (session 22) for the 64-tile weights
+                     and (c.k_split == 1 or n // 64 <= 64 or "CONFIGS" in os.environ)   # a K split (session 22): 64-tile weights, or asked for
                      and key in os.environ.get("CONFIGS", key).split(",")}
             copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]

@@ -95,6 +95,7 @@ from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
 MIN_TILES, MAX_TILES = 64, 96   # the N tiles (of 64 columns) where it made steps faster
+NORM_MAX_TILE_K = 256   # the norm scale's TMA box: at most 256 elements
 SWIGLU_MAX_ROWS = 8   # the SwiGLU prologue paid at 8 rows, and cost 10-80 us per call at 16-32 (session 19)
 
 
@@ -130,7 +131,10 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | 
     at 64 tiles or fewer a 2-block cluster per tile over the halves of K (`k_split`), where K (if
     given) halves into whole steps."""
     if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8
-        split = n // TILE_N <= 64 and (k is None or k % (2 * QUANT_CONFIG.tile_k) == 0)
+        tiles = n // TILE_N
+        if tiles >= WIDE_MIN_TILES:
+            return QUANT_WIDE_CONFIG
+        split = (tiles <= 64 or _wide() == "split") and (k is None or k % (2 * QUANT_CONFIG.tile_k) == 0)
         return QUANT_SPLIT_CONFIG if split else QUANT_CONFIG
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
@@ -141,6 +145,10 @@ QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_
 # o_proj and down at 8 rows on the H100 (session 22): int8 9.07 / 23.31 us, fp8 8.65 / 22.90, against
 # XLA's convert-fused GEMM at 8.55 / 24.45-25.00 and 12.0 / 35.2 (int8) without the split
 QUANT_SPLIT_CONFIG = dataclasses.replace(QUANT_CONFIG, k_split=2)
+# Many waves of tiles (the LM head: 2004), where a wave's tail costs little: 512-row steps. fp8 LM head
+# at 8 rows on the H100 (session 23): 175.8 us, 98.6% of copy, against XLA's GEMM at 189.2 us
+QUANT_WIDE_CONFIG = DecodeMatmulConfig(tile_k=512, max_concurrent_steps=4, wgmmas_in_flight=1)
+WIDE_MIN_TILES = 1024
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 # Quantized weights: shared memory held per block, so that one block runs per SM. On the H100
 # (session 21) a quantized weight 448 tiles wide (N = 28672) came out wrong in a few 32-column
@@ -182,7 +190,7 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16) -> bool:
+def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16, n: int | None = None, k: int | None = None) -> bool:
     """Whether a matmul that `pays` should also compute its activations ("rms_norm" or "swiglu") in
     the kernel for m rows. The RMSNorm prologue was faster than XLA's norm kernel + the kernel at 8-32
     rows; the SwiGLU prologue only at 8 (each thread converts 2 x rows x 2 activations per step of one
@@ -191,6 +199,10 @@ def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16) -> bool:
     (session 22). `ATLASJAX_DECODE_PROLOGUE=off`: XLA computes both, for A/B measurements."""
     if os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() in ("off", "0", "false"):
         return False
+    if prologue == "rms_norm" and n is not None:
+        config = default_config(n, w_dtype=w_dtype, k=k)
+        if config.k_split > 1 or config.tile_k > NORM_MAX_TILE_K:
+            return False   # the norm needs all of K in one block, and its scale fits one TMA box
     swiglu = prologue == "swiglu" and m <= SWIGLU_MAX_ROWS and jnp.dtype(w_dtype) == jnp.bfloat16
     return prologue == "rms_norm" or swiglu
 
@@ -206,14 +218,19 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     return (enabled() and jnp.dtype(w_dtype) in takes
             and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
-            and MIN_TILES <= tiles <= _max_tiles(w_dtype))
+            and (MIN_TILES <= tiles <= MAX_TILES or _takes_wide(tiles, w_dtype)))
 
 
-def _max_tiles(w_dtype) -> int:
-    """MAX_TILES; with `ATLASJAX_DECODE_MATMUL_WIDE=on`, any width for int8 / fp8 weights (gate_up
-    and the LM head too), for A/B measurements (session 23)."""
-    wide = os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "").lower() in ("on", "1", "true")
-    return 1 << 30 if wide and jnp.dtype(w_dtype).itemsize == 1 else MAX_TILES
+def _wide() -> str:
+    """`ATLASJAX_DECODE_MATMUL_WIDE`, for A/B measurements of int8 / fp8 weights wider than MAX_TILES:
+    "auto" (default): from WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
+    too); "split": any width, gate_up's as 2-block clusters over the halves of K."""
+    return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
+
+
+def _takes_wide(tiles: int, w_dtype) -> bool:
+    wide = _wide()
+    return jnp.dtype(w_dtype).itemsize == 1 and wide != "off" and (tiles >= WIDE_MIN_TILES or wide in ("on", "split"))
 
 
 def _stage_rms_norm(x_smem, g_smem, ssq):
