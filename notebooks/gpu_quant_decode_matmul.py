@@ -34,7 +34,7 @@ from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
 from atlasjax.quantization import quantize
 from gpu_bf16_smem_gemv import ROWS, start, write   # the copy-bandwidth header and JSON write they share
 from models.deferred import SwiGLU, rms_norm
-from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul
+from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config
 from pallas_kernels.gemm_tiling import interpret_params, swizzled
 from pallas_kernels.quant_format import codes_as_bf16, with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
@@ -117,14 +117,15 @@ def quant_main():
                                                  per_weight_x=True)
                 ref = np.asarray(add(quantized_matmul(act(x), qw, out_dtype=out_dtype)), np.float32)
                 for cname, cfg in ({"default": None} | ({best: swept[best]} if best else {})).items():
-                    if norm and cfg is not None and (cfg.tile_k > 256 or cfg.k_split > 1):
+                    effective = cfg or default_config(n, w_dtype=qw.qweight.dtype, k=k)
+                    if norm and (effective.tile_k > 256 or effective.k_split > 1):
                         continue   # the norm scale's TMA box holds at most 256 elements; the norm needs all of K
                     fn = lambda x, w, cfg=cfg: decode_matmul(x, w, r, config=cfg, out_dtype=out_dtype, **fused_kw)   # noqa: E731
                     y = np.asarray(fn(x, qw), np.float32)
                     row[f"{cname}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                     row[f"{cname}_us"] = timed(fn, x, per_weight_x=True)
                 print(f"{row['proj']} {fmt}: " + ", ".join(f"{key[:-3]} {v:.2f}" for key, v in row.items()
-                                                          if key.endswith("_us")) + f"; default err {row['default_err']:.1e}", flush=True)
+                                                          if key.endswith("_us")) + f"; default err {row.get('default_err', float('nan')):.1e}", flush=True)
                 results.append(row)
             write("decode_quant.json", copy, results)
 

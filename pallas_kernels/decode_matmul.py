@@ -134,7 +134,7 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | 
         tiles = n // TILE_N
         if tiles >= WIDE_MIN_TILES:
             return QUANT_WIDE_CONFIG
-        split = (tiles <= 64 or _wide() == "split") and (k is None or k % (2 * QUANT_CONFIG.tile_k) == 0)
+        split = tiles <= 64 and (k is None or k % (2 * QUANT_CONFIG.tile_k) == 0)
         return QUANT_SPLIT_CONFIG if split else QUANT_CONFIG
     if n // TILE_N > 64:
         return DecodeMatmulConfig(tile_k=128, max_concurrent_steps=4, wgmmas_in_flight=0)
@@ -211,26 +211,28 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     """Whether y = x[m, k] @ w[k, n] should run this kernel on this (GPU) backend: bf16 and per-channel
     fp8 weights (`weight_dtype`), at decode rows, of 64-96 column tiles. Per-channel int8 only when
     forced (`ATLASJAX_DECODE_MATMUL=on`): the 8B bs=1 step was no faster with it (3.40 against 3.39
-    ms, session 22; fp8 3.31 against 3.37)."""
+    ms, session 22; fp8 3.31 against 3.37). Per-channel int8 and fp8 also from WIDE_MIN_TILES tiles
+    on (the LM head, `_takes_wide`)."""
     tiles = n // TILE_N
     config = default_config(n, w_dtype=w_dtype, k=k)
-    takes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)) + ((jnp.dtype(jnp.int8),) if forced() else ())
-    return (enabled() and jnp.dtype(w_dtype) in takes
-            and jnp.dtype(x_dtype) == jnp.bfloat16
+    narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)) + ((jnp.dtype(jnp.int8),) if forced() else ())
+    return (enabled() and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
-            and (MIN_TILES <= tiles <= MAX_TILES or _takes_wide(tiles, w_dtype)))
+            and ((MIN_TILES <= tiles <= MAX_TILES and jnp.dtype(w_dtype) in narrow) or _takes_wide(tiles, w_dtype)))
 
 
 def _wide() -> str:
     """`ATLASJAX_DECODE_MATMUL_WIDE`, for A/B measurements of int8 / fp8 weights wider than MAX_TILES:
     "auto" (default): from WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
-    too); "split": any width, gate_up's as 2-block clusters over the halves of K."""
+    too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23)."""
     return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
 
 
 def _takes_wide(tiles: int, w_dtype) -> bool:
+    """int8 / fp8 weights of many waves of tiles (the LM head). fp8 at 8 rows on the H100 (session
+    23): 176.0 against XLA's 188.9 us, and 3.30 against 3.32 ms per 8B bs=1 step."""
     wide = _wide()
-    return jnp.dtype(w_dtype).itemsize == 1 and wide != "off" and (tiles >= WIDE_MIN_TILES or wide in ("on", "split"))
+    return jnp.dtype(w_dtype).itemsize == 1 and wide != "off" and (tiles >= WIDE_MIN_TILES or wide == "on")
 
 
 def _stage_rms_norm(x_smem, g_smem, ssq):
@@ -430,6 +432,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
                          f"1 <= M <= {MAX_ROWS}; got M={m}, K={k}, N={n}")
     if split > 1 and norm_scale is not None:
         raise ValueError("decode_matmul's RMSNorm prologue needs all of K in one block (k_split 1)")
+    if config.tile_k > NORM_MAX_TILE_K and norm_scale is not None:
+        raise ValueError(f"decode_matmul's RMSNorm prologue loads the norm scale in steps of at most "
+                         f"{NORM_MAX_TILE_K} (one TMA box); got tile_k {config.tile_k}")
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual {residual.shape} is not the product's shape {(m, n)}")
     if norm_scale is not None and norm_scale.shape != (k,):

@@ -185,6 +185,21 @@ def test_k_split_needs_whole_steps_and_no_norm():
                       config=DecodeMatmulConfig(tile_k=128, k_split=2), interpret=True)
     with pytest.raises(ValueError, match="k_split must be 1 or 2"):
         DecodeMatmulConfig(k_split=4)
+    with pytest.raises(ValueError, match="norm scale in steps of at most 256"):
+        decode_matmul(x[:, :256].repeat(2, axis=1), w[:256].repeat(2, axis=0), norm_scale=jnp.ones((512,), jnp.bfloat16),
+                      config=DecodeMatmulConfig(tile_k=512), interpret=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_interpret_wide_config_matches_reference(fmt, m):
+    """The LM head's config (`QUANT_WIDE_CONFIG`: 512-row steps, one wgmma in flight) on a small
+    weight of two steps, with f32 logits as the engine asks for them."""
+    x, w = _operands(m, 1024, 128, seed=m)
+    qw = _quantized(w, fmt)
+    y = decode_matmul(x, qw, out_dtype=jnp.float32, config=dm.QUANT_WIDE_CONFIG, interpret=True)
+    assert y.shape == (m, 128) and y.dtype == jnp.float32
+    assert _rel_err(y, decode_matmul_reference(x, qw, out_dtype=jnp.float32)) < 1e-5
 
 
 def test_quantized_weights_it_cannot_take():
@@ -220,6 +235,15 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
         assert not dm.pays(8, k, n, bf16, jnp.int8)   # int8: a step no faster than with XLA's GEMM
     assert not dm.pays(8, 4096, 28672, bf16, fp8)   # gate_up: XLA's GEMM
     assert not dm.pays(64, 4096, 4096, bf16, fp8)
+    for m in (1, 8, 32):   # the LM head (2004 tiles, many waves) in 512-row steps (session 23)
+        assert dm.pays(m, 4096, 128256, bf16, fp8)
+    assert dm.default_config(128256, w_dtype=fp8, k=4096) == dm.QUANT_WIDE_CONFIG
+    assert dm.pays(8, 4096, 128256, bf16, jnp.int8)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "off")   # the A/B switch: the session-22 rule
+    assert not dm.pays(8, 4096, 128256, bf16, fp8) and dm.pays(8, 4096, 4096, bf16, fp8)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "on")    # every width, gate_up too
+    assert dm.pays(8, 4096, 28672, bf16, fp8) and not dm.pays(8, 4096, 28672, bf16, bf16)
+    monkeypatch.delenv("ATLASJAX_DECODE_MATMUL_WIDE")
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
     assert dm.pays(8, 14336, 4096, bf16, jnp.int8)
     assert dm.default_config(4096, w_dtype=jnp.int8, k=14336).k_split == 2   # o_proj, down: 64 tiles
@@ -242,6 +266,12 @@ def test_prologue_pays_where_it_measured_faster(monkeypatch):
     assert dm.prologue_pays("swiglu", 8)
     assert not dm.prologue_pays("swiglu", 16)   # slower than XLA's silu * up kernel + the kernel
     assert dm.prologue_pays("rms_norm", 8, jnp.int8) and not dm.prologue_pays("swiglu", 8, jnp.int8)
+    # given the weight's shape: not where the config splits K or steps past one norm-scale box
+    fp8 = jnp.float8_e4m3fn
+    assert dm.prologue_pays("rms_norm", 8, fp8, 6144, 4096)          # qkv: 96 tiles, all of K per block
+    assert not dm.prologue_pays("rms_norm", 8, fp8, 4096, 4096)      # 64 tiles: a 2-block K split
+    assert not dm.prologue_pays("rms_norm", 8, fp8, 128256, 4096)    # the LM head's 512-row steps
+    assert dm.prologue_pays("rms_norm", 8, jnp.bfloat16, 4096, 4096)  # bf16 does not split
     monkeypatch.setenv("ATLASJAX_DECODE_PROLOGUE", "off")
     assert not dm.prologue_pays("rms_norm", 8) and not dm.prologue_pays("swiglu", 8)
 
@@ -372,23 +402,28 @@ def test_decode_step_through_the_fused_kernel_matches_the_model(monkeypatch):
     np.testing.assert_array_equal(fused.argmax(-1), reference.argmax(-1))
 
 
+@pytest.mark.parametrize("lm_head", [False, True], ids=["bf16_head", "quantized_head"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_quantized_decode_step_through_the_kernel(monkeypatch, fmt):
+def test_quantized_decode_step_through_the_kernel(monkeypatch, fmt, lm_head):
     """As the engine holds them (quantized per projection at load, then fused), per-channel weights
     of the widths the kernel takes go to it on an H100 (fp8 by default, int8 forced): here qkv,
     o_proj and down, with the tile range narrowed to exclude gate_up; down (K = 512) as a 2-block K
     split. The logits agree with XLA's path to quantized bf16 rounding (greedy tokens are not
-    compared: this random model has near-ties)."""
-    params = fuse_projections(quantize_params(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5), fmt))
+    compared: this random model has near-ties). A quantized LM head's f32 logits come from the
+    kernel too."""
+    params = fuse_projections(quantize_params(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5), fmt,
+                                              quantize_lm_head=lm_head))
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
     reference = _tiny_decode_step(params)()
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on" if fmt == "int8" else "auto")
     calls = []
-    _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append(x.shape), min_tiles=1)
+    _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append((x.shape, kw.get("out_dtype"))), min_tiles=1)
     monkeypatch.setattr(dm, "MAX_TILES", 8)    # qkv 8 tiles, o_proj and down 4; gate_up 16
     fused = _tiny_decode_step(params)()
-    # per layer qkv (normed), o_proj, down (SwiGLU by XLA first); then the bf16 LM head (4 tiles)
-    assert calls == [(2, 256), (2, 256), (2, 512)] * _KERNEL_CFG.num_layers + [(2, 256)]
+    # per layer qkv (normed), o_proj, down (SwiGLU by XLA first); then the LM head (4 tiles), f32
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert calls == [((2, 256), bf16), ((2, 256), bf16), ((2, 512), bf16)] * _KERNEL_CFG.num_layers + [((2, 256), f32)]
+    assert dm.weight_dtype(params["lm_head"]["kernel"]) == (params["lm_head"]["kernel"].qweight.dtype if lm_head else bf16)
     assert dm.default_config(256, w_dtype=params["layers_0"]["mlp"]["down_proj"]["kernel"].qweight.dtype,
                              k=512).k_split == 2   # down's config
     assert _rel_err(fused, reference) < 2e-2
@@ -458,3 +493,14 @@ def test_gpu_wide_weights_match_reference(fmt, m):
     w = w if fmt == "bf16" else _quantized(w, fmt)
     y = decode_matmul(x, w, out_dtype=jnp.float32)
     assert _rel_err(y, decode_matmul_reference(x, w, out_dtype=jnp.float32)) < 1e-4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 8, 32])
+def test_gpu_lm_head_matches_reference(fmt, m):
+    """The LM head's shape (2004 column tiles) in its default config (512-row steps), f32 logits."""
+    x, w = _operands(m, 4096, 128256)
+    qw = _quantized(w, fmt)
+    y = decode_matmul(x, qw, out_dtype=jnp.float32)
+    assert _rel_err(y, decode_matmul_reference(x, qw, out_dtype=jnp.float32)) < 1e-4
