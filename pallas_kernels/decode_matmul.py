@@ -39,7 +39,10 @@ down at bs=1 and bs=32; fp8 since session 22). Measured and left to XLA (session
 - Llama-3.2-1B (32-48 tiles): the kernel alone ran its qkv and o_proj in under half XLA's time,
   but the multi-step bs=1 step was no faster (1.21 against 1.18 ms);
 - wider weights (gate_up, the LM head) fill the GPU without a K split, and XLA's GEMM was 1-3%
-  faster there;
+  faster there in bf16. A per-channel int8 / fp8 LM head (2004 tiles) is the exception (session
+  23): in 512-row steps the kernel streams it at 98.5% of copy (fp8 176 against XLA's 189 us at 8
+  rows), so weights of `WIDE_MIN_TILES` or more take it. gate_up (448 tiles, 3.4 waves) stays on
+  XLA's GEMM: 45.0 against 43.0 us, and the fp8 step was slower with it (3.46 against 3.32 ms);
 - tensor-parallel partial sums (session 19, 2x H200 forced on, 8B TP=2 bs=1 with 4 steps per
   launch): 3.31-3.33 ms against 3.26 with XLA's GEMM.
 It runs on H100s only (`enabled`): on an H200 the same steps were no faster, or slower with the
