@@ -5,7 +5,8 @@ then a `jax.profiler` trace of STEPS steps, and reports per step: wall time, GPU
 kernel intervals), idle time between kernels, kernel count, and the kernels grouped by name.
 The same decode step dispatched back to back with inputs already on the device gives the floor.
 
-  JAX_PLATFORMS=cuda QUANT=int8 python notebooks/gpu_profile_step.py   (QUANT empty: bf16)
+  JAX_PLATFORMS=cuda QUANT=int8 [LM_HEAD=1] python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
+  LM_HEAD=1 quantizes the LM head too, as `bench --quantize-lm-head` does)
 Writes $OUT/profile_<quant or bf16><TAG>.json.
 """
 import collections
@@ -31,11 +32,14 @@ QUANT = os.environ.get("QUANT") or None
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 BS = int(os.environ.get("BS", "1"))
 TP = int(os.environ.get("TP", "1"))
+LM_HEAD = os.environ.get("LM_HEAD") == "1"
 use_process_flags(TP)   # as the engine would, before jax starts (atlasjax/step_options.py)
 STEPS = 10
 NAME = f"profile_{QUANT or 'bf16'}_bs{BS}_tp{TP}{os.environ.get('TAG', '')}"
-res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT, "bs": BS, "tp": TP,
-       "xla_flags": os.environ.get("XLA_FLAGS", "")}   # after use_process_flags
+res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT,
+       "lm_head_quantized": LM_HEAD, "bs": BS, "tp": TP,
+       "xla_flags": os.environ.get("XLA_FLAGS", ""),   # after use_process_flags
+       "env": {k: v for k, v in os.environ.items() if k.startswith("ATLASJAX_")}}
 
 
 def log(key, value):
@@ -98,6 +102,12 @@ def analyse(trace_dir, steps):
     around_attention = {off: {"us_median": float(np.median([d for _, d in v])),
                               "names": collections.Counter(n for n, _ in v).most_common(2)}
                         for off, v in sorted(around.items())}
+    # One layer, attention to attention: each position's kernel and its median duration over the
+    # middle layers, so a routing change shows per kernel.
+    starts = [j for j, e in enumerate(gpu) if "paged_decode_attention" in e["name"]]
+    spans = [gpu[a:b] for a, b in zip(starts, starts[1:]) if b - a == starts[len(starts) // 2 + 1] - starts[len(starts) // 2]]
+    one_layer = [(spans[0][p]["name"][:60], round(float(np.median([s[p]["dur"] for s in spans])), 2))
+                 for p in range(len(spans[0]))] if spans else []
     host = collections.Counter()
     host_n = collections.Counter()
     for e in events:
@@ -109,7 +119,7 @@ def analyse(trace_dir, steps):
             "gaps_over_5us_per_step": sum(1 for g in gaps if g > 5) / steps,
             "gap_ms_over_5us_per_step": sum(g for g in gaps if g > 5) / 1e3 / steps,
             "largest_gaps_us": [round(g, 1) for g in big_gaps],
-            "around_attention": around_attention,
+            "around_attention": around_attention, "one_layer": one_layer,
             "by_category_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in by_cat.most_common()},
             "top_kernels": [(n, count[n] / steps, round(d / 1e3 / steps, 4)) for n, d in by_name.most_common(40)],
             "top_host_events": [(n, host_n[n] / steps, round(d / 1e3 / steps, 4)) for n, d in host.most_common(40)]}
@@ -118,7 +128,7 @@ def analyse(trace_dir, steps):
 t0 = time.perf_counter()
 engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(BS, 8), max_model_len=1024, page_size=16,
                                 num_pages=max(BS, 8) * 16 + 8, max_num_batched_tokens=512, tensor_parallel_size=TP),
-                   load_preset(PRESET, jnp.bfloat16, QUANT, 0, TP))
+                   load_preset(PRESET, jnp.bfloat16, QUANT, 0, TP, quantize_lm_head=LM_HEAD))
 log("load_s", round(time.perf_counter() - t0, 1))
 rng = np.random.default_rng(0)
 params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
