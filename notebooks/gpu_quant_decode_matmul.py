@@ -8,7 +8,8 @@ memory: `stage_weight`) as fast as XLA's convert-fused GEMM, the engine's path f
 MODE=quant (default) times the kernel against XLA's GEMM, for each of FORMATS (default
 int8,int8mma,fp8; int8mma: int8 stored in mma order, session 21, pallas_kernels/int8_mma_order.py):
 over its configs at 8 rows for the formats in SWEEP (default int8mma; CONFIGS=a,b: only those;
-`_s2`: a 2-block cluster per tile over the halves of K, session 22), with the default (and the
+`_s2`: a 2-block cluster per tile over the halves of K, session 22; `_t`: only the tiles past the
+last full wave of blocks split that way, session 24), with the default (and the
 swept best) at 1-32 rows (ROW_COUNTS=8,1,16,32); then with its prologues and residual against XLA
 computing the same (qkv, gate_up, lm_head: norm; o_proj: residual; down: SwiGLU and residual).
 
@@ -34,7 +35,7 @@ from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
 from atlasjax.quantization import quantize
 from gpu_bf16_smem_gemv import ROWS, start, write   # the copy-bandwidth header and JSON write they share
 from models.deferred import SwiGLU, rms_norm
-from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config
+from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config, num_sms
 from pallas_kernels.gemm_tiling import interpret_params, swizzled
 from pallas_kernels.quant_format import codes_as_bf16, with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
@@ -44,6 +45,9 @@ QUANT_SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "down": (14336, 409
 WIDE_SHAPES = {"gate_up": (4096, 28672), "lm_head": (4096, 128256)}
 QUANT_CONFIGS = {f"k{k}_d{d}_r{r}{'_st' if st else ''}{'_s2' if s == 2 else ''}": DecodeMatmulConfig(k, d, r, st, s)
                  for k in (128, 256, 512) for d in (4, 6) for r in (0, 1) for st in (False, True) for s in (1, 2)}
+# `_t`: the tiles past the last full wave of blocks split over K (`tail_split_sms`, session 24)
+QUANT_CONFIGS |= {f"k{k}_d{d}_r{r}_t": DecodeMatmulConfig(k, d, r, False, 2, num_sms())
+                  for k in (256, 512) for d in (4, 6) for r in (0, 1)}
 
 
 def quant_main():

@@ -114,6 +114,10 @@ class DecodeMatmulConfig:
     # its f32 product to the first through distributed shared memory (pallas_kernels/cluster_sum.py).
     # Twice the blocks for the 64-tile weights, which otherwise run on 64 of the H100's 132 SMs.
     k_split: int = 1
+    # With k_split 2 and sms > 0: only the tiles past the last full wave of `sms` blocks split (the
+    # "tail"); the rest run whole, one per block, two blocks per cluster. For weights of a few waves
+    # (gate_up: 448 tiles on 132 SMs) the last wave then takes half a tile's time instead of a whole.
+    tail_split_sms: int = 0
 
     def __post_init__(self):
         if self.tile_k <= 0 or self.tile_k % 64:
@@ -122,6 +126,8 @@ class DecodeMatmulConfig:
             raise ValueError("need 0 <= wgmmas_in_flight < max_concurrent_steps")
         if self.k_split not in (1, 2):
             raise ValueError(f"k_split must be 1 or 2, got {self.k_split}")
+        if self.tail_split_sms < 0 or (self.tail_split_sms and self.k_split != 2):
+            raise ValueError("tail_split_sms needs k_split 2 and a positive SM count")
 
 
 def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | None = None) -> DecodeMatmulConfig:
@@ -137,6 +143,8 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | 
         tiles = n // TILE_N
         if tiles >= WIDE_MIN_TILES:
             return QUANT_WIDE_CONFIG
+        if tiles > MAX_TILES and _wide() == "tail" and (k is None or k % (2 * QUANT_WIDE_CONFIG.tile_k) == 0):
+            return dataclasses.replace(QUANT_WIDE_CONFIG, k_split=2, tail_split_sms=num_sms())
         split = tiles <= 64 and (k is None or k % (2 * QUANT_CONFIG.tile_k) == 0)
         return QUANT_SPLIT_CONFIG if split else QUANT_CONFIG
     if n // TILE_N > 64:
@@ -193,6 +201,11 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+def num_sms() -> int:
+    """The GPU's SM count (one block of the quantized kernel runs per SM); 132, an H100 SXM's, elsewhere."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16, n: int | None = None, k: int | None = None) -> bool:
     """Whether a matmul that `pays` should also compute its activations ("rms_norm" or "swiglu") in
     the kernel for m rows. The RMSNorm prologue was faster than XLA's norm kernel + the kernel at 8-32
@@ -227,7 +240,8 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
 def _wide() -> str:
     """`ATLASJAX_DECODE_MATMUL_WIDE`, for A/B measurements of int8 / fp8 weights wider than MAX_TILES:
     "auto" (default): from WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
-    too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23)."""
+    too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23); "tail": any width, with
+    the tiles past the last full wave split over K (`tail_split_sms`)."""
     return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
 
 
@@ -235,7 +249,7 @@ def _takes_wide(tiles: int, w_dtype) -> bool:
     """int8 / fp8 weights of many waves of tiles (the LM head). fp8 at 8 rows on the H100 (session
     23): 176.0 against XLA's 188.9 us, and 3.30 against 3.32 ms per 8B bs=1 step."""
     wide = _wide()
-    return jnp.dtype(w_dtype).itemsize == 1 and wide != "off" and (tiles >= WIDE_MIN_TILES or wide == "on")
+    return jnp.dtype(w_dtype).itemsize == 1 and wide != "off" and (tiles >= WIDE_MIN_TILES or wide in ("on", "tail"))
 
 
 def _stage_rms_norm(x_smem, g_smem, ssq):
@@ -267,10 +281,12 @@ def _when(cond, fn):
 
 
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
-                         stage_weight, k_split=1, mma_order=False, interpret=False):
+                         stage_weight, k_split=1, split_from=0, mma_order=False, interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]);
     with `k_split` 2, a cluster of two blocks, each over half of K, the first adding the second's
-    product before the epilogue (pallas_kernels/cluster_sum.py).
+    product before the epilogue (pallas_kernels/cluster_sum.py). With `split_from` > 0 the clusters
+    before it run two whole tiles instead (block b of cluster q: tile 2q + b, all of K), and cluster
+    q >= split_from splits tile split_from + q (the tail past the last full wave).
 
     Refs, in order: w_gmem, [K, N] bf16 (or, `quantized`, the per-channel int8 / fp8 weight stored
     [N, K]); x_gmem [m, K] (prologue "swiglu": [m, 2K], gate | up); scale_gmem [K] (prologue
@@ -296,12 +312,22 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     recv_smem = take(k_split > 1)
     spill_barrier, cluster_barrier = take(k_split > 1 and interpret), take(k_split > 1 and interpret)
 
-    cols = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
     m = x_gmem.shape[0]
-    part = lax.axis_index(cluster_sum.AXIS) if k_split > 1 else 0   # which half of K (k_split 2)
-    leader = part == 0 if k_split > 1 else None   # the block that runs the epilogue (None: the only one)
-    k_part = k // k_split
-    k_rows = pl.ds(part * k_part, k_part)
+    steps = k // tile_k
+    q = lax.axis_index("n")
+    whole = None   # (k_split 2, split_from > 0) whether this cluster's blocks each run a whole tile
+    if k_split == 1:
+        tile, leader, first_step, num_steps = q, None, 0, steps   # leader None: the only block
+    else:
+        part = lax.axis_index(cluster_sum.AXIS)   # which half of K
+        tile, leader, first_step, num_steps = q, part == 0, part * (steps // 2), steps // 2
+        if split_from:
+            whole = q < split_from
+            tile = jnp.where(whole, 2 * q + part, split_from + q)
+            leader = whole | (part == 0)   # the block that runs its tile's epilogue
+            first_step = jnp.where(whole, 0, first_step)
+            num_steps = jnp.where(whole, steps, num_steps)   # a dynamic pipeline grid
+    cols = pl.ds(tile * TILE_N, TILE_N)
 
     def fetch_epilogue_operands():   # in flight while the weight streams
         if with_residual:
@@ -311,23 +337,24 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     _when(leader, fetch_epilogue_operands)
     # Without a prologue the wgmma reads the x tile itself, so its release waits with the weight's.
     x_release = in_flight if prologue is None else 0
+    # Each spec's step s reads K step first_step + s of the block's columns.
     if quantized:   # the wgmma reads the converted tile (registers or staged), not this one
         w_bits = jnp.dtype(w_gmem.dtype).itemsize * 8
-        w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, s),
+        w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, first_step + s),
                                  transforms=swizzled(tile_k * w_bits, w_bits, "weight"))
-        w_operand = w_gmem.at[cols, k_rows]
+        w_operand = w_gmem.at[cols, :]
     else:
-        w_spec = plgpu.BlockSpec((tile_k, TILE_N), lambda s: (s, 0), delay_release=in_flight,
+        w_spec = plgpu.BlockSpec((tile_k, TILE_N), lambda s: (first_step + s, 0), delay_release=in_flight,
                                  transforms=swizzled(TILE_N * 16, 16, "weight"))
-        w_operand = w_gmem.at[k_rows, cols]
-    x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, s), delay_release=x_release,
+        w_operand = w_gmem.at[:, cols]
+    x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, first_step + s), delay_release=x_release,
                              transforms=swizzled(tile_k * 16, 16, "x"))
-    specs, operands = [w_spec, x_spec], [w_operand, x_gmem.at[:, k_rows]]
+    specs, operands = [w_spec, x_spec], [w_operand, x_gmem.at[:, pl.ds(0, k)]]
     if prologue == "swiglu":   # gate and up tiles from the two halves of x
         specs.append(x_spec)
-        operands = [w_operand, x_gmem.at[:, k_rows], x_gmem.at[:, pl.ds(k + part * k_part, k_part)]]
+        operands.append(x_gmem.at[:, pl.ds(k, k)])
     elif prologue == "rms_norm":
-        specs.append(plgpu.BlockSpec((tile_k,), lambda s: (s,)))
+        specs.append(plgpu.BlockSpec((tile_k,), lambda s: (first_step + s,)))
         operands.append(scale_gmem)
 
     def body(acc_ref):
@@ -356,7 +383,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
             plgpu.wgmma_wait(in_flight)
             return carry
 
-        pipeline = plgpu.emit_pipeline(step, grid=(k_part // tile_k,), in_specs=specs, max_concurrent_steps=depth,
+        pipeline = plgpu.emit_pipeline(step, grid=(num_steps,), in_specs=specs, max_concurrent_steps=depth,
                                        init_carry=(jnp.zeros((tile_k, m), jnp.float32)
                                                    if prologue == "rms_norm" else None))
         ssq = pipeline(*operands)
@@ -364,21 +391,25 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         return acc_ref[...], ssq
 
     acc, ssq = pl.run_scoped(body, plgpu.ACC((TILE_N, m), jnp.float32))
+    epilogue = functools.partial(_epilogue, ssq=ssq, ws_smem=ws_smem, ws_barrier=ws_barrier, r_smem=r_smem,
+                                 r_barrier=r_barrier, out_smem=out_smem, out_gmem=out_gmem.at[:, cols], k=k,
+                                 prologue=prologue, eps=eps)
     if k_split == 1:
-        return _epilogue(acc, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem.at[:, cols],
-                         k=k, prologue=prologue, eps=eps)
-    exchange = dict(interpret=interpret, spill_gmem=spill_gmem.at[cols] if interpret else None)
-    _when(part == 1, lambda: cluster_sum.hand_over(acc, recv_smem, **exchange))
-    cluster_sum.barrier(interpret=interpret, cluster_barrier=cluster_barrier)
+        return epilogue(acc)
 
-    @pl.when(leader)
-    def _():
-        total = acc + cluster_sum.take(recv_smem, spill_barrier=spill_barrier, **exchange)
-        _epilogue(total, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem.at[:, cols],
-                  k=k, prologue=prologue, eps=eps)
+    def sum_halves():   # both blocks of the cluster, then the first
+        exchange = dict(interpret=interpret, spill_gmem=spill_gmem.at[cols] if interpret else None)
+        _when(part == 1, lambda: cluster_sum.hand_over(acc, recv_smem, **exchange))
+        cluster_sum.barrier(interpret=interpret, cluster_barrier=cluster_barrier)
+        _when(part == 0, lambda: epilogue(acc + cluster_sum.take(recv_smem, spill_barrier=spill_barrier, **exchange)))
+    if whole is None:
+        sum_halves()
+    else:
+        _when(whole, lambda: epilogue(acc))
+        _when(~whole, sum_halves)
 
 
-def _epilogue(acc, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem, *, k, prologue, eps):
+def _epilogue(acc, *, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem, k, prologue, eps):
     """acc [TILE_N, m] f32 -> out_gmem [m, TILE_N]: channel scales, 1 / rms, rounding, residual."""
     if ws_smem is not None:   # each weight column's (output channel's) scale
         plgpu.barrier_wait(ws_barrier)
@@ -480,17 +511,22 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     if spill:
         out_type = (out_type, jax.ShapeDtypeStruct((n, m_pad), jnp.float32))
         scratch += [plgpu.Barrier(num_arrivals=1), plgpu.ClusterBarrier(collective_axes=(cluster_sum.AXIS,))]
+    # k_split 2: clusters of two blocks; with tail_split_sms, the first split_from of them run two
+    # whole tiles (the full waves of blocks), the rest one split tile each
+    tiles = n // TILE_N
+    sms = config.tail_split_sms
+    split_from = (tiles // sms * sms) // 2 if sms else 0
     used = fixed + staged + depth * per_step
     if quantized and used < ONE_BLOCK_PER_SM_SMEM:   # unused: keeps a second block off the SM
         scratch.append(plgpu.SMEM((ONE_BLOCK_PER_SM_SMEM - used,), jnp.int8))
     call = plgpu.kernel(
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
-                          quantized=quantized, stage_weight=stage_weight, k_split=split,
+                          quantized=quantized, stage_weight=stage_weight, k_split=split, split_from=split_from,
                           mma_order=quantized and w.mma_order, interpret=bool(interpret)),
         out_type=out_type,
         scratch_types=scratch,
-        grid=(n // TILE_N,), grid_names=("n",),
+        grid=(tiles - split_from,), grid_names=("n",),
         **(dict(cluster=(split,), cluster_names=(cluster_sum.AXIS,)) if split > 1 else {}),
         interpret=interpret_params(interpret),
         kernel_name=f"decode_matmul_{w.format}" if quantized else "decode_matmul",

@@ -504,3 +504,39 @@ def test_gpu_lm_head_matches_reference(fmt, m):
     qw = _quantized(w, fmt)
     y = decode_matmul(x, qw, out_dtype=jnp.float32)
     assert _rel_err(y, decode_matmul_reference(x, qw, out_dtype=jnp.float32)) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("sms,tiles", [(4, 10), (6, 10), (2, 4)])
+@pytest.mark.parametrize("prologue", [None, "swiglu"])
+def test_interpret_tail_split_matches_reference(fmt, sms, tiles, prologue):
+    """tail_split_sms: the tiles of the full waves of `sms` blocks run whole (two blocks per cluster,
+    each its own tile), the tail splits K over a cluster. 10 tiles on 4 SMs: 8 whole, 2 split; on 6:
+    6 whole, 4 split; 4 tiles on 2: none split. Every column must come out right."""
+    n = 64 * tiles
+    x, gate_up, _, w = _prologue_operands(3, 512, n, seed=tiles)
+    w = w if fmt == "bf16" else _quantized(w, fmt)
+    r = jnp.asarray(np.random.default_rng(sms).standard_normal((3, n)), jnp.bfloat16)
+    a, kw = (gate_up, dict(swiglu=True)) if prologue else (x, {})
+    config = DecodeMatmulConfig(tile_k=128, wgmmas_in_flight=1, k_split=2, tail_split_sms=sms)
+    y = decode_matmul(a, w, r, out_dtype=jnp.float32, config=config, interpret=True, **kw)
+    assert y.shape == (3, n)
+    assert _rel_err(y, decode_matmul_reference(a, w, r, jnp.float32, **kw)) < 1e-5
+    per_column = jnp.linalg.norm(y - decode_matmul_reference(a, w, r, jnp.float32, **kw), axis=0)
+    assert float(per_column.max()) < 1e-3 * float(jnp.linalg.norm(y, axis=0).min()) + 1e-3
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 8, 32])
+@pytest.mark.parametrize("sms", [132, 100])
+def test_gpu_tail_split_matches_reference(fmt, m, sms):
+    """gate_up's shape (448 tiles) with the tail past the full waves split over K: on 132 SMs 396
+    tiles whole and 52 split, on 100 SMs 400 and 48 (either way, every column must come out right)."""
+    x, w = _operands(m, 4096, 28672)
+    w = w if fmt == "bf16" else _quantized(w, fmt)
+    config = DecodeMatmulConfig(tile_k=512, wgmmas_in_flight=1, k_split=2, tail_split_sms=sms)
+    y = decode_matmul(x, w, out_dtype=jnp.float32, config=config)
+    ref = decode_matmul_reference(x, w, out_dtype=jnp.float32)
+    assert _rel_err(y, ref) < 1e-4
+    assert float(jnp.abs(y - ref).max()) < 1e-2 * float(jnp.abs(ref).max())   # no tile left out
