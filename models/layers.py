@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import flax.linen as nn
 import jax
@@ -47,10 +46,6 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
             operand, fused = materialize(x), {}
         return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     x = materialize(x)
-    rows = x.shape[0] if len(x.shape) == 2 else None
-    pad = max(0, _xla_min_rows() - rows) if rows is not None and _on_gpu() else 0
-    if pad:   # XLA's GEMM at fewer rows, padded (for A/B measurements: `_xla_min_rows`)
-        x = jnp.pad(x, ((0, pad), (0, 0)))
     if is_quantized(w):
         from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
         # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
@@ -59,19 +54,11 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
         y = quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype))
     else:
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
-    y = y[:rows] if pad else y
     return y if residual is None else residual + y
 
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
-
-
-def _xla_min_rows() -> int:
-    """`ATLASJAX_XLA_MIN_ROWS` (default 0): the rows that XLA's GEMMs get at least on a GPU, x padded
-    with zero rows and the product sliced back. For A/B measurements of decode steps with fewer rows
-    than the 8 that XLA's GEMM measured fastest at (H100, session 24)."""
-    return int(os.environ.get("ATLASJAX_XLA_MIN_ROWS", "0"))
 
 
 def given_or_param(module: nn.Module, name: str, init, axes: tuple[str, ...], shape: tuple[int, ...], dtype):

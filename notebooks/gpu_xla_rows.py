@@ -1,10 +1,12 @@
 """GPU: XLA's GEMM at a decode step's few rows against the same product padded to 8 rows (session 24).
 
-At bs=1 the engine hands XLA's GEMM one row. The quantized notebook (session 23) timed XLA's fp8
-gate_up at 47.9 us for 1 row and 43.2 us for 8: does padding x to 8 zero rows (and slicing the
-product back, as `ATLASJAX_XLA_MIN_ROWS=8` does in models/layers.py) make the GEMMs XLA keeps
-in a bs=1 step faster? Llama-3.1-8B's shapes, bf16 and per-channel int8 / fp8, CUPTI per call,
-weights rotated past the L2.
+The quantized notebook (session 23) timed XLA's fp8 gate_up at 47.9 us for 1 row and 43.2 us for
+8. Would padding x to 8 zero rows (and slicing the product back) make a bs=1 step's GEMMs faster?
+Llama-3.1-8B's shapes, bf16 and per-channel int8 / fp8, CUPTI per call, weights rotated past the L2.
+Answer (H100, session 24): XLA's GEMM is 2-9 us slower at 1 row than at 2-8 (int8 gate_up 51.5
+against 43.3 us), but the engine never hands it one row: a GPU engine runs at least 8 slots
+(atlasjax/engine.py), so its decode GEMMs already see 8 rows, and a bench with x padded in
+models/layers.py measured the same TPOT (fp8 3.301 / 3.301 ms).
 
   JAX_PLATFORMS=cuda PYTHONPATH=. python notebooks/gpu_xla_rows.py     # -> $OUT/xla_rows.json
 """

@@ -308,23 +308,6 @@ def test_model_matmul_routes_decode_rows_to_the_kernel(monkeypatch):
     assert calls == [(8, 256), (8, 256)]
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_xla_min_rows_pads_and_slices_back(monkeypatch, rows, fmt):
-    """`ATLASJAX_XLA_MIN_ROWS=8` (an A/B switch): on a GPU, XLA's GEMM gets x padded to 8 rows and
-    the product comes back with x's rows and values (up to the f32 summation order of another
-    GEMM algorithm), the residual added after."""
-    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
-    x, w = _operands(rows, 256, 128, seed=rows)
-    w = w if fmt == "bf16" else quantize(w.astype(jnp.float32), fmt)
-    r = jnp.ones((rows, 128), jnp.bfloat16)
-    plain = layers.matmul(x, w, jnp.float32, residual=r)
-    monkeypatch.setenv("ATLASJAX_XLA_MIN_ROWS", "8")
-    padded = layers.matmul(x, w, jnp.float32, residual=r)
-    assert padded.shape == (rows, 128)
-    np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), rtol=1e-4, atol=1e-5)
-
-
 def test_model_matmul_routes_per_channel_quantized_weights(monkeypatch):
     """On an H100, fp8 per-channel weights take the kernel like bf16 ones (int8 ones when forced), with
     the RMSNorm prologue but SwiGLU computed by XLA first (it measured slower in the quantized
