@@ -70,6 +70,13 @@ on the kernel: 3.31 against 3.37 ms, so fp8 takes it by default on the H100; int
 12.90 / 39.38 us). The SwiGLU prologue stays bf16-only: on int8 down it cost 1.2-1.7 us more than
 XLA's silu * up kernel before the kernel.
 
+The tail split (session 24, `tail_split_sms`, opt-in: `ATLASJAX_DECODE_MATMUL_WIDE=tail`): a weight of
+a few waves of tiles (gate_up: 448 tiles on 132 SMs, 3.4 waves) runs its full waves whole, two
+blocks per cluster each on its own tile, and splits only the tail's tiles over K, so that the last
+wave lasts half a tile. On the H100 at 8 rows fp8 gate_up took 44.1 us against 45.0 unsplit and
+XLA's 43.2 (1 row: 44.6 against XLA's 47.9); in the 8B bs=1 step it was slower, as gate_up on the
+kernel was in session 23: fp8 3.373 against 3.301 ms, int8 3.493 against 3.382.
+
 int8 weights in mma order (session 21, opt-in: `quant_format.with_mma_order`): each thread loads
 its eight bytes of a 32-column block as one 64-bit word and converts them without shuffles
 (pallas_kernels/int8_mma_order.py). On the H100 at 8 rows: o_proj 10.2 us, down 28.0, qkv 11.5
@@ -241,7 +248,8 @@ def _wide() -> str:
     """`ATLASJAX_DECODE_MATMUL_WIDE`, for A/B measurements of int8 / fp8 weights wider than MAX_TILES:
     "auto" (default): from WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
     too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23); "tail": any width, with
-    the tiles past the last full wave split over K (`tail_split_sms`)."""
+    the tiles past the last full wave split over K (`tail_split_sms`; the fp8 step was slower too:
+    3.373 against 3.301 ms, session 24)."""
     return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
 
 

@@ -185,6 +185,8 @@ def test_k_split_needs_whole_steps_and_no_norm():
                       config=DecodeMatmulConfig(tile_k=128, k_split=2), interpret=True)
     with pytest.raises(ValueError, match="k_split must be 1 or 2"):
         DecodeMatmulConfig(k_split=4)
+    with pytest.raises(ValueError, match="tail_split_sms needs k_split 2"):
+        DecodeMatmulConfig(tail_split_sms=132)
     with pytest.raises(ValueError, match="norm scale in steps of at most 256"):
         decode_matmul(x[:, :256].repeat(2, axis=1), w[:256].repeat(2, axis=0), norm_scale=jnp.ones((512,), jnp.bfloat16),
                       config=DecodeMatmulConfig(tile_k=512), interpret=True)
@@ -243,6 +245,11 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     assert not dm.pays(8, 4096, 128256, bf16, fp8) and dm.pays(8, 4096, 4096, bf16, fp8)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "on")    # every width, gate_up too
     assert dm.pays(8, 4096, 28672, bf16, fp8) and not dm.pays(8, 4096, 28672, bf16, bf16)
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "tail")  # gate_up with its tail split over K
+    assert dm.pays(8, 4096, 28672, bf16, jnp.int8)
+    tail = dm.default_config(28672, w_dtype=fp8, k=4096)
+    assert (tail.k_split, tail.tail_split_sms, tail.tile_k) == (2, dm.num_sms(), 512)
+    assert dm.default_config(128256, w_dtype=fp8, k=4096) == dm.QUANT_WIDE_CONFIG   # the LM head: unsplit
     monkeypatch.delenv("ATLASJAX_DECODE_MATMUL_WIDE")
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
     assert dm.pays(8, 14336, 4096, bf16, jnp.int8)
