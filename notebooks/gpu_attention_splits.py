@@ -1,10 +1,11 @@
-"""GPU: a bs=1 decode step's attention (with the K/V write) at short contexts, per number of context splits.
+"""GPU: a bs=1 decode step's attention at short contexts, per number of context splits.
 
 The engine splits each sequence's context into about one wave of programs (17 on an H100 for 8 KV
 heads) and merges the splits in an XLA kernel after (1.4-1.6 us per layer, docs/performance.md).
 At a short context most splits are empty: would one split (no merge kernel) or a few be as fast?
 8 slots with one active (as the engine runs bs=1 on a GPU), Llama-3.1-8B's heads, page table of
-max_model_len 1024, CUPTI time of every kernel of one call (attention and merge).
+max_model_len 1024, CUPTI time of every kernel of one call (attention and merge). Without the
+fused K/V write: undonated here, its pools would be copied whole on every call.
 
   JAX_PLATFORMS=cuda PYTHONPATH=. [LENS=140,256,1000] python notebooks/gpu_attention_splits.py
 """
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax.bench_kernels_quant import device_ms
-from pallas_kernels.paged_attention import paged_decode_attention_and_write
+from pallas_kernels.paged_attention import paged_decode_attention
 
 SLOTS, KV_HEADS, GROUP, HEAD_DIM, PAGE, MAX_LEN = 8, 8, 4, 128, 16, 1024
 
@@ -27,18 +28,17 @@ def main():
     kp, vp = (jnp.asarray(rng.standard_normal((KV_HEADS, pages, PAGE, HEAD_DIM)), jnp.bfloat16) for _ in range(2))
     table = jnp.arange(pages, dtype=jnp.int32).reshape(SLOTS, -1)
     q = jnp.asarray(rng.standard_normal((SLOTS, KV_HEADS * GROUP, HEAD_DIM)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((SLOTS, KV_HEADS, HEAD_DIM)), jnp.bfloat16) for _ in range(2))
     results = []
     for length in map(int, os.environ.get("LENS", "140,256,1000").split(",")):
         lens = jnp.zeros((SLOTS,), jnp.int32).at[0].set(length)
         row = dict(context=length)
         ref = None
         for splits in (None, 1, 2, 4, 8):
-            fn = jax.jit(lambda q, k, v, kp, vp, n=splits: paged_decode_attention_and_write(
-                q, k, v, kp, vp, table, lens, backend="pallas", num_splits=n)[0])
-            out = np.asarray(fn(q, k, v, kp, vp), np.float32)
+            fn = jax.jit(lambda q, kp, vp, n=splits: paged_decode_attention(
+                q, kp, vp, table, lens, backend="pallas", num_splits=n))
+            out = np.asarray(fn(q, kp, vp), np.float32)
             ref = out if ref is None else ref
-            row[f"splits_{splits or 'default'}_us"] = round(device_ms(fn, q, k, v, kp, vp) * 1e3, 2)
+            row[f"splits_{splits or 'default'}_us"] = round(device_ms(fn, q, kp, vp) * 1e3, 2)
             row[f"splits_{splits or 'default'}_diff"] = float(np.abs(out - ref).max())
         print(json.dumps(row), flush=True)
         results.append(row)
