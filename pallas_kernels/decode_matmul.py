@@ -99,7 +99,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum, int8_mma_order
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, swizzled
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
@@ -206,11 +206,6 @@ def forced() -> bool:
 
 def device_kind() -> str:
     return jax.devices()[0].device_kind
-
-
-def num_sms() -> int:
-    """The GPU's SM count (one block of the quantized kernel runs per SM); 132, an H100 SXM's, elsewhere."""
-    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16, n: int | None = None, k: int | None = None) -> bool:
