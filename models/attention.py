@@ -7,11 +7,14 @@ tile). A token's flat slot is `page * page_size + offset`; slot >= num_pages * p
 """
 from __future__ import annotations
 
+import os
+
 import flax.struct
 import jax
 
 from pallas_kernels.kv_write import write_kv
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_and_write
+from pallas_kernels.paged_attention import (paged_decode_attention, paged_decode_attention_and_write,
+                                            paged_decode_attention_rope_and_write)
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
 
@@ -59,3 +62,19 @@ def write_and_attend(q, k, v, kv, meta: AttentionMetadata, *, backend: str = "au
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
     return attention(q, k_pages, v_pages, meta, backend=backend), (k_pages, v_pages)
+
+
+def rope_in_kernel() -> bool:
+    """Whether decode steps hand the raw qkv projections to the attention kernel, which applies RoPE
+    itself (pallas_kernels/rope.py); `ATLASJAX_ATTENTION_ROPE=off` rotates them in XLA first, for
+    A/B measurements."""
+    return os.environ.get("ATLASJAX_ATTENTION_ROPE", "").lower() not in ("off", "0", "false")
+
+
+def rope_write_and_attend(qkv, tables, kv, meta: AttentionMetadata, *, num_heads: int, backend: str = "auto"):
+    """A decode step's `write_and_attend` from the raw projections qkv [seqs, (num_heads + 2 kv_heads)
+    * head_dim] and `rope_tables(positions, inv_freq)`: RoPE, the K/V write and attention in the
+    kernel where it can (`can_fuse_rope`), else rotated first, with the same result."""
+    out, k_pages, v_pages = paged_decode_attention_rope_and_write(qkv, tables, *kv, meta.page_table, meta.seq_lens,
+                                                                  num_heads=num_heads, backend=backend)
+    return out, (k_pages, v_pages)

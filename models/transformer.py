@@ -18,10 +18,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import AttentionMetadata, write_and_attend
+from models.attention import AttentionMetadata, rope_in_kernel, rope_write_and_attend, write_and_attend
 from models.deferred import materialize
 from models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inv_freq
 from models.parallel import Parallel
+from pallas_kernels.rope import rope_tables
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]   # per layer (k_pages, v_pages)
 
@@ -33,32 +34,37 @@ class Attention(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, positions, kv, meta: AttentionMetadata, residual=None):
-        """-> (o_proj output + residual (when given), kv)."""
+    def __call__(self, x, positions, kv, meta: AttentionMetadata, residual=None, rope=None):
+        """-> (o_proj output + residual (when given), kv). rope: the step's `rope_tables` (decode steps)."""
         cfg = self.cfg
         t = x.shape[0]
         hd = cfg.head_dim
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
-        if self.has_variable("params", "qkv_proj"):   # the runner's fused layout (models/fused.py)
+        fused = self.has_variable("params", "qkv_proj")   # the runner's fused layout (models/fused.py)
+        if fused:
             # x may be a deferred RMSNormed (models/deferred.py), for the qkv matmul to compute
             qkv = linear(0, ("embed", "heads"), cfg.qkv_bias, name="qkv_proj")(x)
             nq = cfg.num_heads * hd // self.parallel.shards("heads")
-            q, k, v = jnp.split(qkv, [nq, nq + (qkv.shape[-1] - nq) // 2], axis=-1)
+        if fused and rope is not None and not cfg.qk_norm:   # RoPE in the attention kernel
+            out, kv = rope_write_and_attend(qkv, rope, kv, meta, num_heads=nq // hd, backend=self.attn_backend)
         else:
-            x = materialize(x)
-            q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x)
-            k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(x)
-            v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(x)
-        q = q.reshape(t, -1, hd)   # [tokens, heads (this shard's), head_dim]
-        k = k.reshape(t, -1, hd)   # [tokens, kv_heads (this shard's), head_dim]
-        v = v.reshape(t, -1, hd)
-        if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)
-        inv_freq = rope_inv_freq(cfg)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend)   # K/V land in the donated pool
+            if fused:
+                q, k, v = jnp.split(qkv, [nq, nq + (qkv.shape[-1] - nq) // 2], axis=-1)
+            else:
+                x = materialize(x)
+                q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x)
+                k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(x)
+                v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(x)
+            q = q.reshape(t, -1, hd)   # [tokens, heads (this shard's), head_dim]
+            k = k.reshape(t, -1, hd)   # [tokens, kv_heads (this shard's), head_dim]
+            v = v.reshape(t, -1, hd)
+            if cfg.qk_norm:
+                q = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="q_norm")(q)
+                k = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)
+            inv_freq = rope_inv_freq(cfg)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend)   # K/V land in the donated pool
         out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1), residual)
         return out, kv
 
@@ -70,14 +76,14 @@ class DecoderLayer(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, positions, kv, meta):
+    def __call__(self, x, positions, kv, meta, rope=None):
         cfg = self.cfg
         # The norms go to the projections after them as deferred activations and the residual adds
         # into the projections (x + o_proj(...), x + down(...)): a decode matmul kernel can take the
         # norm into its prologue and the add into its epilogue (models/deferred.py).
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="input_layernorm")(x, deferred=True)
         x, kv = Attention(cfg, self.attn_backend, self.dtype, self.parallel, name="self_attn")(
-            h, positions, kv, meta, residual=x)
+            h, positions, kv, meta, residual=x, rope=rope)
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="post_attention_layernorm")(x, deferred=True)
         x = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.parallel, name="mlp")(h, residual=x)
         return x, kv
@@ -102,10 +108,12 @@ class Transformer(nn.Module):
     def __call__(self, tokens, positions, kv_caches: KVCache, meta: AttentionMetadata):
         """tokens, positions: [num_tokens] int32 -> (hidden [num_tokens, embed], kv_caches)."""
         x = self.embed_tokens(tokens)
+        # A decode step's RoPE tables, once for all layers, for attention kernels that rotate q and k
+        rope = rope_tables(positions, rope_inv_freq(self.cfg)) if meta.is_decode and rope_in_kernel() else None
         new_caches = []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                x, kv = layer(x, positions, kv_caches[i], meta)
+                x, kv = layer(x, positions, kv_caches[i], meta, rope)
             new_caches.append(kv)
         return self.norm(x), tuple(new_caches)
 

@@ -33,15 +33,20 @@ def store_token_kv(load_rows, k_ref, v_ref, table_ref, seq, kv_head, pos, *, num
     sequence `seq`, waiting until the stores have landed. `load_rows(rows, bar)` issues the
     `num_loads` TMA loads (on barrier `bar`) that put K in row 0 and V in row 1 of `rows`, a
     [2, head_dim] shared-memory tile."""
-    num_pages, page_size, head_dim = k_ref.shape[1:]
-    page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
-    row = pl.ds(lax.rem(pos, page_size), 1)
-
     def copy(rows, bar):
         load_rows(rows, bar)
         plgpu.barrier_wait(bar)
-        plgpu.copy_smem_to_gmem(rows.at[pl.ds(0, 1)], k_ref.at[kv_head, page, row])
-        plgpu.copy_smem_to_gmem(rows.at[pl.ds(1, 1)], v_ref.at[kv_head, page, row])
-        plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(copy, plgpu.SMEM((2, head_dim), k_ref.dtype),
+        store_token_rows(rows, k_ref, v_ref, table_ref, seq, kv_head, pos)
+    pl.run_scoped(copy, plgpu.SMEM((2, k_ref.shape[-1]), k_ref.dtype),
                   plgpu.Barrier(num_arrivals=num_loads, num_barriers=1))
+
+
+def store_token_rows(rows, k_ref, v_ref, table_ref, seq, kv_head, pos):
+    """In a Mosaic GPU kernel: rows [2, head_dim] (shared memory: K, then V) into the page slot of
+    position `pos` of sequence `seq`, waiting until the stores have landed."""
+    num_pages, page_size = k_ref.shape[1:3]
+    page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
+    row = pl.ds(lax.rem(pos, page_size), 1)
+    plgpu.copy_smem_to_gmem(rows.at[pl.ds(0, 1)], k_ref.at[kv_head, page, row])
+    plgpu.copy_smem_to_gmem(rows.at[pl.ds(1, 1)], v_ref.at[kv_head, page, row])
+    plgpu.wait_smem_to_gmem(0)

@@ -33,7 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_write import decode_slots, store_token_kv, write_kv
+from pallas_kernels import rope
+from pallas_kernels.kv_write import decode_slots, store_token_kv, store_token_rows, write_kv
 from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
                                            positions_before, resolve_interpret)
 
@@ -43,14 +44,21 @@ _LOG2E = math.log2(math.e)
 _NUM_SMS = 132   # H100 SXM: one wave of programs
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
-                   num_splits, num_stages, sm_scale, p_in_smem, writes):
-  """One program: one KV head x one split of the context x one sequence. q_ref's tile has
-  `q_rows` (a multiple of 8) rows: the query heads, then padding; with `writes` its last two rows
-  hold the new token's K and V, written into k_ref / v_ref first. Only those rows of the 64-row
-  shared-memory tile are loaded and only they are stored back (o_ref, lse_ref have q_rows rows)."""
+def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
+                   num_splits, num_stages, sm_scale, p_in_smem, writes, num_heads=None):
+  """One program: one KV head x one split of the context x one sequence. Its query tile has
+  `q_rows` (a multiple of 8) rows: the query heads, then padding. Only those rows of the 64-row
+  shared-memory tile are loaded and only they are stored back (o_ref, lse_ref have q_rows rows).
+
+  rope_ref None: q_ref holds the prepared tiles [seqs, kv_heads, q_rows, D]; with `writes` their
+  last two rows hold the new token's K and V, written into k_ref / v_ref first.
+  rope_ref [seqs, 2, 2, D] (pallas_kernels/rope.py): q_ref is the raw projections [seqs, num_heads +
+  2 kv_heads, D]. The tile is the q_rows rows from the multiple of 8 at or before the KV head's
+  first query head (`_rope_row_offsets`; the other rows belong to other heads and are discarded as
+  padding is), rotated in shared memory; the new K is rotated before it is written."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
-  q_rows, head_dim = q_ref.shape[-2:]
+  q_rows, head_dim = o_ref.shape[-2:]
+  num_kv_heads = k_ref.shape[0]
   dtype = k_ref.dtype
   pages_per_block = block_kv // page_size
   seq_len = lens_ref[seq]
@@ -60,7 +68,15 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
   start = split * split_len
   end = jnp.minimum(seq_len, start + split_len)
   num_steps = jnp.maximum(pl.cdiv(end - start, block_kv), 0)
+  pos = seq_len - 1   # the new token's
+  # The split that holds the new token's position writes its K/V, before any of its page loads.
+  writer = (seq_len > 0) & (pos >= start) & (pos < start + split_len)
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  if rope_ref is None:
+    q_tile = q_ref.at[seq, kv_head]
+  else:   # a tiled TMA load starts at a multiple of 8 rows
+    first_row = pl.multiple_of(lax.div(kv_head * (num_heads // num_kv_heads), 8) * 8, 8)
+    q_tile = q_ref.at[seq, pl.ds(first_row, q_rows)]
 
   def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
     def fetch(step, slot):
@@ -72,27 +88,42 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
                             head_dim=head_dim)
 
   def write_new_token():
-    """Copy the new token's K and V rows into their page (the split that holds the position
-    does it, before any of its page loads), waiting until the stores have landed."""
-    pos = seq_len - 1
+    """Copy the new token's K and V rows (the q tile's last two) into their page, waiting until
+    the stores have landed."""
+    def load(rows, bar):
+      plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(q_rows - 2, 2)], rows, bar)
+    pl.when(writer)(lambda: store_token_kv(load, k_ref, v_ref, table_ref, seq, kv_head, pos))
 
-    @pl.when((seq_len > 0) & (pos >= start) & (pos < start + split_len))
-    def _():
-      def load(rows, bar):   # the q tile's last two rows are the new K and V
-        plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(q_rows - 2, 2)], rows, bar)
-      store_token_kv(load, k_ref, v_ref, table_ref, seq, kv_head, pos)
-
-  def body(q_smem, q_bar):
+  def body(q_smem, q_bar, *rope_scratch):
     @pl.when(num_steps > 0)
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem.at[pl.ds(0, q_rows)], q_bar)
+      plgpu.copy_gmem_to_smem(q_tile, q_smem.at[pl.ds(0, q_rows)], q_bar)
+      if rope_ref is not None:
+        plgpu.copy_gmem_to_smem(rope_ref.at[seq], rope_scratch[0], q_bar)
 
-    if writes:
-      write_new_token()   # overlaps the q load
+    if rope_ref is None:
+      if writes:
+        write_new_token()   # overlaps the q load
+      pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(q_bar))
+    else:
+      tables_smem, kv_smem, swapped_smem, kv_bar = rope_scratch
+      if writes:   # the K/V loads overlap the q tile's
+        pl.when(writer)(lambda: rope.load_token_kv(q_ref, seq, num_heads + kv_head, num_heads + num_kv_heads + kv_head,
+                                              kv_smem, swapped_smem, kv_bar))
 
-    @pl.when(num_steps > 0)
-    def _():
-      plgpu.barrier_wait(q_bar)
+      @pl.when(num_steps > 0)
+      def _():
+        plgpu.barrier_wait(q_bar)
+        rope.rotate_query_tile(q_smem, tables_smem, q_rows)
+        plgpu.commit_smem()
+
+      if writes:
+        @pl.when(writer)
+        def _():
+          plgpu.barrier_wait(kv_bar)
+          rope.rotate_token_kv(kv_smem, swapped_smem, tables_smem)
+          plgpu.commit_smem()
+          store_token_rows(kv_smem, k_ref, v_ref, table_ref, seq, kv_head, pos)
 
     acc, m_i, l_i = pl.run_scoped(
         functools.partial(attend, q_smem),
@@ -120,28 +151,41 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, 
         plgpu.wait_smem_to_gmem(0)
       pl.run_scoped(store_lse, plgpu.SMEM((_ROWS,), jnp.float32))
 
+  rope_scratch = () if rope_ref is None else (
+      plgpu.SMEM(rope_ref.shape[1:], jnp.float32), plgpu.SMEM((2, head_dim), dtype), plgpu.SMEM((2, head_dim), dtype),
+      plgpu.Barrier(num_arrivals=rope.LOADS, num_barriers=1))
   pl.run_scoped(body, plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms),
-                plgpu.Barrier(num_barriers=1))
+                plgpu.Barrier(num_arrivals=1 + (rope_ref is not None), num_barriers=1), *rope_scratch)
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_kv,
-                   num_splits, num_stages, interpret, new_kv=None):
-  """The kernel call: out, or (out, k_pages, v_pages) with the new K/V written when new_kv = (k, v)."""
-  writes = new_kv is not None
-  num_seqs, num_heads, head_dim = q.shape
+                   num_splits, num_stages, interpret, new_kv=None, tables=None, num_heads=None):
+  """The kernel call: out, or (out, k_pages, v_pages) with the new K/V written when new_kv = (k, v).
+  With `tables` (rope.rope_tables), q is the raw projections [seqs, num_heads + 2 kv_heads, D]:
+  the kernel rotates q and the new K, and writes K/V too."""
+  writes = new_kv is not None or tables is not None
+  offsets = None   # where each KV head's query rows start in its tile: row 0
+  num_seqs, _, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
+  num_heads = num_heads or q.shape[1]
   group = num_heads // num_kv_heads
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
   num_splits = max(1, min(num_splits, max_blocks))
   num_stages = max(1, min(num_stages, pl.cdiv(max_blocks, num_splits)))
-  # The query heads of each KV head, padded to a multiple of 8 rows (the tile's TMA granule;
-  # the kernel's wgmma tile is 64 rows, but only these are loaded and stored); the new K/V, when
-  # written, take the last two rows (their scores are computed and discarded).
-  q_rows = pl.cdiv(group + 2 * writes, 8) * 8
-  qg = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_rows - group - 2 * writes), (0, 0)))
-  if writes:
-    qg = jnp.concatenate([qg, *(x.astype(qg.dtype)[:, :, None] for x in new_kv)], axis=2)
+  if tables is None:
+    # The query heads of each KV head, padded to a multiple of 8 rows (the tile's TMA granule;
+    # the kernel's wgmma tile is 64 rows, but only these are loaded and stored); the new K/V, when
+    # written, take the last two rows (their scores are computed and discarded).
+    q_rows = pl.cdiv(group + 2 * writes, 8) * 8
+    qg = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_rows - group - 2 * writes), (0, 0)))
+    if writes:
+      qg = jnp.concatenate([qg, *(x.astype(qg.dtype)[:, :, None] for x in new_kv)], axis=2)
+    inputs = (qg,)
+  else:
+    offsets = _rope_row_offsets(group, num_kv_heads)
+    q_rows = _rope_q_rows(group, num_kv_heads)
+    inputs = (q.astype(k_pages.dtype), tables.astype(jnp.float32))
   # The page table is padded so the last block's page lookups stay in bounds.
   pages_needed = max_blocks * (block_kv // page_size)
   table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))
@@ -152,9 +196,11 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     out_type.append(jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, q_rows), jnp.float32))
 
   def paged_decode_attention_kernel(*refs):  # named so profiles are readable
+    refs = refs if tables is not None else (refs[0], None, *refs[1:])
     refs = refs if split_out else (*refs, None)
     _decode_kernel(*refs, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
-                   num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes)
+                   num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes,
+                   num_heads=num_heads)
   call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
@@ -163,22 +209,41 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   )
   if writes:
     k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)   # written in place by the kernel
-    outs = call(qg, k_ref, v_ref, table, seq_lens)
+    outs = call(*inputs, k_ref, v_ref, table, seq_lens)
     k_pages, v_pages = jax.freeze(k_ref), jax.freeze(v_ref)
   else:
-    outs = call(qg, k_pages, v_pages, table, seq_lens)
+    outs = call(*inputs, k_pages, v_pages, table, seq_lens)
   if split_out:
-    out = _combine_splits(*outs, group)
+    out = _combine_splits(*outs, group, offsets)
   else:
-    out = outs[0][:, :, 0, :group]
+    out = _query_rows(outs[0][:, :, 0], group, offsets, 2)
   out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
   return (out, k_pages, v_pages) if writes else out
 
 
-def _combine_splits(out, lse, group):
-  """Merges the per-split partials: out [..., splits, rows, D] f32 normalized, lse [..., splits, rows]
-  base 2 -> [..., group, D]. An empty split (lse -inf) has no stored partial and weighs nothing."""
-  out, lse = out[..., :group, :], lse[..., :group]
+def _rope_row_offsets(group, num_kv_heads):
+  """Reading the raw projections, KV head h's tile starts at the multiple of 8 at or before its
+  first query head (row h * group): its query heads start at row offsets[h] of the tile."""
+  return tuple(h * group % 8 for h in range(num_kv_heads))
+
+
+def _rope_q_rows(group, num_kv_heads):
+  """The query tile's rows when the kernel reads them from the raw projections."""
+  return max(pl.cdiv(r + group, 8) * 8 for r in _rope_row_offsets(group, num_kv_heads))
+
+
+def _query_rows(x, group, offsets, axis):
+  """x [seqs, kv_heads, ...] -> each KV head's `group` query rows along `axis`, from offsets[h] (None: 0)."""
+  if offsets is None or not any(offsets):
+    return lax.slice_in_dim(x, 0, group, axis=axis)
+  return jnp.stack([lax.slice_in_dim(x[:, h], r, r + group, axis=axis - 1) for h, r in enumerate(offsets)], axis=1)
+
+
+def _combine_splits(out, lse, group, offsets=None):
+  """Merges the per-split partials: out [seqs, kv_heads, splits, rows, D] f32 normalized, lse [...,
+  splits, rows] base 2 -> [seqs, kv_heads, group, D]. An empty split (lse -inf) has no stored
+  partial and weighs nothing."""
+  out, lse = _query_rows(out, group, offsets, 3), _query_rows(lse, group, offsets, 3)
   lse_max = lse.max(axis=-2, keepdims=True)
   weights = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))
   denom = jnp.maximum(weights.sum(axis=-2), 1e-30)
@@ -260,6 +325,48 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, new_kv=(k, v), **plan)
+
+
+def can_fuse_rope(num_heads, k_pages, head_dim):
+  """Whether the kernel can read the raw projections and rotate them itself: each half of a head a
+  whole shared-memory tile, the projection rows whole tiles of 8 (the tiled TMA load's), and every
+  KV head's query tile inside them."""
+  num_kv_heads = k_pages.shape[0]
+  group = num_heads // num_kv_heads
+  last_tile = (num_kv_heads - 1) * group - _rope_row_offsets(group, num_kv_heads)[-1]
+  return (head_dim in rope.HEAD_DIMS and (num_heads + 2 * num_kv_heads) % 8 == 0   # whole tiles of 8 rows (TMA)
+          and last_tile + _rope_q_rows(group, num_kv_heads) <= num_heads + 2 * num_kv_heads)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("num_heads",))
+def paged_decode_attention_rope_and_write(qkv, tables, k_pages, v_pages, page_table, seq_lens, *, num_heads,
+                                          sm_scale=None, backend="auto", interpret=False, block_kv=None,
+                                          num_splits=None, num_stages=None):
+  """RoPE, the K/V write and attention of a decode step from the raw projections.
+
+  qkv: [num_seqs, (num_heads + 2 num_kv_heads) * head_dim], q | k | v as the fused qkv matmul
+  gives them; tables: `rope.rope_tables(positions, inv_freq)` [num_seqs, 2, 2, head_dim].
+  Equivalent to rotating q and k as models/layers.py `apply_rope` does and calling
+  `paged_decode_attention_and_write`; on the Pallas path where `can_fuse_rope` holds, the kernel
+  does the rotation itself (one XLA fusion fewer before it per layer). Returns (out [num_seqs,
+  num_heads, head_dim], k_pages, v_pages).
+  """
+  num_seqs = qkv.shape[0]
+  head_dim = k_pages.shape[-1]
+  num_kv_heads = k_pages.shape[0]
+  if qkv.shape[-1] != (num_heads + 2 * num_kv_heads) * head_dim or tables.shape != (num_seqs, 2, 2, head_dim):
+    raise ValueError(f"bad projections or RoPE tables {qkv.shape=} {tables.shape=} for {num_heads=} {k_pages.shape=}")
+  qkv = qkv.reshape(num_seqs, -1, head_dim)
+  backend, interpret = resolve_interpret(backend, interpret)
+  q, k, v = jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=1)
+  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
+  if plan is None or not can_fuse_rope(num_heads, k_pages, head_dim):
+    q, k = rope.rope_from_tables(q, tables), rope.rope_from_tables(k, tables)
+    return paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale,
+                                            backend=backend, interpret=interpret, block_kv=block_kv,
+                                            num_splits=num_splits, num_stages=num_stages)
+  return _decode_pallas(qkv, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                        interpret=interpret, tables=tables, num_heads=num_heads, **plan)
 
 
 def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages):

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_attention import (paged_decode_attention, paged_decode_attention_and_write,
-                                            paged_decode_attention_reference)
+from models.layers import apply_rope
+from pallas_kernels.paged_attention import (can_fuse_rope, paged_decode_attention, paged_decode_attention_and_write,
+                                            paged_decode_attention_reference, paged_decode_attention_rope_and_write)
+from pallas_kernels.rope import rope_from_tables, rope_tables
 
 ON_GPU = jax.default_backend() == "gpu"
 FULL_GRID = os.environ.get("ATLASJAX_TEST_GPU") == "1" and ON_GPU
@@ -204,3 +206,94 @@ def test_kernel_bench_decode_write_rows():
   bench_decode_write(2, 32, rows, layers=2, backend="interpret", num_kv_heads=2, reps=1)
   assert [r["impl"] for r in rows] == ["fused write (kernel)", "XLA scatter + kernel"]
   assert all("error" not in r and r["us"] > 0 for r in rows) and rows[1]["rel_err"] == 0.0
+
+
+# ---- from the raw projections: RoPE in the kernel, then the write and attention
+
+def _inv_freq(head_dim):
+  return 1.0 / (500000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def test_rope_tables_rotate_as_apply_rope():
+  """The tables' rotation is the model's apply_rope, bit for bit (the CPU path of the fused entry)."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3, 5, 128)), jnp.bfloat16)
+  positions = jnp.array([0, 7, 4095])
+  tables = rope_tables(positions, _inv_freq(128))
+  np.testing.assert_array_equal(np.asarray(rope_from_tables(x, tables), np.float32),
+                                np.asarray(apply_rope(x, positions, _inv_freq(128)), np.float32))
+
+
+def _check_rope_write(lens, interpret, num_splits=None, seed=11, **shape):
+  """The fused entry's output and pools match the same step with q and k rotated first (reference
+  backend): K/V rows within one bf16 rounding of the rotation, output within bf16 attention error."""
+  _, k_pages, v_pages, table, seq_lens = make_case(seed, LENS[lens], **shape)
+  num_kv_heads, head_dim = k_pages.shape[0], k_pages.shape[-1]
+  num_heads = num_kv_heads * shape["group"]
+  rng = np.random.default_rng(seed + 1)
+  qkv = jnp.asarray(rng.standard_normal((len(LENS[lens]), (num_heads + 2 * num_kv_heads) * head_dim)), jnp.bfloat16)
+  tables = rope_tables(jnp.maximum(seq_lens - 1, 0), _inv_freq(head_dim))
+  assert can_fuse_rope(num_heads, k_pages, head_dim)
+  out, k_out, v_out = paged_decode_attention_rope_and_write(qkv, tables, k_pages, v_pages, table, seq_lens,
+                                                            num_heads=num_heads, backend="pallas",
+                                                            interpret=interpret, num_splits=num_splits)
+  ref_out, k_ref, v_ref = paged_decode_attention_rope_and_write(qkv, tables, k_pages, v_pages, table, seq_lens,
+                                                                num_heads=num_heads, backend="reference")
+  np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_ref, np.float32))
+  k_out, k_ref = np.asarray(k_out, np.float32), np.asarray(k_ref, np.float32)
+  np.testing.assert_allclose(k_out, k_ref, rtol=2 ** -7, atol=1e-2)   # f32 rotation, one bf16 rounding
+  assert np.asarray(k_out != np.asarray(k_pages, np.float32)).any(axis=(0, 3)).sum() == np.count_nonzero(seq_lens)
+  assert rel_err(out.astype(jnp.float32), ref_out) < 1e-2
+  assert np.all(np.asarray(out)[np.asarray(seq_lens) == 0] == 0)
+
+
+ROPE_CASES = [
+    # 4 query heads per KV head: odd KV heads' query rows start mid-tile (rows 4..7 of theirs)
+    dict(lens="mixed", group=4, num_kv_heads=4, head_dim=128, page_size=16),
+    dict(lens="long_short", group=4, num_kv_heads=4, head_dim=128, page_size=16, num_splits=3),
+    # 6 per KV head: the second KV head's rows 6..11 take a 16-row tile
+    dict(lens="short", group=6, num_kv_heads=2, head_dim=128, page_size=64),
+    dict(lens="short", group=2, num_kv_heads=4, head_dim=256, page_size=16),
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_rope_write_kernel_interpret(case):
+  case = dict(case)
+  _check_rope_write(case.pop("lens"), plgpu.InterpretGPUParams(), case.pop("num_splits", None), **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="native Mosaic GPU run needs a CUDA GPU")
+@pytest.mark.parametrize("case", ROPE_CASES + [dict(lens="single_long", group=4, num_kv_heads=8, head_dim=128,
+                                                    page_size=16, num_splits=4)],
+                         ids=lambda c: "-".join(map(str, c.values())))
+def test_rope_write_kernel_gpu(case):
+  case = dict(case)
+  _check_rope_write(case.pop("lens"), False, case.pop("num_splits", None), **case)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (28, 4, 128), (4, 1, 128)])
+def test_rope_fusion_declines_shapes_it_cannot_tile(num_heads, num_kv_heads, head_dim):
+  """head_dim 64 (halves narrower than a tile), projection rows not a multiple of 8 (Qwen2.5-7B's
+  28 + 2 x 4), a query tile past the projections: the entry rotates first and runs the plain kernel,
+  with the reference's result."""
+  k_pages = jnp.zeros((num_kv_heads, 4, 16, head_dim), jnp.bfloat16)
+  assert not can_fuse_rope(num_heads, k_pages, head_dim)
+  rng = np.random.default_rng(3)
+  k_pages = jnp.asarray(rng.standard_normal(k_pages.shape), jnp.bfloat16)
+  qkv = jnp.asarray(rng.standard_normal((2, (num_heads + 2 * num_kv_heads) * head_dim)), jnp.bfloat16)
+  table, lens = jnp.array([[0, 1], [2, 3]], jnp.int32), jnp.array([20, 3], jnp.int32)
+  tables = rope_tables(lens - 1, _inv_freq(head_dim))
+  args = (qkv, tables, k_pages, k_pages, table, lens)
+  out, k_out, _ = paged_decode_attention_rope_and_write(*args, num_heads=num_heads, backend="interpret")
+  ref, k_ref, _ = paged_decode_attention_rope_and_write(*args, num_heads=num_heads, backend="reference")
+  np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_ref, np.float32))
+  assert rel_err(out.astype(jnp.float32), ref) < 1e-2
+
+
+def test_rope_entry_rejects_mismatched_projections():
+  k_pages = jnp.zeros((2, 4, 16, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="bad projections"):
+    paged_decode_attention_rope_and_write(jnp.zeros((2, 7 * 128)), jnp.zeros((2, 2, 2, 128)), k_pages, k_pages,
+                                          jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), num_heads=4)

@@ -6,9 +6,12 @@ Not covered here: the kernels per shard under tensor parallelism. jax 0.11.2's M
 interpreter fails inside shard_map over several CPU devices ("Barrier remains allocated": its
 shared-memory bookkeeping), so TP with the kernels is checked on 2x H200 (docs/tensor_parallel.md)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from atlasjax.config import ModelConfig
 from atlasjax.loader import random_params
@@ -18,6 +21,9 @@ from models.transformer import Transformer, init_kv_cache
 # head_dim 64 and bf16 pools: shapes the kernels take (the CI-sized models elsewhere use head_dim 16).
 CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=128, intermediate_size=192, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+# head_dim 128: decode steps hand the raw projections to the kernel, which applies RoPE itself
+# (pallas_kernels/rope.py); the engine fuses qkv (models/fused.py), which that path needs.
+CFG_ROPE = dataclasses.replace(CFG, head_dim=128)
 PAGE, PAGES = 16, 6
 
 
@@ -75,7 +81,7 @@ def test_model_through_the_kernels_matches_the_references():
     np.testing.assert_array_equal(np.asarray(out_kv[0][1], np.float32), np.asarray(ref_kv[0][1], np.float32))
 
 
-def _engine_run(backend):
+def _engine_run(backend, cfg=CFG):
     """Two requests of different lengths, 6 greedy tokens each: (tokens, logprobs) per request;
     asserts every page comes back."""
     from atlasjax.bench.presets import synthetic_tokenizer
@@ -86,7 +92,7 @@ def _engine_run(backend):
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", attention_backend=backend, max_num_seqs=2, max_model_len=64,
                                     page_size=PAGE, num_pages=9, max_num_batched_tokens=32),
-                       LoadedModel(CFG, random_params(CFG, jnp.bfloat16, 3), tokenizer=synthetic_tokenizer(CFG),
+                       LoadedModel(cfg, random_params(cfg, jnp.bfloat16, 3), tokenizer=synthetic_tokenizer(cfg),
                                    source="test"))
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     engine.add_request("a", list(range(3, 24)), sp)
@@ -100,10 +106,11 @@ def _engine_run(backend):
     return tokens, logprobs
 
 
-def test_engine_through_the_kernels_matches_the_references():
+@pytest.mark.parametrize("cfg", [CFG, CFG_ROPE], ids=["head_dim_64", "head_dim_128_rope_in_kernel"])
+def test_engine_through_the_kernels_matches_the_references(cfg):
     """The runner's compiled, donated steps with `attention_backend="interpret"` decode the same
     greedy tokens (logprobs within bf16 kernel rounding) as on the references."""
-    (ref_tokens, ref_lp), (tokens, lp) = _engine_run("reference"), _engine_run("interpret")
+    (ref_tokens, ref_lp), (tokens, lp) = _engine_run("reference", cfg), _engine_run("interpret", cfg)
     assert tokens == ref_tokens and all(len(t) == 6 for t in tokens.values())
     for r in ("a", "b"):
         np.testing.assert_allclose(lp[r], ref_lp[r], atol=5e-3)
