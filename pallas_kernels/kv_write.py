@@ -41,12 +41,14 @@ def store_token_kv(load_rows, k_ref, v_ref, table_ref, seq, kv_head, pos, *, num
                   plgpu.Barrier(num_arrivals=num_loads, num_barriers=1))
 
 
-def store_token_rows(rows, k_ref, v_ref, table_ref, seq, kv_head, pos):
+def store_token_rows(rows, k_ref, v_ref, table_ref, seq, kv_head, pos, *, wait: bool = True):
     """In a Mosaic GPU kernel: rows [2, head_dim] (shared memory: K, then V) into the page slot of
-    position `pos` of sequence `seq`, waiting until the stores have landed."""
+    position `pos` of sequence `seq`; with `wait`, until the stores have landed (else the caller
+    waits: `plgpu.wait_smem_to_gmem(0)`)."""
     num_pages, page_size = k_ref.shape[1:3]
     page = jnp.clip(table_ref[seq, pos // page_size], 0, num_pages - 1)
     row = pl.ds(lax.rem(pos, page_size), 1)
     plgpu.copy_smem_to_gmem(rows.at[pl.ds(0, 1)], k_ref.at[kv_head, page, row])
     plgpu.copy_smem_to_gmem(rows.at[pl.ds(1, 1)], v_ref.at[kv_head, page, row])
-    plgpu.wait_smem_to_gmem(0)
+    if wait:
+        plgpu.wait_smem_to_gmem(0)

@@ -45,17 +45,19 @@ _NUM_SMS = 132   # H100 SXM: one wave of programs
 
 
 def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
-                   num_splits, num_stages, sm_scale, p_in_smem, writes, num_heads=None):
-  """One program: one KV head x one split of the context x one sequence. Its query tile has
-  `q_rows` (a multiple of 8) rows: the query heads, then padding. Only those rows of the 64-row
-  shared-memory tile are loaded and only they are stored back (o_ref, lse_ref have q_rows rows).
+                   num_splits, num_stages, sm_scale, p_in_smem, writes, num_heads=None, tile_rows=None):
+  """One program: one KV head x one split of the context x one sequence. Its query heads' `q_rows`
+  rows (a multiple of 8; o_ref and lse_ref have as many) are stored back from its 64-row wgmma tile,
+  of which only the first `tile_rows` are loaded.
 
-  rope_ref None: q_ref holds the prepared tiles [seqs, kv_heads, q_rows, D]; with `writes` their
-  last two rows hold the new token's K and V, written into k_ref / v_ref first.
+  rope_ref None: q_ref holds the prepared tiles [seqs, kv_heads, q_rows, D] (tile_rows = q_rows):
+  the query heads, then padding; with `writes` the last two rows hold the new token's K and V,
+  written into k_ref / v_ref first.
   rope_ref [seqs, 2, 2, D] (pallas_kernels/rope.py): q_ref is the raw projections [seqs, num_heads +
-  2 kv_heads, D]. The tile is the q_rows rows from the multiple of 8 at or before the KV head's
-  first query head (`_rope_row_offsets`; the other rows belong to other heads and are discarded as
-  padding is), rotated in shared memory; the new K is rotated before it is written."""
+  2 kv_heads, D]. The tile is the `tile_rows` rows from the multiple of 8 at or before the KV head's
+  first query head (other heads' rows around them are discarded as padding is), rotated in shared
+  memory; the new K is rotated before it is written. The query heads' rows are stored from where
+  they start in the tile, so the outputs have the prepared tiles' layout."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
   q_rows, head_dim = o_ref.shape[-2:]
   num_kv_heads = k_ref.shape[0]
@@ -73,10 +75,11 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
   writer = (seq_len > 0) & (pos >= start) & (pos < start + split_len)
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   if rope_ref is None:
-    q_tile = q_ref.at[seq, kv_head]
+    q_tile, tile_rows, row0 = q_ref.at[seq, kv_head], q_rows, 0
   else:   # a tiled TMA load starts at a multiple of 8 rows
-    first_row = pl.multiple_of(lax.div(kv_head * (num_heads // num_kv_heads), 8) * 8, 8)
-    q_tile = q_ref.at[seq, pl.ds(first_row, q_rows)]
+    first_head = kv_head * (num_heads // num_kv_heads)
+    first_row = pl.multiple_of(lax.div(first_head, 8) * 8, 8)
+    q_tile, row0 = q_ref.at[seq, pl.ds(first_row, tile_rows)], first_head - first_row
 
   def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
     def fetch(step, slot):
@@ -94,36 +97,43 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
       plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(q_rows - 2, 2)], rows, bar)
     pl.when(writer)(lambda: store_token_kv(load, k_ref, v_ref, table_ref, seq, kv_head, pos))
 
+  def rotate_and_write_new_token(q_smem, q_bar, tables_smem, tables_bar, kv_smem, swapped_smem, kv_bar):
+    """RoPE of the q tile and of the new K; K/V into their page. The K/V loads overlap the q
+    tile's, and their stores the q tile's rotation; each barrier is waited on once."""
+    if writes:
+      pl.when(writer)(lambda: rope.load_token_kv(q_ref, seq, num_heads + kv_head, num_heads + num_kv_heads + kv_head,
+                                                 kv_smem, swapped_smem, kv_bar))
+    pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(tables_bar))
+    if writes:
+      @pl.when(writer)
+      def _():
+        plgpu.barrier_wait(kv_bar)
+        rope.rotate_token_kv(kv_smem, swapped_smem, tables_smem)
+        plgpu.commit_smem()
+        store_token_rows(kv_smem, k_ref, v_ref, table_ref, seq, kv_head, pos, wait=False)
+
+    @pl.when(num_steps > 0)
+    def _():
+      plgpu.barrier_wait(q_bar)
+      rope.rotate_query_tile(q_smem, tables_smem, tile_rows)
+      plgpu.commit_smem()
+
+    if writes:   # the writer's own pages include the new row: it must have landed
+      pl.when(writer)(lambda: plgpu.wait_smem_to_gmem(0))
+
   def body(q_smem, q_bar, *rope_scratch):
     @pl.when(num_steps > 0)
     def _():
-      plgpu.copy_gmem_to_smem(q_tile, q_smem.at[pl.ds(0, q_rows)], q_bar)
+      plgpu.copy_gmem_to_smem(q_tile, q_smem.at[pl.ds(0, tile_rows)], q_bar)
       if rope_ref is not None:
-        plgpu.copy_gmem_to_smem(rope_ref.at[seq], rope_scratch[0], q_bar)
+        plgpu.copy_gmem_to_smem(rope_ref.at[seq], rope_scratch[0], rope_scratch[1])
 
     if rope_ref is None:
       if writes:
         write_new_token()   # overlaps the q load
       pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(q_bar))
     else:
-      tables_smem, kv_smem, swapped_smem, kv_bar = rope_scratch
-      if writes:   # the K/V loads overlap the q tile's
-        pl.when(writer)(lambda: rope.load_token_kv(q_ref, seq, num_heads + kv_head, num_heads + num_kv_heads + kv_head,
-                                              kv_smem, swapped_smem, kv_bar))
-
-      @pl.when(num_steps > 0)
-      def _():
-        plgpu.barrier_wait(q_bar)
-        rope.rotate_query_tile(q_smem, tables_smem, q_rows)
-        plgpu.commit_smem()
-
-      if writes:
-        @pl.when(writer)
-        def _():
-          plgpu.barrier_wait(kv_bar)
-          rope.rotate_token_kv(kv_smem, swapped_smem, tables_smem)
-          plgpu.commit_smem()
-          store_token_rows(kv_smem, k_ref, v_ref, table_ref, seq, kv_head, pos)
+      rotate_and_write_new_token(q_smem, q_bar, *rope_scratch)
 
     acc, m_i, l_i = pl.run_scoped(
         functools.partial(attend, q_smem),
@@ -135,7 +145,7 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
     def store(o_smem):
       o_smem[...] = out.astype(o_smem.dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, q_rows)], o_ref.at[seq, kv_head, split])
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row0, q_rows)], o_ref.at[seq, kv_head, split])
       plgpu.wait_smem_to_gmem(0)
     store_out = functools.partial(pl.run_scoped, store, plgpu.SMEM((_ROWS, head_dim), o_ref.dtype))
     if lse_ref is None:
@@ -147,15 +157,16 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
       def store_lse(lse_smem):
         lse_smem[...] = m_i + jnp.log2(l_i)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, q_rows)], lse_ref.at[seq, kv_head, split])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(row0, q_rows)], lse_ref.at[seq, kv_head, split])
         plgpu.wait_smem_to_gmem(0)
       pl.run_scoped(store_lse, plgpu.SMEM((_ROWS,), jnp.float32))
 
   rope_scratch = () if rope_ref is None else (
-      plgpu.SMEM(rope_ref.shape[1:], jnp.float32), plgpu.SMEM((2, head_dim), dtype), plgpu.SMEM((2, head_dim), dtype),
+      plgpu.SMEM(rope_ref.shape[1:], jnp.float32), plgpu.Barrier(num_barriers=1),
+      plgpu.SMEM((2, head_dim), dtype), plgpu.SMEM((2, head_dim), dtype),
       plgpu.Barrier(num_arrivals=rope.LOADS, num_barriers=1))
-  pl.run_scoped(body, plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms),
-                plgpu.Barrier(num_arrivals=1 + (rope_ref is not None), num_barriers=1), *rope_scratch)
+  pl.run_scoped(body, plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms), plgpu.Barrier(num_barriers=1),
+                *rope_scratch)
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_kv,
@@ -164,7 +175,6 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   With `tables` (rope.rope_tables), q is the raw projections [seqs, num_heads + 2 kv_heads, D]:
   the kernel rotates q and the new K, and writes K/V too."""
   writes = new_kv is not None or tables is not None
-  offsets = None   # where each KV head's query rows start in its tile: row 0
   num_seqs, _, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   num_heads = num_heads or q.shape[1]
@@ -182,9 +192,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     if writes:
       qg = jnp.concatenate([qg, *(x.astype(qg.dtype)[:, :, None] for x in new_kv)], axis=2)
     inputs = (qg,)
-  else:
-    offsets = _rope_row_offsets(group, num_kv_heads)
-    q_rows = _rope_q_rows(group, num_kv_heads)
+  else:   # the tile is read from the raw projections; its query heads' rows stored as above
+    q_rows = pl.cdiv(group, 8) * 8
     inputs = (q.astype(k_pages.dtype), tables.astype(jnp.float32))
   # The page table is padded so the last block's page lookups stay in bounds.
   pages_needed = max_blocks * (block_kv // page_size)
@@ -200,7 +209,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     refs = refs if split_out else (*refs, None)
     _decode_kernel(*refs, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
                    num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes,
-                   num_heads=num_heads)
+                   num_heads=num_heads, tile_rows=None if tables is None else _rope_tile_rows(group, num_kv_heads))
   call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
@@ -214,9 +223,9 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   else:
     outs = call(*inputs, k_pages, v_pages, table, seq_lens)
   if split_out:
-    out = _combine_splits(*outs, group, offsets)
+    out = _combine_splits(*outs, group)
   else:
-    out = _query_rows(outs[0][:, :, 0], group, offsets, 2)
+    out = outs[0][:, :, 0, :group]
   out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
   return (out, k_pages, v_pages) if writes else out
 
@@ -227,23 +236,15 @@ def _rope_row_offsets(group, num_kv_heads):
   return tuple(h * group % 8 for h in range(num_kv_heads))
 
 
-def _rope_q_rows(group, num_kv_heads):
-  """The query tile's rows when the kernel reads them from the raw projections."""
+def _rope_tile_rows(group, num_kv_heads):
+  """The rows of the query tile read from the raw projections: every KV head's query heads."""
   return max(pl.cdiv(r + group, 8) * 8 for r in _rope_row_offsets(group, num_kv_heads))
 
 
-def _query_rows(x, group, offsets, axis):
-  """x [seqs, kv_heads, ...] -> each KV head's `group` query rows along `axis`, from offsets[h] (None: 0)."""
-  if offsets is None or not any(offsets):
-    return lax.slice_in_dim(x, 0, group, axis=axis)
-  return jnp.stack([lax.slice_in_dim(x[:, h], r, r + group, axis=axis - 1) for h, r in enumerate(offsets)], axis=1)
-
-
-def _combine_splits(out, lse, group, offsets=None):
-  """Merges the per-split partials: out [seqs, kv_heads, splits, rows, D] f32 normalized, lse [...,
-  splits, rows] base 2 -> [seqs, kv_heads, group, D]. An empty split (lse -inf) has no stored
-  partial and weighs nothing."""
-  out, lse = _query_rows(out, group, offsets, 3), _query_rows(lse, group, offsets, 3)
+def _combine_splits(out, lse, group):
+  """Merges the per-split partials: out [..., splits, rows, D] f32 normalized, lse [..., splits, rows]
+  base 2 -> [..., group, D]. An empty split (lse -inf) has no stored partial and weighs nothing."""
+  out, lse = out[..., :group, :], lse[..., :group]
   lse_max = lse.max(axis=-2, keepdims=True)
   weights = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))
   denom = jnp.maximum(weights.sum(axis=-2), 1e-30)
@@ -329,13 +330,16 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
 
 def can_fuse_rope(num_heads, k_pages, head_dim):
   """Whether the kernel can read the raw projections and rotate them itself: each half of a head a
-  whole shared-memory tile, the projection rows whole tiles of 8 (the tiled TMA load's), and every
-  KV head's query tile inside them."""
+  whole shared-memory tile; the projection rows whole tiles of 8 (the tiled TMA load's); every KV
+  head's query tile inside them; and its query heads' rows stored from a 16-byte aligned row of
+  the f32 lse (groups of a multiple of 4 query heads: Llama 3's 8B and 70B, not 3B's 3)."""
   num_kv_heads = k_pages.shape[0]
   group = num_heads // num_kv_heads
-  last_tile = (num_kv_heads - 1) * group - _rope_row_offsets(group, num_kv_heads)[-1]
-  return (head_dim in rope.HEAD_DIMS and (num_heads + 2 * num_kv_heads) % 8 == 0   # whole tiles of 8 rows (TMA)
-          and last_tile + _rope_q_rows(group, num_kv_heads) <= num_heads + 2 * num_kv_heads)
+  offsets = _rope_row_offsets(group, num_kv_heads)
+  tile_rows = _rope_tile_rows(group, num_kv_heads)
+  return (head_dim in rope.HEAD_DIMS and (num_heads + 2 * num_kv_heads) % 8 == 0
+          and (num_kv_heads - 1) * group - offsets[-1] + tile_rows <= num_heads + 2 * num_kv_heads
+          and all(r % 4 == 0 for r in offsets) and max(offsets) + pl.cdiv(group, 8) * 8 <= _ROWS)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_heads",))

@@ -251,9 +251,9 @@ ROPE_CASES = [
     # 4 query heads per KV head: odd KV heads' query rows start mid-tile (rows 4..7 of theirs)
     dict(lens="mixed", group=4, num_kv_heads=4, head_dim=128, page_size=16),
     dict(lens="long_short", group=4, num_kv_heads=4, head_dim=128, page_size=16, num_splits=3),
-    # 6 per KV head: the second KV head's rows 6..11 take a 16-row tile
-    dict(lens="short", group=6, num_kv_heads=2, head_dim=128, page_size=64),
-    dict(lens="short", group=2, num_kv_heads=4, head_dim=256, page_size=16),
+    # 12 per KV head: 16-row tiles, odd KV heads' query rows from row 4 of theirs
+    dict(lens="short", group=12, num_kv_heads=4, head_dim=128, page_size=64),
+    dict(lens="short", group=4, num_kv_heads=4, head_dim=256, page_size=16),
 ]
 
 
@@ -273,11 +273,11 @@ def test_rope_write_kernel_gpu(case):
   _check_rope_write(case.pop("lens"), False, case.pop("num_splits", None), **case)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (28, 4, 128), (4, 1, 128)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (28, 4, 128), (4, 1, 128), (12, 2, 128)])
 def test_rope_fusion_declines_shapes_it_cannot_tile(num_heads, num_kv_heads, head_dim):
   """head_dim 64 (halves narrower than a tile), projection rows not a multiple of 8 (Qwen2.5-7B's
-  28 + 2 x 4), a query tile past the projections: the entry rotates first and runs the plain kernel,
-  with the reference's result."""
+  28 + 2 x 4), a query tile past the projections, query rows from row 6 of a tile (6 per KV head):
+  the entry rotates first and runs the plain kernel, with the reference's result."""
   k_pages = jnp.zeros((num_kv_heads, 4, 16, head_dim), jnp.bfloat16)
   assert not can_fuse_rope(num_heads, k_pages, head_dim)
   rng = np.random.default_rng(3)

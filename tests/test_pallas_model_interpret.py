@@ -21,9 +21,9 @@ from models.transformer import Transformer, init_kv_cache
 # head_dim 64 and bf16 pools: shapes the kernels take (the CI-sized models elsewhere use head_dim 16).
 CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=128, intermediate_size=192, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
-# head_dim 128: decode steps hand the raw projections to the kernel, which applies RoPE itself
-# (pallas_kernels/rope.py); the engine fuses qkv (models/fused.py), which that path needs.
-CFG_ROPE = dataclasses.replace(CFG, head_dim=128)
+# head_dim 128, 4 query heads per KV head: decode steps hand the raw projections to the kernel,
+# which applies RoPE itself (pallas_kernels/rope.py; the engine fuses qkv, which that path needs).
+CFG_ROPE = dataclasses.replace(CFG, head_dim=128, num_heads=16, num_kv_heads=4)
 PAGE, PAGES = 16, 6
 
 
