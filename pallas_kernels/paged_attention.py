@@ -22,6 +22,12 @@ holds that position copies them into their page (TMA, through shared memory) bef
 its pages. The decode step then needs one XLA fusion (split-K sum, RoPE, padding) before the
 kernel instead of three. The pools are passed as mutable refs (`jax.new_ref`), which the kernel
 call aliases in place.
+
+`paged_decode_attention_rope_and_write` takes the raw qkv projections and RoPE tables instead
+(session 25): the kernel loads each KV head's query rows straight from the projections, rotates
+them and the new K in shared memory (pallas_kernels/rope.py), and the decode step needs no XLA
+kernel before attention at all. On the H100 the 8B bs=1 step went from 3.297 to 3.257 ms (fp8),
+the attention kernel from 4.64 to 5.09 us per layer, one 1.6 us fusion fewer.
 """
 
 import functools
