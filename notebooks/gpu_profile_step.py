@@ -72,8 +72,12 @@ def analyse(trace_dir, steps):
     gpu.sort(key=lambda e: e["ts"])
     busy, end = 0.0, None
     gaps = []
+    overlaps, overlap_us = 0, 0.0   # kernels that start before the previous ones end (PDL)
     for e in gpu:
         s, t = e["ts"], e["ts"] + e["dur"]
+        if end is not None and s < end:
+            overlaps += 1
+            overlap_us += min(end, t) - s
         if end is None or s >= end:
             if end is not None:
                 gaps.append(s - end)
@@ -116,6 +120,7 @@ def analyse(trace_dir, steps):
             host_n[e["name"][:70]] += 1
     return {"span_ms_per_step": span / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
             "idle_ms_per_step": (span - busy) / 1e3 / steps, "kernels_per_step": len(gpu) / steps,
+            "overlapping_kernels_per_step": overlaps / steps, "overlap_ms_per_step": overlap_us / 1e3 / steps,
             "gaps_over_5us_per_step": sum(1 for g in gaps if g > 5) / steps,
             "gap_ms_over_5us_per_step": sum(g for g in gaps if g > 5) / 1e3 / steps,
             "largest_gaps_us": [round(g, 1) for g in big_gaps],
