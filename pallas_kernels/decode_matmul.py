@@ -284,7 +284,7 @@ def _when(cond, fn):
 
 
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
-                         stage_weight, k_split=1, split_from=0, mma_order=False, interpret=False, pdl=False):
+                         stage_weight, k_split=1, split_from=0, mma_order=False, interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]);
     with `k_split` 2, a cluster of two blocks, each over half of K, the first adding the second's
     product before the epilogue (pallas_kernels/cluster_sum.py). With `split_from` > 0 the clusters
@@ -331,9 +331,6 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
             first_step = jnp.where(whole, 0, first_step)
             num_steps = jnp.where(whole, steps, num_steps)   # a dynamic pipeline grid
     cols = pl.ds(tile * TILE_N, TILE_N)
-    if pdl:
-        prefetch = min(int(os.environ.get("ATLASJAX_PDL_PREFETCH_STEPS", 0)) or depth, steps // k_split)
-        start_after_previous_kernel(w_gmem, cols, first_step, tile_k, prefetch, quantized)
 
     def fetch_epilogue_operands():   # in flight while the weight streams
         if with_residual:
@@ -413,23 +410,6 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     else:
         _when(whole, lambda: epilogue(acc))
         _when(~whole, sum_halves)
-
-
-def pdl_enabled() -> bool:
-    """`ATLASJAX_PDL=1`: our decode kernels use programmatic dependent launch (an experiment)."""
-    return os.environ.get("ATLASJAX_PDL", "").lower() in ("1", "on", "true")
-
-
-def start_after_previous_kernel(w_gmem, cols, first_step, tile_k, depth, quantized):
-    """Programmatic dependent launch: prefetch the block's first weight steps into L2 (weights are
-    no kernel's output), let the next kernel's blocks launch, then wait for the previous kernel
-    before anything reads an activation or writes."""
-    for s in range(depth):
-        for sub in range(0, tile_k, 256):   # a TMA box spans at most 256 elements
-            rows = pl.ds((first_step + s) * tile_k + sub, min(256, tile_k))
-            plgpu.async_prefetch(w_gmem.at[cols, rows] if quantized else w_gmem.at[rows, cols])
-    plgpu.griddepcontrol_launch_dependents()
-    plgpu.griddepcontrol_wait()
 
 
 def _epilogue(acc, *, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem, k, prologue, eps):
@@ -546,8 +526,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
                           quantized=quantized, stage_weight=stage_weight, k_split=split, split_from=split_from,
-                          mma_order=quantized and w.mma_order, interpret=bool(interpret),
-                          pdl=pdl_enabled() and not interpret),
+                          mma_order=quantized and w.mma_order, interpret=bool(interpret)),
         out_type=out_type,
         scratch_types=scratch,
         grid=(tiles - split_from,), grid_names=("n",),

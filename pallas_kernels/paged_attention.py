@@ -32,7 +32,6 @@ the attention kernel from 4.64 to 5.09 us per layer, one 1.6 us fusion fewer.
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +40,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rope
-from pallas_kernels.decode_matmul import pdl_enabled
 from pallas_kernels.kv_write import decode_slots, store_token_kv, store_token_rows, write_kv
 from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
                                            positions_before, resolve_interpret)
@@ -53,8 +51,7 @@ _NUM_SMS = 132   # H100 SXM: one wave of programs
 
 
 def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
-                   num_splits, num_stages, sm_scale, p_in_smem, writes, num_heads=None, tile_rows=None,
-                   pdl=False):
+                   num_splits, num_stages, sm_scale, p_in_smem, writes, num_heads=None, tile_rows=None):
   """One program: one KV head x one split of the context x one sequence. Its query heads' `q_rows`
   rows (a multiple of 8; o_ref and lse_ref have as many) are stored back from its 64-row wgmma tile,
   of which only the first `tile_rows` are loaded.
@@ -67,9 +64,6 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
   first query head (other heads' rows around them are discarded as padding is), rotated in shared
   memory; the new K is rotated before it is written. The query heads' rows are stored from where
   they start in the tile, so the outputs have the prepared tiles' layout."""
-  if pdl:   # programmatic dependent launch (decode_matmul.pdl_enabled): nothing is read or written before
-    plgpu.griddepcontrol_launch_dependents()
-    plgpu.griddepcontrol_wait()
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
   q_rows, head_dim = o_ref.shape[-2:]
   num_kv_heads = k_ref.shape[0]
@@ -221,8 +215,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     refs = refs if split_out else (*refs, None)
     _decode_kernel(*refs, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
                    num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes,
-                   num_heads=num_heads, tile_rows=None if tables is None else _rope_tile_rows(group, num_kv_heads),
-                   pdl=pdl_enabled() and not interpret)
+                   num_heads=num_heads, tile_rows=None if tables is None else _rope_tile_rows(group, num_kv_heads))
   call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
@@ -267,8 +260,8 @@ def _combine_splits(out, lse, group):
 
 def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=_NUM_SMS):
   """About one wave of programs (measured best on H100 for 1 x 32k: 16 splits over 8 KV heads),
-  at most one per block of the page table. `ATLASJAX_ATTENTION_SPLITS=N` fixes it, for A/B runs."""
-  want = int(os.environ.get("ATLASJAX_ATTENTION_SPLITS", 0)) or pl.cdiv(num_sms, num_seqs * num_kv_heads)
+  at most one per block of the page table."""
+  want = pl.cdiv(num_sms, num_seqs * num_kv_heads)
   return max(1, min(want, max_blocks))
 
 
