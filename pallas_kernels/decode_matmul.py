@@ -221,8 +221,7 @@ def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16, n: int | None = N
         config = default_config(n, w_dtype=w_dtype, k=k)
         if config.k_split > 1 or config.tile_k > NORM_MAX_TILE_K:
             return False   # the norm needs all of K in one block, and its scale fits one TMA box
-    swiglu_dtypes = (jnp.dtype(jnp.bfloat16),) + ((jnp.dtype(jnp.float8_e4m3fn),) if os.environ.get("ATLASJAX_SWIGLU_FP8") == "1" else ())
-    swiglu = prologue == "swiglu" and m <= SWIGLU_MAX_ROWS and jnp.dtype(w_dtype) in swiglu_dtypes
+    swiglu = prologue == "swiglu" and m <= SWIGLU_MAX_ROWS and jnp.dtype(w_dtype) == jnp.bfloat16
     return prologue == "rms_norm" or swiglu
 
 
