@@ -2,7 +2,8 @@
 
 Runs engine steps in steady state (async scheduling, tokens read back each step, as the bench does),
 then a `jax.profiler` trace of STEPS steps, and reports per step: wall time, GPU busy time (union of
-kernel intervals), idle time between kernels, kernel count, and the kernels grouped by name.
+kernel intervals), idle time between kernels, kernel count, kernels that start before the previous one ends (and by
+how much: programmatic dependent launch), and the kernels grouped by name.
 The same decode step dispatched back to back with inputs already on the device gives the floor.
 
   JAX_PLATFORMS=cuda QUANT=int8 [LM_HEAD=1] python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
