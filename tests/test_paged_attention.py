@@ -76,6 +76,12 @@ def test_reference_matches_dense(page_size, lens):
   assert np.all(np.asarray(out)[np.asarray(case[4]) == 0] == 0)
 
 
+def _run_case(check, case, interpret):
+  """A parametrized case dict: check(lens, interpret, num_splits, **shape)."""
+  case = dict(case)
+  check(case.pop("lens"), interpret, case.pop("num_splits", None), **case)
+
+
 def _check_kernel(lens, interpret, num_splits=None, **shape):
   case = make_case(hash((lens, tuple(shape.items()))) % 1000, LENS[lens], **shape)
   out = paged_decode_attention(*case, backend="pallas", interpret=interpret,
@@ -101,8 +107,7 @@ INTERPRET_CASES = [
 
 @pytest.mark.parametrize("case", INTERPRET_CASES, ids=lambda c: "-".join(map(str, c.values())))
 def test_kernel_interpret(case):
-  case = dict(case)
-  _check_kernel(case.pop("lens"), plgpu.InterpretGPUParams(), case.pop("num_splits", None), **case)
+  _run_case(_check_kernel, case, plgpu.InterpretGPUParams())
 
 
 GPU_GRID = [dict(lens=l, group=g, head_dim=d, page_size=p, num_splits=ns)
@@ -115,8 +120,7 @@ GPU_GRID = [dict(lens=l, group=g, head_dim=d, page_size=p, num_splits=ns)
 @pytest.mark.parametrize("case", GPU_GRID if FULL_GRID else INTERPRET_CASES,
                          ids=lambda c: "-".join(map(str, c.values())))
 def test_kernel_gpu(case):
-  case = dict(case)
-  _check_kernel(case.pop("lens"), False, case.pop("num_splits", None), **case)
+  _run_case(_check_kernel, case, False)
 
 
 def test_auto_backend_on_cpu_uses_reference():
@@ -165,8 +169,7 @@ WRITE_CASES = [
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: "-".join(map(str, c.values())))
 def test_write_kernel_interpret(case):
-  case = dict(case)
-  _check_write(case.pop("lens"), plgpu.InterpretGPUParams(), case.pop("num_splits", None), **case)
+  _run_case(_check_write, case, plgpu.InterpretGPUParams())
 
 
 @pytest.mark.gpu
@@ -175,8 +178,7 @@ def test_write_kernel_interpret(case):
                                                      num_splits=4)],
                          ids=lambda c: "-".join(map(str, c.values())))
 def test_write_kernel_gpu(case):
-  case = dict(case)
-  _check_write(case.pop("lens"), False, case.pop("num_splits", None), **case)
+  _run_case(_check_write, case, False)
 
 
 def test_write_reference_skips_inactive_slots():
@@ -259,8 +261,7 @@ ROPE_CASES = [
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "-".join(map(str, c.values())))
 def test_rope_write_kernel_interpret(case):
-  case = dict(case)
-  _check_rope_write(case.pop("lens"), plgpu.InterpretGPUParams(), case.pop("num_splits", None), **case)
+  _run_case(_check_rope_write, case, plgpu.InterpretGPUParams())
 
 
 @pytest.mark.gpu
@@ -269,8 +270,7 @@ def test_rope_write_kernel_interpret(case):
                                                     page_size=16, num_splits=4)],
                          ids=lambda c: "-".join(map(str, c.values())))
 def test_rope_write_kernel_gpu(case):
-  case = dict(case)
-  _check_rope_write(case.pop("lens"), False, case.pop("num_splits", None), **case)
+  _run_case(_check_rope_write, case, False)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (28, 4, 128), (4, 1, 128), (12, 2, 128)])
