@@ -150,7 +150,7 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | 
         tiles = n // TILE_N
         if tiles >= WIDE_MIN_TILES:
             return QUANT_WIDE_CONFIG
-        if tiles > MAX_TILES and _wide() == "tail" and (k is None or k % (2 * QUANT_WIDE_CONFIG.tile_k) == 0):
+        if tiles > MAX_TILES and wide_setting() == "tail" and (k is None or k % (2 * QUANT_WIDE_CONFIG.tile_k) == 0):
             return dataclasses.replace(QUANT_WIDE_CONFIG, k_split=2, tail_split_sms=num_sms())
         split = tiles <= 64 and (k is None or k % (2 * QUANT_CONFIG.tile_k) == 0)
         return QUANT_SPLIT_CONFIG if split else QUANT_CONFIG
@@ -239,19 +239,20 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
             and ((MIN_TILES <= tiles <= MAX_TILES and jnp.dtype(w_dtype) in narrow) or _takes_wide(tiles, w_dtype)))
 
 
-def _wide() -> str:
+def wide_setting() -> str:
     """`ATLASJAX_DECODE_MATMUL_WIDE`, for A/B measurements of int8 / fp8 weights wider than MAX_TILES:
     "auto" (default): from WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
     too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23); "tail": any width, with
     the tiles past the last full wave split over K (`tail_split_sms`; the fp8 step was slower too:
-    3.373 against 3.301 ms, session 24)."""
+    3.373 against 3.301 ms, session 24); "persistent": every width that
+    pallas_kernels/persistent_matmul.py takes runs it (session 27)."""
     return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
 
 
 def _takes_wide(tiles: int, w_dtype) -> bool:
     """int8 / fp8 weights of many waves of tiles (the LM head). fp8 at 8 rows on the H100 (session
     23): 176.0 against XLA's 188.9 us, and 3.30 against 3.32 ms per 8B bs=1 step."""
-    wide = _wide()
+    wide = wide_setting()
     return jnp.dtype(w_dtype).itemsize == 1 and wide != "off" and (tiles >= WIDE_MIN_TILES or wide in ("on", "tail"))
 
 
@@ -415,7 +416,8 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
 def _epilogue(acc, *, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem, k, prologue, eps):
     """acc [TILE_N, m] f32 -> out_gmem [m, TILE_N]: channel scales, 1 / rms, rounding, residual."""
     if ws_smem is not None:   # each weight column's (output channel's) scale
-        plgpu.barrier_wait(ws_barrier)
+        if ws_barrier is not None:   # None: already in shared memory
+            plgpu.barrier_wait(ws_barrier)
         scale = plgpu.load(ws_smem, layout=plgpu.Layout.WGMMA.reduce(1))
         acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
     # y [m, N] through a transposed view of the [m, TILE_N] scratch (no XLA transpose after it)
