@@ -137,7 +137,7 @@ def analyse(trace_dir, steps):
 
 t0 = time.perf_counter()
 engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=SLOTS, max_model_len=1024, page_size=16,
-                                num_pages=SLOTS * 16 + 8, max_num_batched_tokens=512, tensor_parallel_size=TP),
+                                num_pages=max(SLOTS * 16, 64) + 8, max_num_batched_tokens=512, tensor_parallel_size=TP),
                    load_preset(PRESET, jnp.bfloat16, QUANT, 0, TP, quantize_lm_head=LM_HEAD))
 log("load_s", round(time.perf_counter() - t0, 1))
 rng = np.random.default_rng(0)
