@@ -6,9 +6,8 @@ kernel intervals), idle time between kernels, kernel count, kernels that start b
 how much: programmatic dependent launch), and the kernels grouped by name.
 The same decode step dispatched back to back with inputs already on the device gives the floor.
 
-  JAX_PLATFORMS=cuda QUANT=int8 [LM_HEAD=1] [SLOTS=1] python notebooks/gpu_profile_step.py   (QUANT empty:
-  bf16; LM_HEAD=1 quantizes the LM head too, as `bench --quantize-lm-head` does; SLOTS: the step's
-  rows, default 8)
+  JAX_PLATFORMS=cuda QUANT=int8 [LM_HEAD=1] python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
+  LM_HEAD=1 quantizes the LM head too, as `bench --quantize-lm-head` does)
 Writes $OUT/profile_<quant or bf16><TAG>.json.
 """
 import collections
@@ -35,12 +34,9 @@ PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 BS = int(os.environ.get("BS", "1"))
 TP = int(os.environ.get("TP", "1"))
 LM_HEAD = os.environ.get("LM_HEAD") == "1"
-# the decode step's rows: 8 slots by default (earlier sessions' profiles); SLOTS=1 profiles the rows
-# `bench latency --batch-size 1` runs
-SLOTS = int(os.environ.get("SLOTS", max(BS, 8)))
 use_process_flags(TP)   # as the engine would, before jax starts (atlasjax/step_options.py)
 STEPS = 10
-NAME = f"profile_{QUANT or 'bf16'}_bs{BS}_tp{TP}{'' if SLOTS == max(BS, 8) else f'_slots{SLOTS}'}{os.environ.get('TAG', '')}"
+NAME = f"profile_{QUANT or 'bf16'}_bs{BS}_tp{TP}{os.environ.get('TAG', '')}"
 res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT,
        "lm_head_quantized": LM_HEAD, "bs": BS, "tp": TP,
        "xla_flags": os.environ.get("XLA_FLAGS", ""),   # after use_process_flags
@@ -136,8 +132,8 @@ def analyse(trace_dir, steps):
 
 
 t0 = time.perf_counter()
-engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=SLOTS, max_model_len=1024, page_size=16,
-                                num_pages=max(SLOTS * 16, 64) + 8, max_num_batched_tokens=512, tensor_parallel_size=TP),
+engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(BS, 8), max_model_len=1024, page_size=16,
+                                num_pages=max(BS, 8) * 16 + 8, max_num_batched_tokens=512, tensor_parallel_size=TP),
                    load_preset(PRESET, jnp.bfloat16, QUANT, 0, TP, quantize_lm_head=LM_HEAD))
 log("load_s", round(time.perf_counter() - t0, 1))
 rng = np.random.default_rng(0)
