@@ -12,6 +12,14 @@ handing its f32 product to the first through distributed shared memory (pallas_k
 cluster_sum.py). Every block then streams whole * steps + steps / 2 at most, against an average
 of tiles * steps / blocks (56 against 54.3 for gate_up).
 
+Measured (session 27, H100, notebooks/gpu_persistent_matmul.py; docs/performance.md): it streams
+gate_up at 86-87% of copy, up from 82-84% one block per tile, but XLA's convert-fused GEMM takes
+it at 90% at the engine's 8 rows (fp8 43.1 against 44.2 us, int8 43.1 against 44.9); only at one
+row, which the engine never runs on a GPU, is it the faster (fp8 45.0 against 48.1, int8 45.5
+against 53.0). In the 8B bs=1 step the fp8 step was no faster with it (GPU busy 3.387 against 3.377
+ms) and the int8 step slower (3.575 against 3.517), so it is opt-in (`pays`). The LM head streams
+as fast one block per tile (fp8 at 8 rows 181.8 against 182.4-197.3 us).
+
 Kernel: the decode matmul's swap-AB wgmma (acc[64, m] += W tile converted to bf16 in registers,
 times x.T); the pipeline's step s reads tile `tile_of(s)` at K step `k_step_of(s)`, with that
 tile's 64 channel scales; at the last K step of a whole tile the step's body runs the epilogue
@@ -38,7 +46,8 @@ from pallas_kernels.quant_format import QuantizedWeight
 
 @dataclasses.dataclass(frozen=True)
 class PersistentConfig:
-    tile_k: int = 256              # K rows per pipeline step (a multiple of 64; K a multiple of 2 tile_k)
+    # the fastest of 256 x (4, 6, 8) and 512 x (3, 4) for the 8B gate_up at 8 rows on the H100 (session 27)
+    tile_k: int = 512              # K rows per pipeline step (a multiple of 64; K a multiple of 2 tile_k)
     max_concurrent_steps: int = 4  # TMA steps in flight (capped by shared memory)
     blocks: int = 0                # blocks (one per SM); 0: the device's SMs, rounded down to even
 
@@ -89,8 +98,8 @@ def pays(m: int, k: int, n: int, x_dtype, w) -> bool:
     """Whether a model matmul should run this kernel on this (GPU) backend: opt-in for A/B
     measurements (`ATLASJAX_DECODE_MATMUL_WIDE=persistent`, on the GPUs where the decode matmul is
     `enabled`), bf16 activations, and a weight `fits` takes narrower than WIDE_MIN_TILES tiles (the
-    LM head streams faster one block per tile: fp8 at 1 row on the H100, 182.4 against 183.3-198.1 us,
-    session 27)."""
+    LM head streams as fast one block per tile: fp8 at 8 rows on the H100, 181.8 against 182.4 us at
+    best, session 27)."""
     return (wide_setting() == "persistent" and enabled() and jnp.dtype(x_dtype) == jnp.bfloat16
             and n // TILE_N < WIDE_MIN_TILES and fits(m, k, n, w))
 

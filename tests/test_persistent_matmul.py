@@ -111,13 +111,13 @@ def test_model_matmul_routes_to_it_when_asked_for(monkeypatch):
     monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(pm, "num_sms", lambda: 4)
     monkeypatch.setattr(pm, "persistent_matmul", spy)
-    x, w = _operands(2, 512, 384, "fp8")
+    x, w = _operands(2, 1024, 384, "fp8")   # K: two of the default config's 512-row steps
     r = jnp.ones((2, 384), jnp.bfloat16)
     y = layers.matmul(x, w, residual=r)
-    assert calls == [(2, 512)]
+    assert calls == [(2, 1024)]
     _assert_within_bf16_rounding(y, decode_matmul_reference(x, w, r), r, decode_matmul_reference(x, w))
     monkeypatch.delenv("ATLASJAX_DECODE_MATMUL_WIDE")
     monkeypatch.setattr(dm, "MIN_TILES", 2)   # so that the default route (decode_matmul) is what runs
     monkeypatch.setattr(dm, "decode_matmul", lambda x, w, residual=None, **kw: dm.decode_matmul_reference(x, w, residual))
     layers.matmul(x, w)
-    assert calls == [(2, 512)]
+    assert calls == [(2, 1024)]
