@@ -16,8 +16,9 @@ Measured (session 27, H100, notebooks/gpu_persistent_matmul.py; docs/performance
 gate_up at 86-87% of copy, up from 82-84% one block per tile, but XLA's convert-fused GEMM takes
 it at 90% at the engine's 8 rows (fp8 43.1 against 44.2 us, int8 43.1 against 44.9); only at one
 row, which the engine never runs on a GPU, is it the faster (fp8 45.0 against 48.1, int8 45.5
-against 53.0). In the 8B bs=1 step the fp8 step was no faster with it (GPU busy 3.387 against 3.377
-ms) and the int8 step slower (3.575 against 3.517), so it is opt-in (`pays`). The LM head streams
+against 53.0). In the 8B bs=1 step fp8 gate_up took 44.6 against XLA's 45.9 us, the GPU 0.013 ms
+less per step, but the bench's step was 0.1 ms slower (3.36 against 3.26 ms); int8 was slower in
+both. So it is opt-in (`pays`). The LM head streams
 as fast one block per tile (fp8 at 8 rows 181.8 against 182.4-197.3 us).
 
 Kernel: the decode matmul's swap-AB wgmma (acc[64, m] += W tile converted to bf16 in registers,

@@ -79,8 +79,8 @@ def _gate_up(fmt="fp8"):   # the 8B gate_up's quantized weight, as shapes only
 
 
 def test_pays_only_when_asked_for(monkeypatch):
-    """Opt-in (`ATLASJAX_DECODE_MATMUL_WIDE=persistent`): in the 8B bs=1 step on the H100 the fp8
-    step was no faster with it and the int8 step slower (session 27). Never the LM head."""
+    """Opt-in (`ATLASJAX_DECODE_MATMUL_WIDE=persistent`): the 8B bs=1 bench step on the H100 was
+    slower with it, fp8 and int8 (session 27). Never the LM head."""
     monkeypatch.setattr(pm, "num_sms", lambda: 132)
     monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     bf16 = jnp.bfloat16
