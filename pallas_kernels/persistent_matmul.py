@@ -10,7 +10,7 @@ so the next tile's loads are in flight while a tile's epilogue runs; the tiles l
 `whole` per block (the "tail": 52 for gate_up) split over K in 2-block clusters, the second block
 handing its f32 product to the first through distributed shared memory (pallas_kernels/
 cluster_sum.py). Every block then streams whole * steps + steps / 2 at most, against an average
-of tiles * steps / blocks (56 against 54.3 for gate_up).
+of tiles * steps / blocks (gate_up in 512-row steps: 28 against 27.2).
 
 Measured (session 27, H100, notebooks/gpu_persistent_matmul.py; docs/performance.md): it streams
 gate_up at 86-87% of copy, up from 82-84% one block per tile, but XLA's convert-fused GEMM takes
@@ -18,13 +18,15 @@ it at 90% at the engine's 8 rows (fp8 43.1 against 44.2 us, int8 43.1 against 44
 row, which the engine never runs on a GPU, is it the faster (fp8 45.0 against 48.1, int8 45.5
 against 53.0). In the 8B bs=1 step fp8 gate_up took 44.6 against XLA's 45.9 us, the GPU 0.013 ms
 less per step, but the bench's step was 0.1 ms slower (3.36 against 3.26 ms); int8 was slower in
-both. So it is opt-in (`pays`). The LM head streams
-as fast one block per tile (fp8 at 8 rows 181.8 against 182.4-197.3 us).
+both. So it is opt-in (`pays`). The LM head streams as fast one block per tile (fp8 at 8 rows
+181.8 against 182.4-197.3 us).
 
 Kernel: the decode matmul's swap-AB wgmma (acc[64, m] += W tile converted to bf16 in registers,
 times x.T); the pipeline's step s reads tile `tile_of(s)` at K step `k_step_of(s)`, with that
 tile's 64 channel scales; at the last K step of a whole tile the step's body runs the epilogue
-(channel scales, rounding, TMA store) and zeroes the accumulator.
+(channel scales, rounding, TMA store), and the next tile's sum starts from zero. Each step's
+product comes from a wgmma accumulator of its own, added to an f32 pipeline carry: GPU interpret
+mode (CI) cannot zero a wgmma accumulator in place (jax 0.11.2).
 """
 from __future__ import annotations
 
@@ -113,10 +115,11 @@ def persistent_matmul_kernel(w_gmem, x_gmem, ws_gmem, out_gmem, *scratch, k, til
     [TILE_N, tile_k] bf16 (stage_weight); in interpret mode the spill's barrier and a
     cluster barrier; last, unused padding (one block per SM)."""
     scratch = list(scratch)
-    spill_gmem = scratch.pop(0) if interpret else None
-    out_smem, tail_ws_smem, tail_ws_barrier, recv_smem = scratch[:4]
-    staged_w_smem = scratch[4] if stage_weight else None
-    spill_barrier, cluster_barrier = scratch[5:7] if interpret else (None, None)
+    take = lambda present: scratch.pop(0) if present else None   # noqa: E731
+    spill_gmem = take(interpret)
+    out_smem, tail_ws_smem, tail_ws_barrier, recv_smem = (take(True) for _ in range(4))
+    staged_w_smem = take(stage_weight)
+    spill_barrier, cluster_barrier = take(interpret), take(interpret)
 
     m = x_gmem.shape[0]
     steps = k // tile_k
