@@ -175,6 +175,13 @@ QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 ONE_BLOCK_PER_SM_SMEM = 120 * 1024
 
 
+def one_block_per_sm(used_smem: int) -> list:
+    """Scratch that pads a block's shared memory (`used_smem` bytes) up to ONE_BLOCK_PER_SM_SMEM:
+    unused, it keeps a second block off the SM."""
+    pad = ONE_BLOCK_PER_SM_SMEM - used_smem
+    return [plgpu.SMEM((pad,), jnp.int8)] if pad > 0 else []
+
+
 def weight_dtype(w):
     """The dtype the kernel would stream `w` in, or None if it cannot take it: a bf16 array [K, N],
     or a per-channel int8 / fp8 `QuantizedWeight` stored without padding."""
@@ -269,7 +276,7 @@ def _stage_swiglu(gate_smem, up_smem):
     return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
-def _weight_tile_bf16(w_smem, mma_order: bool, interpret: bool):
+def weight_tile_bf16(w_smem, mma_order: bool, interpret: bool):
     """A quantized weight tile [TILE_N, tile_k] as bf16 in natural column order, in registers."""
     if mma_order:
         return int8_mma_order.mma_tile_to_bf16(w_smem[...], interpret=interpret)
@@ -378,9 +385,9 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
                 a = w_smem.T
             elif stage_weight:
                 a = staged_w_smem.at[buffer]
-                a[...] = _weight_tile_bf16(w_smem, mma_order, interpret)
+                a[...] = weight_tile_bf16(w_smem, mma_order, interpret)
             else:
-                a = _weight_tile_bf16(w_smem, mma_order, interpret)
+                a = weight_tile_bf16(w_smem, mma_order, interpret)
             if prologue is not None or stage_weight:
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a, x_smem.T)
@@ -395,7 +402,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         return acc_ref[...], ssq
 
     acc, ssq = pl.run_scoped(body, plgpu.ACC((TILE_N, m), jnp.float32))
-    epilogue = functools.partial(_epilogue, ssq=ssq, ws_smem=ws_smem, ws_barrier=ws_barrier, r_smem=r_smem,
+    epilogue = functools.partial(tile_epilogue, ssq=ssq, ws_smem=ws_smem, ws_barrier=ws_barrier, r_smem=r_smem,
                                  r_barrier=r_barrier, out_smem=out_smem, out_gmem=out_gmem.at[:, cols], k=k,
                                  prologue=prologue, eps=eps)
     if k_split == 1:
@@ -413,7 +420,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         _when(~whole, sum_halves)
 
 
-def _epilogue(acc, *, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem, k, prologue, eps):
+def tile_epilogue(acc, *, ssq, ws_smem, ws_barrier, r_smem, r_barrier, out_smem, out_gmem, k, prologue, eps):
     """acc [TILE_N, m] f32 -> out_gmem [m, TILE_N]: channel scales, 1 / rms, rounding, residual."""
     if ws_smem is not None:   # each weight column's (output channel's) scale
         if ws_barrier is not None:   # None: already in shared memory
@@ -522,8 +529,8 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     sms = config.tail_split_sms
     split_from = (tiles // sms * sms) // 2 if sms else 0
     used = fixed + staged + depth * per_step
-    if quantized and used < ONE_BLOCK_PER_SM_SMEM:   # unused: keeps a second block off the SM
-        scratch.append(plgpu.SMEM((ONE_BLOCK_PER_SM_SMEM - used,), jnp.int8))
+    if quantized:
+        scratch += one_block_per_sm(used)
     call = plgpu.kernel(
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,

@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum
 from pallas_kernels.decode_matmul import (
-    MAX_ROWS, ONE_BLOCK_PER_SM_SMEM, QUANT_DTYPES, TILE_N, WIDE_MIN_TILES, _epilogue, _weight_tile_bf16, enabled, weight_dtype,
+    MAX_ROWS, TILE_N, WIDE_MIN_TILES, enabled, one_block_per_sm, tile_epilogue, weight_dtype, weight_tile_bf16,
     wide_setting)
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight
@@ -88,23 +88,23 @@ class Schedule:
         return self.whole >= 1 and self.tail <= self.blocks // 2
 
 
-def fits(m: int, k: int, n: int, w, config: PersistentConfig | None = None) -> bool:
-    """Whether `persistent_matmul` takes x[m, k] @ w[k, n] (w a per-channel int8 / fp8 weight)."""
+def fits(m: int, k: int, w, config: PersistentConfig | None = None) -> bool:
+    """Whether `persistent_matmul` takes x[m, k] @ w (w a per-channel int8 / fp8 weight [k, n])."""
     config = config or PersistentConfig()
-    w_dtype = weight_dtype(w)
-    return (isinstance(w, QuantizedWeight) and w_dtype is not None and jnp.dtype(w_dtype) in QUANT_DTYPES
+    n = w.shape[1]
+    return (isinstance(w, QuantizedWeight) and weight_dtype(w) is not None   # per channel, unpadded
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (2 * config.tile_k) == 0
             and Schedule(n // TILE_N, config.num_blocks()).runs())
 
 
-def pays(m: int, k: int, n: int, x_dtype, w) -> bool:
+def pays(m: int, k: int, x_dtype, w) -> bool:
     """Whether a model matmul should run this kernel on this (GPU) backend: opt-in for A/B
     measurements (`ATLASJAX_DECODE_MATMUL_WIDE=persistent`, on the GPUs where the decode matmul is
     `enabled`), bf16 activations, and a weight `fits` takes narrower than WIDE_MIN_TILES tiles (the
     LM head streams as fast one block per tile: fp8 at 8 rows on the H100, 181.8 against 182.4 us at
     best, session 27)."""
     return (wide_setting() == "persistent" and enabled() and jnp.dtype(x_dtype) == jnp.bfloat16
-            and n // TILE_N < WIDE_MIN_TILES and fits(m, k, n, w))
+            and w.shape[1] // TILE_N < WIDE_MIN_TILES and fits(m, k, w))
 
 
 def persistent_matmul_kernel(w_gmem, x_gmem, ws_gmem, out_gmem, *scratch, k, tile_k, depth, schedule,
@@ -148,17 +148,17 @@ def persistent_matmul_kernel(w_gmem, x_gmem, ws_gmem, out_gmem, *scratch, k, til
                              transforms=swizzled(tile_k * 16, 16, "x")),
              plgpu.BlockSpec((TILE_N,), lambda s: (tile_of(s),))]
     num_steps = whole_steps + (jnp.where(has_tail, half, 0) if tail else 0)
-    epilogue = functools.partial(_epilogue, ssq=None, r_smem=None, r_barrier=None, out_smem=out_smem, k=k,
+    epilogue = functools.partial(tile_epilogue, ssq=None, r_smem=None, r_barrier=None, out_smem=out_smem, k=k,
                                  prologue=None, eps=0.0)
 
     def step(idx, w_smem, x_smem, ws_smem, total):
         s = idx[0]
         if stage_weight:
             a = staged_w_smem
-            a[...] = _weight_tile_bf16(w_smem, mma_order, interpret)
+            a[...] = weight_tile_bf16(w_smem, mma_order, interpret)
             plgpu.commit_smem()
         else:
-            a = _weight_tile_bf16(w_smem, mma_order, interpret)
+            a = weight_tile_bf16(w_smem, mma_order, interpret)
 
         def mma(acc_ref):
             plgpu.wgmma(acc_ref, a, x_smem.T)
@@ -199,13 +199,12 @@ def persistent_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None, confi
     config = config or PersistentConfig()
     m, k = x.shape
     n = w.shape[1]
-    if not fits(m, k, n, w, config):
+    if not fits(m, k, w, config):
         raise ValueError(
             f"persistent_matmul takes a per-channel int8 / fp8 QuantizedWeight without padding, 1 <= M <= "
             f"{MAX_ROWS}, N % {TILE_N} == 0 with at least one tile of {TILE_N} columns per block and at most "
             f"one more per two blocks ({config.num_blocks()} blocks), and K % {2 * config.tile_k} == 0; got "
-            f"M={m}, K={k}, N={n}, "
-            f"{getattr(w, 'format', None) or w.dtype}")
+            f"M={m}, K={k}, N={n}, {getattr(w, 'format', None) or w.dtype}")
     schedule = Schedule(n // TILE_N, config.num_blocks())
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     stage_weight = bool(interpret)   # interpret mode's wgmma reads shared memory only
@@ -223,9 +222,7 @@ def persistent_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None, confi
     if interpret:   # cluster_sum hands the tail's product over through HBM there
         out_type = (out_type, jax.ShapeDtypeStruct((n, m_pad), jnp.float32))
         scratch += [plgpu.Barrier(num_arrivals=1), plgpu.ClusterBarrier(collective_axes=(cluster_sum.AXIS,))]
-    used = fixed + depth * per_step
-    if used < ONE_BLOCK_PER_SM_SMEM:   # unused: keeps a second block off the SM
-        scratch.append(plgpu.SMEM((ONE_BLOCK_PER_SM_SMEM - used,), jnp.int8))
+    scratch += one_block_per_sm(fixed + depth * per_step)
     call = plgpu.kernel(
         functools.partial(persistent_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth,
                           schedule=schedule, stage_weight=stage_weight, mma_order=w.mma_order,

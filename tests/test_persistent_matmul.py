@@ -59,7 +59,7 @@ def test_schedule_spreads_tiles_over_blocks():
 def test_rejects_what_it_cannot_take():
     x, w = _operands(8, 256, 384, "int8")
     config = PersistentConfig(tile_k=64, blocks=4)
-    assert pm.fits(8, 256, 384, w, config)
+    assert pm.fits(8, 256, w, config)
     with pytest.raises(ValueError, match="per-channel int8 / fp8"):
         persistent_matmul(x, jnp.zeros((256, 384), jnp.bfloat16), config=config, interpret=True)
     with pytest.raises(ValueError, match="per-channel int8 / fp8"):   # grouped int4
@@ -84,17 +84,17 @@ def test_pays_only_when_asked_for(monkeypatch):
     monkeypatch.setattr(pm, "num_sms", lambda: 132)
     monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     bf16 = jnp.bfloat16
-    assert not pm.pays(1, 4096, 28672, bf16, _gate_up())
+    assert not pm.pays(1, 4096, bf16, _gate_up())
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "persistent")
-    assert pm.pays(1, 4096, 28672, bf16, _gate_up()) and pm.pays(8, 4096, 28672, bf16, _gate_up("int8"))
+    assert pm.pays(1, 4096, bf16, _gate_up()) and pm.pays(8, 4096, bf16, _gate_up("int8"))
     lm_head = jax.eval_shape(lambda: quantize(jnp.zeros((4096, 128256), jnp.float32), "fp8"))
-    assert not pm.pays(1, 4096, 128256, bf16, lm_head)
-    assert not pm.pays(1, 4096, 28672, jnp.float32, _gate_up())
-    assert not pm.pays(64, 4096, 28672, bf16, _gate_up())
+    assert not pm.pays(1, 4096, bf16, lm_head)
+    assert not pm.pays(1, 4096, jnp.float32, _gate_up())
+    assert not pm.pays(64, 4096, bf16, _gate_up())
     monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H200")   # the decode kernels' GPUs only
-    assert not pm.pays(1, 4096, 28672, bf16, _gate_up())
+    assert not pm.pays(1, 4096, bf16, _gate_up())
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
-    assert pm.pays(1, 4096, 28672, bf16, _gate_up())
+    assert pm.pays(1, 4096, bf16, _gate_up())
 
 
 def test_model_matmul_routes_to_it_when_asked_for(monkeypatch):
