@@ -73,9 +73,11 @@ def analyse(trace_dir, steps):
     gpu.sort(key=lambda e: e["ts"])
     busy, end = 0.0, None
     gaps = []
+    gap_before = []   # per kernel: idle time since the kernels before it ended (negative: it overlaps them)
     overlaps, overlap_us = 0, 0.0   # kernels that start before the previous ones end (PDL)
     for e in gpu:
         s, t = e["ts"], e["ts"] + e["dur"]
+        gap_before.append(0.0 if end is None else s - end)
         if end is not None and s < end:
             overlaps += 1
             overlap_us += min(end, t) - s
@@ -113,6 +115,11 @@ def analyse(trace_dir, steps):
     spans = [gpu[a:b] for a, b in zip(starts, starts[1:]) if b - a == starts[len(starts) // 2 + 1] - starts[len(starts) // 2]]
     one_layer = [(spans[0][p]["name"][:60], round(float(np.median([s[p]["dur"] for s in spans])), 2))
                  for p in range(len(spans[0]))] if spans else []
+    # The idle time before each of those kernels (median over the same layers): launch gaps the busy
+    # time does not count, so a kernel that is shorter but starts later shows here.
+    layer_starts = [a for a, b in zip(starts, starts[1:]) if b - a == len(spans[0])] if spans else []
+    gaps_in_layer = [(spans[0][p]["name"][:40], round(float(np.median([gap_before[a + p] for a in layer_starts])), 2))
+                     for p in range(len(spans[0]))] if spans else []
     host = collections.Counter()
     host_n = collections.Counter()
     for e in events:
@@ -126,6 +133,7 @@ def analyse(trace_dir, steps):
             "gap_ms_over_5us_per_step": sum(g for g in gaps if g > 5) / 1e3 / steps,
             "largest_gaps_us": [round(g, 1) for g in big_gaps],
             "around_attention": around_attention, "one_layer": one_layer,
+            "gaps_in_layer_us": gaps_in_layer, "layer_gap_us": round(sum(g for _, g in gaps_in_layer), 2),
             "by_category_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in by_cat.most_common()},
             "top_kernels": [(n, count[n] / steps, round(d / 1e3 / steps, 4)) for n, d in by_name.most_common(40)],
             "top_host_events": [(n, host_n[n] / steps, round(d / 1e3 / steps, 4)) for n, d in host.most_common(40)]}
