@@ -6,7 +6,7 @@ kernel intervals), idle time between kernels, kernel count, kernels that start b
 how much: programmatic dependent launch), and the kernels grouped by name.
 The same decode step dispatched back to back with inputs already on the device gives the floor.
 
-  JAX_PLATFORMS=cuda QUANT=int8 [LM_HEAD=1] python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
+  JAX_PLATFORMS=cuda QUANT=int8 [LM_HEAD=1] [SCHED_STEPS=4] python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
   LM_HEAD=1 quantizes the LM head too, as `bench --quantize-lm-head` does)
 Writes $OUT/profile_<quant or bf16><TAG>.json.
 """
@@ -34,11 +34,12 @@ PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 BS = int(os.environ.get("BS", "1"))
 TP = int(os.environ.get("TP", "1"))
 LM_HEAD = os.environ.get("LM_HEAD") == "1"
+SCHED_STEPS = int(os.environ.get("SCHED_STEPS", "1"))   # decode steps per launch (engine_trace counts per launch)
 use_process_flags(TP)   # as the engine would, before jax starts (atlasjax/step_options.py)
 STEPS = 10
 NAME = f"profile_{QUANT or 'bf16'}_bs{BS}_tp{TP}{os.environ.get('TAG', '')}"
 res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "preset": PRESET, "quant": QUANT,
-       "lm_head_quantized": LM_HEAD, "bs": BS, "tp": TP,
+       "lm_head_quantized": LM_HEAD, "bs": BS, "tp": TP, "steps_per_launch": SCHED_STEPS,
        "xla_flags": os.environ.get("XLA_FLAGS", ""),   # after use_process_flags
        "env": {k: v for k, v in os.environ.items() if k.startswith("ATLASJAX_")}}
 
@@ -141,7 +142,8 @@ def analyse(trace_dir, steps):
 
 t0 = time.perf_counter()
 engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(BS, 8), max_model_len=1024, page_size=16,
-                                num_pages=max(BS, 8) * 16 + 8, max_num_batched_tokens=512, tensor_parallel_size=TP),
+                                num_pages=max(BS, 8) * 16 + 8, max_num_batched_tokens=512, tensor_parallel_size=TP,
+                                num_scheduler_steps=SCHED_STEPS),
                    load_preset(PRESET, jnp.bfloat16, QUANT, 0, TP, quantize_lm_head=LM_HEAD))
 log("load_s", round(time.perf_counter() - t0, 1))
 rng = np.random.default_rng(0)
@@ -160,6 +162,14 @@ for _ in range(40):
     times.append(time.perf_counter() - t)
 log("engine_step_ms", {"median": 1e3 * float(np.median(times)), "p10": 1e3 * float(np.percentile(times, 10)),
                        "p90": 1e3 * float(np.percentile(times, 90))})
+
+jax.profiler.start_trace("/tmp/trace_engine", create_perfetto_trace=True)
+for _ in range(STEPS):
+    engine.step()
+jax.profiler.stop_trace()
+log("engine_trace", analyse("/tmp/trace_engine", STEPS))
+if SCHED_STEPS > 1:   # the floor below dispatches the one-step executable
+    raise SystemExit
 
 # Host cost of one step without the device: time spent in engine.step() minus time blocked on the read-back
 # is not separable here; instead, dispatch the compiled decode back to back with device inputs (the floor).
@@ -203,9 +213,3 @@ jax.profiler.start_trace("/tmp/trace_floor", create_perfetto_trace=True)
 jax.block_until_ready(floor_steps(STEPS))
 jax.profiler.stop_trace()
 log("floor_trace", analyse("/tmp/trace_floor", STEPS))
-
-jax.profiler.start_trace("/tmp/trace_engine", create_perfetto_trace=True)
-for _ in range(STEPS):
-    engine.step()
-jax.profiler.stop_trace()
-log("engine_trace", analyse("/tmp/trace_engine", STEPS))
