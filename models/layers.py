@@ -50,6 +50,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
             operand, fused = materialize(x), {}
         return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     x = materialize(x)
+    if decode_rows and __import__("os").environ.get("ATLASJAX_GEMM_INPUT_BARRIER") == "1":   # TEMP experiment
+        x = jax.lax.optimization_barrier(x)
     if is_quantized(w):
         from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
         # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
