@@ -45,7 +45,7 @@ down at bs=1 and bs=32; fp8 since session 22). Measured and left to XLA (session
   XLA's GEMM: 45.0 against 43.0 us, and the fp8 step was slower with it (3.46 against 3.32 ms);
 - tensor-parallel partial sums (session 19, 2x H200 forced on, 8B TP=2 bs=1 with 4 steps per
   launch): 3.31-3.33 ms against 3.26 with XLA's GEMM.
-It runs on H100s only (`enabled`): on an H200 the same steps were no faster, or slower with the
+It runs on H100s only (`decode_switches.enabled`): on an H200 the same steps were no faster, or slower with the
 prologues. `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere, `=on` forces the kernel on
 any GPU (for A/B measurements).
 
@@ -99,6 +99,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum, int8_mma_order
+from pallas_kernels.decode_switches import enabled, forced, wide_setting
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
@@ -191,30 +192,6 @@ def weight_dtype(w):
     return w.dtype if jnp.dtype(w.dtype) == jnp.bfloat16 else None
 
 
-MEASURED_FASTER_ON = ("H100",)   # device kinds on which whole decode steps measured faster
-
-
-def enabled() -> bool:
-    """`ATLASJAX_DECODE_MATMUL`: unset / "auto" -> on the GPUs in MEASURED_FASTER_ON; "off" -> never
-    (XLA's GEMM, for A/B measurements); "on" -> on any GPU. On an H200 (session 19) the kernel
-    alone was as fast as XLA's GEMM (8B bs=1, 4 steps per launch: 4.15 against 4.16 ms) and with
-    its prologues slower (4.26-4.28): the weight streams 1.4x faster there, and the prologue's
-    per-step work no longer hides under it."""
-    setting = os.environ.get("ATLASJAX_DECODE_MATMUL", "auto").lower()
-    if setting in ("off", "0", "false"):
-        return False
-    return forced() or any(kind in device_kind() for kind in MEASURED_FASTER_ON)
-
-
-def forced() -> bool:
-    """`ATLASJAX_DECODE_MATMUL=on`: the kernel on any GPU."""
-    return os.environ.get("ATLASJAX_DECODE_MATMUL", "auto").lower() in ("on", "1", "true")
-
-
-def device_kind() -> str:
-    return jax.devices()[0].device_kind
-
-
 def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16, n: int | None = None, k: int | None = None) -> bool:
     """Whether a matmul that `pays` should also compute its activations ("rms_norm" or "swiglu") in
     the kernel for m rows. The RMSNorm prologue was faster than XLA's norm kernel + the kernel at 8-32
@@ -244,16 +221,6 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     return (enabled() and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
             and ((MIN_TILES <= tiles <= MAX_TILES and jnp.dtype(w_dtype) in narrow) or _takes_wide(tiles, w_dtype)))
-
-
-def wide_setting() -> str:
-    """`ATLASJAX_DECODE_MATMUL_WIDE`, for A/B measurements of int8 / fp8 weights wider than MAX_TILES:
-    "auto" (default): from WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
-    too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23); "tail": any width, with
-    the tiles past the last full wave split over K (`tail_split_sms`; the fp8 step was slower too:
-    3.373 against 3.301 ms, session 24); "persistent": every width that
-    pallas_kernels/persistent_matmul.py takes runs it (session 27)."""
-    return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
 
 
 def _takes_wide(tiles: int, w_dtype) -> bool:

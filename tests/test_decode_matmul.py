@@ -18,6 +18,7 @@ from models.deferred import RMSNormed, SwiGLU, rms_norm
 from models.fused import fuse_projections
 from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import decode_matmul as dm
+from pallas_kernels import decode_switches
 from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, decode_matmul_reference
 from pallas_kernels.quant_format import with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
@@ -220,7 +221,7 @@ def test_quantized_weights_it_cannot_take():
 
 def test_pays_on_the_narrow_projections_only(monkeypatch):
     bf16 = jnp.bfloat16
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     assert dm.pays(8, 4096, 6144, bf16, bf16)        # qkv
     assert dm.pays(8, 4096, 4096, bf16, bf16)        # o_proj
     assert dm.pays(8, 14336, 4096, bf16, bf16)       # down
@@ -262,7 +263,7 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
 
 def test_runs_only_on_the_gpus_where_it_measured_faster(monkeypatch):
     bf16 = jnp.bfloat16
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H200")   # no faster there (session 19)
+    monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H200")   # no faster there (session 19)
     assert not dm.pays(8, 4096, 4096, bf16, bf16)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
     assert dm.pays(8, 4096, 4096, bf16, bf16)
@@ -292,7 +293,7 @@ def _route_to_interpreted_kernel(monkeypatch, record, min_tiles):
         record(x, kw)
         return real(x, w, residual, interpret=True, **kw)
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(dm, "MIN_TILES", min_tiles)
     monkeypatch.setattr(dm, "decode_matmul", spy)
 

@@ -12,6 +12,7 @@ import pytest
 from atlasjax.quantization import quantize
 from models import layers
 from pallas_kernels import decode_matmul as dm
+from pallas_kernels import decode_switches
 from pallas_kernels import persistent_matmul as pm
 from pallas_kernels.decode_matmul import decode_matmul_reference
 from pallas_kernels.persistent_matmul import PersistentConfig, Schedule, persistent_matmul
@@ -82,7 +83,7 @@ def test_pays_only_when_asked_for(monkeypatch):
     """Opt-in (`ATLASJAX_DECODE_MATMUL_WIDE=persistent`): the 8B bs=1 bench step on the H100 was
     slower with it, fp8 and int8 (session 27). Never the LM head."""
     monkeypatch.setattr(pm, "num_sms", lambda: 132)
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     bf16 = jnp.bfloat16
     assert not pm.pays(1, 4096, bf16, _gate_up())
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "persistent")
@@ -91,7 +92,7 @@ def test_pays_only_when_asked_for(monkeypatch):
     assert not pm.pays(1, 4096, bf16, lm_head)
     assert not pm.pays(1, 4096, jnp.float32, _gate_up())
     assert not pm.pays(64, 4096, bf16, _gate_up())
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H200")   # the decode kernels' GPUs only
+    monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H200")   # the decode kernels' GPUs only
     assert not pm.pays(1, 4096, bf16, _gate_up())
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
     assert pm.pays(1, 4096, bf16, _gate_up())
@@ -108,7 +109,7 @@ def test_model_matmul_routes_to_it_when_asked_for(monkeypatch):
         return real(x, w, interpret=True, **kw)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "persistent")
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
-    monkeypatch.setattr(dm, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(pm, "num_sms", lambda: 4)
     monkeypatch.setattr(pm, "persistent_matmul", spy)
     x, w = _operands(2, 1024, 384, "fp8")   # K: two of the default config's 512-row steps

@@ -1,0 +1,44 @@
+"""Whether the decode kernels run: the environment switches and the GPUs they measured faster on.
+
+Both decode kernels (pallas_kernels/decode_matmul.py and persistent_matmul.py) ask these, and so
+do the tests, which patch `device_kind` to stand in for a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+MEASURED_FASTER_ON = ("H100",)   # device kinds on which whole decode steps measured faster
+
+
+def enabled() -> bool:
+    """`ATLASJAX_DECODE_MATMUL`: unset / "auto" -> on the GPUs in MEASURED_FASTER_ON; "off" -> never
+    (XLA's GEMM, for A/B measurements); "on" -> on any GPU. On an H200 (session 19) the kernel
+    alone was as fast as XLA's GEMM (8B bs=1, 4 steps per launch: 4.15 against 4.16 ms) and with
+    its prologues slower (4.26-4.28): the weight streams 1.4x faster there, and the prologue's
+    per-step work no longer hides under it."""
+    setting = os.environ.get("ATLASJAX_DECODE_MATMUL", "auto").lower()
+    if setting in ("off", "0", "false"):
+        return False
+    return forced() or any(kind in device_kind() for kind in MEASURED_FASTER_ON)
+
+
+def forced() -> bool:
+    """`ATLASJAX_DECODE_MATMUL=on`: the kernel on any GPU."""
+    return os.environ.get("ATLASJAX_DECODE_MATMUL", "auto").lower() in ("on", "1", "true")
+
+
+def device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
+def wide_setting() -> str:
+    """`ATLASJAX_DECODE_MATMUL_WIDE`, for A/B measurements of int8 / fp8 weights wider than the decode
+    matmul's MAX_TILES: "auto" (default): from its WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
+    too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23); "tail": any width, with
+    the tiles past the last full wave split over K (`tail_split_sms`; the fp8 step was slower too:
+    3.373 against 3.301 ms, session 24); "persistent": every width that
+    pallas_kernels/persistent_matmul.py takes runs it (session 27; XLA's GEMM runs gate_up 2.2 us
+    faster in the bench's multi-step launch, session 28)."""
+    return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
