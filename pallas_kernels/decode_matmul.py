@@ -45,9 +45,9 @@ down at bs=1 and bs=32; fp8 since session 22). Measured and left to XLA (session
   XLA's GEMM: 45.0 against 43.0 us, and the fp8 step was slower with it (3.46 against 3.32 ms);
 - tensor-parallel partial sums (session 19, 2x H200 forced on, 8B TP=2 bs=1 with 4 steps per
   launch): 3.31-3.33 ms against 3.26 with XLA's GEMM.
-It runs on H100s only (`decode_switches.enabled`): on an H200 the same steps were no faster, or slower with the
-prologues. `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere, `=on` forces the kernel on
-any GPU (for A/B measurements).
+It runs on H100s only (`decode_switches.enabled`): on an H200 the same steps were no faster, or
+slower with the prologues. `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere, `=on` forces
+the kernel on any GPU (for A/B measurements).
 
 Per-channel int8 / fp8 weights (session 20): the kernel also takes a `QuantizedWeight` stored
 [N, K], converts each [64, tile_k] tile to bf16 in registers (the wgmma's register A operand; or
