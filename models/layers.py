@@ -50,13 +50,13 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
             operand, fused = materialize(x), {}
         return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     x = materialize(x)
+    if decode_rows and x.shape[0] <= decode_matmul.MAX_ROWS:
+        # Keep a decode step's activations out of XLA's GEMM fusion. Fused with the RMSNorm's scale,
+        # its autotuner gave the one-step executable tiles that stream slower (H100: 8B fp8 gate_up
+        # 45.8 against 42.2 us; H200: fp8 / int8 steps 0.16-0.21 ms slower, bf16 0.03-0.06); a
+        # multi-step scan body never fused it (docs/performance.md, session 28).
+        x = jax.lax.optimization_barrier(x)
     if is_quantized(w):
-        if decode_rows and x.shape[0] <= decode_matmul.MAX_ROWS:
-            # Keep a decode step's activations out of XLA's GEMM fusion. Fused with the RMSNorm's
-            # scale, its autotuner gives the one-step executable a 128-column TMA tile that streams
-            # 8B's gate_up at 83% of copy instead of 92% (fp8 3.5 us, int8 3.1 us per layer; XLA
-            # never fuses it in a multi-step scan body: docs/performance.md, session 28).
-            x = jax.lax.optimization_barrier(x)
         from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: PLC0415
         # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
         # (bf16 on GPU): the logits of a quantized LM head and a row-parallel projection's partial

@@ -147,18 +147,19 @@ def test_model_matmul_routes_per_channel_quantized_weights(monkeypatch):
     np.testing.assert_array_equal(y, quantized_matmul(x, qw, out_dtype=jnp.float32))
 
 
-def test_decode_rows_reach_xla_quantized_gemm_behind_a_barrier(monkeypatch):
-    """On a GPU, the activations of a decode step (at most MAX_ROWS rows) reach XLA's quantized GEMM
-    through an optimization barrier, so XLA cannot fuse the RMSNorm's scale into the GEMM (its tile
-    then streams slower, docs/performance.md session 28); prefill rows and the CPU path have none,
-    and the product is the same either way."""
-    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")   # int8 / fp8 stay on XLA's GEMM
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_decode_rows_reach_xla_gemm_behind_a_barrier(monkeypatch, fmt):
+    """On a GPU, the activations of a decode step (at most MAX_ROWS rows) reach XLA's GEMM through an
+    optimization barrier, so XLA cannot fuse the RMSNorm's scale into the GEMM (its tile then
+    streams slower, docs/performance.md session 28); prefill rows and the CPU path have none, and
+    the product is the same either way."""
+    monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")   # every weight stays on XLA's GEMM
     x, _, scale, w = _prologue_operands(8, 256, 128)
-    qw = quantize(w.astype(jnp.float32), "int8")
+    w = w if fmt == "bf16" else quantize(w.astype(jnp.float32), fmt)
 
     def barriers(rows, on_gpu):
         monkeypatch.setattr(layers, "_on_gpu", lambda: on_gpu)
-        f = lambda x: layers.matmul(RMSNormed(x, scale, 1e-5), qw, jnp.float32)  # noqa: E731
+        f = lambda x: layers.matmul(RMSNormed(x, scale, 1e-5), w, jnp.float32)  # noqa: E731
         xs = jnp.concatenate([x] * (rows // 8))
         return str(jax.make_jaxpr(f)(xs)).count("optimization_barrier"), f(xs)
     n_decode, y_decode = barriers(8, True)
