@@ -29,7 +29,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     (models/deferred.py); w: [in, out] array or a quantized weight pytree. residual: None or
     [tokens, out], returned as `residual + x @ w` (the product rounded to out_dtype first).
     The decode kernel (bf16 or per-channel int8 / fp8 weights) computes a deferred x in its
-    prologue and adds the residual in its epilogue; every other path materializes x first.
+    prologue and adds the residual in its epilogue; every other path materializes x first (and at
+    decode rows on a GPU hands it to XLA's GEMM behind an optimization barrier).
     decode_kernel=False keeps the other paths (tensor-parallel partial sums: on 2x H200 the kernel
     made the TP=2 step slower, 3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
     out_dtype = out_dtype or x.dtype
