@@ -25,7 +25,7 @@ OUT = os.environ.get("OUT", "/tmp")
 QUANT = os.environ.get("QUANT") or None
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 LM_HEAD = os.environ.get("LM_HEAD") == "1"
-FUSION = re.compile(r'%(gemm_fusion\S*) = .*?calls=%([^,\s]+).*?"block_level_fusion_config":(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
+FUSION = re.compile(r'%gemm_fusion\S* = .*?calls=%([^,\s]+).*?"block_level_fusion_config":(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 COMPUTATION = re.compile(r"^%(\S+) \((.*)\) -> (\S+) \{$")
 
 
@@ -34,8 +34,8 @@ def gemm_fusions(hlo: str):
     signatures = {m.group(1): (re.findall(r"\w+\[[\d,]*\]", m.group(2)), m.group(3))
                   for m in map(COMPUTATION.match, hlo.splitlines()) if m}
     for m in FUSION.finditer(hlo):
-        params, out = signatures.get(m.group(2), ([], "?"))
-        cfg = json.loads(m.group(3))
+        params, out = signatures.get(m.group(1), ([], "?"))
+        cfg = json.loads(m.group(2))
         yield " ".join(params) + " -> " + out, {k: cfg.get(k) for k in ("output_tiles", "num_stages", "num_warps",
                                                                          "is_tma_allowed", "num_ctas")}
 

@@ -4,7 +4,7 @@ SMs), streamed by one block per SM in one pipeline.
 
 Why: one block per tile (pallas_kernels/decode_matmul.py) runs gate_up in ceil(448 / 132) = 4 waves
 of 3.4 tiles' work, and each new wave's blocks wait one load latency before their first tile
-arrives; XLA's GEMM takes 45.8 us there, 84% of copy bandwidth (docs/performance.md, session 26).
+arrives (46.8 us for fp8 at 8 rows, 83% of copy bandwidth: docs/performance.md, session 27).
 Here each block owns `whole` consecutive tiles and streams all their K steps through one pipeline,
 so the next tile's loads are in flight while a tile's epilogue runs; the tiles left over after
 `whole` per block (the "tail": 52 for gate_up) split over K in 2-block clusters, the second block
@@ -16,9 +16,9 @@ Measured (session 27, H100, notebooks/gpu_persistent_matmul.py; docs/performance
 gate_up at 86-87% of copy, up from 82-84% one block per tile, but XLA's convert-fused GEMM takes
 it at 90% at the engine's 8 rows (fp8 43.1 against 44.2 us, int8 43.1 against 44.9); only at one
 row, which the engine never runs on a GPU, is it the faster (fp8 45.0 against 48.1, int8 45.5
-against 53.0). In the 8B bs=1 step fp8 gate_up took 44.6 against XLA's 45.9 us, the GPU 0.013 ms
-less per step, but the bench's step was 0.1 ms slower (3.36 against 3.26 ms); int8 was slower in
-both. So it is opt-in (`pays`). The LM head streams as fast one block per tile (fp8 at 8 rows
+against 53.0). In the 8B bs=1 step it takes 44.5 us against XLA's 42.2 (the bench's multi-step
+launch, and since session 28 the one-step executable too), and the bench's fp8 step was 0.1 ms
+slower with it (3.36 against 3.26 ms). So it is opt-in (`pays`). The LM head streams as fast one block per tile (fp8 at 8 rows
 181.8 against 182.4-197.3 us).
 
 Kernel: the decode matmul's swap-AB wgmma (acc[64, m] += W tile converted to bf16 in registers,
