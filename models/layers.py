@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from models.deferred import Deferred, RMSNormed, SwiGLU, materialize, rms_norm
 from models.parallel import Parallel
-from pallas_kernels import decode_matmul, persistent_matmul
+from pallas_kernels import decode_matmul, int4_decode_matmul, persistent_matmul
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -28,8 +28,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     """The one matmul entry. x: [tokens, in] array, or a deferred `RMSNormed` / `SwiGLU`
     (models/deferred.py); w: [in, out] array or a quantized weight pytree. residual: None or
     [tokens, out], returned as `residual + x @ w` (the product rounded to out_dtype first).
-    The decode kernel (bf16 or per-channel int8 / fp8 weights) computes a deferred x in its
-    prologue and adds the residual in its epilogue; every other path materializes x first (and at
+    The decode kernels (bf16 or per-channel int8 / fp8 weights; int4 groups of 128) compute a deferred
+    x in their prologue (int4: the RMSNorm only) and add the residual in their epilogue; every other path materializes x first (and at
     decode rows on a GPU hands it to XLA's GEMM behind an optimization barrier).
     decode_kernel=False keeps the other paths (tensor-parallel partial sums: on 2x H200 the kernel
     made the TP=2 step slower, 3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
@@ -50,6 +50,14 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
         else:
             operand, fused = materialize(x), {}
         return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
+    if decode_rows and int4_decode_matmul.pays(x.shape[0], x.dtype, w):
+        # int4 (groups of 128): its K split summed, the input RMSNorm and the residual add in the kernel
+        # (pallas_kernels/int4_decode_matmul.py)
+        if isinstance(x, RMSNormed) and int4_decode_matmul.prologue_pays():
+            operand, fused = x.kernel_operands()
+        else:
+            operand, fused = materialize(x), {}
+        return int4_decode_matmul.int4_decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     x = materialize(x)
     if decode_rows and x.shape[0] <= decode_matmul.MAX_ROWS:
         # Keep a decode step's activations out of XLA's GEMM fusion. Fused with the RMSNorm's scale,

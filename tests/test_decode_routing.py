@@ -262,3 +262,35 @@ def test_quantized_decode_step_through_the_kernel(monkeypatch, fmt, lm_head):
     assert dm.default_config(256, w_dtype=params["layers_0"]["mlp"]["down_proj"]["kernel"].qweight.dtype,
                              k=512).k_split == 2   # down's config
     assert _rel_err(fused, reference) < 2e-2
+
+
+def test_int4_decode_step_through_its_fused_kernel(monkeypatch):
+    """int4 weights (groups of 128, as quantize at load makes them) at decode rows on a GPU go to
+    pallas_kernels/int4_decode_matmul.py (interpret mode here, K split over 2-block clusters where
+    K allows): qkv and gate_up with the RMSNorm, o_proj and down with the residual, the LM head
+    plain. The logits agree with the unfused reference path; `ATLASJAX_INT4_DECODE=off` keeps the
+    int4 kernel with XLA's sums, `ATLASJAX_DECODE_PROLOGUE=off` XLA's norms."""
+    from pallas_kernels import int4_decode_matmul as idm   # noqa: PLC0415
+    params = fuse_projections(quantize_params(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5), "int4",
+                                              quantize_lm_head=True))
+    reference = _tiny_decode_step(params)()   # CPU: dequantize + dot
+    real, calls = idm.int4_decode_matmul, []
+
+    def spy(x, w, residual=None, **kw):
+        calls.append(("norm" if "norm_scale" in kw else "plain") + ("+residual" if residual is not None else ""))
+        splits = 2 if w.padded_shape[0] % (2 * idm.STEP_K) == 0 else 1
+        return real(x, w, residual, splits=splits, interpret=True, **kw)
+    monkeypatch.setattr(layers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(idm, "int4_decode_matmul", spy)
+    fused = _tiny_decode_step(params)()
+    # per layer: qkv (normed), o_proj (+ residual), gate_up (normed), down (+ residual); the LM head
+    assert calls == ["norm", "plain+residual", "norm", "plain+residual"] * _KERNEL_CFG.num_layers + ["plain"]
+    assert _rel_err(fused, reference) < 2e-2
+    calls.clear()
+    monkeypatch.setenv("ATLASJAX_DECODE_PROLOGUE", "off")
+    _tiny_decode_step(params)()
+    assert calls == ["plain", "plain+residual"] * 2 * _KERNEL_CFG.num_layers + ["plain"]
+    calls.clear()
+    monkeypatch.setenv("ATLASJAX_INT4_DECODE", "off")   # quantized_matmul (here its CPU reference)
+    _tiny_decode_step(params)()
+    assert not calls
