@@ -5,7 +5,9 @@ o_proj, down and gate_up (groups of 128, integer zero points, as quantize at loa
 
 For each shape and row count: the median CUPTI time of each path over weight copies that rotate
 past the L2 (all kernels of the path), its share of copy bandwidth, its relative-norm error against
-the jnp reference, and the K splits.
+the jnp reference, and the K splits. x is one array for all copies, so XLA computes a norm
+outside the kernel once per call ("unfused", "fused_no_norm"): add a norm kernel's time (~1.6 us in
+the step) to compare those with "fused".
 
   JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [ROW_COUNTS=1,8] [SPLITS=2,4,8] \
       python notebooks/gpu_int4_decode_matmul.py      # -> $OUT/int4_decode_matmul.json
@@ -36,7 +38,7 @@ def main():
         qw = quantize(rng.standard_normal((k, n), np.float32) * 0.02, "int4", group_size=128)
         copies = max(2, -(-MIN_ROTATION_BYTES // qw.qweight.nbytes))
         qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
-        nbytes = sum(a.nbytes for a in jax.tree.leaves(qw))
+        nbytes = qw.qweight.size // 2 + qw.scales.nbytes + qw.zeros.nbytes   # two codes per byte, group rows
         g = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
         for rows in map(int, os.environ.get("ROW_COUNTS", "1,8").split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)

@@ -18,6 +18,17 @@ prologue), rounds, adds the residual and stores y [M, N].
 RMSNorm prologue (`norm_scale`): each step stages x * scale in bf16 for the product's wgmmas, and
 x * x for a wgmma of a ones tile with it: that accumulator holds each row's partial sum of squares
 in all its 64 rows, in the product's own layout, so the cluster sums it as it sums the product.
+
+Measured (session 29, H100, 8 rows, notebooks/gpu_int4_decode_matmul.py; docs/performance.md): correct,
+but slower than what it replaces, so it is opt-in (`ATLASJAX_INT4_DECODE=on`, `pays`):
+- the cluster split costs more than XLA's sum kernel: o_proj 7.56 us in 4-block clusters (7.05 in
+  2-block ones) against 7.03 for the int4 kernel + XLA's sum and residual add; down 16.75 against 15.11;
+  qkv without the prologue 10.53 against 9.13 (both after XLA's norm). Unsplit (gate_up) it streams
+  as fast as the int4 kernel (28.00 against 28.01 us), so the loss is in the clusters;
+- the RMSNorm prologue adds 3.0 us to qkv and 10.2 us to gate_up: the int4 kernel waits for every
+  step's wgmmas, so the staging of two activation tiles and a third wgmma lengthen each step;
+- the 8B int4 bs=1 step with it (prologues included, `--num-scheduler-steps 4`): 2.764 / 2.763 ms
+  against 2.362 / 2.369 without.
 """
 from __future__ import annotations
 
@@ -54,9 +65,10 @@ def takes(m: int, qw) -> bool:
 
 
 def pays(m: int, x_dtype, qw) -> bool:
-    """Whether a model matmul on a GPU should run this kernel: bf16 activations at decode rows and a
-    weight it `takes`. `ATLASJAX_INT4_DECODE=off` keeps the int4 kernel with XLA's sums, for A/B runs."""
-    if os.environ.get("ATLASJAX_INT4_DECODE", "auto").lower() in ("off", "0", "false"):
+    """Whether a model matmul on a GPU should run this kernel: only when asked
+    (`ATLASJAX_INT4_DECODE=on`: the 8B int4 step was slower with it, 2.76 against 2.36 ms, session 29),
+    for bf16 activations at decode rows and a weight it `takes`."""
+    if os.environ.get("ATLASJAX_INT4_DECODE", "off").lower() not in ("on", "1", "true"):
         return False
     return jnp.dtype(x_dtype) == jnp.bfloat16 and takes(m, qw)
 

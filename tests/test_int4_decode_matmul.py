@@ -29,8 +29,8 @@ def _rel_err(y, ref):
     return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("fused", ["plain", "residual", "norm_residual"])
 def test_interpret_matches_reference(m, splits, fused):
     """The cluster's K splits summed in its first block, with each fusion, at awkward row counts."""
