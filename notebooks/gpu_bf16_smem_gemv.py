@@ -143,6 +143,22 @@ def weight_copies(rng, k, n):
     return w, [w + i for i in range(copies)]
 
 
+def time_paths(label, kernels, x, w, ws, ref, row, copy):
+    """Into row: each path's relative-norm error against ref and its time per weight (us, median
+    CUPTI time of one call over the rotated copies ws); a path that does not lower is reported and
+    skipped. Prints the row's times with their share of copy bandwidth (row["bytes"])."""
+    for key, fn in kernels.items():
+        try:
+            y = np.asarray(jax.jit(fn)(x, w), np.float32)
+            row[f"{key}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+            row[f"{key}_us"] = device_ms(rotated(fn), x, ws) / len(ws) * 1e3
+        except Exception as e:  # noqa: BLE001 - a config that does not lower is reported
+            print(f"{label} {key}: failed: {str(e).splitlines()[0][:300]}", flush=True)
+    print(f"{label}: " + ", ".join(
+        f"{key[:-3]} {v:.2f} us ({row['bytes'] / (v * 1e-6) / copy:.1%}, err {row[key[:-3] + '_err']:.1e})"
+        for key, v in row.items() if key.endswith("_us")), flush=True)
+
+
 def write(name, copy, results):
     with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
         json.dump(dict(copy_bytes_per_s=copy, device=jax.devices()[0].device_kind, jax=jax.__version__,

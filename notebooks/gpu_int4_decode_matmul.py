@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
+from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES
 from atlasjax.quantization import quantize
-from gpu_bf16_smem_gemv import start, write   # the copy-bandwidth header and JSON write
+from gpu_bf16_smem_gemv import start, time_paths, write   # copy bandwidth, timing loop, JSON
 from models.deferred import rms_norm
 from pallas_kernels.int4_decode_matmul import int4_decode_matmul, int4_decode_matmul_reference, num_splits
 from pallas_kernels.quantized_matmul import quantized_matmul
@@ -57,16 +57,7 @@ def main():
                 kernels[f"fused_s{s}"] = lambda x, w, s=s: int4_decode_matmul(x, w, res, splits=s, **fused)
             if fusion == "norm":
                 kernels["fused_no_norm"] = lambda x, w: int4_decode_matmul(rms_norm(x, g, 1e-5), w)
-            for key, fn in kernels.items():
-                try:
-                    y = np.asarray(jax.jit(fn)(x, qw), np.float32)
-                    row[f"{key}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-                    row[f"{key}_us"] = device_ms(rotated(fn), x, qws) / copies * 1e3
-                except Exception as e:  # noqa: BLE001 - a config that does not lower is reported
-                    print(f"{name} {rows} {key}: failed: {str(e).splitlines()[0][:300]}", flush=True)
-            print(f"{name} rows {rows} (splits {row['default_splits']}): " + ", ".join(
-                f"{key[:-3]} {v:.2f} us ({row['bytes'] / (v * 1e-6) / copy:.1%}, err {row[key[:-3] + '_err']:.1e})"
-                for key, v in row.items() if key.endswith("_us")), flush=True)
+            time_paths(f"{name} rows {rows} (splits {row['default_splits']})", kernels, x, qw, qws, ref, row, copy)
             results.append(row)
             write("int4_decode_matmul.json", copy, results)
 

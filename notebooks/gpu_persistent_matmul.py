@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
+from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES
 from atlasjax.quantization import quantize
-from gpu_bf16_smem_gemv import start, write   # the copy-bandwidth header and JSON write
+from gpu_bf16_smem_gemv import start, time_paths, write   # copy bandwidth, timing loop, JSON
 from pallas_kernels.decode_matmul import QUANT_CONFIG, decode_matmul, decode_matmul_reference
 from pallas_kernels.gemm_tiling import num_sms
 from pallas_kernels.persistent_matmul import PersistentConfig, persistent_matmul
@@ -50,16 +50,7 @@ def main():
                 kernels = {"xla": lambda x, w: quantized_matmul(x, w)}
                 kernels |= {key: (lambda x, w, c=c: decode_matmul(x, w, config=c)) for key, c in DECODE.items()}
                 kernels |= {key: (lambda x, w, c=c: persistent_matmul(x, w, config=c)) for key, c in PERSISTENT.items()}
-                for key, fn in kernels.items():
-                    try:
-                        y = np.asarray(jax.jit(fn)(x, qw), np.float32)
-                        row[f"{key}_err"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-                        row[f"{key}_us"] = device_ms(rotated(fn), x, qws) / copies * 1e3
-                    except Exception as e:  # noqa: BLE001 - a config that does not lower is reported
-                        print(f"{name} {fmt} {rows} {key}: failed: {str(e).splitlines()[0][:200]}", flush=True)
-                print(f"{name} {fmt} rows {rows}: " + ", ".join(
-                    f"{key[:-3]} {v:.2f} us ({row['bytes'] / (v * 1e-6) / copy:.1%}, err {row[key[:-3] + '_err']:.1e})"
-                    for key, v in row.items() if key.endswith("_us")), flush=True)
+                time_paths(f"{name} {fmt} rows {rows}", kernels, x, qw, qws, ref, row, copy)
                 results.append(row)
                 write("persistent_matmul.json", copy, results)
 
