@@ -28,9 +28,10 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     """The one matmul entry. x: [tokens, in] array, or a deferred `RMSNormed` / `SwiGLU`
     (models/deferred.py); w: [in, out] array or a quantized weight pytree. residual: None or
     [tokens, out], returned as `residual + x @ w` (the product rounded to out_dtype first).
-    The decode kernels (bf16 or per-channel int8 / fp8 weights; int4 groups of 128) compute a deferred
-    x in their prologue (int4: the RMSNorm only) and add the residual in their epilogue; every other path materializes x first (and at
-    decode rows on a GPU hands it to XLA's GEMM behind an optimization barrier).
+    The decode kernel (bf16 or per-channel int8 / fp8 weights; and, opt-in, the int4 one) computes a
+    deferred x in its prologue (int4: the RMSNorm only) and adds the residual in its epilogue; every
+    other path materializes x first (and at decode rows on a GPU hands it to XLA's GEMM behind an
+    optimization barrier).
     decode_kernel=False keeps the other paths (tensor-parallel partial sums: on 2x H200 the kernel
     made the TP=2 step slower, 3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
     out_dtype = out_dtype or x.dtype
@@ -51,8 +52,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
             operand, fused = materialize(x), {}
         return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     if decode_rows and int4_decode_matmul.pays(x.shape[0], x.dtype, w):
-        # int4 (groups of 128): its K split summed, the input RMSNorm and the residual add in the kernel
-        # (pallas_kernels/int4_decode_matmul.py)
+        # int4 (groups of 128), opt-in: its K split summed, the input RMSNorm and the residual add in
+        # the kernel (pallas_kernels/int4_decode_matmul.py; slower on the H100, session 29)
         if isinstance(x, RMSNormed) and int4_decode_matmul.prologue_pays():
             operand, fused = x.kernel_operands()
         else:
