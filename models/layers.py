@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from models.deferred import Deferred, RMSNormed, SwiGLU, materialize, rms_norm
 from models.parallel import Parallel
-from pallas_kernels import decode_matmul, int4_decode_matmul, persistent_matmul
+from pallas_kernels import decode_matmul, decode_switches, int4_decode_matmul, persistent_matmul
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -54,7 +54,7 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     if decode_rows and int4_decode_matmul.pays(x.shape[0], x.dtype, w):
         # int4 (groups of 128), opt-in: its K split summed, the input RMSNorm and the residual add in
         # the kernel (pallas_kernels/int4_decode_matmul.py; slower on the H100, session 29)
-        if isinstance(x, RMSNormed) and int4_decode_matmul.prologue_pays():
+        if isinstance(x, RMSNormed) and decode_switches.prologues_on():
             operand, fused = x.kernel_operands()
         else:
             operand, fused = materialize(x), {}

@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +98,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum, int8_mma_order
-from pallas_kernels.decode_switches import enabled, forced, wide_setting
+from pallas_kernels.decode_switches import enabled, forced, prologues_on, wide_setting
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
@@ -199,7 +198,7 @@ def prologue_pays(prologue: str, m: int, w_dtype=jnp.bfloat16, n: int | None = N
     warpgroup: at 16-32 rows that step outlasted the weight's), and only on bf16 weights: on int8
     down it cost 1.2-1.7 us more than XLA's silu * up kernel before the kernel, on fp8 it tied
     (session 22). `ATLASJAX_DECODE_PROLOGUE=off`: XLA computes both, for A/B measurements."""
-    if os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() in ("off", "0", "false"):
+    if not prologues_on():
         return False
     if prologue == "rms_norm" and n is not None:
         config = default_config(n, w_dtype=w_dtype, k=k)

@@ -1,6 +1,6 @@
 """Whether the decode kernels run: the environment switches and the GPUs they measured faster on.
 
-Both decode kernels (pallas_kernels/decode_matmul.py and persistent_matmul.py) ask these, and so
+The decode kernels (pallas_kernels/decode_matmul.py, persistent_matmul.py, int4_decode_matmul.py) ask these, and so
 do the tests, which patch `device_kind` to stand in for a GPU.
 """
 from __future__ import annotations
@@ -42,3 +42,14 @@ def wide_setting() -> str:
     pallas_kernels/persistent_matmul.py takes runs it (session 27; XLA's GEMM runs gate_up 2.2 us
     faster in the bench's multi-step launch, session 28)."""
     return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
+
+
+def prologues_on() -> bool:
+    """`ATLASJAX_DECODE_PROLOGUE=off`: the norms and SwiGLU stay in XLA, for A/B measurements."""
+    return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
+
+
+def int4_decode_on() -> bool:
+    """`ATLASJAX_INT4_DECODE=on`: int4 decode matmuls run pallas_kernels/int4_decode_matmul.py (opt-in:
+    slower on the H100, session 29)."""
+    return os.environ.get("ATLASJAX_INT4_DECODE", "off").lower() in ("on", "1", "true")

@@ -33,7 +33,6 @@ but slower than what it replaces, so it is opt-in (`ATLASJAX_INT4_DECODE=on`, `p
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum
+from pallas_kernels.decode_matmul import tile_epilogue
+from pallas_kernels.decode_switches import int4_decode_on
 from pallas_kernels.gemm_tiling import interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import QuantizedWeight, dequantize
@@ -68,14 +69,7 @@ def pays(m: int, x_dtype, qw) -> bool:
     """Whether a model matmul on a GPU should run this kernel: only when asked
     (`ATLASJAX_INT4_DECODE=on`: the 8B int4 step was slower with it, 2.76 against 2.36 ms, session 29),
     for bf16 activations at decode rows and a weight it `takes`."""
-    if os.environ.get("ATLASJAX_INT4_DECODE", "off").lower() not in ("on", "1", "true"):
-        return False
-    return jnp.dtype(x_dtype) == jnp.bfloat16 and takes(m, qw)
-
-
-def prologue_pays() -> bool:
-    """`ATLASJAX_DECODE_PROLOGUE=off` leaves the RMSNorm to XLA here too (A/B runs)."""
-    return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
+    return int4_decode_on() and jnp.dtype(x_dtype) == jnp.bfloat16 and takes(m, qw)
 
 
 def num_splits(qw: QuantizedWeight, requested: int | None = None) -> int:
@@ -188,15 +182,8 @@ def int4_decode_kernel(*refs, k, steps, splits, norm, zero_point, with_residual,
     def epilogue(acc, ssq):
         if norm:   # each row's 1 / rms(x), from all of K's sums of squares
             acc = acc * lax.rsqrt(ssq * (1.0 / k) + eps)
-        y = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED).astype(out_smem.dtype)   # [TILE_N, m]
-        if with_residual:   # rounded as `residual + (x @ w)` is: the product first, then the sum
-            plgpu.barrier_wait(r_barrier)
-            r = plgpu.load(r_smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED)
-            y = (r.astype(jnp.float32) + y.astype(jnp.float32)).astype(out_smem.dtype)
-        out_smem.T[...] = y
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, cols])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        tile_epilogue(acc, ssq=None, ws_smem=None, ws_barrier=None, r_smem=r_smem, r_barrier=r_barrier,
+                      out_smem=out_smem, out_gmem=out_gmem.at[:, cols], k=k, prologue=None, eps=eps)
 
     if splits == 1:
         return epilogue(acc, ssq)
