@@ -97,10 +97,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import cluster_sum, int8_mma_order
-from pallas_kernels.decode_switches import enabled, forced, prologues_on, wide_setting
+from pallas_kernels import cluster_sum, int4_mma_order, int8_mma_order
+from pallas_kernels.decode_switches import enabled, forced, int4_decode_setting, prologues_on, wide_setting
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
-from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, dequantize, natural_codes
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
 MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, session 18)
@@ -168,6 +168,8 @@ QUANT_SPLIT_CONFIG = dataclasses.replace(QUANT_CONFIG, k_split=2)
 QUANT_WIDE_CONFIG = DecodeMatmulConfig(tile_k=512, max_concurrent_steps=4, wgmmas_in_flight=1)
 WIDE_MIN_TILES = 1024
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+INT4 = jnp.dtype(jnp.int4)
+INT4_GROUP = 128   # the int4 groups it takes (quantize at load's default); a step holds tile_k // 128
 # Quantized weights: shared memory held per block, so that one block runs per SM. On the H100
 # (session 21) a quantized weight 448 tiles wide (N = 28672) came out wrong in a few 32-column
 # halves of some blocks with 82 KB per block (two blocks per SM), and right at 128 tiles (one block
@@ -184,10 +186,15 @@ def one_block_per_sm(used_smem: int) -> list:
 
 def weight_dtype(w):
     """The dtype the kernel would stream `w` in, or None if it cannot take it: a bf16 array [K, N],
-    or a per-channel int8 / fp8 `QuantizedWeight` stored without padding."""
+    a per-channel int8 / fp8 `QuantizedWeight`, or an int4 one in mma order with groups of
+    INT4_GROUP (integer zero points or symmetric), stored without padding."""
     if isinstance(w, QuantizedWeight):
-        per_channel = w.num_groups == 1 and w.zeros is None and w.padded_shape == tuple(w.shape)
-        return w.qweight.dtype if per_channel and jnp.dtype(w.qweight.dtype) in QUANT_DTYPES else None
+        if w.padded_shape != tuple(w.shape):
+            return None
+        per_channel = w.num_groups == 1 and w.zeros is None and jnp.dtype(w.qweight.dtype) in QUANT_DTYPES
+        grouped_int4 = (w.format == "int4" and w.mma_order and w.group_size == INT4_GROUP
+                        and (w.zeros is None or w.zero_point))
+        return w.qweight.dtype if per_channel or grouped_int4 else None
     return w.dtype if jnp.dtype(w.dtype) == jnp.bfloat16 else None
 
 
@@ -213,20 +220,25 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     fp8 weights (`weight_dtype`), at decode rows, of 64-96 column tiles. Per-channel int8 only when
     forced (`ATLASJAX_DECODE_MATMUL=on`): the 8B bs=1 step was no faster with it (3.40 against 3.39
     ms, session 22; fp8 3.31 against 3.37). Per-channel int8 and fp8 also from WIDE_MIN_TILES tiles
-    on (the LM head, `_takes_wide`)."""
+    on (the LM head, `_takes_wide`). Grouped int4 at every width, only when asked
+    (`ATLASJAX_INT4_DECODE=matmul`)."""
     tiles = n // TILE_N
     config = default_config(n, w_dtype=w_dtype, k=k)
     narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)) + ((jnp.dtype(jnp.int8),) if forced() else ())
+    int4 = jnp.dtype(w_dtype) == INT4
+    if int4 and int4_decode_setting() != "matmul":
+        return False
     return (enabled() and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
-            and ((MIN_TILES <= tiles <= MAX_TILES and jnp.dtype(w_dtype) in narrow) or _takes_wide(tiles, w_dtype)))
+            and (int4 or (MIN_TILES <= tiles <= MAX_TILES and jnp.dtype(w_dtype) in narrow)
+                 or _takes_wide(tiles, w_dtype)))
 
 
 def _takes_wide(tiles: int, w_dtype) -> bool:
     """int8 / fp8 weights of many waves of tiles (the LM head). fp8 at 8 rows on the H100 (session
     23): 176.0 against XLA's 188.9 us, and 3.30 against 3.32 ms per 8B bs=1 step."""
     wide = wide_setting()
-    return jnp.dtype(w_dtype).itemsize == 1 and wide != "off" and (tiles >= WIDE_MIN_TILES or wide in ("on", "tail"))
+    return jnp.dtype(w_dtype) in QUANT_DTYPES and wide != "off" and (tiles >= WIDE_MIN_TILES or wide in ("on", "tail"))
 
 
 def _stage_rms_norm(x_smem, g_smem, ssq):
@@ -242,8 +254,16 @@ def _stage_swiglu(gate_smem, up_smem):
     return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
-def weight_tile_bf16(w_smem, mma_order: bool, interpret: bool):
-    """A quantized weight tile [TILE_N, tile_k] as bf16 in natural column order, in registers."""
+def weight_tile_bf16(w_smem, mma_order: bool, interpret: bool, s_smem=None, z_smem=None):
+    """A quantized weight tile [TILE_N, tile_k] as bf16 in natural column order, in registers. Grouped
+    int4 (s_smem given: the step's [groups, TILE_N] scale rows, z_smem its zero-point rows or None):
+    each group's q - z times its scale, rounded to bf16 (`int4_mma_order.mma_tile_to_bf16_scaled`)."""
+    if s_smem is not None:
+        def rows(ref):
+            return [plgpu.load(ref.at[i], layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+                    for i in range(ref.shape[0])]
+        return int4_mma_order.mma_tile_to_bf16_scaled(w_smem[...], None if z_smem is None else rows(z_smem),
+                                                      rows(s_smem), interpret=interpret)
     if mma_order:
         return int8_mma_order.mma_tile_to_bf16(w_smem[...], interpret=interpret)
     return codes_as_bf16(w_smem[...])
@@ -258,7 +278,8 @@ def _when(cond, fn):
 
 
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
-                         stage_weight, k_split=1, split_from=0, mma_order=False, interpret=False):
+                         stage_weight, k_split=1, split_from=0, mma_order=False, groups=0, zero_point=False,
+                         interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]);
     with `k_split` 2, a cluster of two blocks, each over half of K, the first adding the second's
     product before the epilogue (pallas_kernels/cluster_sum.py). With `split_from` > 0 the clusters
@@ -267,9 +288,11 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
 
     Refs, in order: w_gmem, [K, N] bf16 (or, `quantized`, the per-channel int8 / fp8 weight stored
     [N, K]); x_gmem [m, K] (prologue "swiglu": [m, 2K], gate | up); scale_gmem [K] (prologue
-    "rms_norm"); ws_gmem [1, N] f32 channel scales (quantized); r_gmem [m, N] (with_residual);
+    "rms_norm"); ws_gmem [1, N] f32 channel scales (quantized per channel) or, grouped int4
+    (`groups` groups of INT4_GROUP per step), gs_gmem [G, N] scales and gz_gmem [G, N] integer zero
+    points (zero_point); r_gmem [m, N] (with_residual);
     out_gmem [m, N]; scratch out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a
-    prologue); ws_smem [TILE_N] and a barrier (quantized); staged_w_smem [in_flight + 1, TILE_N,
+    prologue); ws_smem [TILE_N] and a barrier (quantized per channel); staged_w_smem [in_flight + 1, TILE_N,
     tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual); then, quantized,
     unused padding (`ONE_BLOCK_PER_SM_SMEM`); k_split 2: recv_smem [TILE_N, m] f32, and in
     interpret mode a spill output [N, m] f32 (after out_gmem), its barrier and a cluster barrier.
@@ -278,12 +301,13 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     take = lambda present: refs.pop(0) if present else None   # noqa: E731
     w_gmem, x_gmem = take(True), take(True)
     scale_gmem = take(prologue == "rms_norm")
-    ws_gmem = take(quantized)
+    ws_gmem = take(quantized and not groups)
+    gs_gmem, gz_gmem = take(groups > 0), take(zero_point)
     r_gmem, out_gmem = take(with_residual), take(True)
     spill_gmem = take(k_split > 1 and interpret)
     out_smem = take(True)
     staged_smem = take(prologue is not None)
-    ws_smem, ws_barrier = take(quantized), take(quantized)
+    ws_smem, ws_barrier = take(quantized and not groups), take(quantized and not groups)
     staged_w_smem = take(stage_weight)
     r_smem, r_barrier = take(with_residual), take(with_residual)
     recv_smem = take(k_split > 1)
@@ -309,14 +333,14 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     def fetch_epilogue_operands():   # in flight while the weight streams
         if with_residual:
             plgpu.copy_gmem_to_smem(r_gmem.at[:, cols], r_smem, r_barrier)
-        if quantized:
+        if ws_gmem is not None:
             plgpu.copy_gmem_to_smem(ws_gmem.at[0, cols], ws_smem, ws_barrier)
     _when(leader, fetch_epilogue_operands)
     # Without a prologue the wgmma reads the x tile itself, so its release waits with the weight's.
     x_release = in_flight if prologue is None else 0
     # Each spec's step s reads K step first_step + s of the block's columns.
     if quantized:   # the wgmma reads the converted tile (registers or staged), not this one
-        w_bits = jnp.dtype(w_gmem.dtype).itemsize * 8
+        w_bits = 4 if groups else jnp.dtype(w_gmem.dtype).itemsize * 8
         w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, first_step + s),
                                  transforms=swizzled(tile_k * w_bits, w_bits, "weight"))
         w_operand = w_gmem.at[cols, :]
@@ -333,10 +357,20 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     elif prologue == "rms_norm":
         specs.append(plgpu.BlockSpec((tile_k,), lambda s: (first_step + s,)))
         operands.append(scale_gmem)
+    group_rows = [r for r in (gs_gmem, gz_gmem) if r is not None]   # grouped int4: the step's rows
+    for rows_gmem in group_rows:
+        specs.append(plgpu.BlockSpec((groups, TILE_N), lambda s: (first_step + s, 0)))
+        operands.append(rows_gmem.at[:, cols])
 
     def body(acc_ref):
         def step(idx, w_smem, *tiles):
             carry = None
+            s_smem = z_smem = None
+            if group_rows:   # they follow the activation tiles (and come before the norm's carry)
+                at = len(tiles) - len(group_rows) - (prologue == "rms_norm")
+                s_smem, *z = tiles[at:at + len(group_rows)]
+                z_smem = z[0] if z else None
+                tiles = tiles[:at] + tiles[at + len(group_rows):]
             buffer = idx[0] % (in_flight + 1) if in_flight else 0   # of the staged tiles of this step
             if prologue is None:
                 x_smem = tiles[0]
@@ -351,9 +385,9 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
                 a = w_smem.T
             elif stage_weight:
                 a = staged_w_smem.at[buffer]
-                a[...] = weight_tile_bf16(w_smem, mma_order, interpret)
+                a[...] = weight_tile_bf16(w_smem, mma_order, interpret, s_smem, z_smem)
             else:
-                a = weight_tile_bf16(w_smem, mma_order, interpret)
+                a = weight_tile_bf16(w_smem, mma_order, interpret, s_smem, z_smem)
             if prologue is not None or stage_weight:
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a, x_smem.T)
@@ -420,7 +454,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     - swiglu: silu(gate) * up (rounded to bf16 once), x = [M, 2K] holding gate | up.
     w: [K, N] bf16, or a per-channel int8 / fp8 `QuantizedWeight` of logical shape (K, N) stored
     without padding (`weight_dtype`), whose codes are converted to bf16 in the kernel and whose
-    channel scales multiply the f32 product, as `xla_convert_matmul` computes. N a multiple of 64
+    channel scales multiply the f32 product, as `xla_convert_matmul` computes; or an int4 one in
+    mma order with groups of INT4_GROUP, each tile dequantized to bf16 in registers ((q - z) times
+    the group's scale rounded to bf16, then rounded to bf16) for one f32 accumulator. N a multiple of 64
     and K of the config's tile_k. residual: None or [M, N], added to the product rounded to
     out_dtype, as `residual + a @ w` rounds. Returns [M, N] in out_dtype (default x.dtype).
     config None: `default_config(N, swiglu, weight dtype, K)`."""
@@ -428,8 +464,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         raise ValueError("decode_matmul takes one prologue: norm_scale or swiglu, not both")
     w_dtype = weight_dtype(w)
     if w_dtype is None:
-        raise ValueError("decode_matmul takes a bf16 weight or a per-channel int8 / fp8 QuantizedWeight "
-                         f"without padding; got {getattr(w, 'format', None) or w.dtype}")
+        raise ValueError("decode_matmul takes a bf16 weight, a per-channel int8 / fp8 QuantizedWeight or an "
+                         f"int4 one in mma order with groups of {INT4_GROUP}, without padding; got "
+                         f"{getattr(w, 'format', None) or w.dtype}")
     quantized = isinstance(w, QuantizedWeight)
     m, k = x.shape
     k //= 2 if swiglu else 1
@@ -439,6 +476,10 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
         raise ValueError(f"x {x.shape} does not match the weight {tuple(w.shape)}" + (" (swiglu: x is gate | up)" if swiglu else ""))
     split = config.k_split
+    int4 = jnp.dtype(w_dtype) == INT4
+    groups = config.tile_k // INT4_GROUP if int4 else 0   # int4 groups per pipeline step
+    if int4 and config.tile_k % INT4_GROUP:
+        raise ValueError(f"int4 weights need tile_k a multiple of their group size {INT4_GROUP}, got {config.tile_k}")
     if n % TILE_N or k % (split * config.tile_k) or not 0 < m <= MAX_ROWS:
         raise ValueError(f"decode_matmul needs N % {TILE_N} == 0, K % {split * config.tile_k} == 0 and "
                          f"1 <= M <= {MAX_ROWS}; got M={m}, K={k}, N={n}")
@@ -456,9 +497,14 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     m_pad = -(-m // 8) * 8    # wgmma N: a multiple of 8
     pad = ((0, m_pad - m), (0, 0))
     # shared memory per pipeline step: the weight tile, one x tile (gate and up for SwiGLU), the norm scale
-    per_step = (config.tile_k * TILE_N * jnp.dtype(w_dtype).itemsize
+    # (and, int4, its groups' scale and zero-point rows)
+    w_bits = 4 if int4 else jnp.dtype(w_dtype).itemsize * 8
+    per_step = (config.tile_k * TILE_N * w_bits // 8
                 + ((1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2)
-    fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + quantized * TILE_N * 4
+    if int4:
+        per_step += groups * TILE_N * sum(a.dtype.itemsize for a in (w.scales, w.zeros) if a is not None)
+    per_channel = quantized and not int4
+    fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + per_channel * TILE_N * 4
     # at most: the staged activations and weight tiles, one per wgmma in flight
     staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
     fixed += (split > 1) * TILE_N * m_pad * 4   # the received product
@@ -468,13 +514,15 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
     if prologue == "rms_norm":
         operands.append(norm_scale.astype(jnp.bfloat16))
-    if quantized:
+    if per_channel:
         operands.append(w.scales.astype(jnp.float32))
+    elif int4:
+        operands += [w.scales] + ([w.zeros] if w.zero_point else [])
     scratch = [plgpu.SMEM((m_pad, TILE_N), out_dtype)]
     if prologue:
         scratch.append(plgpu.SMEM((in_flight + 1, m_pad, config.tile_k), jnp.bfloat16,
                                   transforms=swizzled(config.tile_k * 16, 16, "x")))
-    if quantized:
+    if per_channel:
         scratch += [plgpu.SMEM((TILE_N,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
     if stage_weight:
         scratch.append(plgpu.SMEM((in_flight + 1, TILE_N, config.tile_k), jnp.bfloat16,
@@ -501,7 +549,8 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
                           quantized=quantized, stage_weight=stage_weight, k_split=split, split_from=split_from,
-                          mma_order=quantized and w.mma_order, interpret=bool(interpret)),
+                          mma_order=quantized and w.mma_order, groups=groups, zero_point=int4 and w.zero_point,
+                          interpret=bool(interpret)),
         out_type=out_type,
         scratch_types=scratch,
         grid=(tiles - split_from,), grid_names=("n",),
@@ -520,9 +569,10 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
 def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, out_dtype=None, *,
                             norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False
                             ) -> jax.Array:
-    """Plain jnp, rounded where the kernel rounds: the staged activations to bf16, f32 accumulation
-    (times the channel scales of a quantized w, times 1 / rms with norm_scale), the product to
-    out_dtype, then the residual's sum."""
+    """Plain jnp, rounded where the kernel rounds: the staged activations to bf16 (and a grouped int4
+    w dequantized to bf16 with its scales rounded to bf16), f32 accumulation (times the channel
+    scales of a per-channel w, times 1 / rms with norm_scale), the product to out_dtype, then the
+    residual's sum."""
     xf = x.astype(jnp.float32)
     row_scale = 1.0
     if swiglu:
@@ -531,7 +581,10 @@ def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, 
     elif norm_scale is not None:
         row_scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
         xf = xf * norm_scale.astype(jnp.float32)
-    if isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
+    if isinstance(w, QuantizedWeight) and w.num_groups > 1:   # grouped int4, prescaled in bf16
+        w = dequantize(dataclasses.replace(w, scales=w.scales.astype(jnp.bfloat16)), jnp.bfloat16)
+        y = jnp.dot(xf.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    elif isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
         codes = codes_as_bf16(natural_codes(w)).T
         y = jnp.dot(xf.astype(jnp.bfloat16), codes, preferred_element_type=jnp.float32) * w.scales[0].astype(jnp.float32)
     else:

@@ -49,7 +49,16 @@ def prologues_on() -> bool:
     return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
 
 
+def int4_decode_setting() -> str:
+    """`ATLASJAX_INT4_DECODE`: which kernel a decode step's int4 matmuls (groups of 128) run.
+    "off" (default): pallas_kernels/quantized_matmul.py, K split over the grid and summed by XLA;
+    "cluster" (or "on"): pallas_kernels/int4_decode_matmul.py, its K split summed in a cluster
+    (slower on the H100, session 29); "matmul": pallas_kernels/decode_matmul.py, each tile
+    dequantized to bf16 for one accumulator with a wgmma left in flight (session 30)."""
+    setting = os.environ.get("ATLASJAX_INT4_DECODE", "off").lower()
+    return "cluster" if setting in ("on", "1", "true") else setting
+
+
 def int4_decode_on() -> bool:
-    """`ATLASJAX_INT4_DECODE=on`: int4 decode matmuls run pallas_kernels/int4_decode_matmul.py (opt-in:
-    slower on the H100, session 29)."""
-    return os.environ.get("ATLASJAX_INT4_DECODE", "off").lower() in ("on", "1", "true")
+    """Whether int4 decode matmuls run pallas_kernels/int4_decode_matmul.py (`int4_decode_setting`)."""
+    return int4_decode_setting() == "cluster"

@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum
 from pallas_kernels.decode_matmul import (
-    MAX_ROWS, TILE_N, WIDE_MIN_TILES, one_block_per_sm, tile_epilogue, weight_dtype, weight_tile_bf16)
+    MAX_ROWS, QUANT_DTYPES, TILE_N, WIDE_MIN_TILES, one_block_per_sm, tile_epilogue, weight_dtype, weight_tile_bf16)
 from pallas_kernels.decode_switches import enabled, wide_setting
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight
@@ -92,7 +92,7 @@ def fits(m: int, k: int, w, config: PersistentConfig | None = None) -> bool:
     """Whether `persistent_matmul` takes x[m, k] @ w (w a per-channel int8 / fp8 weight [k, n])."""
     config = config or PersistentConfig()
     n = w.shape[1]
-    return (isinstance(w, QuantizedWeight) and weight_dtype(w) is not None   # per channel, unpadded
+    return (isinstance(w, QuantizedWeight) and weight_dtype(w) in QUANT_DTYPES   # per channel, unpadded
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (2 * config.tile_k) == 0
             and Schedule(n // TILE_N, config.num_blocks()).runs())
 

@@ -64,6 +64,14 @@ def test_pays_on_the_narrow_projections_only(monkeypatch):
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
     assert not dm.pays(8, 4096, 4096, bf16, bf16)
     assert not dm.pays(8, 4096, 4096, bf16, fp8)
+    monkeypatch.delenv("ATLASJAX_DECODE_MATMUL")
+    int4 = jnp.int4   # grouped int4: only when asked (ATLASJAX_INT4_DECODE=matmul), then at every width
+    assert not dm.pays(8, 4096, 6144, bf16, int4)
+    monkeypatch.setenv("ATLASJAX_INT4_DECODE", "matmul")
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)):
+        assert dm.pays(8, k, n, bf16, int4)
+    assert not dm.pays(64, 4096, 4096, bf16, int4)
+    assert dm.default_config(4096, w_dtype=int4, k=14336).k_split == 2   # down: a 2-block K split
 
 
 def test_runs_only_on_the_gpus_where_it_measured_faster(monkeypatch):
@@ -292,6 +300,30 @@ def test_int4_decode_step_through_its_fused_kernel(monkeypatch):
     monkeypatch.setenv("ATLASJAX_DECODE_PROLOGUE", "off")
     _tiny_decode_step(params)()
     assert calls == ["plain", "plain+residual"] * 2 * _KERNEL_CFG.num_layers + ["plain"]
+    calls.clear()
+    monkeypatch.delenv("ATLASJAX_INT4_DECODE")   # the default: quantized_matmul (here its CPU reference)
+    _tiny_decode_step(params)()
+    assert not calls
+
+
+def test_int4_decode_step_through_decode_matmul(monkeypatch):
+    """With `ATLASJAX_INT4_DECODE=matmul` (session 30), int4 weights (groups of 128 with zero points,
+    as quantize at load makes them) at decode rows on an H100 go to the decode matmul at every width
+    (interpret mode here): qkv and gate_up with the RMSNorm, o_proj with the residual, down with the
+    residual as a 2-block K split (K = 512), the LM head plain with f32 logits. The logits agree
+    with the reference path (dequantize + dot) to bf16 rounding of the dequantized weights; the
+    SwiGLU stays in XLA (the prologue is bf16-only)."""
+    params = fuse_projections(quantize_params(random_params(_KERNEL_CFG, jnp.bfloat16, seed=5), "int4",
+                                              quantize_lm_head=True))
+    reference = _tiny_decode_step(params)()   # CPU: dequantize + dot
+    calls = []
+    _route_to_interpreted_kernel(
+        monkeypatch, lambda x, kw: calls.append("norm" if "norm_scale" in kw else "plain"), min_tiles=1)
+    monkeypatch.setenv("ATLASJAX_INT4_DECODE", "matmul")
+    fused = _tiny_decode_step(params)()
+    assert calls == ["norm", "plain", "norm", "plain"] * _KERNEL_CFG.num_layers + ["plain"]
+    assert dm.default_config(256, w_dtype=jnp.int4, k=512).k_split == 2   # down's config
+    assert _rel_err(fused, reference) < 2e-2
     calls.clear()
     monkeypatch.delenv("ATLASJAX_INT4_DECODE")   # the default: quantized_matmul (here its CPU reference)
     _tiny_decode_step(params)()
