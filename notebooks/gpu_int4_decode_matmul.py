@@ -2,8 +2,8 @@
 (pallas_kernels/int4_decode_matmul.py, session 29, "fused") and the decode matmul's prescaled int4
 path (pallas_kernels/decode_matmul.py, session 30, "matmul"; CONFIGS adds variants named
 k<tile_k>_d<depth>_r<wgmmas in flight>[_s2][_staged], BLOCKS_PER_SM=2 drops its one-block-per-SM
-padding); the int4 kernel with prescaled steps (PRESCALED=k256_d4_r1[_s4],...: prescale_tile_k, pipeline
-depth, wgmmas in flight, K splits; session 30); against the engine's default: the int4 kernel of pallas_kernels/quantized_matmul.py, XLA's sum of its K
+padding); the int4 kernel with prescaled steps (PRESCALED=k256_d4_r1,...: prescale_tile_k, pipeline
+depth, wgmmas in flight; session 30); against the engine's default: the int4 kernel of pallas_kernels/quantized_matmul.py, XLA's sum of its K
 split partials with the residual add, and (qkv) XLA's RMSNorm before it. Llama-3.1-8B's int4 qkv,
 o_proj, down and gate_up (groups of 128, integer zero points, as quantize at load makes them).
 
@@ -80,9 +80,8 @@ def main():
             kernels = {key: f for key, f in kernels.items() if key in paths}
             for c in prescaled:
                 tile_k, depth, in_flight = map(int, re.match(r"k(\d+)_d(\d+)_r(\d+)", c).groups())
-                splits = re.search(r"_s(\d+)", c)
                 config = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, max_concurrent_steps=depth,
-                                           wgmmas_in_flight=in_flight, num_k_splits=splits and int(splits.group(1)))
+                                           wgmmas_in_flight=in_flight)
                 kernels[f"prescaled_{c}"] = lambda x, w, config=config: unfused(x, w, config)
             for c in configs:
                 config = matmul_config(c, n, k)
