@@ -2,8 +2,7 @@
 (pallas_kernels/int4_decode_matmul.py, session 29, "fused") and the decode matmul's prescaled int4
 path (pallas_kernels/decode_matmul.py, session 30, "matmul"; CONFIGS adds variants named
 k<tile_k>_d<depth>_r<wgmmas in flight>[_s2][_staged], BLOCKS_PER_SM=2 drops its one-block-per-SM
-padding); the int4 kernel with prescaled steps (PRESCALED=k256_d4_r1,...: prescale_tile_k, pipeline
-depth, wgmmas in flight; session 30); against the engine's default: the int4 kernel of pallas_kernels/quantized_matmul.py, XLA's sum of its K
+padding); against the engine's default: the int4 kernel of pallas_kernels/quantized_matmul.py, XLA's sum of its K
 split partials with the residual add, and (qkv) XLA's RMSNorm before it. Llama-3.1-8B's int4 qkv,
 o_proj, down and gate_up (groups of 128, integer zero points, as quantize at load makes them).
 
@@ -14,7 +13,7 @@ outside the kernel once per call ("unfused", "fused_no_norm"): add a norm kernel
 the step) to compare those with "fused".
 
   JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [ROW_COUNTS=1,8] [SPLITS=2,4,8] [SHAPES=qkv,lm_head] \
-      [PATHS=unfused,matmul] [CONFIGS=k256_d6_r1,k512_d4_r1] [BLOCKS_PER_SM=2] [PRESCALED=k256_d4_r1] \
+      [PATHS=unfused,matmul] [CONFIGS=k256_d6_r1,k512_d4_r1] [BLOCKS_PER_SM=2] \
       python notebooks/gpu_int4_decode_matmul.py      # -> $OUT/int4_decode_matmul[_<TAG>].json
 """
 import os
@@ -30,7 +29,7 @@ from gpu_bf16_smem_gemv import start, time_paths, write   # copy bandwidth, timi
 from models.deferred import rms_norm
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.int4_decode_matmul import int4_decode_matmul, int4_decode_matmul_reference, num_splits
-from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
+from pallas_kernels.quantized_matmul import quantized_matmul
 
 # name: (K, N, fusion) as the 8B layer runs them
 SHAPES = {"qkv": (4096, 6144, "norm"), "o_proj": (4096, 4096, "residual"), "gate_up": (4096, 28672, "norm"),
@@ -53,7 +52,6 @@ def main():
     shapes = os.environ.get("SHAPES", "qkv,o_proj,gate_up,down").split(",")
     paths = os.environ.get("PATHS", "unfused,fused,matmul").split(",")
     configs = [c for c in os.environ.get("CONFIGS", "").split(",") if c]
-    prescaled = [c for c in os.environ.get("PRESCALED", "").split(",") if c]
     rng = np.random.default_rng(0)
     results = []
     for name in shapes:
@@ -71,18 +69,13 @@ def main():
             ref = np.asarray(int4_decode_matmul_reference(x, qw, res, **fused), np.float32)
             row = dict(proj=name, K=k, N=n, rows=rows, bytes=nbytes, fusion=fusion, default_splits=num_splits(qw))
 
-            def unfused(x, w, config=QuantMatmulConfig()):   # the engine's path: XLA's norm, the int4 kernel,
-                a = rms_norm(x, g, 1e-5) if fusion == "norm" else x   # XLA's sum (+ residual)
-                y = quantized_matmul(a, w, config=config)
+            def unfused(x, w):   # the engine's path before: XLA's norm, the int4 kernel, XLA's sum (+ residual)
+                a = rms_norm(x, g, 1e-5) if fusion == "norm" else x
+                y = quantized_matmul(a, w)
                 return y if res is None else res + y
             kernels = {"unfused": unfused, "fused": lambda x, w: int4_decode_matmul(x, w, res, **fused),
                        "matmul": lambda x, w: dm.decode_matmul(x, w, res, **fused)}
             kernels = {key: f for key, f in kernels.items() if key in paths}
-            for c in prescaled:
-                tile_k, depth, in_flight = map(int, re.match(r"k(\d+)_d(\d+)_r(\d+)", c).groups())
-                config = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, max_concurrent_steps=depth,
-                                           wgmmas_in_flight=in_flight)
-                kernels[f"prescaled_{c}"] = lambda x, w, config=config: unfused(x, w, config)
             for c in configs:
                 config = matmul_config(c, n, k)
                 if fusion == "norm" and (config.k_split > 1 or config.tile_k > dm.NORM_MAX_TILE_K):

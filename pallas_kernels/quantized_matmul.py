@@ -53,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int8_mma_matmul as int8_mma
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, k_splits, swizzled
-from pallas_kernels.int4_mma_order import mma_tile_to_bf16, mma_tile_to_bf16_scaled
+from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import (QuantizedWeight, codes_as_bf16, dequantize, group_offsets,
                                          permuted_like_mma_order)
 
@@ -85,11 +85,6 @@ class QuantMatmulConfig:
     # Groups per pipeline step on the per-group path (groups of >= 128 elements, int4 by default):
     # all of a step's wgmmas are in flight before one wait. None: auto (`_unroll`).
     group_unroll: int | None = None
-    # Prescaled steps: wgmmas left running across steps (the pipeline delays releasing their x tiles).
-    # With int4 in mma order and integer zero points (or none) such steps dequantize the tile in
-    # bf16x2 arithmetic (int4_mma_order.mma_tile_to_bf16_scaled: the scale rounded to bf16 first).
-    # Opt-in: measured on the H100 in session 30 (docs/performance.md).
-    wgmmas_in_flight: int = 0
 
     def __post_init__(self):
         if self.tile_k % 16 or self.tile_k <= 0:
@@ -102,8 +97,6 @@ class QuantMatmulConfig:
             raise ValueError(f"prescale_tile_k must be a positive multiple of 16, got {self.prescale_tile_k}")
         if self.group_unroll is not None and self.group_unroll < 1:
             raise ValueError(f"group_unroll must be >= 1, got {self.group_unroll}")
-        if not 0 <= self.wgmmas_in_flight < self.max_concurrent_steps:
-            raise ValueError("need 0 <= wgmmas_in_flight < max_concurrent_steps")
 
 
 def _elem_bits(dtype) -> int:
@@ -118,7 +111,7 @@ def _elem_bits(dtype) -> int:
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
                             prescale=False, group_size=None, unroll=1, z_gmem=None, zero_point=False,
-                            mma_order=False, in_flight=0):
+                            mma_order=False):
     """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
@@ -150,14 +143,14 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             a = a_smem
         plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
 
-    def mma(acc_ref, a, x_smem, in_flight=0):
+    def mma(acc_ref, a, x_smem):
         issue(acc_ref, a, x_smem)
-        plgpu.wgmma_wait(in_flight)  # x_smem is released to the pipeline `in_flight` steps after this one
+        plgpu.wgmma_wait(0)  # x_smem is released to the pipeline when the step returns
 
     in_specs = [
         plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, first_step + k),
                         transforms=swizzled(tile_k * w_bits, w_bits, "weight")),
-        plgpu.BlockSpec((m_tile, tile_k), lambda k: (0, first_step + k), delay_release=in_flight,
+        plgpu.BlockSpec((m_tile, tile_k), lambda k: (0, first_step + k),
                         transforms=swizzled(tile_k * 16, 16, "x")),
     ]
     operands = (w_gmem.at[n_slice], x_gmem.at[m_slice])
@@ -177,10 +170,6 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         return full
 
     def prescaled(w_smem, s_smem, z_smem=None):  # the tile times its groups' scales, rounded once to bf16
-        if in_flight and mma_order and (zero_point or z_smem is None):   # bf16x2: q - z (exact) times the scale
-            rows = lambda ref: [load_row(ref, j) for j in range(groups_per_step)]  # noqa: E731
-            return mma_tile_to_bf16_scaled(w_smem[...], rows(z_smem) if zero_point else None, rows(s_smem),
-                                           interpret=a_smem is not None)
         a = dequantized(w_smem).astype(jnp.float32)
         if zero_point:  # w = (q - z) s
             return ((a - per_group(z_smem, a.shape)) * per_group(s_smem, a.shape)).astype(jnp.bfloat16)
@@ -191,7 +180,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
     if prescale and not per_channel:
         def step_prescaled(acc_ref, w_smem, x_smem, s_smem, z_smem=None):
-            mma(acc_ref, prescaled(w_smem, s_smem, z_smem), x_smem, in_flight)
+            mma(acc_ref, prescaled(w_smem, s_smem, z_smem), x_smem)
 
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
 
@@ -201,7 +190,6 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
                 grid=(steps_per_split,), in_specs=in_specs + [scale_spec] * len(group_rows),
                 max_concurrent_steps=max_concurrent_steps,
             )(*operands, *group_rows)
-            plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         acc = pl.run_scoped(body_prescaled, plgpu.ACC((TILE_N, m_tile), jnp.float32))
@@ -316,8 +304,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.num_groups == 1 and qw.zeros is None,
         max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size,
-        unroll=unroll, zero_point=qw.zero_point, mma_order=qw.mma_order,
-        in_flight=min(config.wgmmas_in_flight, depth - 1) if _prescales(qw, config) else 0)
+        unroll=unroll, zero_point=qw.zero_point, mma_order=qw.mma_order)
 
     def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when read
         z, refs = (refs[0], refs[1:]) if with_zeros else (None, refs)

@@ -89,16 +89,6 @@ def test_interpret_prescaled_asymmetric(zeros, group_size, k, tile_k, m):
     _check("int4", group_size, zeros, m, k, 70, seed=k + m, config=cfg, interpret=True)
 
 
-@pytest.mark.parametrize("zeros", ["sym", "zp"])
-@pytest.mark.parametrize("group_size,k,tile_k", [(128, 1024, 256), (128, 512, 128), (32, 576, 256)])
-@pytest.mark.parametrize("m", [1, 17])
-def test_interpret_prescaled_in_flight(zeros, group_size, k, tile_k, m):
-    # int4 in mma order with a wgmma left in flight: the tile dequantized as bf16x2 arithmetic does it
-    # (q - z exact, times the scale rounded to bf16), one accumulator over all of K.
-    cfg = QuantMatmulConfig(prescale=True, prescale_tile_k=tile_k, wgmmas_in_flight=1)
-    _check("int4", group_size, zeros, m, k, 70, seed=k + m, config=cfg, interpret=True)
-
-
 @pytest.mark.parametrize("zeros,fold_zeros", [("sym", True), ("zp", True), ("offsets", True), ("offsets", False)])
 @pytest.mark.parametrize("group_size,k,unroll", [(128, 1024, 1), (128, 1024, 2), (128, 1024, 4),
                                                  (64, 384, 3), (256, 512, 2)])
@@ -237,15 +227,6 @@ def test_gpu_prescaled_asymmetric(zeros, group_size, tile_k, m, k, n):
 def test_gpu_per_group_unroll(zeros, fold_zeros, unroll, m, k, n):
     _check("int4", 128, zeros, m, k, n, seed=k + m + unroll,
            config=QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros))
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("zeros", ["sym", "zp"])
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (8, 4096, 28672), (32, 14336, 4096)])
-def test_gpu_prescaled_in_flight(zeros, m, k, n):
-    _check("int4", 128, zeros, m, k, n, seed=k + m,
-           config=QuantMatmulConfig(prescale=True, wgmmas_in_flight=1))
 
 
 @pytest.mark.parametrize("zeros,group_size", [("sym", 128), ("zp", 128), ("offsets", 32)])
