@@ -143,9 +143,10 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | 
     wgmma left in flight, but with the SwiGLU prologue waiting for each wgmma (39.99 against 40.85
     us on down); more tiles (qkv's 96) in 128-row steps, waiting for each wgmma. The prologue keeps
     the width's tile_k, so `pays` (which checks K against it) holds for it too. Quantized weights
-    (notebooks/gpu_quant_decode_matmul.py, sessions 20-22): 256-row steps, one wgmma in flight, and
+    (notebooks/gpu_quant_decode_matmul.py, sessions 20-22): 256-row steps, and
     at 64 tiles or fewer a 2-block cluster per tile over the halves of K (`k_split`), where K (if
-    given) halves into whole steps."""
+    given) halves into whole steps. Quantized tiles feed the wgmma from registers, so each step
+    waits for its wgmma (`REGISTER_A_IN_FLIGHT`; sessions 22-29 left one in flight)."""
     if jnp.dtype(w_dtype).itemsize == 1:   # int8 / fp8
         tiles = n // TILE_N
         if tiles >= WIDE_MIN_TILES:
@@ -159,21 +160,26 @@ def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | 
     return DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=0 if swiglu else 1)
 
 
-QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=1)
+# Quantized weights feed the wgmma from registers, so it waits for each wgmma (`REGISTER_A_IN_FLIGHT`).
+QUANT_CONFIG = DecodeMatmulConfig(tile_k=256, max_concurrent_steps=4, wgmmas_in_flight=0)
 # o_proj and down at 8 rows on the H100 (session 22): int8 9.07 / 23.31 us, fp8 8.65 / 22.90, against
 # XLA's convert-fused GEMM at 8.55 / 24.45-25.00 and 12.0 / 35.2 (int8) without the split
 QUANT_SPLIT_CONFIG = dataclasses.replace(QUANT_CONFIG, k_split=2)
 # Many waves of tiles (the LM head: 2004), where a wave's tail costs little: 512-row steps. fp8 LM head
 # at 8 rows on the H100 (session 23): 175.8 us, 98.6% of copy, against XLA's GEMM at 189.2 us
-QUANT_WIDE_CONFIG = DecodeMatmulConfig(tile_k=512, max_concurrent_steps=4, wgmmas_in_flight=1)
+QUANT_WIDE_CONFIG = DecodeMatmulConfig(tile_k=512, max_concurrent_steps=4, wgmmas_in_flight=0)
 WIDE_MIN_TILES = 1024
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 INT4 = jnp.dtype(jnp.int4)
 INT4_GROUP = 128   # the int4 groups it takes (quantize at load's default); a step holds tile_k // 128
-# Quantized weights: shared memory held per block, so that one block runs per SM. On the H100
-# (session 21) a quantized weight 448 tiles wide (N = 28672) came out wrong in a few 32-column
-# halves of some blocks with 82 KB per block (two blocks per SM), and right at 128 tiles (one block
-# per SM) and for bf16 (144 KB per block); the cause is not known.
+# A wgmma whose A operand (the converted weight tile) is in registers may not be left running while
+# the next step converts its tile: PTX leaves reading those registers before the wgmma's wait
+# undefined, and on the H100 (session 30) such wgmmas read a later tile's values whenever the
+# tensor cores were shared (two blocks per SM: int4 gate_up and LM head products off by 4-25x in
+# relative norm, int8 gate_up in session 21), while staged tiles or a wait per wgmma were right.
+REGISTER_A_IN_FLIGHT = 0
+# Quantized weights: shared memory held per block, so that one block runs per SM (session 21, when
+# the register-operand wgmmas above were left in flight; kept: the configs were tuned with it).
 ONE_BLOCK_PER_SM_SMEM = 120 * 1024
 
 
@@ -473,6 +479,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     n = w.shape[1]
     config = config or default_config(n, swiglu, w_dtype, k)
     stage_weight = quantized and (config.stage_weight or bool(interpret))
+    if quantized and not stage_weight and config.wgmmas_in_flight > REGISTER_A_IN_FLIGHT:
+        raise ValueError("a quantized weight's converted tile feeds the wgmma from registers, so each wgmma must "
+                         "finish before the next tile is converted: wgmmas_in_flight 0, or stage_weight=True")
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
         raise ValueError(f"x {x.shape} does not match the weight {tuple(w.shape)}" + (" (swiglu: x is gate | up)" if swiglu else ""))
     split = config.k_split

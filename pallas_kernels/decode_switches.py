@@ -54,7 +54,7 @@ def int4_decode_setting() -> str:
     "off" (default): pallas_kernels/quantized_matmul.py, K split over the grid and summed by XLA;
     "cluster" (or "on"): pallas_kernels/int4_decode_matmul.py, its K split summed in a cluster
     (slower on the H100, session 29); "matmul": pallas_kernels/decode_matmul.py, each tile
-    dequantized to bf16 for one accumulator with a wgmma left in flight (session 30)."""
+    dequantized to bf16 in registers for one accumulator (slower on the H100, session 30)."""
     setting = os.environ.get("ATLASJAX_INT4_DECODE", "off").lower()
     return "cluster" if setting in ("on", "1", "true") else setting
 

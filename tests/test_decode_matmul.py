@@ -281,7 +281,8 @@ def test_gpu_k_split_matches_reference(fmt, m, prologue, k, tile_k, in_flight):
     w = w if fmt == "bf16" else _quantized(w, fmt)
     r = jnp.asarray(np.random.default_rng(9).standard_normal((m, 4096)), jnp.bfloat16)
     a, kw = (gate_up, dict(swiglu=True)) if prologue else (x, {})
-    config = DecodeMatmulConfig(tile_k=tile_k, wgmmas_in_flight=in_flight, k_split=2)
+    # a quantized tile feeds the wgmma from registers: waiting for each one (REGISTER_A_IN_FLIGHT)
+    config = DecodeMatmulConfig(tile_k=tile_k, wgmmas_in_flight=in_flight if fmt == "bf16" else 0, k_split=2)
     y = decode_matmul(a, w, r, out_dtype=jnp.float32, config=config, **kw)
     assert _rel_err(y, decode_matmul_reference(a, w, r, jnp.float32, **kw)) < 1e-4
 
@@ -307,6 +308,39 @@ def test_gpu_lm_head_matches_reference(fmt, m):
     qw = _quantized(w, fmt)
     y = decode_matmul(x, qw, out_dtype=jnp.float32)
     assert _rel_err(y, decode_matmul_reference(x, qw, out_dtype=jnp.float32)) < 1e-4
+
+
+def test_register_operands_wait_for_each_wgmma():
+    """A quantized tile converted in registers may not feed a wgmma left in flight (the next step's
+    conversion would overwrite what it reads: wrong products on the H100, session 30): natively such
+    a config is refused; a staged tile may stay in flight; every default config waits."""
+    x, w = _operands(8, 512, 128)
+    qw = _quantized(w, "fp8")
+    with pytest.raises(ValueError, match="wgmmas_in_flight 0, or stage_weight"):
+        decode_matmul(x, qw, config=DecodeMatmulConfig(tile_k=256, wgmmas_in_flight=1))
+    for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096)):
+        for w_dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.int4):
+            assert dm.default_config(n, w_dtype=w_dtype, k=k).wgmmas_in_flight == dm.REGISTER_A_IN_FLIGHT == 0
+    staged = DecodeMatmulConfig(tile_k=256, wgmmas_in_flight=1, stage_weight=True)
+    y = decode_matmul(x, qw, out_dtype=jnp.float32, config=staged, interpret=True)
+    assert _rel_err(y, decode_matmul_reference(x, qw, out_dtype=jnp.float32)) < 1e-5
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("n", [28672, 128256])
+def test_gpu_quantized_weights_right_with_two_blocks_per_sm(monkeypatch, fmt, n):
+    """Without the one-block-per-SM padding, two blocks share each SM's tensor cores: with register
+    operands left in flight gate_up's and the LM head's products came out wrong (session 30); with a
+    wait per wgmma they are right. (A pipeline one step shallower than the default gives this call its
+    own compile, so the padding of earlier compiles does not carry over.)"""
+    monkeypatch.setattr(dm, "ONE_BLOCK_PER_SM_SMEM", 0)
+    x, w = _operands(8, 4096, n)
+    qw = _quantized(w, fmt)
+    config = dataclasses.replace(dm.default_config(n, w_dtype=dm.weight_dtype(qw), k=4096), max_concurrent_steps=3)
+    y = decode_matmul(x, qw, out_dtype=jnp.float32, config=config)
+    ref = decode_matmul_reference(x, qw, out_dtype=jnp.float32)
+    assert _rel_err(y, ref) < 1e-4
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
@@ -359,7 +393,7 @@ def test_gpu_tail_split_matches_reference(fmt, m, sms):
     tiles whole and 52 split, on 100 SMs 400 and 48 (either way, every column must come out right)."""
     x, w = _operands(m, 4096, 28672)
     w = w if fmt == "bf16" else _quantized(w, fmt)
-    config = DecodeMatmulConfig(tile_k=512, wgmmas_in_flight=1, k_split=2, tail_split_sms=sms)
+    config = DecodeMatmulConfig(tile_k=512, wgmmas_in_flight=int(fmt == "bf16"), k_split=2, tail_split_sms=sms)
     y = decode_matmul(x, w, out_dtype=jnp.float32, config=config)
     ref = decode_matmul_reference(x, w, out_dtype=jnp.float32)
     assert _rel_err(y, ref) < 1e-4
