@@ -13,7 +13,7 @@ outside the kernel once per call ("unfused", "fused_no_norm"): add a norm kernel
 the step) to compare those with "fused".
 
   JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [ROW_COUNTS=1,8] [SPLITS=2,4,8] [SHAPES=qkv,lm_head] \
-      [PATHS=unfused,matmul] [CONFIGS=k256_d6_r1,k512_d4_r1] [BLOCKS_PER_SM=2] \
+      [PATHS=unfused,matmul] [CONFIGS=k256_d6_r0,k512_d4_r0,k256_d4_r1_staged] [BLOCKS_PER_SM=2] \
       python notebooks/gpu_int4_decode_matmul.py      # -> $OUT/int4_decode_matmul[_<TAG>].json
 """
 import os

@@ -30,61 +30,17 @@ On the H100 the bf16 bs=1 step went from 5.50 (kernel without prologues) to 5.45
 with XLA's GEMM (docs/performance.md, session 19). The models hand the kernel its prologue as a
 deferred activation (models/deferred.py); `ATLASJAX_DECODE_PROLOGUE=off` computes them in XLA.
 
-Where it runs (`pays`): bf16 and per-channel fp8 weights on a GPU, at most `MAX_ROWS` rows, N of
-64-96 tiles of 64 columns: what made whole steps faster on the H100 (Llama-3.1-8B's qkv, o_proj and
-down at bs=1 and bs=32; fp8 since session 22). Measured and left to XLA (session 18):
-- 64 rows (bs=64): the step took 7.97 ms against 6.94 with XLA's GEMM, although the kernel alone
-  measured faster than XLA's GEMM at 64 rows (not profiled; with the residual tile, shared memory
-  holds only two 256-row steps of a 64-row x);
-- Llama-3.2-1B (32-48 tiles): the kernel alone ran its qkv and o_proj in under half XLA's time,
-  but the multi-step bs=1 step was no faster (1.21 against 1.18 ms);
-- wider weights (gate_up, the LM head) fill the GPU without a K split, and XLA's GEMM was 1-3%
-  faster there in bf16. A per-channel int8 / fp8 LM head (2004 tiles) is the exception (session
-  23): in 512-row steps the kernel streams it at 98.5% of copy (fp8 176 against XLA's 189 us at 8
-  rows), so weights of `WIDE_MIN_TILES` or more take it. gate_up (448 tiles, 3.4 waves) stays on
-  XLA's GEMM: 45.0 against 43.0 us, and the fp8 step was slower with it (3.46 against 3.32 ms);
-- tensor-parallel partial sums (session 19, 2x H200 forced on, 8B TP=2 bs=1 with 4 steps per
-  launch): 3.31-3.33 ms against 3.26 with XLA's GEMM.
-It runs on H100s only (`decode_switches.enabled`): on an H200 the same steps were no faster, or
-slower with the prologues. `ATLASJAX_DECODE_MATMUL=off` keeps XLA's GEMM everywhere, `=on` forces
-the kernel on any GPU (for A/B measurements).
-
-Per-channel int8 / fp8 weights (session 20): the kernel also takes a `QuantizedWeight` stored
-[N, K], converts each [64, tile_k] tile to bf16 in registers (the wgmma's register A operand; or
-staged in shared memory, `stage_weight`) and multiplies the f32 product by the channel scales
-before its epilogue, with the same prologues and residual. Correct (tests), but not faster: on the
-H100 at 8 rows it streams qkv as fast as XLA's convert-fused GEMM (int8 12.5 against 12.3 us, fp8
-11.5 against 12.4) and o_proj and down ~1.4x slower (int8 12.0 against 8.7 us, 35.2 against 25.4),
-although their weights stream empty in 7.6 and 22.4 us: the tile's conversion is what takes the
-time, with one or with two compute warpgroups per block alike (notebooks/gpu_quant_decode_matmul.py
-MODE=probe). With it on qkv the 8B int8 bs=1 step was 3.42 against 3.39 ms, fp8 3.36 against
-3.36.
-
-The K split (session 22, `k_split` 2, pallas_kernels/cluster_sum.py): for o_proj and down (64
-column tiles, one block each on 64 of the H100's 132 SMs) each tile runs as a cluster of two
-blocks, each over half of K; the second stores its f32 product into the first's shared memory and
-the first runs the epilogue. At 8 rows o_proj and down then take 8.65 / 22.90 us (fp8) and 9.07 /
-23.31 (int8) against XLA's convert-fused GEMM at 8.55 / 24.45-25.00. The 8B bs=1 step with fp8
-on the kernel: 3.31 against 3.37 ms, so fp8 takes it by default on the H100; int8: 3.40 against
-3.39 (no gain; only when forced). bf16 o_proj and down were no faster split (13.29 / 40.19 against
-12.90 / 39.38 us). The SwiGLU prologue stays bf16-only: on int8 down it cost 1.2-1.7 us more than
-XLA's silu * up kernel before the kernel.
-
-The tail split (session 24, `tail_split_sms`, opt-in: `ATLASJAX_DECODE_MATMUL_WIDE=tail`): a weight of
-a few waves of tiles (gate_up: 448 tiles on 132 SMs, 3.4 waves) runs its full waves whole, two
-blocks per cluster each on its own tile, and splits only the tail's tiles over K, so that the last
-wave lasts half a tile. On the H100 at 8 rows fp8 gate_up took 44.1 us against 45.0 unsplit and
-XLA's 43.2 (1 row: 44.6 against XLA's 47.9); in the 8B bs=1 step it was slower, as gate_up on the
-kernel was in session 23: fp8 3.373 against 3.301 ms, int8 3.493 against 3.382.
-
-int8 weights in mma order (session 21, opt-in: `quant_format.with_mma_order`): each thread loads
-its eight bytes of a 32-column block as one 64-bit word and converts them without shuffles
-(pallas_kernels/int8_mma_order.py). On the H100 at 8 rows: o_proj 10.2 us, down 28.0, qkv 11.5
-(XLA's GEMM 8.6, 25.2, 12.3). f16 wgmma operands (a prmt and a subtract per two weights) were no
-faster (10.2, 27.3, 11.5), so the conversion's instructions are no longer what limits it. With the
-K split (session 22) o_proj and down take 8.74 / 23.03 us, as natural order does (9.07 / 23.31);
-the engine stored in mma order was 3.38 against 3.40 ms and 0.4 ms slower to first token (the x
-permutation at prefill), so it stays opt-in.
+Where it runs (`pays`): bf16 and per-channel fp8 weights on an H100, at most `MAX_ROWS` rows, N of
+64-96 column tiles (Llama-3.1-8B's qkv, o_proj and down), and per-channel int8 / fp8 weights of
+`WIDE_MIN_TILES` tiles or more (the LM head); per-channel int8 at 64-96 tiles when forced
+(`ATLASJAX_DECODE_MATMUL=on`), grouped int4 when asked (`ATLASJAX_INT4_DECODE=matmul`). Quantized
+weights: per-channel int8 / fp8 tiles are converted to bf16 in registers and the channel scales
+multiply the f32 product; grouped int4 tiles (mma order, groups of 128) are dequantized in bf16x2
+arithmetic with their scales, so one f32 accumulator serves every group. Such register operands
+wait for each wgmma (`REGISTER_A_IN_FLIGHT`). With `k_split` 2 (pallas_kernels/cluster_sum.py)
+a column tile runs as a cluster of two blocks over the halves of K (o_proj, down: twice the
+blocks); `tail_split_sms` splits only the tiles past the last full wave. The measurements behind
+each rule, and the variants measured and left opt-in, are in docs/decode_matmul.md.
 """
 from __future__ import annotations
 
