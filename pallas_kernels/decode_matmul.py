@@ -15,7 +15,8 @@ each; `emit_pipeline` over K in steps of `tile_k` rows TMA-loads W[tile_k, 64] a
 into shared memory and issues wgmma(acc[64, m], W.T, x.T): the weight tile is the shared-memory
 A operand (transposed view, no register copy) and the activations the B operand (wgmma N = m, a
 multiple of 8). `wgmmas_in_flight` > 0 keeps that many wgmmas running across steps (the pipeline
-delays releasing their tiles). The residual tile is fetched while the weight streams; the product
+delays releasing their tiles); only for tiles in shared memory, not for quantized tiles converted
+in registers (`REGISTER_A_IN_FLIGHT`). The residual tile is fetched while the weight streams; the product
 is rounded to the output dtype and then added, as `residual + x @ w` rounds.
 
 Prologues (session 19): the kernel may compute its activations tile by tile from what XLA would
