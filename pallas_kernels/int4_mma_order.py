@@ -14,6 +14,10 @@ group's integer zero point (n - z is a whole number in [-15, 15], exact in bf16)
 leaves n. Mosaic's own int4 conversion of the natural layout reads one byte per two weights and
 subtracts the zero point separately (docs/perf_quant.md, session 13).
 
+`mma_tile_to_bf16_scaled` (session 30, the decode matmul's int4 path) converts a tile of several
+groups at once and also multiplies each group's q - z by its scale in bf16x2 arithmetic (an fma
+after the subtract), so one f32 accumulator serves every group.
+
 `inline_mgpu` has no interpret mode: there `mma_tile_to_bf16` undoes the order with jnp instead,
 which computes the same values.
 """
