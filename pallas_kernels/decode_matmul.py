@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum, int4_mma_order, int8_mma_order
 from pallas_kernels.decode_switches import enabled, forced, int4_decode_setting, prologues_on, wide_setting
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, dequantize, natural_codes
 
 TILE_N = 64       # weight columns per block: the M of one wgmma
@@ -303,7 +303,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     x_release = in_flight if prologue is None else 0
     # Each spec's step s reads K step first_step + s of the block's columns.
     if quantized:   # the wgmma reads the converted tile (registers or staged), not this one
-        w_bits = 4 if groups else jnp.dtype(w_gmem.dtype).itemsize * 8
+        w_bits = elem_bits(w_gmem.dtype)
         w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, first_step + s),
                                  transforms=swizzled(tile_k * w_bits, w_bits, "weight"))
         w_operand = w_gmem.at[cols, :]
@@ -313,27 +313,24 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         w_operand = w_gmem.at[:, cols]
     x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, first_step + s), delay_release=x_release,
                              transforms=swizzled(tile_k * 16, 16, "x"))
-    specs, operands = [w_spec, x_spec], [w_operand, x_gmem.at[:, pl.ds(0, k)]]
+    # grouped int4: the step's scale (and zero-point) rows, right after the weight tile
+    group_rows = [r.at[:, cols] for r in (gs_gmem, gz_gmem) if r is not None]
+    rows_specs = [plgpu.BlockSpec((groups, TILE_N), lambda s: (first_step + s, 0))] * len(group_rows)
+    specs = [w_spec, *rows_specs, x_spec]
+    operands = [w_operand, *group_rows, x_gmem.at[:, pl.ds(0, k)]]
     if prologue == "swiglu":   # gate and up tiles from the two halves of x
         specs.append(x_spec)
         operands.append(x_gmem.at[:, pl.ds(k, k)])
     elif prologue == "rms_norm":
         specs.append(plgpu.BlockSpec((tile_k,), lambda s: (first_step + s,)))
         operands.append(scale_gmem)
-    group_rows = [r for r in (gs_gmem, gz_gmem) if r is not None]   # grouped int4: the step's rows
-    for rows_gmem in group_rows:
-        specs.append(plgpu.BlockSpec((groups, TILE_N), lambda s: (first_step + s, 0)))
-        operands.append(rows_gmem.at[:, cols])
 
     def body(acc_ref):
         def step(idx, w_smem, *tiles):
             carry = None
-            s_smem = z_smem = None
-            if group_rows:   # they follow the activation tiles (and come before the norm's carry)
-                at = len(tiles) - len(group_rows) - (prologue == "rms_norm")
-                s_smem, *z = tiles[at:at + len(group_rows)]
-                z_smem = z[0] if z else None
-                tiles = tiles[:at] + tiles[at + len(group_rows):]
+            rows, tiles = tiles[:len(group_rows)], tiles[len(group_rows):]   # grouped int4: scales (, zero points)
+            s_smem = rows[0] if rows else None
+            z_smem = rows[1] if len(rows) > 1 else None
             buffer = idx[0] % (in_flight + 1) if in_flight else 0   # of the staged tiles of this step
             if prologue is None:
                 x_smem = tiles[0]
@@ -464,8 +461,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     pad = ((0, m_pad - m), (0, 0))
     # shared memory per pipeline step: the weight tile, one x tile (gate and up for SwiGLU), the norm scale
     # (and, int4, its groups' scale and zero-point rows)
-    w_bits = 4 if int4 else jnp.dtype(w_dtype).itemsize * 8
-    per_step = (config.tile_k * TILE_N * w_bits // 8
+    per_step = (config.tile_k * TILE_N * elem_bits(w_dtype) // 8
                 + ((1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2)
     if int4:
         per_step += groups * TILE_N * sum(a.dtype.itemsize for a in (w.scales, w.zeros) if a is not None)

@@ -2,6 +2,7 @@
 weight out over the GPU: shared-memory tile transforms, the number of SMs, the K split that fills
 them; and the interpret-mode switch they share."""
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory a pipeline may use (the H100 allows 227 KB per block)
@@ -11,6 +12,11 @@ def swizzled(rows_bits: int, elem_bits: int, what: str):
     """Tiling + swizzle transforms for a shared-memory tile whose rows hold `rows_bits` bits."""
     swizzle = plgpu.find_swizzle(rows_bits, what)
     return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def elem_bits(dtype) -> int:
+    """Bits per stored weight element: 4 for int4, else the dtype's width."""
+    return 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
 
 
 def interpret_params(interpret):

@@ -156,11 +156,9 @@ def mma_tile_to_bf16_scaled(w, zero_rows, scale_rows, *, interpret: bool):
                 q = q - zero_rows[p].astype(jnp.float32)[:, None]
             out.append(q * scales[p].astype(jnp.float32)[:, None])
         return jnp.concatenate(out, axis=1).astype(jnp.bfloat16)
-    args = []
-    for p in range(parts):
-        if zero_rows is None:
-            bias = plgpu.layout_cast(jnp.full((rows,), ZERO_BIAS, jnp.bfloat16), plgpu.Layout.WGMMA.reduce(1))
-        else:
-            bias = (zero_rows[p] + ZERO_BIAS).astype(jnp.bfloat16)
-        args += [bias, scales[p]]
+    if zero_rows is None:   # symmetric: every group's bias is 136
+        biases = [plgpu.layout_cast(jnp.full((rows,), ZERO_BIAS, jnp.bfloat16), plgpu.Layout.WGMMA.reduce(1))] * parts
+    else:
+        biases = [(z + ZERO_BIAS).astype(jnp.bfloat16) for z in zero_rows]
+    args = [a for pair in zip(biases, scales) for a in pair]
     return _convert_scaled(rows, tile_k, parts)(w, *args)

@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int8_mma_matmul as int8_mma
-from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, k_splits, swizzled
+from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import (QuantizedWeight, codes_as_bf16, dequantize, group_offsets,
                                          permuted_like_mma_order)
@@ -99,10 +99,6 @@ class QuantMatmulConfig:
             raise ValueError(f"group_unroll must be >= 1, got {self.group_unroll}")
 
 
-def _elem_bits(dtype) -> int:
-    return 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +122,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     m_slice = pl.ds(m_idx * m_tile, m_tile)
     first_step = split * steps_per_split
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    w_bits = _elem_bits(w_gmem.dtype)
+    w_bits = elem_bits(w_gmem.dtype)
 
     def load_row(rows_smem, i):  # row i of a group-rows tile, as f32 [TILE_N] (stored f32, bf16 or f16)
         return plgpu.load(rows_smem.at[i], layout=row_layout).astype(jnp.float32)
@@ -296,7 +292,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
     with_zeros = fold or qw.zero_point  # the kernel reads the zeros rows
     # Without K splits or an XLA offset term to add, the kernel stores y in the output dtype.
     y_dtype = jnp.float32 if splits > 1 or _xla_offsets(qw, config) else out_dtype
-    per_step = unroll * (m_tile * tile_k * 2 + TILE_N * tile_k * _elem_bits(qw.qweight.dtype) // 8
+    per_step = unroll * (m_tile * tile_k * 2 + TILE_N * tile_k * elem_bits(qw.qweight.dtype) // 8
                          + (2 if with_zeros else 1) * 8 * TILE_N * 4)
     fixed = TILE_N * m_tile * 4 + (TILE_N * tile_k * 2 if interpret else 0)
     depth = max(1, min(config.max_concurrent_steps, (SMEM_BUDGET - fixed) // per_step))
@@ -345,7 +341,7 @@ def _tile_k(qw: QuantizedWeight, config: QuantMatmulConfig) -> int | None:
         tile = next((t for t in reversed(tiles) if k_pad % t == 0), g)
     else:
         tile = min(config.tile_k, g)
-    ok = k_pad % tile == 0 and tile * _elem_bits(qw.qweight.dtype) >= 256 and (g % tile == 0 or tile % g == 0)
+    ok = k_pad % tile == 0 and tile * elem_bits(qw.qweight.dtype) >= 256 and (g % tile == 0 or tile % g == 0)
     return tile if ok else None
 
 
