@@ -398,3 +398,52 @@ def test_gpu_tail_split_matches_reference(fmt, m, sms):
     ref = decode_matmul_reference(x, w, out_dtype=jnp.float32)
     assert _rel_err(y, ref) < 1e-4
     assert float(jnp.abs(y - ref).max()) < 1e-2 * float(jnp.abs(ref).max())   # no tile left out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_interpret_early_weights_match_reference(monkeypatch, fmt, m):
+    """With PDL on (`ATLASJAX_DECODE_PDL`), the RMSNorm-prologue matmul (qkv) holds x whole in shared
+    memory and loads it in its first step, after its first weight tiles are in flight: the product
+    is the one the pipelined x gives. (Interpret mode runs no griddepcontrol instruction.)"""
+    monkeypatch.setenv("ATLASJAX_DECODE_PDL", "on")
+    seen = []
+    kernel = dm.decode_matmul_kernel
+    monkeypatch.setattr(dm, "decode_matmul_kernel", lambda *refs, **kw: (seen.append(kw["early_weights"]), kernel(*refs, **kw)))
+    x, _, scale, w = _prologue_operands(m, 512, 128, seed=3)
+    w = w if fmt == "bf16" else _quantized(w, fmt)
+    decode_matmul.clear_cache()
+    y = decode_matmul(x, w, norm_scale=scale, norm_eps=1e-5, out_dtype=jnp.float32,
+                      config=DecodeMatmulConfig(tile_k=128 if fmt != "int4" else 256), interpret=True)
+    decode_matmul.clear_cache()
+    assert seen == [True]
+    assert _rel_err(y, decode_matmul_reference(x, w, norm_scale=scale, norm_eps=1e-5, out_dtype=jnp.float32)) < 1e-5
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_pdl_down_then_qkv_match_reference(monkeypatch, fmt, m):
+    """Llama-3.1-8B's down (+ residual) then qkv (+ input norm) with PDL on: down lets qkv's blocks
+    launch at its start, qkv streams its first weight tiles and waits for down's output before it
+    loads x. Both products are the reference's."""
+    monkeypatch.setenv("ATLASJAX_DECODE_PDL", "on")
+    rng = np.random.default_rng(m)
+    act = jnp.asarray(rng.standard_normal((m, 14336)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((m, 4096)) * 4, jnp.bfloat16)
+    scale = jnp.asarray(1 + 0.2 * rng.standard_normal(4096), jnp.bfloat16)
+    w_down, w_qkv = (jnp.asarray(rng.standard_normal(s) * 0.02, jnp.bfloat16) for s in ((14336, 4096), (4096, 6144)))
+    if fmt != "bf16":
+        w_down, w_qkv = _quantized(w_down, fmt), _quantized(w_qkv, fmt)
+
+    @jax.jit
+    def layer_seam(act, h):
+        h = decode_matmul(act, w_down, h)
+        return h, decode_matmul(h, w_qkv, norm_scale=scale, norm_eps=1e-5)
+
+    decode_matmul.clear_cache()
+    h_out, qkv = layer_seam(act, h)
+    decode_matmul.clear_cache()
+    h_ref = decode_matmul_reference(act, w_down, h)
+    assert _rel_err(h_out, h_ref) < 1e-2
+    assert _rel_err(qkv, decode_matmul_reference(h_out, w_qkv, norm_scale=scale, norm_eps=1e-5)) < 1e-2
