@@ -287,6 +287,8 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     x_all_smem, x_barriers = take(early_weights), take(early_weights)
     if pdl:
         plgpu.griddepcontrol_launch_dependents()
+        if not early_weights:   # marks the kernel for PDL (XLA gives it a programmatic edge); x is read next
+            plgpu.griddepcontrol_wait()
 
     m = x_gmem.shape[0]
     steps = k // tile_k
