@@ -64,8 +64,10 @@ MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, sess
 MIN_TILES, MAX_TILES = 64, 96   # the N tiles (of 64 columns) where it made steps faster
 NORM_MAX_TILE_K = 256   # the norm scale's TMA box: at most 256 elements
 SWIGLU_MAX_ROWS = 8   # the SwiGLU prologue paid at 8 rows, and cost 10-80 us per call at 16-32 (session 19)
-# `early_weights`: the activations [m, K] held whole in shared memory (qkv's at 8 rows: 64 KB)
+# `early_weights`: the activations [m, K] held whole in shared memory (qkv's at 8 rows: 64 KB), and
+# the block's shared memory in all, so that it fits beside a block of fp8 down (~90 KB) in an SM's 228 KB
 EARLY_X_MAX_BYTES = 64 * 1024
+EARLY_SMEM_BUDGET = 124 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +501,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
     fixed += (split > 1) * TILE_N * m_pad * 4 + early * m_pad * k * 2   # the received product; all of x
     depth = max(1, min(config.max_concurrent_steps, k // (split * config.tile_k),
-                       (SMEM_BUDGET - fixed - staged) // per_step))
+                       ((EARLY_SMEM_BUDGET if early else SMEM_BUDGET) - fixed - staged) // per_step))
     in_flight = min(config.wgmmas_in_flight, depth - 1)
     operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
     if prologue == "rms_norm":
