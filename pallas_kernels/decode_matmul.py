@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum, int4_mma_order, int8_mma_order
-from pallas_kernels.decode_switches import enabled, forced, int4_decode_setting, pdl_on, prologues_on, wide_setting
+from pallas_kernels.decode_switches import enabled, forced, int4_decode_setting, prologues_on, wide_setting
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, dequantize, natural_codes
 
@@ -64,10 +64,6 @@ MAX_ROWS = 32     # decode steps up to this many rows (docs/performance.md, sess
 MIN_TILES, MAX_TILES = 64, 96   # the N tiles (of 64 columns) where it made steps faster
 NORM_MAX_TILE_K = 256   # the norm scale's TMA box: at most 256 elements
 SWIGLU_MAX_ROWS = 8   # the SwiGLU prologue paid at 8 rows, and cost 10-80 us per call at 16-32 (session 19)
-# `early_weights`: the activations [m, K] held whole in shared memory (qkv's at 8 rows: 64 KB), and
-# the block's shared memory in all, so that it fits beside a block of fp8 down (~90 KB) in an SM's 228 KB
-EARLY_X_MAX_BYTES = 64 * 1024
-EARLY_SMEM_BUDGET = 124 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +242,7 @@ def _when(cond, fn):
 
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
                          stage_weight, k_split=1, split_from=0, mma_order=False, groups=0, zero_point=False,
-                         early_weights=False, pdl=False, interpret=False):
+                         interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]);
     with `k_split` 2, a cluster of two blocks, each over half of K, the first adding the second's
     product before the epilogue (pallas_kernels/cluster_sum.py). With `split_from` > 0 the clusters
@@ -262,14 +258,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     prologue); ws_smem [TILE_N] and a barrier (quantized per channel); staged_w_smem [in_flight + 1, TILE_N,
     tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual); then, quantized,
     unused padding (`ONE_BLOCK_PER_SM_SMEM`); k_split 2: recv_smem [TILE_N, m] f32, and in
-    interpret mode a spill output [N, m] f32 (after out_gmem), its barrier and a cluster barrier;
-    early_weights: x_all_smem [K // tile_k, m, tile_k] and one barrier per step.
-
-    `pdl`: the block signals `griddepcontrol.launch_dependents` first, so the next kernel's blocks may
-    start beside it, and (with early_weights) waits for the previous kernel (`griddepcontrol.wait`)
-    only before it loads x. `early_weights` (the RMSNorm prologue, k_split 1, no residual): x is not
-    a pipeline operand; the first step loads all of it, one TMA copy per step, so the pipeline's
-    first weight tiles are in flight before x exists.
+    interpret mode a spill output [N, m] f32 (after out_gmem), its barrier and a cluster barrier.
     """
     refs = list(refs)
     take = lambda present: refs.pop(0) if present else None   # noqa: E731
@@ -286,11 +275,6 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     r_smem, r_barrier = take(with_residual), take(with_residual)
     recv_smem = take(k_split > 1)
     spill_barrier, cluster_barrier = take(k_split > 1 and interpret), take(k_split > 1 and interpret)
-    x_all_smem, x_barriers = take(early_weights), take(early_weights)
-    if pdl:
-        plgpu.griddepcontrol_launch_dependents()
-        if not early_weights:   # marks the kernel for PDL (XLA gives it a programmatic edge); x is read next
-            plgpu.griddepcontrol_wait()
 
     m = x_gmem.shape[0]
     steps = k // tile_k
@@ -332,20 +316,14 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     # grouped int4: the step's scale (and zero-point) rows, right after the weight tile
     group_rows = [r.at[:, cols] for r in (gs_gmem, gz_gmem) if r is not None]
     rows_specs = [plgpu.BlockSpec((groups, TILE_N), lambda s: (first_step + s, 0))] * len(group_rows)
-    specs = [w_spec, *rows_specs] + ([] if early_weights else [x_spec])
-    operands = [w_operand, *group_rows] + ([] if early_weights else [x_gmem.at[:, pl.ds(0, k)]])
+    specs = [w_spec, *rows_specs, x_spec]
+    operands = [w_operand, *group_rows, x_gmem.at[:, pl.ds(0, k)]]
     if prologue == "swiglu":   # gate and up tiles from the two halves of x
         specs.append(x_spec)
         operands.append(x_gmem.at[:, pl.ds(k, k)])
     elif prologue == "rms_norm":
         specs.append(plgpu.BlockSpec((tile_k,), lambda s: (first_step + s,)))
         operands.append(scale_gmem)
-
-    def load_x_whole():
-        if pdl:
-            plgpu.griddepcontrol_wait()
-        for i in range(steps):
-            plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(i * tile_k, tile_k)], x_all_smem.at[i], x_barriers.at[i])
 
     def body(acc_ref):
         def step(idx, w_smem, *tiles):
@@ -354,10 +332,6 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
             s_smem = rows[0] if rows else None
             z_smem = rows[1] if len(rows) > 1 else None
             buffer = idx[0] % (in_flight + 1) if in_flight else 0   # of the staged tiles of this step
-            if early_weights:   # x, once the previous kernel has written it
-                _when(idx[0] == 0, load_x_whole)
-                plgpu.barrier_wait(x_barriers.at[idx[0]])
-                tiles = (x_all_smem.at[idx[0]], *tiles)
             if prologue is None:
                 x_smem = tiles[0]
             else:   # the wgmma's activations, staged in shared memory (one buffer per wgmma in flight)
@@ -485,23 +459,19 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m_pad = -(-m // 8) * 8    # wgmma N: a multiple of 8
     pad = ((0, m_pad - m), (0, 0))
-    # PDL (`pdl_on`, GPU only): the qkv-like matmul (RMSNorm prologue, all of K, no residual) streams
-    # its first weight tiles before the previous kernel's output, x, is ready
-    early = (pdl_on() and prologue == "rms_norm" and split == 1 and residual is None
-             and m_pad * k * 2 <= EARLY_X_MAX_BYTES)
-    # shared memory per pipeline step: the weight tile, one x tile (gate and up for SwiGLU; early: all
-    # of x, held apart), the norm scale (and, int4, its groups' scale and zero-point rows)
+    # shared memory per pipeline step: the weight tile, one x tile (gate and up for SwiGLU), the norm scale
+    # (and, int4, its groups' scale and zero-point rows)
     per_step = (config.tile_k * TILE_N * elem_bits(w_dtype) // 8
-                + ((1 + swiglu) * m_pad * config.tile_k * (not early) + (prologue == "rms_norm") * config.tile_k) * 2)
+                + ((1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2)
     if int4:
         per_step += groups * TILE_N * sum(a.dtype.itemsize for a in (w.scales, w.zeros) if a is not None)
     per_channel = quantized and not int4
     fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + per_channel * TILE_N * 4
     # at most: the staged activations and weight tiles, one per wgmma in flight
     staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
-    fixed += (split > 1) * TILE_N * m_pad * 4 + early * m_pad * k * 2   # the received product; all of x
+    fixed += (split > 1) * TILE_N * m_pad * 4   # the received product
     depth = max(1, min(config.max_concurrent_steps, k // (split * config.tile_k),
-                       ((EARLY_SMEM_BUDGET if early else SMEM_BUDGET) - fixed - staged) // per_step))
+                       (SMEM_BUDGET - fixed - staged) // per_step))
     in_flight = min(config.wgmmas_in_flight, depth - 1)
     operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
     if prologue == "rms_norm":
@@ -524,10 +494,6 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         scratch += [plgpu.SMEM((m_pad, TILE_N), out_dtype), plgpu.Barrier(num_arrivals=1)]
     if split > 1:
         scratch.append(plgpu.SMEM((TILE_N, m_pad), jnp.float32))
-    if early:
-        scratch += [plgpu.SMEM((k // config.tile_k, m_pad, config.tile_k), jnp.bfloat16,
-                               transforms=swizzled(config.tile_k * 16, 16, "x")),
-                    plgpu.Barrier(num_arrivals=1, num_barriers=k // config.tile_k)]
     out_type = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
     spill = split > 1 and bool(interpret)   # interpret mode hands the product over through HBM (cluster_sum.py)
     if spill:
@@ -539,14 +505,14 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     sms = config.tail_split_sms
     split_from = (tiles // sms * sms) // 2 if sms else 0
     used = fixed + staged + depth * per_step
-    if quantized and not (pdl_on() and tiles < WIDE_MIN_TILES):
-        scratch += one_block_per_sm(used)   # with PDL only the LM head keeps it: the next kernel may share the SMs
+    if quantized:
+        scratch += one_block_per_sm(used)
     call = plgpu.kernel(
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
                           quantized=quantized, stage_weight=stage_weight, k_split=split, split_from=split_from,
                           mma_order=quantized and w.mma_order, groups=groups, zero_point=int4 and w.zero_point,
-                          early_weights=early, pdl=pdl_on() and not interpret, interpret=bool(interpret)),
+                          interpret=bool(interpret)),
         out_type=out_type,
         scratch_types=scratch,
         grid=(tiles - split_from,), grid_names=("n",),

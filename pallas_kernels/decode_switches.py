@@ -49,14 +49,6 @@ def prologues_on() -> bool:
     return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
 
 
-def pdl_on() -> bool:
-    """`ATLASJAX_DECODE_PDL=on`: programmatic dependent launch between decode matmuls. Each signals
-    `griddepcontrol.launch_dependents` at its start and holds no padding, so the next kernel's blocks
-    can share its SMs; a norm-prologue matmul (qkv after down) loads its weight tiles before it waits
-    for the previous kernel's output (`early_weights` in pallas_kernels/decode_matmul.py)."""
-    return os.environ.get("ATLASJAX_DECODE_PDL", "off").lower() in ("on", "1", "true")
-
-
 def int4_decode_setting() -> str:
     """`ATLASJAX_INT4_DECODE`: which kernel a decode step's int4 matmuls (groups of 128) run.
     "off" (default): pallas_kernels/quantized_matmul.py, K split over the grid and summed by XLA;
