@@ -4,9 +4,11 @@ qkv's 96 column tiles run 96 blocks on the H100's 132 SMs, one block per SM (qua
 their shared memory to keep a second block off). MODE=tiles times the kernel with the RMSNorm
 prologue at K=4096, 8 rows, for 64-132 tiles at the same bytes per block. MODE=split times qkv
 (4096 x 6144) with its K split over 2-block clusters, with and without the padding, with the
-norm in the kernel or computed before it by XLA (both timed).
+norm in the kernel or computed before it by XLA (both timed). MODE=grid times fp8 qkv on the fused
+dequantize kernel (pallas_kernels/quantized_matmul.py, several blocks per SM) with K split over its
+grid and the partials summed by XLA, against XLA's GEMM and the decode matmul, the norm by XLA.
 
-  JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [MODE=tiles|split] python notebooks/gpu_sm_probe.py   # -> $OUT/sm_probe_<mode>.json
+  JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [MODE=tiles|split|grid] python notebooks/gpu_sm_probe.py   # -> $OUT/sm_probe_<mode>.json
 """
 import dataclasses
 import json
@@ -21,6 +23,7 @@ from atlasjax.quantization import quantize
 from models.deferred import rms_norm
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.decode_matmul import QUANT_CONFIG, DecodeMatmulConfig, decode_matmul, decode_matmul_reference
+from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
 MODE = os.environ.get("MODE", "tiles")
 OUT = os.environ.get("OUT", "/tmp")
@@ -54,6 +57,21 @@ if MODE == "tiles":
             w, ws, nbytes = weights(fmt, 64 * tiles)
             ref = decode_matmul_reference(x, w, norm_scale=g, out_dtype=jnp.float32)
             record(f"{fmt}/{tiles}", lambda x, w: decode_matmul(x, w, norm_scale=g, config=cfg), w, ws, nbytes, ref)
+elif MODE == "grid":
+    w, ws, nbytes = weights("fp8", 6144)
+    ref = decode_matmul_reference(x, w, norm_scale=g, out_dtype=jnp.float32)
+    normed = lambda x: rms_norm(x, g, 1e-6)   # noqa: E731
+    record("fp8/decode_matmul", lambda x, w: decode_matmul(normed(x), w, config=QUANT_CONFIG), w, ws, nbytes, ref)
+    record("fp8/xla", lambda x, w: quantized_matmul(normed(x), w, backend="xla"), w, ws, nbytes, ref)
+    for tile_k in (128, 256):
+        for splits in (1, 2, 4, 8):
+            for depth in (4, 6):
+                cfg = QuantMatmulConfig(tile_k=tile_k, num_k_splits=splits, max_concurrent_steps=depth)
+                try:
+                    record(f"fp8/fused_k{tile_k}_s{splits}_d{depth}",
+                           lambda x, w, cfg=cfg: quantized_matmul(normed(x), w, backend="pallas", config=cfg), w, ws, nbytes, ref)
+                except Exception as e:   # a config the kernel refuses
+                    results[f"fp8/fused_k{tile_k}_s{splits}_d{depth}"] = {"error": str(e)[:200]}
 else:
     for fmt in ("fp8", "bf16"):
         w, ws, nbytes = weights(fmt, 6144)
