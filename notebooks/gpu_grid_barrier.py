@@ -6,8 +6,9 @@ barrier alone: every block copies a 4 KB row into a buffer (TMA store, waited on
 neighbour's row and stores it. With the barrier (a global semaphore from `pl.get_global`: each
 block signals it and waits until all have) the neighbour's row is the one just written; without it,
 each block reads its own row back. Pallas zeroes the semaphore before each call (an XLA fill in the
-same launch), which the time includes. Each call's rows differ, so a read that overtook the barrier
-would show as a mismatch.
+same launch), which the time includes; the "signal only" variant signals the semaphore without
+waiting, which separates the fill's cost from the wait's. Each call's rows differ, so a read that
+overtook the barrier would show as a mismatch.
 
   JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [BLOCKS=132,128,264] python notebooks/gpu_grid_barrier.py   # -> $OUT/grid_barrier.json
 """
@@ -34,13 +35,13 @@ def kernel(src_gmem, out_gmem, buf_gmem, a_smem, b_smem, a_bar, b_bar, *, blocks
     plgpu.barrier_wait(a_bar)
     plgpu.copy_smem_to_gmem(a_smem, buf_gmem.at[b])
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)   # the row is in memory before the signal
-    if barrier:
+    source = b
+    if barrier:   # "signal" or "wait"
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
         pl.semaphore_signal(sem)
+    if barrier == "wait":
         pl.semaphore_wait(sem, blocks, decrement=False)
         source = lax.rem(b + 1, blocks)
-    else:
-        source = b
     plgpu.copy_gmem_to_smem(buf_gmem.at[source], b_smem, b_bar)
     plgpu.barrier_wait(b_bar)
     plgpu.copy_smem_to_gmem(b_smem, out_gmem.at[b])
@@ -62,16 +63,17 @@ def call(blocks, barrier):
 results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
 for blocks in [int(b) for b in os.environ.get("BLOCKS", "132,128,264").split(",")]:
     row = {}
-    for barrier in (False, True):
+    for barrier in (None, "signal", "wait"):
         fn = call(blocks, barrier)
         mismatches = 0
         for it in range(50):
             src = jnp.asarray(np.random.default_rng(it).standard_normal((blocks, *ROW)), jnp.float32)
-            expect = jnp.roll(src, -1, axis=0) if barrier else src
+            expect = jnp.roll(src, -1, axis=0) if barrier == "wait" else src
             mismatches += int(not bool(jnp.array_equal(fn(src), expect)))
         us = device_ms(fn, src, iterations=50) * 1e3
-        row["barrier" if barrier else "none"] = {"us": round(us, 2), "wrong_calls_of_50": mismatches}
+        row[{None: "none", "signal": "signal_only", "wait": "barrier"}[barrier]] = {"us": round(us, 2), "wrong_calls_of_50": mismatches}
     row["barrier_cost_us"] = round(row["barrier"]["us"] - row["none"]["us"], 2)
+    row["fill_and_signal_us"] = round(row["signal_only"]["us"] - row["none"]["us"], 2)
     results[str(blocks)] = row
     print(blocks, row, flush=True)
 json.dump(results, open(f"{OUT}/grid_barrier.json", "w"), indent=1)
