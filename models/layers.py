@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from models.deferred import Deferred, RMSNormed, SwiGLU, materialize, rms_norm
 from models.parallel import Parallel
-from pallas_kernels import decode_matmul, decode_switches, int4_decode_matmul, persistent_matmul
+from pallas_kernels import decode_matmul, decode_matmul_rules, decode_switches, int4_decode_matmul, persistent_matmul
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -40,13 +40,13 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
         # an int8 / fp8 weight a few waves of tiles wide (gate_up), one block per SM
         y = persistent_matmul.persistent_matmul(materialize(x), w, out_dtype=jnp.dtype(out_dtype))
         return y if residual is None else residual + y
-    w_dtype = decode_matmul.weight_dtype(w) if decode_rows else None
-    if w_dtype is not None and decode_matmul.pays(*x.shape, w.shape[1], x.dtype, w_dtype):
+    w_dtype = decode_matmul_rules.weight_dtype(w) if decode_rows else None
+    if w_dtype is not None and decode_matmul_rules.pays(*x.shape, w.shape[1], x.dtype, w_dtype):
         # a decode step's qkv / o_proj / down (bf16, or int8 / fp8 per channel): no split-K sum
         # kernel, the input RMSNorm or SwiGLU in the kernel's prologue and the residual add in its
         # epilogue (pallas_kernels/decode_matmul.py)
         if (isinstance(x, Deferred)
-                and decode_matmul.prologue_pays(x.prologue, x.shape[0], w_dtype, w.shape[1], w.shape[0])):
+                and decode_matmul_rules.prologue_pays(x.prologue, x.shape[0], w_dtype, w.shape[1], w.shape[0])):
             operand, fused = x.kernel_operands()
         else:
             operand, fused = materialize(x), {}
@@ -60,7 +60,7 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
             operand, fused = materialize(x), {}
         return int4_decode_matmul.int4_decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     x = materialize(x)
-    if decode_rows and x.shape[0] <= decode_matmul.MAX_ROWS:
+    if decode_rows and x.shape[0] <= decode_matmul_rules.MAX_ROWS:
         # Keep a decode step's activations out of XLA's GEMM fusion. Fused with the RMSNorm's scale,
         # its autotuner gave the one-step executable tiles that stream slower (H100: 8B fp8 gate_up
         # 45.8 against 42.2 us; H200: fp8 / int8 steps 0.16-0.21 ms slower, bf16 0.03-0.06); a

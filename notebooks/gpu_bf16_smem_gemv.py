@@ -42,7 +42,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, device_ms, rotated
 from models.deferred import SwiGLU, rms_norm
-from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config
+from pallas_kernels.decode_matmul import decode_matmul
+from pallas_kernels.decode_matmul_rules import DecodeMatmulConfig, default_config
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, k_splits, swizzled
 
 SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),

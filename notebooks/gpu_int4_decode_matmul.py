@@ -28,6 +28,7 @@ from atlasjax.quantization import quantize
 from gpu_bf16_smem_gemv import start, time_paths, write   # copy bandwidth, timing loop, JSON
 from models.deferred import rms_norm
 from pallas_kernels import decode_matmul as dm
+from pallas_kernels import decode_matmul_rules as rules
 from pallas_kernels.int4_decode_matmul import int4_decode_matmul, int4_decode_matmul_reference, num_splits
 from pallas_kernels.quantized_matmul import quantized_matmul
 
@@ -39,9 +40,9 @@ SHAPES = {"qkv": (4096, 6144, "norm"), "o_proj": (4096, 4096, "residual"), "gate
 def matmul_config(name, n, k):
     """k256_d4_r1[_s2][_staged] -> a DecodeMatmulConfig; "default": the one the engine would use."""
     if name == "default":
-        return dm.default_config(n, w_dtype=jnp.int4, k=k)
+        return rules.default_config(n, w_dtype=jnp.int4, k=k)
     tile_k, depth, in_flight = map(int, re.match(r"k(\d+)_d(\d+)_r(\d+)", name).groups())
-    return dm.DecodeMatmulConfig(tile_k=tile_k, max_concurrent_steps=depth, wgmmas_in_flight=in_flight,
+    return rules.DecodeMatmulConfig(tile_k=tile_k, max_concurrent_steps=depth, wgmmas_in_flight=in_flight,
                                  k_split=2 if "_s2" in name else 1, stage_weight="_staged" in name)
 
 
@@ -78,7 +79,7 @@ def main():
             kernels = {key: f for key, f in kernels.items() if key in paths}
             for c in configs:
                 config = matmul_config(c, n, k)
-                if fusion == "norm" and (config.k_split > 1 or config.tile_k > dm.NORM_MAX_TILE_K):
+                if fusion == "norm" and (config.k_split > 1 or config.tile_k > rules.NORM_MAX_TILE_K):
                     kernels[f"matmul_{c}_no_norm"] = lambda x, w, config=config: dm.decode_matmul(
                         rms_norm(x, g, 1e-5), w, config=config)
                 else:

@@ -20,7 +20,8 @@ import numpy as np
 from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES
 from atlasjax.quantization import quantize
 from gpu_bf16_smem_gemv import start, time_paths, write   # copy bandwidth, timing loop, JSON
-from pallas_kernels.decode_matmul import QUANT_CONFIG, decode_matmul, decode_matmul_reference
+from pallas_kernels.decode_matmul import decode_matmul, decode_matmul_reference
+from pallas_kernels.decode_matmul_rules import QUANT_CONFIG
 from pallas_kernels.gemm_tiling import num_sms
 from pallas_kernels.persistent_matmul import PersistentConfig, persistent_matmul
 from pallas_kernels.quantized_matmul import quantized_matmul

@@ -35,7 +35,8 @@ from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
 from atlasjax.quantization import quantize
 from gpu_bf16_smem_gemv import ROWS, start, write   # the copy-bandwidth header and JSON write they share
 from models.deferred import SwiGLU, rms_norm
-from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, default_config
+from pallas_kernels.decode_matmul import decode_matmul
+from pallas_kernels.decode_matmul_rules import DecodeMatmulConfig, default_config
 from pallas_kernels.gemm_tiling import interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import codes_as_bf16, with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul

@@ -22,7 +22,8 @@ from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated
 from atlasjax.quantization import quantize
 from models.deferred import rms_norm
 from pallas_kernels import decode_matmul as dm
-from pallas_kernels.decode_matmul import QUANT_CONFIG, DecodeMatmulConfig, decode_matmul, decode_matmul_reference
+from pallas_kernels.decode_matmul import decode_matmul, decode_matmul_reference
+from pallas_kernels.decode_matmul_rules import QUANT_CONFIG, DecodeMatmulConfig
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
 MODE = os.environ.get("MODE", "tiles")

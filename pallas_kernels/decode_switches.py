@@ -1,6 +1,6 @@
 """Whether the decode kernels run: the environment switches and the GPUs they measured faster on.
 
-The decode kernels (pallas_kernels/decode_matmul.py, persistent_matmul.py, int4_decode_matmul.py) ask these, and so
+The decode kernels (pallas_kernels/decode_matmul_rules.py, persistent_matmul.py, int4_decode_matmul.py) ask these, and so
 do the tests, which patch `device_kind` to stand in for a GPU.
 """
 from __future__ import annotations

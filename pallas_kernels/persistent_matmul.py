@@ -40,8 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cluster_sum
-from pallas_kernels.decode_matmul import (
-    MAX_ROWS, QUANT_DTYPES, TILE_N, WIDE_MIN_TILES, one_block_per_sm, tile_epilogue, weight_dtype, weight_tile_bf16)
+from pallas_kernels.decode_matmul import one_block_per_sm, tile_epilogue, weight_tile_bf16
+from pallas_kernels.decode_matmul_rules import MAX_ROWS, QUANT_DTYPES, TILE_N, WIDE_MIN_TILES, weight_dtype
 from pallas_kernels.decode_switches import enabled, wide_setting
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, interpret_params, num_sms, swizzled
 from pallas_kernels.quant_format import QuantizedWeight

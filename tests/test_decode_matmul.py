@@ -14,7 +14,9 @@ import pytest
 from atlasjax.quantization import quantize
 from models.deferred import SwiGLU, rms_norm
 from pallas_kernels import decode_matmul as dm
-from pallas_kernels.decode_matmul import DecodeMatmulConfig, decode_matmul, decode_matmul_reference
+from pallas_kernels import decode_matmul_rules as rules
+from pallas_kernels.decode_matmul import decode_matmul, decode_matmul_reference
+from pallas_kernels.decode_matmul_rules import DecodeMatmulConfig
 from pallas_kernels.quant_format import with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul
 
@@ -208,7 +210,7 @@ def test_interpret_wide_config_matches_reference(fmt, m):
     weight of two steps, with f32 logits as the engine asks for them."""
     x, w = _operands(m, 1024, 128, seed=m)
     qw = _quantized(w, fmt)
-    y = decode_matmul(x, qw, out_dtype=jnp.float32, config=dm.QUANT_WIDE_CONFIG, interpret=True)
+    y = decode_matmul(x, qw, out_dtype=jnp.float32, config=rules.QUANT_WIDE_CONFIG, interpret=True)
     assert y.shape == (m, 128) and y.dtype == jnp.float32
     assert _rel_err(y, decode_matmul_reference(x, qw, out_dtype=jnp.float32)) < 1e-5
 
@@ -221,11 +223,11 @@ def test_quantized_weights_it_cannot_take():
     w = w.astype(jnp.float32)
     for qw in (quantize(w, "int8", group_size=128), with_mma_order(quantize(w, "int4"), False),
                quantize(w[:, :100], "int8"), quantize(w, "int4", group_size=64)):
-        assert dm.weight_dtype(qw) is None
+        assert rules.weight_dtype(qw) is None
         with pytest.raises(ValueError, match="per-channel int8 / fp8"):
             decode_matmul(x[:, :qw.shape[0]], qw, interpret=True)
-    assert dm.weight_dtype(quantize(w, "fp8")) == jnp.float8_e4m3fn
-    assert dm.weight_dtype(_quantized(w, "int4")) == jnp.int4
+    assert rules.weight_dtype(quantize(w, "fp8")) == jnp.float8_e4m3fn
+    assert rules.weight_dtype(_quantized(w, "int4")) == jnp.int4
     with pytest.raises(ValueError, match="tile_k a multiple of their group size"):
         decode_matmul(x, _quantized(w, "int4"), config=DecodeMatmulConfig(tile_k=64), interpret=True)
     with pytest.raises(ValueError, match="does not match"):
@@ -264,7 +266,7 @@ def test_gpu_quantized_weights_match_reference(fmt, m, stage_weight, prologue, k
     r = jnp.asarray(np.random.default_rng(9).standard_normal((m, n)), jnp.bfloat16)
     a, kw = {None: (x, {}), "norm": (x, dict(norm_scale=scale, norm_eps=1e-5)),
              "swiglu": (gate_up, dict(swiglu=True))}[prologue]
-    config = dm.default_config(n, prologue == "swiglu", qw.qweight.dtype)
+    config = rules.default_config(n, prologue == "swiglu", qw.qweight.dtype)
     config = DecodeMatmulConfig(config.tile_k, config.max_concurrent_steps, config.wgmmas_in_flight, stage_weight)
     y = decode_matmul(a, qw, r, out_dtype=jnp.float32, config=config, **kw)
     assert _rel_err(y, decode_matmul_reference(a, qw, r, jnp.float32, **kw)) < 1e-4
@@ -320,7 +322,7 @@ def test_register_operands_wait_for_each_wgmma():
         decode_matmul(x, qw, config=DecodeMatmulConfig(tile_k=256, wgmmas_in_flight=1))
     for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096)):
         for w_dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.int4):
-            assert dm.default_config(n, w_dtype=w_dtype, k=k).wgmmas_in_flight == dm.REGISTER_A_IN_FLIGHT == 0
+            assert rules.default_config(n, w_dtype=w_dtype, k=k).wgmmas_in_flight == rules.REGISTER_A_IN_FLIGHT == 0
     staged = DecodeMatmulConfig(tile_k=256, wgmmas_in_flight=1, stage_weight=True)
     y = decode_matmul(x, qw, out_dtype=jnp.float32, config=staged, interpret=True)
     assert _rel_err(y, decode_matmul_reference(x, qw, out_dtype=jnp.float32)) < 1e-5
@@ -337,7 +339,7 @@ def test_gpu_quantized_weights_right_with_two_blocks_per_sm(monkeypatch, fmt, n)
     monkeypatch.setattr(dm, "ONE_BLOCK_PER_SM_SMEM", 0)
     x, w = _operands(8, 4096, n)
     qw = _quantized(w, fmt)
-    config = dataclasses.replace(dm.default_config(n, w_dtype=dm.weight_dtype(qw), k=4096), max_concurrent_steps=3)
+    config = dataclasses.replace(rules.default_config(n, w_dtype=rules.weight_dtype(qw), k=4096), max_concurrent_steps=3)
     y = decode_matmul(x, qw, out_dtype=jnp.float32, config=config)
     ref = decode_matmul_reference(x, qw, out_dtype=jnp.float32)
     assert _rel_err(y, ref) < 1e-4
@@ -357,7 +359,7 @@ def test_gpu_int4_matches_reference(proj, m):
     qw = _quantized(w, "int4")
     r = jnp.asarray(np.random.default_rng(9).standard_normal((m, n)), jnp.bfloat16) if fusion == "residual" else None
     kw = dict(norm_scale=scale, norm_eps=1e-5) if fusion == "norm" else {}
-    config = dm.default_config(n, w_dtype=jnp.int4, k=k)
+    config = rules.default_config(n, w_dtype=jnp.int4, k=k)
     if proj.endswith("staged"):
         config = dataclasses.replace(config, stage_weight=True)
     y = decode_matmul(x, qw, r, out_dtype=jnp.float32, config=config, **kw)

@@ -18,6 +18,7 @@ from models.deferred import RMSNormed, SwiGLU, rms_norm
 from models.fused import fuse_projections
 from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import decode_matmul as dm
+from pallas_kernels import decode_matmul_rules as rules
 from pallas_kernels import decode_switches
 from pallas_kernels.decode_matmul import decode_matmul_reference
 from pallas_kernels.quantized_matmul import quantized_matmul
@@ -27,74 +28,74 @@ from tests.test_decode_matmul import _assert_within_bf16_rounding, _operands, _p
 def test_pays_on_the_narrow_projections_only(monkeypatch):
     bf16 = jnp.bfloat16
     monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
-    assert dm.pays(8, 4096, 6144, bf16, bf16)        # qkv
-    assert dm.pays(8, 4096, 4096, bf16, bf16)        # o_proj
-    assert dm.pays(8, 14336, 4096, bf16, bf16)       # down
-    assert not dm.pays(8, 4096, 28672, bf16, bf16)   # gate_up: XLA streams it faster
-    assert not dm.pays(8, 4096, 128256, bf16, bf16)  # LM head
-    assert dm.pays(32, 4096, 4096, bf16, bf16)       # bs=32
-    assert not dm.pays(8, 2048, 2048, bf16, bf16)    # Llama-3.2-1B's o_proj (32 tiles): no faster step
-    assert not dm.pays(64, 4096, 4096, bf16, bf16)   # bs=64: a slower step
-    assert not dm.pays(128, 4096, 4096, bf16, bf16)  # a prefill chunk
-    assert not dm.pays(8, 4096, 4096, jnp.float32, jnp.float32)
+    assert rules.pays(8, 4096, 6144, bf16, bf16)        # qkv
+    assert rules.pays(8, 4096, 4096, bf16, bf16)        # o_proj
+    assert rules.pays(8, 14336, 4096, bf16, bf16)       # down
+    assert not rules.pays(8, 4096, 28672, bf16, bf16)   # gate_up: XLA streams it faster
+    assert not rules.pays(8, 4096, 128256, bf16, bf16)  # LM head
+    assert rules.pays(32, 4096, 4096, bf16, bf16)       # bs=32
+    assert not rules.pays(8, 2048, 2048, bf16, bf16)    # Llama-3.2-1B's o_proj (32 tiles): no faster step
+    assert not rules.pays(64, 4096, 4096, bf16, bf16)   # bs=64: a slower step
+    assert not rules.pays(128, 4096, 4096, bf16, bf16)  # a prefill chunk
+    assert not rules.pays(8, 4096, 4096, jnp.float32, jnp.float32)
     fp8 = jnp.float8_e4m3fn   # per channel: qkv, o_proj, down (session 22)
     for k, n in ((4096, 6144), (4096, 4096), (14336, 4096)):
-        assert dm.pays(8, k, n, bf16, fp8)
-        assert not dm.pays(8, k, n, bf16, jnp.int8)   # int8: a step no faster than with XLA's GEMM
-    assert not dm.pays(8, 4096, 28672, bf16, fp8)   # gate_up: XLA's GEMM
-    assert not dm.pays(64, 4096, 4096, bf16, fp8)
+        assert rules.pays(8, k, n, bf16, fp8)
+        assert not rules.pays(8, k, n, bf16, jnp.int8)   # int8: a step no faster than with XLA's GEMM
+    assert not rules.pays(8, 4096, 28672, bf16, fp8)   # gate_up: XLA's GEMM
+    assert not rules.pays(64, 4096, 4096, bf16, fp8)
     for m in (1, 8, 32):   # the LM head (2004 tiles, many waves) in 512-row steps (session 23)
-        assert dm.pays(m, 4096, 128256, bf16, fp8)
-    assert dm.default_config(128256, w_dtype=fp8, k=4096) == dm.QUANT_WIDE_CONFIG
-    assert dm.pays(8, 4096, 128256, bf16, jnp.int8)
+        assert rules.pays(m, 4096, 128256, bf16, fp8)
+    assert rules.default_config(128256, w_dtype=fp8, k=4096) == rules.QUANT_WIDE_CONFIG
+    assert rules.pays(8, 4096, 128256, bf16, jnp.int8)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "off")   # the A/B switch: the session-22 rule
-    assert not dm.pays(8, 4096, 128256, bf16, fp8) and dm.pays(8, 4096, 4096, bf16, fp8)
+    assert not rules.pays(8, 4096, 128256, bf16, fp8) and rules.pays(8, 4096, 4096, bf16, fp8)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "on")    # every width, gate_up too
-    assert dm.pays(8, 4096, 28672, bf16, fp8) and not dm.pays(8, 4096, 28672, bf16, bf16)
+    assert rules.pays(8, 4096, 28672, bf16, fp8) and not rules.pays(8, 4096, 28672, bf16, bf16)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL_WIDE", "tail")  # gate_up with its tail split over K
-    assert dm.pays(8, 4096, 28672, bf16, jnp.int8)
-    tail = dm.default_config(28672, w_dtype=fp8, k=4096)
-    assert (tail.k_split, tail.tail_split_sms, tail.tile_k) == (2, dm.num_sms(), 512)
-    assert dm.default_config(128256, w_dtype=fp8, k=4096) == dm.QUANT_WIDE_CONFIG   # the LM head: unsplit
+    assert rules.pays(8, 4096, 28672, bf16, jnp.int8)
+    tail = rules.default_config(28672, w_dtype=fp8, k=4096)
+    assert (tail.k_split, tail.tail_split_sms, tail.tile_k) == (2, rules.num_sms(), 512)
+    assert rules.default_config(128256, w_dtype=fp8, k=4096) == rules.QUANT_WIDE_CONFIG   # the LM head: unsplit
     monkeypatch.delenv("ATLASJAX_DECODE_MATMUL_WIDE")
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
-    assert dm.pays(8, 14336, 4096, bf16, jnp.int8)
-    assert dm.default_config(4096, w_dtype=jnp.int8, k=14336).k_split == 2   # o_proj, down: 64 tiles
-    assert dm.default_config(6144, w_dtype=jnp.int8, k=4096).k_split == 1    # qkv: 96 tiles
+    assert rules.pays(8, 14336, 4096, bf16, jnp.int8)
+    assert rules.default_config(4096, w_dtype=jnp.int8, k=14336).k_split == 2   # o_proj, down: 64 tiles
+    assert rules.default_config(6144, w_dtype=jnp.int8, k=4096).k_split == 1    # qkv: 96 tiles
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "off")
-    assert not dm.pays(8, 4096, 4096, bf16, bf16)
-    assert not dm.pays(8, 4096, 4096, bf16, fp8)
+    assert not rules.pays(8, 4096, 4096, bf16, bf16)
+    assert not rules.pays(8, 4096, 4096, bf16, fp8)
     monkeypatch.delenv("ATLASJAX_DECODE_MATMUL")
     int4 = jnp.int4   # grouped int4: only when asked (ATLASJAX_INT4_DECODE=matmul), then at every width
-    assert not dm.pays(8, 4096, 6144, bf16, int4)
+    assert not rules.pays(8, 4096, 6144, bf16, int4)
     monkeypatch.setenv("ATLASJAX_INT4_DECODE", "matmul")
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)):
-        assert dm.pays(8, k, n, bf16, int4)
-    assert not dm.pays(64, 4096, 4096, bf16, int4)
-    assert dm.default_config(4096, w_dtype=int4, k=14336).k_split == 2   # down: a 2-block K split
+        assert rules.pays(8, k, n, bf16, int4)
+    assert not rules.pays(64, 4096, 4096, bf16, int4)
+    assert rules.default_config(4096, w_dtype=int4, k=14336).k_split == 2   # down: a 2-block K split
 
 
 def test_runs_only_on_the_gpus_where_it_measured_faster(monkeypatch):
     bf16 = jnp.bfloat16
     monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H200")   # no faster there (session 19)
-    assert not dm.pays(8, 4096, 4096, bf16, bf16)
+    assert not rules.pays(8, 4096, 4096, bf16, bf16)
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on")
-    assert dm.pays(8, 4096, 4096, bf16, bf16)
+    assert rules.pays(8, 4096, 4096, bf16, bf16)
 
 
 def test_prologue_pays_where_it_measured_faster(monkeypatch):
-    assert dm.prologue_pays("rms_norm", 1) and dm.prologue_pays("rms_norm", 32)
-    assert dm.prologue_pays("swiglu", 8)
-    assert not dm.prologue_pays("swiglu", 16)   # slower than XLA's silu * up kernel + the kernel
-    assert dm.prologue_pays("rms_norm", 8, jnp.int8) and not dm.prologue_pays("swiglu", 8, jnp.int8)
+    assert rules.prologue_pays("rms_norm", 1) and rules.prologue_pays("rms_norm", 32)
+    assert rules.prologue_pays("swiglu", 8)
+    assert not rules.prologue_pays("swiglu", 16)   # slower than XLA's silu * up kernel + the kernel
+    assert rules.prologue_pays("rms_norm", 8, jnp.int8) and not rules.prologue_pays("swiglu", 8, jnp.int8)
     # given the weight's shape: not where the config splits K or steps past one norm-scale box
     fp8 = jnp.float8_e4m3fn
-    assert dm.prologue_pays("rms_norm", 8, fp8, 6144, 4096)          # qkv: 96 tiles, all of K per block
-    assert not dm.prologue_pays("rms_norm", 8, fp8, 4096, 4096)      # 64 tiles: a 2-block K split
-    assert not dm.prologue_pays("rms_norm", 8, fp8, 128256, 4096)    # the LM head's 512-row steps
-    assert dm.prologue_pays("rms_norm", 8, jnp.bfloat16, 4096, 4096)  # bf16 does not split
+    assert rules.prologue_pays("rms_norm", 8, fp8, 6144, 4096)          # qkv: 96 tiles, all of K per block
+    assert not rules.prologue_pays("rms_norm", 8, fp8, 4096, 4096)      # 64 tiles: a 2-block K split
+    assert not rules.prologue_pays("rms_norm", 8, fp8, 128256, 4096)    # the LM head's 512-row steps
+    assert rules.prologue_pays("rms_norm", 8, jnp.bfloat16, 4096, 4096)  # bf16 does not split
     monkeypatch.setenv("ATLASJAX_DECODE_PROLOGUE", "off")
-    assert not dm.prologue_pays("rms_norm", 8) and not dm.prologue_pays("swiglu", 8)
+    assert not rules.prologue_pays("rms_norm", 8) and not rules.prologue_pays("swiglu", 8)
 
 
 def _route_to_interpreted_kernel(monkeypatch, record, min_tiles):
@@ -107,7 +108,7 @@ def _route_to_interpreted_kernel(monkeypatch, record, min_tiles):
         return real(x, w, residual, interpret=True, **kw)
     monkeypatch.setattr(layers, "_on_gpu", lambda: True)
     monkeypatch.setattr(decode_switches, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(dm, "MIN_TILES", min_tiles)
+    monkeypatch.setattr(rules, "MIN_TILES", min_tiles)
     monkeypatch.setattr(dm, "decode_matmul", spy)
 
 
@@ -171,7 +172,7 @@ def test_decode_rows_reach_xla_gemm_behind_a_barrier(monkeypatch, fmt):
         xs = jnp.concatenate([x] * (rows // 8))
         return str(jax.make_jaxpr(f)(xs)).count("optimization_barrier"), f(xs)
     n_decode, y_decode = barriers(8, True)
-    n_prefill, _ = barriers(8 * (dm.MAX_ROWS // 8 + 1), True)
+    n_prefill, _ = barriers(8 * (rules.MAX_ROWS // 8 + 1), True)
     n_cpu, y_cpu = barriers(8, False)
     assert (n_decode, n_prefill, n_cpu) == (1, 0, 0)
     np.testing.assert_array_equal(y_decode, y_cpu)
@@ -261,13 +262,13 @@ def test_quantized_decode_step_through_the_kernel(monkeypatch, fmt, lm_head):
     monkeypatch.setenv("ATLASJAX_DECODE_MATMUL", "on" if fmt == "int8" else "auto")
     calls = []
     _route_to_interpreted_kernel(monkeypatch, lambda x, kw: calls.append((x.shape, kw.get("out_dtype"))), min_tiles=1)
-    monkeypatch.setattr(dm, "MAX_TILES", 8)    # qkv 8 tiles, o_proj and down 4; gate_up 16
+    monkeypatch.setattr(rules, "MAX_TILES", 8)    # qkv 8 tiles, o_proj and down 4; gate_up 16
     fused = _tiny_decode_step(params)()
     # per layer qkv (normed), o_proj, down (SwiGLU by XLA first); then the LM head (4 tiles), f32
     bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
     assert calls == [((2, 256), bf16), ((2, 256), bf16), ((2, 512), bf16)] * _KERNEL_CFG.num_layers + [((2, 256), f32)]
-    assert dm.weight_dtype(params["lm_head"]["kernel"]) == (params["lm_head"]["kernel"].qweight.dtype if lm_head else bf16)
-    assert dm.default_config(256, w_dtype=params["layers_0"]["mlp"]["down_proj"]["kernel"].qweight.dtype,
+    assert rules.weight_dtype(params["lm_head"]["kernel"]) == (params["lm_head"]["kernel"].qweight.dtype if lm_head else bf16)
+    assert rules.default_config(256, w_dtype=params["layers_0"]["mlp"]["down_proj"]["kernel"].qweight.dtype,
                              k=512).k_split == 2   # down's config
     assert _rel_err(fused, reference) < 2e-2
 
@@ -322,7 +323,7 @@ def test_int4_decode_step_through_decode_matmul(monkeypatch):
     monkeypatch.setenv("ATLASJAX_INT4_DECODE", "matmul")
     fused = _tiny_decode_step(params)()
     assert calls == ["norm", "plain", "norm", "plain"] * _KERNEL_CFG.num_layers + ["plain"]
-    assert dm.default_config(256, w_dtype=jnp.int4, k=512).k_split == 2   # down's config
+    assert rules.default_config(256, w_dtype=jnp.int4, k=512).k_split == 2   # down's config
     assert _rel_err(fused, reference) < 2e-2
     calls.clear()
     monkeypatch.delenv("ATLASJAX_INT4_DECODE")   # the default: quantized_matmul (here its CPU reference)

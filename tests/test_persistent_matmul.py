@@ -12,6 +12,7 @@ import pytest
 from atlasjax.quantization import quantize
 from models import layers
 from pallas_kernels import decode_matmul as dm
+from pallas_kernels import decode_matmul_rules as rules
 from pallas_kernels import decode_switches
 from pallas_kernels import persistent_matmul as pm
 from pallas_kernels.decode_matmul import decode_matmul_reference
@@ -118,7 +119,7 @@ def test_model_matmul_routes_to_it_when_asked_for(monkeypatch):
     assert calls == [(2, 1024)]
     _assert_within_bf16_rounding(y, decode_matmul_reference(x, w, r), r, decode_matmul_reference(x, w))
     monkeypatch.delenv("ATLASJAX_DECODE_MATMUL_WIDE")
-    monkeypatch.setattr(dm, "MIN_TILES", 2)   # so that the default route (decode_matmul) is what runs
+    monkeypatch.setattr(rules, "MIN_TILES", 2)   # so that the default route (decode_matmul) is what runs
     monkeypatch.setattr(dm, "decode_matmul", lambda x, w, residual=None, **kw: dm.decode_matmul_reference(x, w, residual))
     layers.matmul(x, w)
     assert calls == [(2, 1024)]
