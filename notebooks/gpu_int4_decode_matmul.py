@@ -43,7 +43,7 @@ def matmul_config(name, n, k):
         return rules.default_config(n, w_dtype=jnp.int4, k=k)
     tile_k, depth, in_flight = map(int, re.match(r"k(\d+)_d(\d+)_r(\d+)", name).groups())
     return rules.DecodeMatmulConfig(tile_k=tile_k, max_concurrent_steps=depth, wgmmas_in_flight=in_flight,
-                                 k_split=2 if "_s2" in name else 1, stage_weight="_staged" in name)
+                                    k_split=2 if "_s2" in name else 1, stage_weight="_staged" in name)
 
 
 def main():
