@@ -83,43 +83,8 @@ def run(name, k, n, extra):
         print(name, "xla", row["xla"], flush=True)
 
 
-def strides(name, k, n, extra):
-    """MODE=stride: is the stream held back by where the rows lie? The same product with the fp8
-    codes' rows spaced K + pad bytes apart (a wider array whose first K columns are read), and with
-    deeper pipelines."""
-    x = jnp.asarray(rng.standard_normal((M, k)), jnp.bfloat16)
-    w = quantize(jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.float32), "fp8")
-    kw = {"norm_scale": jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)} if extra == "rms_norm" else {}
-    residual = jnp.asarray(rng.standard_normal((M, n)), jnp.bfloat16) if extra == "residual" else None
-    ref = decode_matmul_reference(x, w, residual, out_dtype=jnp.float32, **kw)
-    base = default_config(n, False, jnp.float8_e4m3fn, k)
-    row = results[name] = {"K": k, "N": n, "extra": extra, "base": str(base)}
-    real_weight_dtype = dm.weight_dtype
-    dm.weight_dtype = lambda w: w.qweight.dtype   # lets a padded array through; only its first K columns are read
-    for pad in (0, 128, 256, 512, 4096):
-        wp = dataclasses.replace(w, qweight=jnp.pad(w.qweight, ((0, 0), (0, pad))))
-        copies = max(2, -(-MIN_ROTATION_BYTES // (k * n)))
-        ws = [jax.tree.map(jnp.copy, wp) for _ in range(copies)]
-        for depth in (2, 4, 6, 8) if pad == 0 else (4,):
-            for mma in (False, True):
-                cfg = dataclasses.replace(base, max_concurrent_steps=depth, fp8_mma=mma,
-                                          wgmmas_in_flight=1 if mma and depth > 1 else 0)
-                tag = f"pad{pad}/d{depth}/{'mma' if mma else 'convert'}"
-                try:
-                    dm.decode_matmul.clear_cache()
-                    fn = lambda x, w, cfg=cfg: decode_matmul(x, w, residual, config=cfg, **kw)   # noqa: E731
-                    y = fn(x, wp).astype(jnp.float32)
-                    err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
-                    us = device_ms(rotated(fn), x, ws) / copies * 1e3
-                    row[tag] = {"us": round(us, 2), "TB/s": round(k * n / us / 1e6, 3), "rel_err": err}
-                except Exception as e:   # noqa: BLE001
-                    row[tag] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                print(name, tag, row[tag], flush=True)
-    dm.weight_dtype = real_weight_dtype
-
-
 for name, (k, n, extra) in SHAPES.items():
     if ONLY and name not in ONLY.split(","):
         continue
-    (strides if os.environ.get("MODE") == "stride" else run)(name, k, n, extra)
-    json.dump(results, open(f"{OUT}/fp8_mma{'_' + os.environ['MODE'] if 'MODE' in os.environ else ''}.json", "w"), indent=1)
+    run(name, k, n, extra)
+    json.dump(results, open(f"{OUT}/fp8_mma.json", "w"), indent=1)
