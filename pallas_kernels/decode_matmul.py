@@ -54,7 +54,6 @@ from pallas_kernels import cluster_sum, int4_mma_order, int8_mma_order
 from pallas_kernels.decode_matmul_rules import (
     INT4, INT4_GROUP, MAX_ROWS, NORM_MAX_TILE_K, REGISTER_A_IN_FLIGHT, TILE_N, DecodeMatmulConfig, default_config,
     weight_dtype)
-from pallas_kernels.fp8_parts import FP8_PARTS, split_e5m2
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, swizzled
 from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, dequantize, natural_codes
 
@@ -83,18 +82,6 @@ def _stage_swiglu(gate_smem, up_smem):
     return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
-def _stage_activations(prologue, tiles):
-    """The step's activations [tile_k, m] in bf16 (and, RMSNorm, the new sum of squares)."""
-    carry = None
-    if prologue == "rms_norm":
-        staged, carry = _stage_rms_norm(*tiles)
-    elif prologue == "swiglu":
-        staged = _stage_swiglu(*tiles)
-    else:
-        staged = plgpu.load(tiles[0].T, layout=plgpu.Layout.WGMMA_TRANSPOSED)
-    return staged, carry
-
-
 def weight_tile_bf16(w_smem, mma_order: bool, interpret: bool, s_smem=None, z_smem=None):
     """A quantized weight tile [TILE_N, tile_k] as bf16 in natural column order, in registers. Grouped
     int4 (s_smem given: the step's [groups, TILE_N] scale rows, z_smem its zero-point rows or None):
@@ -120,7 +107,7 @@ def _when(cond, fn):
 
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
                          stage_weight, k_split=1, split_from=0, mma_order=False, groups=0, zero_point=False,
-                         fp8_mma=False, fp8_promote=False, interpret=False):
+                         interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]);
     with `k_split` 2, a cluster of two blocks, each over half of K, the first adding the second's
     product before the epilogue (pallas_kernels/cluster_sum.py). With `split_from` > 0 the clusters
@@ -133,7 +120,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     (`groups` groups of INT4_GROUP per step), gs_gmem [G, N] scales and gz_gmem [G, N] integer zero
     points (zero_point); r_gmem [m, N] (with_residual);
     out_gmem [m, N]; scratch out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a
-    prologue; fp8_mma: [in_flight + 1, FP8_PARTS, m, tile_k] e5m2, always); ws_smem [TILE_N] and a barrier (quantized per channel); staged_w_smem [in_flight + 1, TILE_N,
+    prologue); ws_smem [TILE_N] and a barrier (quantized per channel); staged_w_smem [in_flight + 1, TILE_N,
     tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual); then, quantized,
     unused padding (`ONE_BLOCK_PER_SM_SMEM`); k_split 2: recv_smem [TILE_N, m] f32, and in
     interpret mode a spill output [N, m] f32 (after out_gmem), its barrier and a cluster barrier.
@@ -147,7 +134,7 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     r_gmem, out_gmem = take(with_residual), take(True)
     spill_gmem = take(k_split > 1 and interpret)
     out_smem = take(True)
-    staged_smem = take(prologue is not None or fp8_mma)
+    staged_smem = take(prologue is not None)
     ws_smem, ws_barrier = take(quantized and not groups), take(quantized and not groups)
     staged_w_smem = take(stage_weight)
     r_smem, r_barrier = take(with_residual), take(with_residual)
@@ -178,12 +165,11 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
             plgpu.copy_gmem_to_smem(ws_gmem.at[0, cols], ws_smem, ws_barrier)
     _when(leader, fetch_epilogue_operands)
     # Without a prologue the wgmma reads the x tile itself, so its release waits with the weight's.
-    x_release = in_flight if prologue is None and not fp8_mma else 0
+    x_release = in_flight if prologue is None else 0
     # Each spec's step s reads K step first_step + s of the block's columns.
-    if quantized:   # the wgmma reads the converted tile (registers or staged), not this one (but fp8_mma)
+    if quantized:   # the wgmma reads the converted tile (registers or staged), not this one
         w_bits = elem_bits(w_gmem.dtype)
         w_spec = plgpu.BlockSpec((TILE_N, tile_k), lambda s: (0, first_step + s),
-                                 delay_release=in_flight if fp8_mma else 0,
                                  transforms=swizzled(tile_k * w_bits, w_bits, "weight"))
         w_operand = w_gmem.at[cols, :]
     else:
@@ -205,40 +191,19 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         operands.append(scale_gmem)
 
     def body(acc_ref):
-        def fp8_step(buffer, w_smem, tiles, carry):
-            """fp8_mma: the activations as e5m2 parts, each multiplied by the fp8 tile as stored. carry:
-            the sum of squares (RMSNorm) and, fp8_promote, the f32 sum of the steps' products."""
-            ssq, total = carry if fp8_promote else (carry, None)
-            staged, ssq = _stage_activations(prologue, (*tiles, ssq) if prologue == "rms_norm" else tiles)
-            parts = staged_smem.at[buffer]
-            for i, part in enumerate(split_e5m2(staged.astype(jnp.float32))):
-                parts.at[i].T[...] = part
-            plgpu.commit_smem()
-
-            def mma(acc):
-                for i in range(FP8_PARTS):
-                    plgpu.wgmma(acc, w_smem, parts.at[i].T)
-                plgpu.wgmma_wait(0 if fp8_promote else in_flight)
-                return acc[...] if fp8_promote else None
-            if not fp8_promote:
-                mma(acc_ref)
-                return ssq
-            return ssq, total + pl.run_scoped(mma, plgpu.ACC((TILE_N, m), jnp.float32))
-
         def step(idx, w_smem, *tiles):
             carry = None
-            if carries:
-                tiles, carry = tiles[:-1], tiles[-1]
             rows, tiles = tiles[:len(group_rows)], tiles[len(group_rows):]   # grouped int4: scales (, zero points)
             s_smem = rows[0] if rows else None
             z_smem = rows[1] if len(rows) > 1 else None
             buffer = idx[0] % (in_flight + 1) if in_flight else 0   # of the staged tiles of this step
-            if fp8_mma:
-                return fp8_step(buffer, w_smem, tiles, carry)
             if prologue is None:
                 x_smem = tiles[0]
             else:   # the wgmma's activations, staged in shared memory (one buffer per wgmma in flight)
-                staged, carry = _stage_activations(prologue, (*tiles, carry) if prologue == "rms_norm" else tiles)
+                if prologue == "rms_norm":
+                    staged, carry = _stage_rms_norm(*tiles)
+                else:
+                    staged = _stage_swiglu(*tiles)
                 x_smem = staged_smem.at[buffer]
                 x_smem.T[...] = staged
             if not quantized:
@@ -254,17 +219,12 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
             plgpu.wgmma_wait(in_flight)
             return carry
 
-        ssq0 = jnp.zeros((tile_k, m), jnp.float32) if prologue == "rms_norm" else None
-        init = (ssq0, jnp.zeros((TILE_N, m), jnp.float32)) if fp8_promote else ssq0
-        carries = init is not None
         pipeline = plgpu.emit_pipeline(step, grid=(num_steps,), in_specs=specs, max_concurrent_steps=depth,
-                                       init_carry=init)
-        carry = pipeline(*operands)
+                                       init_carry=(jnp.zeros((tile_k, m), jnp.float32)
+                                                   if prologue == "rms_norm" else None))
+        ssq = pipeline(*operands)
         plgpu.wgmma_wait(0)
-        if fp8_promote:
-            ssq, total = carry
-            return total, ssq
-        return acc_ref[...], carry
+        return acc_ref[...], ssq
 
     acc, ssq = pl.run_scoped(body, plgpu.ACC((TILE_N, m), jnp.float32))
     epilogue = functools.partial(tile_epilogue, ssq=ssq, ws_smem=ws_smem, ws_barrier=ws_barrier, r_smem=r_smem,
@@ -337,11 +297,8 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     k //= 2 if swiglu else 1
     n = w.shape[1]
     config = config or default_config(n, swiglu, w_dtype, k)
-    fp8_mma = config.fp8_mma
-    if fp8_mma and not (quantized and jnp.dtype(w_dtype) == jnp.float8_e4m3fn):
-        raise ValueError(f"fp8_mma multiplies a per-channel fp8 weight on the fp8 tensor cores; got {w_dtype}")
-    stage_weight = quantized and not fp8_mma and (config.stage_weight or bool(interpret))
-    if quantized and not stage_weight and not fp8_mma and config.wgmmas_in_flight > REGISTER_A_IN_FLIGHT:
+    stage_weight = quantized and (config.stage_weight or bool(interpret))
+    if quantized and not stage_weight and config.wgmmas_in_flight > REGISTER_A_IN_FLIGHT:
         raise ValueError("a quantized weight's converted tile feeds the wgmma from registers, so each wgmma must "
                          "finish before the next tile is converted: wgmmas_in_flight 0, or stage_weight=True")
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
@@ -375,13 +332,12 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         per_step += groups * TILE_N * sum(a.dtype.itemsize for a in (w.scales, w.zeros) if a is not None)
     per_channel = quantized and not int4
     fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + per_channel * TILE_N * 4
-    # at most: the staged activations and weight tiles, one per wgmma in flight (fp8_mma: e5m2 parts)
-    staged = (config.wgmmas_in_flight + 1) * config.tile_k * (
-        FP8_PARTS * m_pad if fp8_mma else 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight))
+    # at most: the staged activations and weight tiles, one per wgmma in flight
+    staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
     fixed += (split > 1) * TILE_N * m_pad * 4   # the received product
     depth = max(1, min(config.max_concurrent_steps, k // (split * config.tile_k),
                        (SMEM_BUDGET - fixed - staged) // per_step))
-    in_flight = 0 if config.fp8_promote else min(config.wgmmas_in_flight, depth - 1)
+    in_flight = min(config.wgmmas_in_flight, depth - 1)
     operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
     if prologue == "rms_norm":
         operands.append(norm_scale.astype(jnp.bfloat16))
@@ -390,10 +346,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     elif int4:
         operands += [w.scales] + ([w.zeros] if w.zero_point else [])
     scratch = [plgpu.SMEM((m_pad, TILE_N), out_dtype)]
-    if fp8_mma:
-        scratch.append(plgpu.SMEM((in_flight + 1, FP8_PARTS, m_pad, config.tile_k), jnp.float8_e5m2,
-                                  transforms=swizzled(config.tile_k * 8, 8, "x")))
-    elif prologue:
+    if prologue:
         scratch.append(plgpu.SMEM((in_flight + 1, m_pad, config.tile_k), jnp.bfloat16,
                                   transforms=swizzled(config.tile_k * 16, 16, "x")))
     if per_channel:
@@ -424,13 +377,13 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
                           quantized=quantized, stage_weight=stage_weight, k_split=split, split_from=split_from,
                           mma_order=quantized and w.mma_order, groups=groups, zero_point=int4 and w.zero_point,
-                          fp8_mma=fp8_mma, fp8_promote=config.fp8_promote, interpret=bool(interpret)),
+                          interpret=bool(interpret)),
         out_type=out_type,
         scratch_types=scratch,
         grid=(tiles - split_from,), grid_names=("n",),
         **(dict(cluster=(split,), cluster_names=(cluster_sum.AXIS,)) if split > 1 else {}),
         interpret=interpret_params(interpret),
-        kernel_name=(f"decode_matmul_{w.format}" + "_mma" * fp8_mma) if quantized else "decode_matmul",
+        kernel_name=f"decode_matmul_{w.format}" if quantized else "decode_matmul",
         # approximate exp and reciprocal (ex2.approx, rcp.approx) for SwiGLU's sigmoid: exact ones made
         # the prologue instruction-bound (one warpgroup per block converts every activation tile)
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,

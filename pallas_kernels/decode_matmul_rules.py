@@ -46,13 +46,6 @@ class DecodeMatmulConfig:
     # "tail"); the rest run whole, one per block, two blocks per cluster. For weights of a few waves
     # (gate_up: 448 tiles on 132 SMs) the last wave then takes half a tile's time instead of a whole.
     tail_split_sms: int = 0
-    # fp8 weights: multiply on the fp8 tensor cores. The weight tile feeds the wgmma from shared memory
-    # as stored (no conversion in registers); the activations are staged as FP8_PARTS e5m2 parts whose
-    # sum is their bf16 value (`split_e5m2`), each part one wgmma into the same accumulator.
-    fp8_mma: bool = False
-    # with fp8_mma: each step's wgmmas accumulate into a fresh accumulator that is then added in f32
-    # (the fp8 tensor cores keep ~14 bits of the sum they accumulate; DeepSeek-V3, section 3.3.2)
-    fp8_promote: bool = False
 
     def __post_init__(self):
         if self.tile_k <= 0 or self.tile_k % 64:
@@ -63,8 +56,6 @@ class DecodeMatmulConfig:
             raise ValueError(f"k_split must be 1 or 2, got {self.k_split}")
         if self.tail_split_sms < 0 or (self.tail_split_sms and self.k_split != 2):
             raise ValueError("tail_split_sms needs k_split 2 and a positive SM count")
-        if (self.fp8_promote and not self.fp8_mma) or (self.fp8_mma and self.stage_weight):
-            raise ValueError("fp8_promote needs fp8_mma, and fp8_mma feeds the weight as stored (no stage_weight)")
 
 
 def default_config(n: int, swiglu: bool = False, w_dtype=jnp.bfloat16, k: int | None = None) -> DecodeMatmulConfig:
