@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from models.deferred import Deferred, RMSNormed, SwiGLU, materialize, rms_norm
 from models.parallel import Parallel
-from pallas_kernels import decode_matmul, decode_matmul_rules, decode_switches, int4_decode_matmul, persistent_matmul
+from pallas_kernels import decode_matmul, decode_matmul_rules, persistent_matmul
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -28,8 +28,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     """The one matmul entry. x: [tokens, in] array, or a deferred `RMSNormed` / `SwiGLU`
     (models/deferred.py); w: [in, out] array or a quantized weight pytree. residual: None or
     [tokens, out], returned as `residual + x @ w` (the product rounded to out_dtype first).
-    The decode kernel (bf16 or per-channel int8 / fp8 weights; and, opt-in, the int4 one) computes a
-    deferred x in its prologue (int4: the RMSNorm only) and adds the residual in its epilogue; every
+    The decode kernel (bf16 or per-channel int8 / fp8 weights) computes a deferred x in its
+    prologue and adds the residual in its epilogue; every
     other path materializes x first (and at decode rows on a GPU hands it to XLA's GEMM behind an
     optimization barrier).
     decode_kernel=False keeps the other paths (tensor-parallel partial sums: on 2x H200 the kernel
@@ -51,14 +51,6 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
         else:
             operand, fused = materialize(x), {}
         return decode_matmul.decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
-    if decode_rows and int4_decode_matmul.pays(x.shape[0], x.dtype, w):
-        # int4 (groups of 128), opt-in: its K split summed, the input RMSNorm and the residual add in
-        # the kernel (pallas_kernels/int4_decode_matmul.py; slower on the H100, session 29)
-        if isinstance(x, RMSNormed) and decode_switches.prologues_on():
-            operand, fused = x.kernel_operands()
-        else:
-            operand, fused = materialize(x), {}
-        return int4_decode_matmul.int4_decode_matmul(operand, w, residual, out_dtype=jnp.dtype(out_dtype), **fused)
     x = materialize(x)
     if decode_rows and x.shape[0] <= decode_matmul_rules.MAX_ROWS:
         # Keep a decode step's activations out of XLA's GEMM fusion. Fused with the RMSNorm's scale,

@@ -32,8 +32,8 @@ with XLA's GEMM (docs/performance.md, session 19). The models hand the kernel it
 deferred activation (models/deferred.py); `ATLASJAX_DECODE_PROLOGUE=off` computes them in XLA.
 
 Quantized weights: per-channel int8 / fp8 tiles are converted to bf16 in registers and the
-channel scales multiply the f32 product; grouped int4 tiles (mma order, groups of 128) are
-dequantized in bf16x2 arithmetic with their scales, so one f32 accumulator serves every group.
+channel scales multiply the f32 product. (Grouped int4 ran here too, opt-in, until session 32
+removed it: 3.35 against 2.36 ms per 8B step on its own kernel, docs/performance.md, session 30.)
 With `k_split` 2 (pallas_kernels/cluster_sum.py) a column tile runs as a cluster of two blocks over
 the halves of K; `tail_split_sms` splits only the tiles past the last full wave.
 
@@ -41,7 +41,6 @@ Where it runs, and in which config: pallas_kernels/decode_matmul_rules.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -50,12 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import cluster_sum, int4_mma_order, int8_mma_order
+from pallas_kernels import cluster_sum, int8_mma_order
 from pallas_kernels.decode_matmul_rules import (
-    INT4, INT4_GROUP, MAX_ROWS, NORM_MAX_TILE_K, REGISTER_A_IN_FLIGHT, TILE_N, DecodeMatmulConfig, default_config,
+    MAX_ROWS, NORM_MAX_TILE_K, REGISTER_A_IN_FLIGHT, TILE_N, DecodeMatmulConfig, default_config,
     weight_dtype)
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, swizzled
-from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, dequantize, natural_codes
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, natural_codes
 
 # Quantized weights: shared memory held per block, so that one block runs per SM (session 21, when
 # the register-operand wgmmas above were left in flight; kept: the configs were tuned with it).
@@ -82,16 +81,9 @@ def _stage_swiglu(gate_smem, up_smem):
     return (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
 
 
-def weight_tile_bf16(w_smem, mma_order: bool, interpret: bool, s_smem=None, z_smem=None):
-    """A quantized weight tile [TILE_N, tile_k] as bf16 in natural column order, in registers. Grouped
-    int4 (s_smem given: the step's [groups, TILE_N] scale rows, z_smem its zero-point rows or None):
-    each group's q - z times its scale, rounded to bf16 (`int4_mma_order.mma_tile_to_bf16_scaled`)."""
-    if s_smem is not None:
-        def rows(ref):
-            return [plgpu.load(ref.at[i], layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-                    for i in range(ref.shape[0])]
-        return int4_mma_order.mma_tile_to_bf16_scaled(w_smem[...], None if z_smem is None else rows(z_smem),
-                                                      rows(s_smem), interpret=interpret)
+def weight_tile_bf16(w_smem, mma_order: bool, interpret: bool):
+    """A per-channel int8 / fp8 weight tile [TILE_N, tile_k] as bf16 codes in natural column order, in
+    registers."""
     if mma_order:
         return int8_mma_order.mma_tile_to_bf16(w_smem[...], interpret=interpret)
     return codes_as_bf16(w_smem[...])
@@ -106,8 +98,7 @@ def _when(cond, fn):
 
 
 def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_residual, eps, quantized,
-                         stage_weight, k_split=1, split_from=0, mma_order=False, groups=0, zero_point=False,
-                         interpret=False):
+                         stage_weight, k_split=1, split_from=0, mma_order=False, interpret=False):
     """One block: out[:, n tile] = prologue(x) @ w[:, n tile] over all of K (+ residual[:, n tile]);
     with `k_split` 2, a cluster of two blocks, each over half of K, the first adding the second's
     product before the epilogue (pallas_kernels/cluster_sum.py). With `split_from` > 0 the clusters
@@ -116,11 +107,9 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
 
     Refs, in order: w_gmem, [K, N] bf16 (or, `quantized`, the per-channel int8 / fp8 weight stored
     [N, K]); x_gmem [m, K] (prologue "swiglu": [m, 2K], gate | up); scale_gmem [K] (prologue
-    "rms_norm"); ws_gmem [1, N] f32 channel scales (quantized per channel) or, grouped int4
-    (`groups` groups of INT4_GROUP per step), gs_gmem [G, N] scales and gz_gmem [G, N] integer zero
-    points (zero_point); r_gmem [m, N] (with_residual);
+    "rms_norm"); ws_gmem [1, N] f32 channel scales (quantized); r_gmem [m, N] (with_residual);
     out_gmem [m, N]; scratch out_smem [m, TILE_N]; staged_smem [in_flight + 1, m, tile_k] (with a
-    prologue); ws_smem [TILE_N] and a barrier (quantized per channel); staged_w_smem [in_flight + 1, TILE_N,
+    prologue); ws_smem [TILE_N] and a barrier (quantized); staged_w_smem [in_flight + 1, TILE_N,
     tile_k] bf16 (stage_weight); r_smem [m, TILE_N] and a barrier (with_residual); then, quantized,
     unused padding (`ONE_BLOCK_PER_SM_SMEM`); k_split 2: recv_smem [TILE_N, m] f32, and in
     interpret mode a spill output [N, m] f32 (after out_gmem), its barrier and a cluster barrier.
@@ -129,13 +118,12 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     take = lambda present: refs.pop(0) if present else None   # noqa: E731
     w_gmem, x_gmem = take(True), take(True)
     scale_gmem = take(prologue == "rms_norm")
-    ws_gmem = take(quantized and not groups)
-    gs_gmem, gz_gmem = take(groups > 0), take(zero_point)
+    ws_gmem = take(quantized)
     r_gmem, out_gmem = take(with_residual), take(True)
     spill_gmem = take(k_split > 1 and interpret)
     out_smem = take(True)
     staged_smem = take(prologue is not None)
-    ws_smem, ws_barrier = take(quantized and not groups), take(quantized and not groups)
+    ws_smem, ws_barrier = take(quantized), take(quantized)
     staged_w_smem = take(stage_weight)
     r_smem, r_barrier = take(with_residual), take(with_residual)
     recv_smem = take(k_split > 1)
@@ -178,11 +166,8 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
         w_operand = w_gmem.at[:, cols]
     x_spec = plgpu.BlockSpec((m, tile_k), lambda s: (0, first_step + s), delay_release=x_release,
                              transforms=swizzled(tile_k * 16, 16, "x"))
-    # grouped int4: the step's scale (and zero-point) rows, right after the weight tile
-    group_rows = [r.at[:, cols] for r in (gs_gmem, gz_gmem) if r is not None]
-    rows_specs = [plgpu.BlockSpec((groups, TILE_N), lambda s: (first_step + s, 0))] * len(group_rows)
-    specs = [w_spec, *rows_specs, x_spec]
-    operands = [w_operand, *group_rows, x_gmem.at[:, pl.ds(0, k)]]
+    specs = [w_spec, x_spec]
+    operands = [w_operand, x_gmem.at[:, pl.ds(0, k)]]
     if prologue == "swiglu":   # gate and up tiles from the two halves of x
         specs.append(x_spec)
         operands.append(x_gmem.at[:, pl.ds(k, k)])
@@ -193,9 +178,6 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
     def body(acc_ref):
         def step(idx, w_smem, *tiles):
             carry = None
-            rows, tiles = tiles[:len(group_rows)], tiles[len(group_rows):]   # grouped int4: scales (, zero points)
-            s_smem = rows[0] if rows else None
-            z_smem = rows[1] if len(rows) > 1 else None
             buffer = idx[0] % (in_flight + 1) if in_flight else 0   # of the staged tiles of this step
             if prologue is None:
                 x_smem = tiles[0]
@@ -210,9 +192,9 @@ def decode_matmul_kernel(*refs, k, tile_k, depth, in_flight, prologue, with_resi
                 a = w_smem.T
             elif stage_weight:
                 a = staged_w_smem.at[buffer]
-                a[...] = weight_tile_bf16(w_smem, mma_order, interpret, s_smem, z_smem)
+                a[...] = weight_tile_bf16(w_smem, mma_order, interpret)
             else:
-                a = weight_tile_bf16(w_smem, mma_order, interpret, s_smem, z_smem)
+                a = weight_tile_bf16(w_smem, mma_order, interpret)
             if prologue is not None or stage_weight:
                 plgpu.commit_smem()
             plgpu.wgmma(acc_ref, a, x_smem.T)
@@ -279,9 +261,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     - swiglu: silu(gate) * up (rounded to bf16 once), x = [M, 2K] holding gate | up.
     w: [K, N] bf16, or a per-channel int8 / fp8 `QuantizedWeight` of logical shape (K, N) stored
     without padding (`weight_dtype`), whose codes are converted to bf16 in the kernel and whose
-    channel scales multiply the f32 product, as `xla_convert_matmul` computes; or an int4 one in
-    mma order with groups of INT4_GROUP, each tile dequantized to bf16 in registers ((q - z) times
-    the group's scale rounded to bf16, then rounded to bf16) for one f32 accumulator. N a multiple of 64
+    channel scales multiply the f32 product, as `xla_convert_matmul` computes. N a multiple of 64
     and K of the config's tile_k. residual: None or [M, N], added to the product rounded to
     out_dtype, as `residual + a @ w` rounds. Returns [M, N] in out_dtype (default x.dtype).
     config None: `default_config(N, swiglu, weight dtype, K)`."""
@@ -289,9 +269,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         raise ValueError("decode_matmul takes one prologue: norm_scale or swiglu, not both")
     w_dtype = weight_dtype(w)
     if w_dtype is None:
-        raise ValueError("decode_matmul takes a bf16 weight, a per-channel int8 / fp8 QuantizedWeight or an "
-                         f"int4 one in mma order with groups of {INT4_GROUP}, without padding; got "
-                         f"{getattr(w, 'format', None) or w.dtype}")
+        raise ValueError("decode_matmul takes a bf16 weight or a per-channel int8 / fp8 QuantizedWeight "
+                         f"without padding; got {getattr(w, 'format', None) or w.dtype}"
+                         + (f" in groups of {w.group_size}" if isinstance(w, QuantizedWeight) and w.num_groups > 1 else ""))
     quantized = isinstance(w, QuantizedWeight)
     m, k = x.shape
     k //= 2 if swiglu else 1
@@ -304,10 +284,6 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     if w.shape[0] != k or (swiglu and x.shape[1] != 2 * k):
         raise ValueError(f"x {x.shape} does not match the weight {tuple(w.shape)}" + (" (swiglu: x is gate | up)" if swiglu else ""))
     split = config.k_split
-    int4 = jnp.dtype(w_dtype) == INT4
-    groups = config.tile_k // INT4_GROUP if int4 else 0   # int4 groups per pipeline step
-    if int4 and config.tile_k % INT4_GROUP:
-        raise ValueError(f"int4 weights need tile_k a multiple of their group size {INT4_GROUP}, got {config.tile_k}")
     if n % TILE_N or k % (split * config.tile_k) or not 0 < m <= MAX_ROWS:
         raise ValueError(f"decode_matmul needs N % {TILE_N} == 0, K % {split * config.tile_k} == 0 and "
                          f"1 <= M <= {MAX_ROWS}; got M={m}, K={k}, N={n}")
@@ -325,13 +301,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     m_pad = -(-m // 8) * 8    # wgmma N: a multiple of 8
     pad = ((0, m_pad - m), (0, 0))
     # shared memory per pipeline step: the weight tile, one x tile (gate and up for SwiGLU), the norm scale
-    # (and, int4, its groups' scale and zero-point rows)
-    per_step = (config.tile_k * TILE_N * elem_bits(w_dtype) // 8
+    per_step = (config.tile_k * TILE_N * jnp.dtype(w_dtype).itemsize
                 + ((1 + swiglu) * m_pad * config.tile_k + (prologue == "rms_norm") * config.tile_k) * 2)
-    if int4:
-        per_step += groups * TILE_N * sum(a.dtype.itemsize for a in (w.scales, w.zeros) if a is not None)
-    per_channel = quantized and not int4
-    fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + per_channel * TILE_N * 4
+    fixed = m_pad * TILE_N * out_dtype.itemsize * (1 if residual is None else 2) + quantized * TILE_N * 4
     # at most: the staged activations and weight tiles, one per wgmma in flight
     staged = (config.wgmmas_in_flight + 1) * config.tile_k * 2 * (m_pad * (prologue is not None) + TILE_N * stage_weight)
     fixed += (split > 1) * TILE_N * m_pad * 4   # the received product
@@ -341,15 +313,13 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
     operands = [w.qweight if quantized else w.astype(jnp.bfloat16), jnp.pad(x.astype(jnp.bfloat16), pad)]
     if prologue == "rms_norm":
         operands.append(norm_scale.astype(jnp.bfloat16))
-    if per_channel:
+    if quantized:
         operands.append(w.scales.astype(jnp.float32))
-    elif int4:
-        operands += [w.scales] + ([w.zeros] if w.zero_point else [])
     scratch = [plgpu.SMEM((m_pad, TILE_N), out_dtype)]
     if prologue:
         scratch.append(plgpu.SMEM((in_flight + 1, m_pad, config.tile_k), jnp.bfloat16,
                                   transforms=swizzled(config.tile_k * 16, 16, "x")))
-    if per_channel:
+    if quantized:
         scratch += [plgpu.SMEM((TILE_N,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
     if stage_weight:
         scratch.append(plgpu.SMEM((in_flight + 1, TILE_N, config.tile_k), jnp.bfloat16,
@@ -376,8 +346,7 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         functools.partial(decode_matmul_kernel, k=k, tile_k=config.tile_k, depth=depth, in_flight=in_flight,
                           prologue=prologue, with_residual=residual is not None, eps=norm_eps,
                           quantized=quantized, stage_weight=stage_weight, k_split=split, split_from=split_from,
-                          mma_order=quantized and w.mma_order, groups=groups, zero_point=int4 and w.zero_point,
-                          interpret=bool(interpret)),
+                          mma_order=quantized and w.mma_order, interpret=bool(interpret)),
         out_type=out_type,
         scratch_types=scratch,
         grid=(tiles - split_from,), grid_names=("n",),
@@ -396,10 +365,9 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
 def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, out_dtype=None, *,
                             norm_scale: jax.Array | None = None, norm_eps: float = 1e-6, swiglu: bool = False
                             ) -> jax.Array:
-    """Plain jnp, rounded where the kernel rounds: the staged activations to bf16 (and a grouped int4
-    w dequantized to bf16 with its scales rounded to bf16), f32 accumulation (times the channel
-    scales of a per-channel w, times 1 / rms with norm_scale), the product to out_dtype, then the
-    residual's sum."""
+    """Plain jnp, rounded where the kernel rounds: the staged activations to bf16, f32 accumulation
+    (times the channel scales of a quantized w, times 1 / rms with norm_scale), the product to
+    out_dtype, then the residual's sum."""
     xf = x.astype(jnp.float32)
     row_scale = 1.0
     if swiglu:
@@ -408,10 +376,7 @@ def decode_matmul_reference(x: jax.Array, w, residual: jax.Array | None = None, 
     elif norm_scale is not None:
         row_scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
         xf = xf * norm_scale.astype(jnp.float32)
-    if isinstance(w, QuantizedWeight) and w.num_groups > 1:   # grouped int4, prescaled in bf16
-        w = dequantize(dataclasses.replace(w, scales=w.scales.astype(jnp.bfloat16)), jnp.bfloat16)
-        y = jnp.dot(xf.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
-    elif isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
+    if isinstance(w, QuantizedWeight):   # per channel: the codes, then the channel scales
         codes = codes_as_bf16(natural_codes(w)).T
         y = jnp.dot(xf.astype(jnp.bfloat16), codes, preferred_element_type=jnp.float32) * w.scales[0].astype(jnp.float32)
     else:

@@ -7,7 +7,7 @@ docs/decode_matmul.md and docs/performance.md.
 Where it runs (`pays`): bf16 and per-channel fp8 weights on an H100, at most `MAX_ROWS` rows, N of
 64-96 column tiles (Llama-3.1-8B's qkv, o_proj and down), and per-channel int8 / fp8 weights of
 `WIDE_MIN_TILES` tiles or more (the LM head); per-channel int8 at 64-96 tiles when forced
-(`ATLASJAX_DECODE_MATMUL=on`), grouped int4 when asked (`ATLASJAX_INT4_DECODE=matmul`). Which
+(`ATLASJAX_DECODE_MATMUL=on`). Grouped int4 runs its own kernel (pallas_kernels/quantized_matmul.py). Which
 config (`default_config`): 2-block K splits for quantized weights of 64 tiles or fewer, 512-row
 steps for the LM head, and a wait for each wgmma wherever the weight tile is converted in
 registers (`REGISTER_A_IN_FLIGHT`). The measurements behind each rule, and the variants measured
@@ -19,7 +19,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.decode_switches import enabled, forced, int4_decode_setting, prologues_on, wide_setting
+from pallas_kernels.decode_switches import enabled, forced, prologues_on, wide_setting
 from pallas_kernels.gemm_tiling import num_sms
 from pallas_kernels.quant_format import QuantizedWeight
 
@@ -91,27 +91,20 @@ QUANT_SPLIT_CONFIG = dataclasses.replace(QUANT_CONFIG, k_split=2)
 QUANT_WIDE_CONFIG = DecodeMatmulConfig(tile_k=512, max_concurrent_steps=4, wgmmas_in_flight=0)
 WIDE_MIN_TILES = 1024
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-INT4 = jnp.dtype(jnp.int4)
-INT4_GROUP = 128   # the int4 groups it takes (quantize at load's default); a step holds tile_k // 128
 # A wgmma whose A operand (the converted weight tile) is in registers may not be left running while
 # the next step converts its tile: PTX leaves reading those registers before the wgmma's wait
 # undefined, and on the H100 (session 30) such wgmmas read a later tile's values whenever the
-# tensor cores were shared (two blocks per SM: int4 gate_up and LM head products off by 4-25x in
-# relative norm, int8 gate_up in session 21), while staged tiles or a wait per wgmma were right.
+# tensor cores were shared (two blocks per SM: grouped int4 gate_up and LM head products, when the
+# kernel took int4, off by 4-25x in relative norm; int8 gate_up in session 21), while staged tiles or a wait per wgmma were right.
 REGISTER_A_IN_FLIGHT = 0
 
 
 def weight_dtype(w):
-    """The dtype the kernel would stream `w` in, or None if it cannot take it: a bf16 array [K, N],
-    a per-channel int8 / fp8 `QuantizedWeight`, or an int4 one in mma order with groups of
-    INT4_GROUP (integer zero points or symmetric), stored without padding."""
+    """The dtype the kernel would stream `w` in, or None if it cannot take it: a bf16 array [K, N] or
+    a per-channel int8 / fp8 `QuantizedWeight` stored without padding."""
     if isinstance(w, QuantizedWeight):
-        if w.padded_shape != tuple(w.shape):
-            return None
         per_channel = w.num_groups == 1 and w.zeros is None and jnp.dtype(w.qweight.dtype) in QUANT_DTYPES
-        grouped_int4 = (w.format == "int4" and w.mma_order and w.group_size == INT4_GROUP
-                        and (w.zeros is None or w.zero_point))
-        return w.qweight.dtype if per_channel or grouped_int4 else None
+        return w.qweight.dtype if per_channel and w.padded_shape == tuple(w.shape) else None
     return w.dtype if jnp.dtype(w.dtype) == jnp.bfloat16 else None
 
 
@@ -137,18 +130,13 @@ def pays(m: int, k: int, n: int, x_dtype, w_dtype) -> bool:
     fp8 weights (`weight_dtype`), at decode rows, of 64-96 column tiles. Per-channel int8 only when
     forced (`ATLASJAX_DECODE_MATMUL=on`): the 8B bs=1 step was no faster with it (3.40 against 3.39
     ms, session 22; fp8 3.31 against 3.37). Per-channel int8 and fp8 also from WIDE_MIN_TILES tiles
-    on (the LM head, `_takes_wide`). Grouped int4 at every width, only when asked
-    (`ATLASJAX_INT4_DECODE=matmul`)."""
+    on (the LM head, `_takes_wide`)."""
     tiles = n // TILE_N
     config = default_config(n, w_dtype=w_dtype, k=k)
     narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)) + ((jnp.dtype(jnp.int8),) if forced() else ())
-    int4 = jnp.dtype(w_dtype) == INT4
-    if int4 and int4_decode_setting() != "matmul":
-        return False
     return (enabled() and jnp.dtype(x_dtype) == jnp.bfloat16
             and 0 < m <= MAX_ROWS and n % TILE_N == 0 and k % (config.k_split * config.tile_k) == 0
-            and (int4 or (MIN_TILES <= tiles <= MAX_TILES and jnp.dtype(w_dtype) in narrow)
-                 or _takes_wide(tiles, w_dtype)))
+            and ((MIN_TILES <= tiles <= MAX_TILES and jnp.dtype(w_dtype) in narrow) or _takes_wide(tiles, w_dtype)))
 
 
 def _takes_wide(tiles: int, w_dtype) -> bool:

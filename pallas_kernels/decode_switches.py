@@ -1,6 +1,6 @@
 """Whether the decode kernels run: the environment switches and the GPUs they measured faster on.
 
-The decode kernels (pallas_kernels/decode_matmul_rules.py, persistent_matmul.py, int4_decode_matmul.py) ask these, and so
+The decode kernels (pallas_kernels/decode_matmul_rules.py, persistent_matmul.py) ask these, and so
 do the tests, which patch `device_kind` to stand in for a GPU.
 """
 from __future__ import annotations
@@ -47,18 +47,3 @@ def wide_setting() -> str:
 def prologues_on() -> bool:
     """`ATLASJAX_DECODE_PROLOGUE=off`: the norms and SwiGLU stay in XLA, for A/B measurements."""
     return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
-
-
-def int4_decode_setting() -> str:
-    """`ATLASJAX_INT4_DECODE`: which kernel a decode step's int4 matmuls (groups of 128) run.
-    "off" (default): pallas_kernels/quantized_matmul.py, K split over the grid and summed by XLA;
-    "cluster" (or "on"): pallas_kernels/int4_decode_matmul.py, its K split summed in a cluster
-    (slower on the H100, session 29); "matmul": pallas_kernels/decode_matmul.py, each tile
-    dequantized to bf16 in registers for one accumulator (slower on the H100, session 30)."""
-    setting = os.environ.get("ATLASJAX_INT4_DECODE", "off").lower()
-    return "cluster" if setting in ("on", "1", "true") else setting
-
-
-def int4_decode_on() -> bool:
-    """Whether int4 decode matmuls run pallas_kernels/int4_decode_matmul.py (`int4_decode_setting`)."""
-    return int4_decode_setting() == "cluster"

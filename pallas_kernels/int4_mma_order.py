@@ -14,10 +14,6 @@ group's integer zero point (n - z is a whole number in [-15, 15], exact in bf16)
 leaves n. Mosaic's own int4 conversion of the natural layout reads one byte per two weights and
 subtracts the zero point separately (docs/perf_quant.md, session 13).
 
-`mma_tile_to_bf16_scaled` (session 30, the decode matmul's int4 path) converts a tile of several
-groups at once and also multiplies each group's q - z by its scale in bf16x2 arithmetic (an fma
-after the subtract), so one f32 accumulator serves every group.
-
 `inline_mgpu` has no interpret mode: there `mma_tile_to_bf16` undoes the order with jnp instead,
 which computes the same values.
 """
@@ -43,47 +39,12 @@ def _pair_asm(shift: int, with_bias: bool) -> str:
             f"{'' if with_bias else 'mov.b32 b, 0x43084308; '}sub.bf16x2 $0, s, {bias}; }}")
 
 
-def _scaled_pair_asm(shift: int) -> str:
-    """PTX: $0 = ((($1 >> shift) & 0x000F000F ^ 0x43084308) - $2) * $3, the product rounded once
-    (an fma with -0: exact for a zero product too)."""
-    shr = f"shr.u32 s, $1, {shift};" if shift else "mov.b32 s, $1;"
-    return (f"{{ .reg .b32 s, n; {shr} lop3.b32 s, s, 0x000F000F, 0x43084308, 0x6a; "
-            f"sub.bf16x2 s, s, $2; mov.b32 n, 0x80008000; fma.rn.bf16x2 $0, s, $3, n; }}")
-
-
 def _pair_words(rows_fa, i16, i32):
     """A [64] bf16 row in WGMMA.reduce(1) (two values a thread: rows r and r + 8 of its warp's 16) as
     two 32-bit words holding the value in both halves."""
     assert rows_fa.registers.size == 2, rows_fa.registers.shape
     halves = [arith.extui(i32, mosaic.gpu.utils.bitcast(r, i16)) for r in rows_fa.registers.flat]
     return [arith.ori(h, arith.shli(h, arith.constant(i32, 16))) for h in halves]
-
-
-def _convert_scaled(rows: int, tile_k: int, parts: int):
-    """The inline conversion of a whole [rows, tile_k] tile of `parts` K groups side by side, each
-    group's (q - z) times its scale rounded to bf16; args: the tile, then each group's bias row
-    (136 + z) and scale row, bf16."""
-    mgpu = mosaic.gpu
-    row = plgpu.Layout.WGMMA.reduce(1)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,) + (row,) * (2 * parts),
-                       return_type=plgpu.ShapeDtypeStruct((rows, tile_k), jnp.bfloat16, plgpu.Layout.WGMMA))
-    def convert(_, w, *rows_fas):
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
-        words = [_pair_words(fa, i16, i32) for fa in rows_fas]   # per part: bias, then scale
-        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((rows, tile_k)), dtype=object)
-        blocks_per_part = tile_k // parts // 32
-        for idx, reg in np.ndenumerate(w.registers):   # as in `_convert`, over every part
-            word = mgpu.utils.bitcast(reg, i32)
-            part, half = idx[-8] // blocks_per_part, idx[-5]
-            bias, scale = words[2 * part][half], words[2 * part + 1][half]
-            for q in range(4):
-                pair = llvm.inline_asm(i32, [word, bias, scale], _scaled_pair_asm(4 * q), "=r,r,r,r")
-                out[(*idx[:-8], 4 * idx[-8] + q, *idx[-7:])] = mgpu.utils.bitcast(pair, pair_ty)
-        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-    return convert
 
 
 def _convert(rows: int, tile_k: int, parts: int, part: int, with_bias: bool):
@@ -134,31 +95,3 @@ def mma_tile_to_bf16(w, zero_row=None, *, parts: int = 1, part: int = 0, interpr
     if zero_row is None:
         return _convert(rows, tile_k, parts, part, False)(w)
     return _convert(rows, tile_k, parts, part, True)(w, (zero_row + ZERO_BIAS).astype(jnp.bfloat16))
-
-
-def mma_tile_to_bf16_scaled(w, zero_rows, scale_rows, *, interpret: bool):
-    """w: [rows, tile_k] int4 tile value in mma order holding len(scale_rows) K groups side by side;
-    zero_rows: per group a [rows] f32 row of integer zero points (None: symmetric); scale_rows: per
-    group its [rows] scales. Returns the dequantized bf16 tile [rows, tile_k] in natural column
-    order: each group's q - z (exact in bf16) times its scale rounded to bf16, the product rounded
-    to bf16, as the kernel's bf16x2 arithmetic rounds. A prescaled tile lets one f32 accumulator
-    serve every group."""
-    rows, tile_k = w.shape
-    parts = len(scale_rows)
-    scales = [s.astype(jnp.bfloat16) for s in scale_rows]
-    if interpret:
-        part_k = tile_k // parts
-        a = from_mma_order(w.astype(jnp.bfloat16)).astype(jnp.float32)
-        out = []
-        for p in range(parts):
-            q = a[:, p * part_k:(p + 1) * part_k]
-            if zero_rows is not None:
-                q = q - zero_rows[p].astype(jnp.float32)[:, None]
-            out.append(q * scales[p].astype(jnp.float32)[:, None])
-        return jnp.concatenate(out, axis=1).astype(jnp.bfloat16)
-    if zero_rows is None:   # symmetric: every group's bias is 136
-        biases = [plgpu.layout_cast(jnp.full((rows,), ZERO_BIAS, jnp.bfloat16), plgpu.Layout.WGMMA.reduce(1))] * parts
-    else:
-        biases = [(z + ZERO_BIAS).astype(jnp.bfloat16) for z in zero_rows]
-    args = [a for pair in zip(biases, scales) for a in pair]
-    return _convert_scaled(rows, tile_k, parts)(w, *args)

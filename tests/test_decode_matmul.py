@@ -1,5 +1,4 @@
-"""The decode matmul kernel (bf16 weights, per-channel int8 / fp8 ones, and grouped int4 in mma order)
-against jnp, and its input checks. Where the model routes its matmuls to it: tests/test_decode_routing.py.
+"""The decode matmul kernel (bf16 weights and per-channel int8 / fp8 ones) against jnp, and its input checks. Where the model routes its matmuls to it: tests/test_decode_routing.py.
 
 On CPU the Mosaic GPU kernel runs in GPU interpret mode; the `gpu` test runs the native kernel.
 """
@@ -129,30 +128,24 @@ def test_prologue_argument_errors():
 
 
 def _quantized(w, fmt):
-    """fmt "int8mma": int8 stored in mma order (pallas_kernels/int8_mma_order.py); "int4": groups of
-    128 with integer zero points (what quantize at load makes), "int4sym" without, both in mma order."""
+    """fmt "int8mma": int8 stored in mma order (pallas_kernels/int8_mma_order.py)."""
     if fmt == "int8mma":
         return with_mma_order(quantize(w.astype(jnp.float32), "int8"))
-    if fmt.startswith("int4"):   # stored in mma order, as quantize makes it
-        return quantize(w.astype(jnp.float32), "int4", symmetric=fmt == "int4sym")
     return quantize(w.astype(jnp.float32), fmt)
 
 
 def _engine_product(act, qw):
     """What the engine's other decode path computes for act @ qw, in f32."""
-    backend = "reference" if qw.format == "int4" else "xla"
-    return quantized_matmul(act, qw, out_dtype=jnp.float32, backend=backend)
+    return quantized_matmul(act, qw, out_dtype=jnp.float32, backend="xla")
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int8mma", "fp8", "int4", "int4sym"])
+@pytest.mark.parametrize("fmt", ["int8", "int8mma", "fp8"])
 @pytest.mark.parametrize("m", [1, 8, 17])
 @pytest.mark.parametrize("prologue", [None, "norm", "swiglu"])
 def test_interpret_quantized_weights_match_reference(fmt, m, prologue):
     """Per-channel int8 / fp8 weights (converted to bf16 in the kernel, the channel scale on the f32
-    product) and grouped int4 ones (each tile dequantized to bf16 in registers), with each prologue
-    and the residual: as jnp computes it, and as the engine's other path (int8 / fp8: the convert
-    fused into XLA's GEMM, then the scale; int4: the f32 dequantized weight) computes it, up to
-    bf16 rounding."""
+    product), with each prologue and the residual: as jnp computes it, and as the engine's other
+    path (the convert fused into XLA's GEMM, then the scale) computes it, up to bf16 rounding."""
     x, gate_up, scale, w = _prologue_operands(m, 256, 128, seed=m)
     qw = _quantized(w, fmt)
     r = jnp.asarray(np.random.default_rng(9).standard_normal((m, 128)), jnp.bfloat16)
@@ -163,12 +156,11 @@ def test_interpret_quantized_weights_match_reference(fmt, m, prologue):
     assert y.shape == (m, 128) and y.dtype == jnp.float32
     assert _rel_err(y, decode_matmul_reference(a, qw, r, jnp.float32, **kw)) < 1e-5
     engine = r.astype(jnp.float32) + _engine_product(act, qw)
-    # the prologues round elsewhere; int4's tile is rounded to bf16 (scales too), the reference's is not
-    bound = 6e-3 if prologue is not None else 4e-3 if fmt.startswith("int4") else 1e-5
+    bound = 6e-3 if prologue is not None else 1e-5   # the prologues round elsewhere
     assert _rel_err(y, engine) < bound
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8mma", "fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8mma", "fp8"])
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("prologue", [None, "swiglu"])
 def test_interpret_k_split_matches_reference(fmt, m, prologue):
@@ -203,7 +195,7 @@ def test_k_split_needs_whole_steps_and_no_norm():
                       config=DecodeMatmulConfig(tile_k=512), interpret=True)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("m", [1, 8])
 def test_interpret_wide_config_matches_reference(fmt, m):
     """The LM head's config (`QUANT_WIDE_CONFIG`: 512-row steps, one wgmma in flight) on a small
@@ -216,20 +208,16 @@ def test_interpret_wide_config_matches_reference(fmt, m):
 
 
 def test_quantized_weights_it_cannot_take():
-    """Grouped int8, int4 out of mma order or in groups other than 128, and padded quantized weights
-    are refused (the model keeps them on their own kernels); so is a weight whose K does not match x,
-    and an int4 config whose steps split a group."""
+    """Grouped weights (int8 in groups, int4 in any form) and padded quantized weights are refused
+    (the model keeps them on their own kernels); so is a weight whose K does not match x."""
     x, w = _operands(8, 256, 128)
     w = w.astype(jnp.float32)
-    for qw in (quantize(w, "int8", group_size=128), with_mma_order(quantize(w, "int4"), False),
+    for qw in (quantize(w, "int8", group_size=128), quantize(w, "int4"), with_mma_order(quantize(w, "int4"), False),
                quantize(w[:, :100], "int8"), quantize(w, "int4", group_size=64)):
         assert rules.weight_dtype(qw) is None
         with pytest.raises(ValueError, match="per-channel int8 / fp8"):
             decode_matmul(x[:, :qw.shape[0]], qw, interpret=True)
     assert rules.weight_dtype(quantize(w, "fp8")) == jnp.float8_e4m3fn
-    assert rules.weight_dtype(_quantized(w, "int4")) == jnp.int4
-    with pytest.raises(ValueError, match="tile_k a multiple of their group size"):
-        decode_matmul(x, _quantized(w, "int4"), config=DecodeMatmulConfig(tile_k=64), interpret=True)
     with pytest.raises(ValueError, match="does not match"):
         decode_matmul(x[:, :128], quantize(w, "int8"), interpret=True)
 
@@ -273,7 +261,7 @@ def test_gpu_quantized_weights_match_reference(fmt, m, stage_weight, prologue, k
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8mma", "fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8mma", "fp8"])
 @pytest.mark.parametrize("m", [1, 8, 32])
 @pytest.mark.parametrize("prologue,k", [(None, 4096), ("swiglu", 14336)])
 @pytest.mark.parametrize("tile_k,in_flight", [(256, 1), (512, 0)])
@@ -321,7 +309,7 @@ def test_register_operands_wait_for_each_wgmma():
     with pytest.raises(ValueError, match="wgmmas_in_flight 0, or stage_weight"):
         decode_matmul(x, qw, config=DecodeMatmulConfig(tile_k=256, wgmmas_in_flight=1))
     for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096)):
-        for w_dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.int4):
+        for w_dtype in (jnp.int8, jnp.float8_e4m3fn):
             assert rules.default_config(n, w_dtype=w_dtype, k=k).wgmmas_in_flight == rules.REGISTER_A_IN_FLIGHT == 0
     staged = DecodeMatmulConfig(tile_k=256, wgmmas_in_flight=1, stage_weight=True)
     y = decode_matmul(x, qw, out_dtype=jnp.float32, config=staged, interpret=True)
@@ -329,13 +317,14 @@ def test_register_operands_wait_for_each_wgmma():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("n", [28672, 128256])
 def test_gpu_quantized_weights_right_with_two_blocks_per_sm(monkeypatch, fmt, n):
     """Without the one-block-per-SM padding, two blocks share each SM's tensor cores: with register
-    operands left in flight gate_up's and the LM head's products came out wrong (session 30); with a
-    wait per wgmma they are right. (A pipeline one step shallower than the default gives this call its
-    own compile, so the padding of earlier compiles does not carry over.)"""
+    operands left in flight gate_up's and the LM head's products came out wrong (int8 in session 21,
+    int4 in session 30); with a wait per wgmma they are right. (A pipeline one step shallower than
+    the default gives this call its own compile, so the padding of earlier compiles does not carry
+    over.)"""
     monkeypatch.setattr(dm, "ONE_BLOCK_PER_SM_SMEM", 0)
     x, w = _operands(8, 4096, n)
     qw = _quantized(w, fmt)
@@ -343,27 +332,6 @@ def test_gpu_quantized_weights_right_with_two_blocks_per_sm(monkeypatch, fmt, n)
     y = decode_matmul(x, qw, out_dtype=jnp.float32, config=config)
     ref = decode_matmul_reference(x, qw, out_dtype=jnp.float32)
     assert _rel_err(y, ref) < 1e-4
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
-@pytest.mark.parametrize("m", [1, 8, 32])
-@pytest.mark.parametrize("proj", ["qkv", "o_proj", "down", "gate_up", "lm_head", "qkv_staged"])
-def test_gpu_int4_matches_reference(proj, m):
-    """Llama-3.1-8B's int4 projections (groups of 128 with zero points) in their default configs, with
-    the fusions the model asks for: the native tile conversion (bf16x2 arithmetic in inline PTX)
-    against the jnp reference, which rounds the dequantized weight where the kernel does."""
-    k, n, fusion = {"qkv": (4096, 6144, "norm"), "o_proj": (4096, 4096, "residual"), "down": (14336, 4096, "residual"),
-                    "gate_up": (4096, 28672, "norm"), "lm_head": (4096, 128256, None),
-                    "qkv_staged": (4096, 6144, "norm")}[proj]
-    x, _, scale, w = _prologue_operands(m, k, n)
-    qw = _quantized(w, "int4")
-    r = jnp.asarray(np.random.default_rng(9).standard_normal((m, n)), jnp.bfloat16) if fusion == "residual" else None
-    kw = dict(norm_scale=scale, norm_eps=1e-5) if fusion == "norm" else {}
-    config = rules.default_config(n, w_dtype=jnp.int4, k=k)
-    if proj.endswith("staged"):
-        config = dataclasses.replace(config, stage_weight=True)
-    y = decode_matmul(x, qw, r, out_dtype=jnp.float32, config=config, **kw)
-    assert _rel_err(y, decode_matmul_reference(x, qw, r, jnp.float32, **kw)) < 1e-4
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
