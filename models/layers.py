@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from models.deferred import Deferred, RMSNormed, SwiGLU, materialize, rms_norm
 from models.parallel import Parallel
-from pallas_kernels import decode_matmul, decode_matmul_rules, persistent_matmul
+from pallas_kernels import decode_matmul, decode_matmul_rules
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -36,10 +36,6 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
     made the TP=2 step slower, 3.31-3.33 against 3.26 ms, docs/performance.md session 19)."""
     out_dtype = out_dtype or x.dtype
     decode_rows = decode_kernel and len(x.shape) == 2 and _on_gpu()   # where our decode kernels may run
-    if decode_rows and persistent_matmul.pays(*x.shape, x.dtype, w):
-        # an int8 / fp8 weight a few waves of tiles wide (gate_up), one block per SM
-        y = persistent_matmul.persistent_matmul(materialize(x), w, out_dtype=jnp.dtype(out_dtype))
-        return y if residual is None else residual + y
     w_dtype = decode_matmul_rules.weight_dtype(w) if decode_rows else None
     if w_dtype is not None and decode_matmul_rules.pays(*x.shape, w.shape[1], x.dtype, w_dtype):
         # a decode step's qkv / o_proj / down (bf16, or int8 / fp8 per channel): no split-K sum

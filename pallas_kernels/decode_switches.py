@@ -1,6 +1,6 @@
 """Whether the decode kernels run: the environment switches and the GPUs they measured faster on.
 
-The decode kernels (pallas_kernels/decode_matmul_rules.py, persistent_matmul.py) ask these, and so
+The decode kernel's rules (pallas_kernels/decode_matmul_rules.py) ask these, and so
 do the tests, which patch `device_kind` to stand in for a GPU.
 """
 from __future__ import annotations
@@ -38,9 +38,8 @@ def wide_setting() -> str:
     matmul's MAX_TILES: "auto" (default): from its WIDE_MIN_TILES (the LM head) on; "off": never; "on": any width (gate_up
     too, which made the fp8 step slower: 3.46 against 3.32 ms, session 23); "tail": any width, with
     the tiles past the last full wave split over K (`tail_split_sms`; the fp8 step was slower too:
-    3.373 against 3.301 ms, session 24); "persistent": every width that
-    pallas_kernels/persistent_matmul.py takes runs it (session 27; XLA's GEMM runs gate_up 2.2 us
-    faster in the bench's multi-step launch, session 28)."""
+    3.373 against 3.301 ms, session 24). ("persistent", session 27's persistent gate_up kernel, was
+    slower and was removed in session 32.)"""
     return os.environ.get("ATLASJAX_DECODE_MATMUL_WIDE", "auto").lower()
 
 
