@@ -33,7 +33,8 @@ deferred activation (models/deferred.py); `ATLASJAX_DECODE_PROLOGUE=off` compute
 
 Quantized weights: per-channel int8 / fp8 tiles are converted to bf16 in registers and the
 channel scales multiply the f32 product. (Grouped int4 ran here too, opt-in, until session 32
-removed it: 3.35 against 2.36 ms per 8B step on its own kernel, docs/performance.md, session 30.)
+removed it: the 8B step took 3.35 ms with it, 2.36 with the int4 kernel; docs/performance.md,
+session 30.)
 With `k_split` 2 (pallas_kernels/cluster_sum.py) a column tile runs as a cluster of two blocks over
 the halves of K; `tail_split_sms` splits only the tiles past the last full wave.
 
@@ -269,9 +270,10 @@ def decode_matmul(x: jax.Array, w, residual: jax.Array | None = None, *,
         raise ValueError("decode_matmul takes one prologue: norm_scale or swiglu, not both")
     w_dtype = weight_dtype(w)
     if w_dtype is None:
+        grouped = isinstance(w, QuantizedWeight) and w.num_groups > 1
         raise ValueError("decode_matmul takes a bf16 weight or a per-channel int8 / fp8 QuantizedWeight "
                          f"without padding; got {getattr(w, 'format', None) or w.dtype}"
-                         + (f" in groups of {w.group_size}" if isinstance(w, QuantizedWeight) and w.num_groups > 1 else ""))
+                         + (f" in groups of {w.group_size}" if grouped else ""))
     quantized = isinstance(w, QuantizedWeight)
     m, k = x.shape
     k //= 2 if swiglu else 1

@@ -95,7 +95,8 @@ QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 # the next step converts its tile: PTX leaves reading those registers before the wgmma's wait
 # undefined, and on the H100 (session 30) such wgmmas read a later tile's values whenever the
 # tensor cores were shared (two blocks per SM: grouped int4 gate_up and LM head products, when the
-# kernel took int4, off by 4-25x in relative norm; int8 gate_up in session 21), while staged tiles or a wait per wgmma were right.
+# kernel took int4, off by 4-25x in relative norm; int8 gate_up in session 21), while staged tiles
+# or a wait per wgmma were right.
 REGISTER_A_IN_FLIGHT = 0
 
 

@@ -1,4 +1,5 @@
-"""The decode matmul kernel (bf16 weights and per-channel int8 / fp8 ones) against jnp, and its input checks. Where the model routes its matmuls to it: tests/test_decode_routing.py.
+"""The decode matmul kernel (bf16 weights and per-channel int8 / fp8 ones) against jnp, and its
+input checks. Where the model routes its matmuls to it: tests/test_decode_routing.py.
 
 On CPU the Mosaic GPU kernel runs in GPU interpret mode; the `gpu` test runs the native kernel.
 """
