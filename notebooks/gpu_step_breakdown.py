@@ -1,3 +1,4 @@
+# ruff: noqa: F401, F821  (TINY, L8B, log and SamplingParams come from the exec of gpu_decode_step.py's head)
 import time, json, os, functools
 import jax, jax.numpy as jnp, numpy as np
 exec(open("notebooks/gpu_decode_step.py").read().split("def copy_bw")[0])  # configs, helpers
