@@ -7,8 +7,8 @@ docs/decode_matmul.md and docs/performance.md.
 Where it runs (`pays`): bf16 and per-channel fp8 weights on an H100, at most `MAX_ROWS` rows, N of
 64-96 column tiles (Llama-3.1-8B's qkv, o_proj and down), and per-channel int8 / fp8 weights of
 `WIDE_MIN_TILES` tiles or more (the LM head); per-channel int8 at 64-96 tiles when forced
-(`ATLASJAX_DECODE_MATMUL=on`). Grouped int4 runs its own kernel (pallas_kernels/quantized_matmul.py). Which
-config (`default_config`): 2-block K splits for quantized weights of 64 tiles or fewer, 512-row
+(`ATLASJAX_DECODE_MATMUL=on`). Grouped int4 runs its own kernel (pallas_kernels/quantized_matmul.py).
+Which config (`default_config`): 2-block K splits for quantized weights of 64 tiles or fewer, 512-row
 steps for the LM head, and a wait for each wgmma wherever the weight tile is converted in
 registers (`REGISTER_A_IN_FLIGHT`). The measurements behind each rule, and the variants measured
 and left opt-in, are in docs/decode_matmul.md.
