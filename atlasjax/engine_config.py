@@ -29,7 +29,7 @@ class EngineConfig:
     quantization: str | None = None          # None | int8 | fp8 | int4 (quantize linear projections at load)
     quantize_lm_head: bool = False           # with `quantization`: quantize the untied LM head too (tied
                                              # embeddings and the embedding table never are)
-    keep_gguf_quantized: bool | None = None  # GGUF Q8_0/Q4_0/Q4_1 projections stay quantized; None: on GPU only
+    keep_gguf_quantized: bool | None = None  # GGUF block-type projections stay quantized (gguf_blocks.py); None: on GPU only
                                              # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
 

@@ -239,21 +239,20 @@ def _random_leaf(key, shape, dtype, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")      # block formats the quantized matmul consumes as they are
-
-
 def _gguf_reader(name: str, t, keep_quantized: bool):
-    """Loader for one GGUF tensor: projection weights in Q8_0/Q4_0/Q4_1 stay quantized."""
+    """Loader for one GGUF tensor: projection weights in a block type stay quantized
+    (atlasjax/gguf_blocks.py: Q8_0 / Q4_0 / Q4_1 / Q4_K as stored, the other types as int8)."""
+    from atlasjax.gguf_blocks import is_block_type  # noqa: PLC0415
     from atlasjax.quantization import DEFAULT_PROJECTIONS  # noqa: PLC0415
     parts = name.split(".")
-    if not (keep_quantized and t.qtype.name in GGUF_NATIVE and len(t.shape) == 2 and parts[-1] == "weight"
+    if not (keep_quantized and is_block_type(t.qtype) and len(t.shape) == 2 and parts[-1] == "weight"
             and parts[-2] in DEFAULT_PROJECTIONS):
         return TensorReader(t.shape, t.dequantize)
 
     def read():
+        from atlasjax.gguf_blocks import gguf_weight  # noqa: PLC0415
         from atlasjax.gguf_loader import unpermute_heads  # noqa: PLC0415
-        from atlasjax.quantization import from_gguf_blocks  # noqa: PLC0415
-        qw = from_gguf_blocks(np.asarray(t.raw), t.qtype, t.shape)
+        qw = gguf_weight(np.asarray(t.raw), t.qtype, t.shape)
         if t.permute_heads is not None:   # undo llama.cpp's q/k row order on the output channels
             n = t.shape[0]
             perm = unpermute_heads(np.arange(n), t.permute_heads)

@@ -16,7 +16,7 @@ Storage layout (the same for every format, chosen for the kernels):
   own). The kernels multiply in float32 whatever the storage.
 - `zeros`: `[K_pad // group_size, N_pad]` float16 or None. Only asymmetric "int4" uses it, in one
   of two ways (`zero_point`, static): the integer zero point z of the group, a whole number in
-  [-8, 7] (quantize at load), or the group's additive float offset ("min" in GGUF Q4_1).
+  [-8, 7] (quantize at load), or the group's additive float offset (GGUF Q4_1's min, Q4_K's -dmin*m).
 - Padding: `N_pad` is `N` rounded up to `N_ALIGN`, `K_pad` is `K` rounded up to `K_ALIGN` (and to a
   multiple of `group_size`). Padded entries dequantize to 0. The Llama/Qwen shapes need none.
 
@@ -24,8 +24,8 @@ Dequantization, per element (k, n) with g = k // group_size:
 - "int8", "fp8":           w = float(q) * scales[g, n]
 - "int4", zeros is None:   w = float(q) * scales[g, n]                (symmetric, GGUF Q4_0)
 - "int4", zero points:     w = float(q - zeros[g, n]) * scales[g, n]  (asymmetric, quantized at load)
-- "int4", float offsets:   w = float(q + 8) * scales[g, n] + zeros[g, n]   (asymmetric, GGUF Q4_1)
-These are exact in float32 for GGUF Q8_0 / Q4_0 / Q4_1 blocks (`from_gguf_blocks`). With integer
+- "int4", float offsets:   w = float(q + 8) * scales[g, n] + zeros[g, n]   (asymmetric, GGUF Q4_1 / Q4_K)
+These are exact in float32 for GGUF Q8_0 / Q4_0 / Q4_1 blocks (atlasjax/gguf_blocks.py). With integer
 zero points, q - z is a whole number in [-15, 15], exact in bf16, so the kernel subtracts it from
 the dequantized tile and needs no offset term (docs/perf_quant.md, session 11).
 """
@@ -51,10 +51,6 @@ from pallas_kernels.quant_format import (  # noqa: E402,F401 (QuantizedWeight, d
     MMA_BLOCK, QuantizedWeight, dequantize, to_mma_order, with_mma_order)
 
 DEFAULT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-# GGML quantization type ids (gguf.GGMLQuantizationType) for the block formats read here.
-_GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-_GGUF_BLOCK = 32
 
 
 def _round_up(x: int, m: int) -> int:
@@ -249,65 +245,6 @@ def _join_padded(xs, sizes, axis, size):
     pad = [(0, 0)] * x.ndim
     pad[ax] = (0, size - x.shape[ax])
     return jnp.pad(x, pad)
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF block formats
-# ---------------------------------------------------------------------------------------------
-
-
-def _gguf_type_name(qtype: Any) -> str:
-    name = getattr(qtype, "name", None)
-    if name is None and isinstance(qtype, str):
-        name = qtype.upper()
-    if name is None:
-        name = {v: k for k, v in _GGUF_TYPES.items()}.get(int(qtype))
-    if name not in _GGUF_TYPES:
-        raise ValueError(f"GGUF type {qtype!r} is not supported here; supported: {list(_GGUF_TYPES)}")
-    return name
-
-
-def _split_nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., 16] packed bytes -> [..., 32] values 0..15: element j is byte j's low nibble, j+16 its high."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> QuantizedWeight:
-    """Reads a GGUF Q8_0 / Q4_0 / Q4_1 linear weight as it is stored, without requantizing.
-
-    Args:
-      raw: the tensor's block bytes, any shape with N * K / 32 blocks in row order (GGUFReader
-        gives [N, bytes_per_row] uint8).
-      qtype: gguf.GGMLQuantizationType (or its int id or name).
-      shape_hf: (out_features N, in_features K), the Hugging Face [N, K] shape.
-    Returns:
-      QuantizedWeight of logical shape (K, N) with group_size 32; its `dequantize` equals
-      `gguf.quants.dequantize(raw, qtype).T` exactly in float32.
-    """
-    name = _gguf_type_name(qtype)
-    n, k = shape_hf
-    if k % _GGUF_BLOCK:
-        raise ValueError(f"in_features {k} is not a multiple of the GGUF block size 32")
-    type_size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[name]
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // _GGUF_BLOCK, type_size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32], float16 as stored
-    zeros = None
-    if name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8)  # [N, K/32, 32]
-    else:
-        offset = 4 if name == "Q4_1" else 2
-        q = (_split_nibbles(blocks[..., offset:]).astype(np.int8) - 8)
-        if name == "Q4_1":
-            zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-    k_pad, n_pad, _ = padded_sizes(k, n, _GGUF_BLOCK)
-    q = np.pad(q.reshape(n, k), ((0, n_pad - n), (0, k_pad - k)))
-    pad_groups = ((0, (k_pad - k) // _GGUF_BLOCK), (0, n_pad - n))
-    scales = np.pad(d.T, pad_groups)
-    fmt = "int8" if name == "Q8_0" else "int4"
-    qweight = jnp.asarray(q.astype(jnp.int4) if fmt == "int4" else q)
-    return with_mma_order(QuantizedWeight(
-        qweight, jnp.asarray(scales), None if zeros is None else jnp.asarray(np.pad(zeros.T, pad_groups)),
-        fmt, _GGUF_BLOCK, (k, n)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-from atlasjax.quantization import concat_quantized, dequantize, from_gguf_blocks, quantize, slice_quantized
+from atlasjax.gguf_blocks import from_gguf_blocks
+from atlasjax.quantization import concat_quantized, dequantize, quantize, slice_quantized
 from pallas_kernels.quant_format import MMA_BLOCK, from_mma_order, to_mma_order, with_mma_order
 
 

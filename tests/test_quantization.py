@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from atlasjax.quantization import (QuantizedWeight, concat_quantized, dequantize, from_gguf_blocks, quantize,
-                                   quantize_params, slice_quantized)
+from atlasjax.gguf_blocks import from_gguf_blocks
+from atlasjax.quantization import (QuantizedWeight, concat_quantized, dequantize, quantize, quantize_params,
+                                   slice_quantized)
 
 
 def _weight(k, n, seed=0):

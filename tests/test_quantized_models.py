@@ -1,4 +1,5 @@
-"""Quantized models: KL divergence to the unquantized model, and the Paris check on 4-bit and int8.
+"""Quantized models: KL divergence to the unquantized model, and the Paris check on 4-bit and int8;
+a Q4_K_M rewrite of the default kept quantized, against the same file dequantized.
 
 The reference is the embedded SmolLM2 with its GGUF weights dequantized to float32. Bounds are
 measured on this model (docs/quantization.md): int8 and fp8 are near-lossless; int4 (group 128,
@@ -61,3 +62,71 @@ def test_quantized_default_still_answers_paris(default_model_path, kwargs):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))
     assert "Paris" in out[0].outputs[0].text
+
+
+# -- a Q4_K_M file ---------------------------------------------------------------------------------
+# llama.cpp's Q4_K_M: Q4_K everywhere but attn_v and ffn_down of some layers (Q6_K); rows whose length
+# is not a multiple of 256 fall back to Q5_0 (for Q4_K) and Q8_0 (for Q6_K). On SmolLM2 (hidden 576)
+# that makes every projection but ffn_down Q5_0 / Q8_0, and ffn_down Q4_K / Q6_K.
+# Mean nats per token, kept blocks against the same file dequantized (measured 0.00063). No Paris check
+# here: this file re-quantizes SmolLM2's Q4_1 weights into Q4_K by plain rounding, which already costs
+# the answer with the weights dequantized.
+Q4_K_M_KL_BOUND = 0.001
+
+
+def _q4_k_m_type(name: str, array: np.ndarray, num_layers: int):
+    from gguf import GGMLQuantizationType as Q
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    more_bits = (layer < num_layers // 8 or layer >= 7 * num_layers // 8
+                 or (layer - num_layers // 8) % 3 == 2)   # llama.cpp's use_more_bits
+    wide = name.endswith(("attn_v.weight", "ffn_down.weight")) and more_bits or name == "token_embd.weight"
+    if array.shape[1] % 256:
+        return Q.Q8_0 if wide else Q.Q5_0
+    return Q.Q6_K if wide else Q.Q4_K
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_path(default_model_path, tmp_path_factory):
+    """The embedded SmolLM2's weights written again as a Q4_K_M GGUF, with its own tokenizer and template."""
+    import gguf
+
+    from atlasjax.gguf_loader import _parse_header, load_gguf
+    from tests.gguf_kquant_encoders import encode_q4_k, encode_q6_k
+    from tests.gguf_writer_util import write_gguf_from_hf
+    source = load_gguf(default_model_path)
+    meta, _ = _parse_header(default_model_path)
+    layers = source.config["num_hidden_layers"]
+    encoders = {gguf.GGMLQuantizationType.Q4_K: encode_q4_k, gguf.GGMLQuantizationType.Q6_K: encode_q6_k}
+
+    def encode(name, array):
+        if array.ndim == 1:
+            return array, gguf.GGMLQuantizationType.F32
+        qtype = _q4_k_m_type(name, array, layers)
+        return encoders.get(qtype, lambda a: gguf.quants.quantize(a, qtype))(array), qtype
+
+    path = tmp_path_factory.mktemp("q4_k_m") / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    state = {name: t.dequantize() for name, t in source.tensors.items()}
+    tokenizer = {k.removeprefix("tokenizer.ggml."): v.tolist() if hasattr(v, "tolist") else v
+                 for k, v in meta.items() if k.startswith("tokenizer.")}
+    written = write_gguf_from_hf(state, source.config, path, tokenizer=tokenizer, encode=encode)
+    assert {t for _, t in written.values()} >= {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K}
+    return str(path)
+
+
+def test_q4_k_m_file_kept_quantized_matches_it_dequantized(q4_k_m_path):
+    ref = LLM(q4_k_m_path, max_num_seqs=2, max_model_len=256, keep_gguf_quantized=False)
+    kept = LLM(q4_k_m_path, max_num_seqs=2, max_model_len=256, keep_gguf_quantized=True)
+    formats = {(name, getattr(layer["mlp"]["down_proj"]["kernel"], "format", None))
+               for name, layer in kept.engine.runner.params.items() if name.startswith("layers_")}
+    assert {f for _, f in formats} == {"int4", "int8"}   # Q4_K and Q6_K down projections, kept
+    attn = kept.engine.runner.params["layers_0"]["self_attn"]
+    q = (attn["qkv_proj"] if "qkv_proj" in attn else attn["q_proj"])["kernel"]
+    assert q.format == "int8" and q.group_size == 32   # Q5_0, kept exactly
+    kls = []
+    for prompt in PROMPTS:
+        ids = ref.tokenizer.encode(prompt)
+        r, q = _full_logprobs(ref.engine, ids), _full_logprobs(kept.engine, ids)
+        kls.append(np.sum(np.exp(r) * (r - q), axis=-1).mean())
+    kl = float(np.mean(kls))
+    print(f"Q4_K_M kept: mean KL {kl:.6f} nats/token")
+    assert kl <= Q4_K_M_KL_BOUND, kl

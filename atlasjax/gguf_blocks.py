@@ -1,0 +1,149 @@
+"""GGUF weight blocks (llama.cpp's quantized tensors) as the engine's `QuantizedWeight`s.
+
+How a linear projection stored in a GGML block type loads when it is kept quantized (`gguf_weight`):
+- Q8_0, Q5_0, Q4_0, Q4_1 (blocks of 32): as stored, exact in float32: int8 (Q8_0, and Q5_0's
+  symmetric 5-bit values q - 16) or int4 with groups of 32, the block's fp16 scale, and Q4_1's min
+  as the group's float offset.
+- Q4_K (super-blocks of 256: eight sub-blocks of 32, each with a 6-bit scale sc and min m under
+  the super-block's fp16 d and dmin, w = d*sc*q - dmin*m): the nibbles as stored, int4 with groups
+  of 32 and float offsets. Each sub-block's scale d*sc and offset -dmin*m are rounded to float16:
+  a relative error of at most 2^-11 in each, far under a step of the 4-bit grid.
+- every other block type (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ types): dequantized by the
+  `gguf` package and re-quantized to symmetric int8 with groups of 32. None has more than 64 levels
+  in a group of 32, so int8's 255 (a step of 1/127 of the group's largest magnitude) adds an
+  error well under the source format's own.
+Float tensors (F32, F16, BF16) are not block types; the loader reads them as floats.
+
+Q4_K's layout (ggml's `block_q4_K`, 144 bytes): d and dmin (fp16), 12 bytes packing the eight 6-bit
+scales and mins, then 128 bytes of nibbles. Bytes 0-3 hold the low 6 bits of scales 0-3 and bytes
+4-7 those of mins 0-3; their top 2 bits are the high bits of scales / mins 4-7, whose low 4 bits sit
+in bytes 8-11 (scale in the low nibble, min in the high). Nibble bytes 32c .. 32c + 31 hold
+sub-block 2c in their low nibbles and sub-block 2c + 1 in their high ones.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from atlasjax.quantization import QuantizedWeight, padded_sizes, quantize, with_mma_order
+
+BLOCK = 32   # the group size of every kept GGUF weight
+# bytes per block of the types read as stored: 32 values, or Q4_K's super-block of 256
+_TYPE_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+_BLOCK_VALUES = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+AS_STORED = tuple(_TYPE_BYTES)
+_ELEMENT_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
+
+
+def type_name(qtype: Any) -> str:
+    """The GGML type's name from a `gguf.GGMLQuantizationType`, its int id or its name."""
+    try:
+        if isinstance(qtype, str):
+            return gguf.GGMLQuantizationType[qtype.upper()].name
+        return gguf.GGMLQuantizationType(int(qtype)).name
+    except (KeyError, ValueError):
+        raise ValueError(f"unknown GGML type {qtype!r}") from None
+
+
+def is_block_type(qtype: Any) -> bool:
+    """Whether the type is a quantized block format (not a plain float or integer element type)."""
+    return type_name(qtype) not in _ELEMENT_TYPES
+
+
+def kept_format(qtype: Any) -> str:
+    """The engine format ("int4" or "int8", groups of 32) a block type is kept in."""
+    return "int4" if type_name(qtype) in ("Q4_0", "Q4_1", "Q4_K") else "int8"
+
+
+def gguf_weight(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> QuantizedWeight:
+    """A GGUF linear weight in any block type, kept quantized (the module docstring says how).
+
+    Args:
+      raw: the tensor's block bytes in row order (GGUFReader gives [N, bytes_per_row] uint8).
+      qtype: its GGML type (`gguf.GGMLQuantizationType`, int id or name): a block type.
+      shape_hf: (out_features N, in_features K), the Hugging Face [N, K] shape.
+    Returns: a QuantizedWeight of logical shape (K, N) with groups of 32.
+    """
+    name = type_name(qtype)
+    if name in AS_STORED:
+        return from_gguf_blocks(raw, name, shape_hf)
+    if not is_block_type(name):
+        raise ValueError(f"GGUF type {name} is not a quantized block type")
+    w = gguf.quants.dequantize(np.ascontiguousarray(raw).view(np.uint8), gguf.GGMLQuantizationType[name])
+    return quantize(np.asarray(w, np.float32).reshape(shape_hf).T, "int8", group_size=BLOCK)
+
+
+def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> QuantizedWeight:
+    """Reads a Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K linear weight as it is stored, without re-quantizing.
+
+    Args: as `gguf_weight`.
+    Returns:
+      QuantizedWeight of logical shape (K, N) with groups of 32. Its `dequantize` equals
+      `gguf.quants.dequantize(raw, qtype).T` exactly in float32 for the blocks of 32, and up to
+      Q4_K's scales and offsets rounded to float16.
+    """
+    name = type_name(qtype)
+    if name not in AS_STORED:
+        raise ValueError(f"GGUF type {name} is not supported here; supported: {list(AS_STORED)}")
+    n, k = shape_hf
+    values = _BLOCK_VALUES[name]
+    if k % values:
+        raise ValueError(f"in_features {k} is not a multiple of the {name} block size {values}")
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // values, _TYPE_BYTES[name])
+    if name == "Q4_K":
+        q, scales, zeros = _q4_k(blocks)
+    else:
+        scales = _f16(blocks[..., 0:2])          # [N, K/32], as stored
+        zeros = _f16(blocks[..., 2:4]) if name == "Q4_1" else None
+        if name == "Q8_0":
+            q = blocks[..., 2:].copy().view(np.int8)   # [N, K/32, 32]
+        elif name == "Q5_0":   # d, 32 fifth bits (little-endian), then the low nibbles
+            fifth = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")
+            q = (_split_nibbles(blocks[..., 6:]) | (fifth << 4)).astype(np.int8) - 16
+        else:
+            q = _split_nibbles(blocks[..., 4 if name == "Q4_1" else 2:]).astype(np.int8) - 8
+    return _quantized(q.reshape(n, k), scales.reshape(n, -1), None if zeros is None else zeros.reshape(n, -1),
+                      "int8" if name in ("Q8_0", "Q5_0") else "int4", (k, n))
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    """[..., 2] little-endian fp16 bytes -> [...] float16."""
+    return two_bytes.copy().view(np.float16)[..., 0]
+
+
+def _split_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] packed bytes -> [..., 32] values 0..15: element j is byte j's low nibble, j+16 its high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_k(blocks: np.ndarray):
+    """[N, S, 144] Q4_K super-blocks -> (q [N, S, 256] int8 nibble - 8, scales and offsets
+    [N, S, 8] float16 per sub-block of 32), so that w = (q + 8) * scale + offset."""
+    d, dmin = _f16(blocks[..., 0:2]).astype(np.float32), _f16(blocks[..., 2:4]).astype(np.float32)
+    low_sc, low_m, high = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate([low_sc & 63, (high & 15) | ((low_sc >> 6) << 4)], axis=-1)
+    mins = np.concatenate([low_m & 63, (high >> 4) | ((low_m >> 6) << 4)], axis=-1)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)
+    q = (np.concatenate([qs & 15, qs >> 4], axis=-2).astype(np.int8) - 8).reshape(*blocks.shape[:2], 256)
+    scales = d[..., None] * sc.astype(np.float32)
+    offsets = -(dmin[..., None] * mins.astype(np.float32))
+    with np.errstate(over="ignore"):
+        scales, offsets = scales.astype(np.float16), offsets.astype(np.float16)
+    if not (np.isfinite(scales).all() and np.isfinite(offsets).all()):
+        raise ValueError("a Q4_K scale or min is beyond float16's range")
+    return q, scales, offsets
+
+
+def _quantized(q, scales, zeros, fmt, shape):
+    """Pads [N, K] values and [N, K/32] scales / offsets as `quantize` would, as a QuantizedWeight."""
+    k, n = shape
+    k_pad, n_pad, _ = padded_sizes(k, n, BLOCK)
+    q = np.pad(q, ((0, n_pad - n), (0, k_pad - k)))
+    pad_groups = ((0, (k_pad - k) // BLOCK), (0, n_pad - n))
+    scales = jnp.asarray(np.pad(scales.T, pad_groups))
+    zeros = None if zeros is None else jnp.asarray(np.pad(zeros.T, pad_groups))
+    qweight = jnp.asarray(q.astype(jnp.int4) if fmt == "int4" else q)
+    return with_mma_order(QuantizedWeight(qweight, scales, zeros, fmt, BLOCK, (k, n)))

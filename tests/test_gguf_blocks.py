@@ -1,0 +1,132 @@
+"""GGUF block types kept quantized (atlasjax/gguf_blocks.py), against the `gguf` package's decoding."""
+
+import gguf
+import numpy as np
+import pytest
+
+from atlasjax.gguf_blocks import from_gguf_blocks, gguf_weight, is_block_type, kept_format
+from atlasjax.quantization import dequantize
+from tests.gguf_kquant_encoders import encode_q4_k, encode_q6_k
+
+Q = gguf.GGMLQuantizationType
+# where each K-quant block keeps its fp16 super-block scales (d, and dmin where it has one)
+_SCALE_BYTES = {Q.Q2_K: slice(-4, None), Q.Q3_K: slice(-2, None), Q.Q4_K: slice(0, 4), Q.Q5_K: slice(0, 4),
+                Q.Q6_K: slice(-2, None)}
+
+
+def _weight(n, k, seed=0):
+    return (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
+
+
+def _random_blocks(qtype, n, k, seed=0):
+    """Every bit pattern a K-quant block can hold: random bytes, with sane fp16 super-block scales."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n, k // block_size, type_size), np.uint8)
+    where = _SCALE_BYTES[qtype]
+    width = blocks[..., where].shape[-1]
+    blocks[..., where] = rng.uniform(1e-4, 1e-2, blocks.shape[:2] + (width // 2,)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def _kept_vs_file(raw, qtype, n, k):
+    qw = gguf_weight(raw, qtype, (n, k))
+    assert qw.shape == (k, n) and qw.group_size == 32 and qw.format == kept_format(qtype)
+    return qw, np.asarray(dequantize(qw)), gguf.quants.dequantize(raw, qtype).T   # [K, N] each
+
+
+@pytest.mark.parametrize("encode,qtype,bound", [(encode_q4_k, Q.Q4_K, 0.1), (encode_q6_k, Q.Q6_K, 0.03)],
+                         ids=["Q4_K", "Q6_K"])
+def test_test_encoders_write_what_the_gguf_package_reads(encode, qtype, bound):
+    # the K-quant files of the tests below are made by these encoders; a wrong layout would decode to noise
+    w = _weight(64, 512)
+    raw = encode(w)
+    assert raw.shape == (64, 512 // 256 * gguf.GGML_QUANT_SIZES[qtype][1])
+    got = gguf.quants.dequantize(raw, qtype)
+    assert np.linalg.norm(got - w) / np.linalg.norm(w) < bound
+
+
+@pytest.mark.parametrize("source", ["random bits", "encoded"])
+@pytest.mark.parametrize("n", [96, 130])   # N under and over one 128-wide padding unit
+def test_q4_k_keeps_its_nibbles_with_f16_rounded_scales(source, n):
+    k = 512
+    raw = _random_blocks(Q.Q4_K, n, k, seed=n) if source == "random bits" else encode_q4_k(_weight(n, k, seed=n))
+    qw, got, want = _kept_vs_file(raw, Q.Q4_K, n, k)
+    assert qw.zeros is not None and not qw.zero_point and qw.mma_order   # float offsets, as Q4_1
+    # w = (q + 8) s + z with s and z each off by at most half a float16 ulp (2^-11 relative)
+    scales = np.repeat(np.asarray(qw.scales, np.float32), 32, axis=0)[:k, :n]
+    zeros = np.repeat(np.asarray(qw.zeros, np.float32), 32, axis=0)[:k, :n]
+    bound = 2.0 ** -11 * (15 * np.abs(scales) + np.abs(zeros)) * (1 + 1e-3) + 1e-7
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.abs(got - want).max() > 0 or source == "encoded"   # the rounding is real, and bounded
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.Q5_1])
+def test_other_block_types_are_requantized_to_int8_groups_of_32(qtype):
+    n, k = 96, 512
+    raw = (gguf.quants.quantize(_weight(n, k), qtype) if qtype == Q.Q5_1 else _random_blocks(qtype, n, k))
+    qw, got, want = _kept_vs_file(raw, qtype, n, k)
+    assert qw.format == "int8" and qw.zeros is None
+    # symmetric int8 per group of 32: off by at most half a step, 1/254 of the group's largest magnitude
+    group_max = np.repeat(np.abs(want).reshape(k // 32, 32, n).max(axis=1), 32, axis=0)
+    assert np.all(np.abs(got - want) <= group_max / 254 * (1 + 2e-3) + 1e-7)
+
+
+def test_q5_0_is_kept_exactly_as_int8():
+    w = _weight(96, 160)
+    raw = gguf.quants.quantize(w, Q.Q5_0)
+    qw, got, want = _kept_vs_file(raw, Q.Q5_0, 96, 160)
+    np.testing.assert_array_equal(got, want)
+    assert int(np.abs(np.asarray(qw.qweight, np.int32)).max()) <= 16   # 5-bit codes q - 16
+
+
+def test_float_and_unknown_types_are_refused_with_their_names():
+    assert not is_block_type(Q.F16) and not is_block_type("BF16") and is_block_type(Q.IQ4_NL)
+    with pytest.raises(ValueError, match="F16 is not a quantized block type"):
+        gguf_weight(np.zeros((4, 64), np.uint8), Q.F16, (4, 32))
+    with pytest.raises(ValueError, match="Q6_K is not supported here"):
+        from_gguf_blocks(np.zeros((1, 210), np.uint8), Q.Q6_K, (1, 256))
+    with pytest.raises(ValueError, match="multiple of the Q4_K block size 256"):
+        from_gguf_blocks(np.zeros((1, 144), np.uint8), "Q4_K", (1, 128))
+    with pytest.raises(ValueError, match="unknown GGML type"):
+        gguf_weight(np.zeros((1, 2), np.uint8), "Q9_9", (1, 32))
+
+
+def test_llama_k_quant_file_loads_kept_with_the_q_k_rows_unpermuted(tmp_path):
+    # llama.cpp permutes q/k rows per head in llama files; kept blocks must be reordered like the floats
+    import jax.numpy as jnp
+    import transformers
+
+    from atlasjax.loader import load_model
+    from tests.gguf_writer_util import write_gguf_from_hf
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      tie_word_embeddings=False)
+    rng = np.random.default_rng(0)
+    shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
+              "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
+              "mlp.down_proj": (256, 512)}
+    state = {f"model.layers.0.{p}.weight": rng.standard_normal(s).astype(np.float32) * 0.05 for p, s in shapes.items()}
+    state |= {"model.layers.0.input_layernorm.weight": np.ones(256, np.float32),
+              "model.layers.0.post_attention_layernorm.weight": np.ones(256, np.float32),
+              "model.norm.weight": np.ones(256, np.float32),
+              "model.embed_tokens.weight": rng.standard_normal((256, 256)).astype(np.float32),
+              "lm_head.weight": rng.standard_normal((256, 256)).astype(np.float32)}
+
+    def encode(name, array):   # Q4_K_M-like: v and down in Q6_K, the other projections in Q4_K
+        if array.ndim == 1 or name in ("token_embd.weight", "output.weight"):
+            return array, Q.F32
+        if name.endswith(("attn_v.weight", "ffn_down.weight")):
+            return encode_q6_k(array), Q.Q6_K
+        return encode_q4_k(array), Q.Q4_K
+
+    write_gguf_from_hf(state, config, tmp_path / "k.gguf", encode=encode)
+    kept = load_model(str(tmp_path / "k.gguf"), jnp.float32, keep_gguf_quantized=True).params
+    floats = load_model(str(tmp_path / "k.gguf"), jnp.float32, keep_gguf_quantized=False).params
+    for path, want in shapes.items():
+        module, proj = path.split(".")
+        qw = kept["layers_0"][module][proj]["kernel"]
+        assert qw.format == ("int8" if proj in ("v_proj", "down_proj") else "int4"), proj
+        got, ref = np.asarray(dequantize(qw)), np.asarray(floats["layers_0"][module][proj]["kernel"])
+        assert got.shape == ref.shape == want[::-1]
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2, proj   # a wrong row order is ~1.4
