@@ -87,6 +87,21 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
+# safetensors' numpy reader has no float8 dtypes: these are read from the mapped file directly
+_RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _read_raw(path: str, name: str) -> np.ndarray:
+    """One tensor of a float8 dtype, viewed from the memory-mapped file (the header says where)."""
+    import ml_dtypes  # noqa: PLC0415 (a jax dependency)
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(size))[name]
+    start, stop = info["data_offsets"]
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size + start, shape=(stop - start,))
+    return data.view(getattr(ml_dtypes, _RAW_DTYPES[info["dtype"]])).reshape(info["shape"])
+
+
 def iter_safetensors(model_dir: str) -> Iterator[NamedTensor]:
     from safetensors import SafetensorError, safe_open  # noqa: PLC0415
     for path in _safetensors_files(model_dir):
@@ -98,10 +113,13 @@ def iter_safetensors(model_dir: str) -> Iterator[NamedTensor]:
 
         def read(name, index=None, handle=handle, path=path):
             try:
+                if handle.get_slice(name).get_dtype() in _RAW_DTYPES:
+                    whole = _read_raw(path, name)
+                    return whole if index is None else whole[index]
                 if index is None:
                     return handle.get_tensor(name)
                 return handle.get_slice(name)[index]
-            except (SafetensorError, OSError, ValueError) as e:
+            except (SafetensorError, OSError, ValueError, KeyError) as e:
                 raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from e
 
         def read_range(axis, start, stop, name, r=read):
@@ -191,9 +209,15 @@ def _plan_for(cfg: ModelConfig, mesh):
 
 
 def load_hf(model_dir: str, dtype, convert=None, mesh=None) -> tuple[ModelConfig, dict]:
+    from atlasjax import prequantized  # noqa: PLC0415
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = from_hf_config(json.load(f))
-    return cfg, assemble_params(cfg, iter_safetensors(model_dir), dtype, convert, _plan_for(cfg, mesh))
+        hf_config = json.load(f)
+    cfg = from_hf_config(hf_config)
+    tensors = iter_safetensors(model_dir)
+    scheme = prequantized.scheme_of(hf_config.get("quantization_config"), model_dir)
+    if scheme is not None:   # saved quantized: weights as QuantizedWeight (floats when re-quantizing)
+        tensors = prequantized.quantized_tensors(scheme, tensors, as_floats=convert is not None)
+    return cfg, assemble_params(cfg, tensors, dtype, convert, _plan_for(cfg, mesh))
 
 
 def _flatten(tree, prefix=()):

@@ -27,6 +27,7 @@ CASES = [  # (format, group_size, zeros)
     ("int4", 64, "zp"),
     ("int4", 64, "offsets"),
     ("int8", 32, "sym"),  # GGUF Q8_0 grouping
+    ("fp8", 128, "sym"),  # FP8 checkpoints with 128 x 128 block scales (atlasjax/prequantized.py)
 ]
 
 
