@@ -32,7 +32,8 @@ DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # 
 # (format, group size, zeros): "sym", "zp" (integer zero points: what int4 quantizes to at load) or
 # "offsets" (float offsets: GGUF Q4_1's form, and int4 checkpoints saved before session 11).
 FORMATS = [("int8", None, "sym"), ("fp8", None, "sym"), ("int4", 128, "sym"), ("int4", 128, "zp"),
-           ("int4", 128, "offsets"), ("int4", 32, "offsets"), ("int8", 32, "sym")]   # last two: GGUF Q4_1 / Q8_0
+           ("int4", 128, "offsets"), ("int4", 32, "offsets"), ("int8", 32, "sym"),   # GGUF Q4_1 / Q4_K, Q8_0
+           ("fp8", 128, "sym")]   # FP8 checkpoints with 128 x 128 block scales
 DECODE_ROWS = 8   # the engine's decode step on a GPU runs at least 8 rows
 MIN_ROTATION_BYTES = 256 << 20
 

@@ -100,14 +100,14 @@ def quantized_tensors(scheme: Scheme, tensors: Iterator, as_floats: bool = False
     roots = [n[: -len(".qweight")] for n in pieces if n.endswith(".qweight")] if not fp8 else \
         [n[: -len(".weight")] for n in pieces if n.endswith(".weight")
          and (f"{n[:-len('.weight')]}.weight_scale" in pieces or f"{n[:-len('.weight')]}.weight_scale_inv" in pieces)]
-    used = set()
+    used, warned = set(), set()
     for root in roots:
         parts = {key: pieces[name] for key in ("weight", "weight_scale", "weight_scale_inv", "qweight", "qzeros",
                                                "scales", "g_idx")
                  if (name := f"{root}.{key}") in pieces}
         used.update(f"{root}.{key}" for key in parts)
         shape = _hf_shape(scheme, parts)
-        read = _reader(scheme, root, parts, shape, as_floats)
+        read = _reader(scheme, root, parts, shape, as_floats, warned)
         yield f"{root}.weight", TensorReader(shape, read, quantized=not as_floats)
     for name, reader in pieces.items():
         if name in used or name.rsplit(".", 1)[-1] in _UNUSED:
@@ -124,16 +124,22 @@ def _hf_shape(scheme: Scheme, parts: dict) -> tuple[int, int]:
     return (packed[1] * per_word, packed[0]) if scheme.method == "awq" else (packed[1], packed[0] * per_word)
 
 
-def _reader(scheme, root, parts, shape, as_floats):
+def _reader(scheme, root, parts, shape, as_floats, warned: set):
     def read():
         try:
             arrays = {key: np.asarray(r()) for key, r in parts.items()}
             if scheme.method == "fp8":
                 qw = _fp8(arrays, shape)
             else:
-                qw = _int(scheme, arrays, shape, root)
+                qw = _int(scheme, arrays, shape)
         except (ValueError, KeyError, IndexError) as e:
             raise CheckpointError(f"{root}: cannot read its {scheme.method} weight: {e}") from e
+        if isinstance(qw, str):   # why it cannot be kept: once per checkpoint, at its first weight
+            if qw not in warned:
+                warned.add(qw)
+                log.warning("%s weights dequantized to floats at load (%s), starting with %s",
+                            scheme.method.upper(), qw, root)
+            qw = _int(scheme, arrays, shape, as_floats_because=qw)
         if as_floats or isinstance(qw, np.ndarray):
             from atlasjax.quantization import dequantize  # noqa: PLC0415
             return qw if isinstance(qw, np.ndarray) else np.asarray(dequantize(qw), np.float32).T
@@ -181,8 +187,9 @@ def _unpack(words: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
     return values.reshape(shape).astype(np.int16)
 
 
-def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int], root: str):
-    """An AWQ / GPTQ weight as int4 (int8) with integer zero points, or floats when it cannot be."""
+def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int], as_floats_because: str | None = None):
+    """An AWQ / GPTQ weight as int4 (int8) with integer zero points; when the engine's formats cannot
+    hold it, the reason (a str), and with `as_floats_because` the dequantized [N, K] float32 weight."""
     from atlasjax.quantization import QuantizedWeight, padded_sizes, with_mma_order  # noqa: PLC0415
     n, k = shape
     bits = scheme.bits
@@ -204,8 +211,8 @@ def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int], root: str):
     fits = (contiguous and group & (group - 1) == 0 and group >= 16 and z.max() < 2 * mid
             and (bits == 4 or np.all(z == mid)))
     if not fits:
-        log.warning("%s: %s weight dequantized to floats at load (%s)", root, scheme.method.upper(),
-                    "groups not contiguous along K" if not contiguous else "outside the engine's formats")
+        if as_floats_because is None:
+            return "groups not contiguous along K" if not contiguous else "outside the engine's formats"
         index = np.asarray(g_idx) if g_idx is not None else np.arange(k) // max(group, 1)
         w = (q - z[index]).astype(np.float32) * scales[index].astype(np.float32)   # [K, N]
         return np.ascontiguousarray(w.T)
