@@ -10,12 +10,14 @@ config.json's `quantization_config` names the method (`scheme_of`):
     per-tensor `weight_scale`.
   Per-tensor scales become per-channel ones; a block's scale becomes the scale of its columns in
   each group of bk rows along K. Exact.
-- "awq" (GEMM packing) and "gptq" (4 bits; 8 bits when symmetric): int4 (int8) with the checkpoint's
-  groups along K, scales and whole-number zero points. Exact. Where the engine's contiguous groups
+- "awq" (GEMM packing), "gptq" (4 bits; 8 bits when symmetric) and "compressed-tensors" with 4- or
+  8-bit int weights (llm-compressor's W4A16 / W8A16 / W8A8 int models, packed or not): int4 (int8)
+  with the checkpoint's groups along K (per channel for symmetric int8), scales and whole-number
+  zero points. Exact. Where the engine's contiguous groups
   cannot hold a weight (GPTQ act-order, whose g_idx is not k // group; a v1 zero point of 16; no
   groups), it is dequantized to floats at load, with a warning.
-Anything else (bitsandbytes, HQQ, MXFP4, compressed-tensors integer packs, ...) is refused with an
-error naming the method.
+Anything else (bitsandbytes, HQQ, MXFP4 or NVFP4, 2- and 3-bit GPTQ, ...) is refused with an error
+naming the method.
 
 Packing (int32 words, value i of a word in bits 4i .. 4i + 3):
 - AWQ: qweight [K, N / 8] and qzeros [K / g, N / 8] pack along N, word c's value i holding
@@ -23,6 +25,10 @@ Packing (int32 words, value i of a word in bits 4i .. 4i + 3):
 - GPTQ: qweight [K / 8, N] packs along K (word r's value i is row 8r + i); qzeros [K / g, N / 8]
   along N in plain order; scales [K / g, N]; g_idx [K] each row's group. The v1 format (the default)
   stores z - 1 (read back as (stored & 15) + 1); "gptq_v2" stores z.
+- compressed-tensors "pack-quantized": weight_packed [N, K / 8] packs along K in plain order the
+  signed values plus 2^(bits-1); weight_zero_point (asymmetric) [N / 8, K / g] packs along N the
+  same way; weight_scale [N, K / g] ([N, 1] per channel); w = (q - z) * s. "int-quantized" /
+  "naive-quantized" store int8 values as `weight`.
 """
 from __future__ import annotations
 
@@ -41,14 +47,15 @@ FP8_METHODS = ("compressed-tensors", "fbgemm_fp8", "fp8")
 INT_METHODS = ("awq", "gptq")
 # tensors a quantized linear carries besides its weight; the activation / KV-cache scales of W8A8
 # checkpoints are not used (weights only)
+_PIECES = ("weight", "weight_scale", "weight_scale_inv", "weight_packed", "weight_zero_point", "weight_g_idx",
+           "weight_shape", "qweight", "qzeros", "scales", "g_idx")
 _UNUSED = ("input_scale", "input_scale_ub", "output_scale", "k_scale", "v_scale", "q_scale")
 
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
-    method: str                # "fp8" (any FP8 method), "awq" or "gptq"
+    method: str                # "fp8" (any FP8 method), "awq", "gptq" or "compressed-tensors" (int)
     bits: int = 8
-    group_size: int = -1       # awq / gptq: along K; -1 per channel
     gptq_v1: bool = True       # GPTQ zero points stored minus one
 
 
@@ -59,35 +66,41 @@ def scheme_of(config: dict | None, where: str = "checkpoint") -> Scheme | None:
     if not config:
         return None
     method = str(config.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors(config, where)
     if method in FP8_METHODS:
-        if method == "compressed-tensors":
-            _check_compressed_tensors(config, where)
-        elif method == "fp8" and str(config.get("fmt", "e4m3")).lower() != "e4m3":
+        if method == "fp8" and str(config.get("fmt", "e4m3")).lower() != "e4m3":
             raise UnsupportedModelError(f"{where}: fp8 weights in {config.get('fmt')!r}; supported: e4m3")
         return Scheme("fp8")
     if method in INT_METHODS:
         bits = int(config.get("bits", config.get("w_bit", 4)))
-        group = int(config.get("group_size", config.get("q_group_size", 128)))
         if method == "awq" and str(config.get("version", "gemm")).lower() != "gemm":
             raise UnsupportedModelError(f"{where}: AWQ version {config.get('version')!r}; supported: 'gemm'")
         if bits != 4 and not (method == "gptq" and bits == 8):
             raise UnsupportedModelError(f"{where}: {bits}-bit {method.upper()}; supported: 4-bit AWQ, "
                                         "4- and 8-bit GPTQ")
         v1 = str(config.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
-        return Scheme(method, bits, group, v1)
+        return Scheme(method, bits, v1)
     raise UnsupportedModelError(
         f"{where}: weights saved with quantization method {method or config!r}, which atlasjax cannot "
         f"read; supported: {', '.join(FP8_METHODS + INT_METHODS)} (or load an unquantized checkpoint, "
         "optionally with quantization=...)")
 
 
-def _check_compressed_tensors(config: dict, where: str) -> None:
-    for name, group in (config.get("config_groups") or {}).items():
-        weights = group.get("weights") or {}
-        if weights.get("type") != "float" or int(weights.get("num_bits", 0)) != 8:
-            raise UnsupportedModelError(
-                f"{where}: compressed-tensors group {name!r} has {weights.get('num_bits')}-bit "
-                f"{weights.get('type')} weights; supported: 8-bit float (FP8)")
+def _compressed_tensors(config: dict, where: str) -> Scheme:
+    """llm-compressor's format: FP8 weights, or int4 / int8 ones (packed, or int8 as they are)."""
+    weights = [g.get("weights") or {} for g in (config.get("config_groups") or {}).values()]
+    kinds = {(w.get("type"), int(w.get("num_bits", 0))) for w in weights}
+    if len(kinds) != 1:
+        raise UnsupportedModelError(f"{where}: compressed-tensors with {len(kinds)} kinds of weights "
+                                    f"{sorted(kinds)}; supported: one kind")
+    kind, bits = kinds.pop()
+    if (kind, bits) == ("float", 8):
+        return Scheme("fp8")
+    if kind == "int" and bits in (4, 8):
+        return Scheme("compressed-tensors", bits)
+    raise UnsupportedModelError(f"{where}: compressed-tensors with {bits}-bit {kind} weights; supported: "
+                                "8-bit float (FP8), 4- and 8-bit int")
 
 
 def quantized_tensors(scheme: Scheme, tensors: Iterator, as_floats: bool = False) -> Iterator:
@@ -96,15 +109,15 @@ def quantized_tensors(scheme: Scheme, tensors: Iterator, as_floats: bool = False
     dequantized [N, K] float32 weight, for quantizing again at load)."""
     from atlasjax.loader import TensorReader  # noqa: PLC0415
     pieces = dict(tensors)
-    fp8 = scheme.method == "fp8"
-    roots = [n[: -len(".qweight")] for n in pieces if n.endswith(".qweight")] if not fp8 else \
-        [n[: -len(".weight")] for n in pieces if n.endswith(".weight")
-         and (f"{n[:-len('.weight')]}.weight_scale" in pieces or f"{n[:-len('.weight')]}.weight_scale_inv" in pieces)]
+    roots = []
+    for name in pieces:
+        root, _, key = name.rpartition(".")
+        if key in ("qweight", "weight_packed") or (
+                key == "weight" and (f"{root}.weight_scale" in pieces or f"{root}.weight_scale_inv" in pieces)):
+            roots.append(root)
     used, warned = set(), set()
     for root in roots:
-        parts = {key: pieces[name] for key in ("weight", "weight_scale", "weight_scale_inv", "qweight", "qzeros",
-                                               "scales", "g_idx")
-                 if (name := f"{root}.{key}") in pieces}
+        parts = {key: pieces[name] for key in _PIECES if (name := f"{root}.{key}") in pieces}
         used.update(f"{root}.{key}" for key in parts)
         shape = _hf_shape(scheme, parts)
         read = _reader(scheme, root, parts, shape, as_floats, warned)
@@ -117,8 +130,11 @@ def quantized_tensors(scheme: Scheme, tensors: Iterator, as_floats: bool = False
 
 def _hf_shape(scheme: Scheme, parts: dict) -> tuple[int, int]:
     """(N, K) of the linear, from its pieces' shapes."""
-    if scheme.method == "fp8":
+    if "weight" in parts:
         return tuple(parts["weight"].shape)
+    if "weight_packed" in parts:   # [N, K * bits / 32]
+        rows, words = parts["weight_packed"].shape
+        return rows, words * 32 // scheme.bits
     packed = parts["qweight"].shape
     per_word = 32 // scheme.bits
     return (packed[1] * per_word, packed[0]) if scheme.method == "awq" else (packed[1], packed[0] * per_word)
@@ -188,45 +204,67 @@ def _unpack(words: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
 
 
 def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int], as_floats_because: str | None = None):
-    """An AWQ / GPTQ weight as int4 (int8) with integer zero points; when the engine's formats cannot
-    hold it, the reason (a str), and with `as_floats_because` the dequantized [N, K] float32 weight."""
-    from atlasjax.quantization import QuantizedWeight, padded_sizes, with_mma_order  # noqa: PLC0415
+    """An integer weight (AWQ, GPTQ, compressed-tensors int) as int4 / int8 with integer zero points;
+    when the engine's formats cannot hold it, the reason (a str), and with `as_floats_because` the
+    dequantized [N, K] float32 weight."""
     n, k = shape
-    bits = scheme.bits
-    awq = scheme.method == "awq"
-    order = AWQ_ORDER if awq else None
-    q = _unpack(arrays["qweight"], bits, axis=1 if awq else 0, order=order)      # [K, N] 0 .. 2^bits - 1
-    scales = arrays["scales"]
-    groups = scales.shape[0]
-    if "qzeros" in arrays:
-        z = _unpack(arrays["qzeros"], bits, axis=1, order=order)[:, :n]           # [G, N]
-        if not awq and scheme.gptq_v1:
-            z = (z & ((1 << bits) - 1)) + 1
+    bits, mid = scheme.bits, 1 << (scheme.bits - 1)
+    if scheme.method == "compressed-tensors":   # signed values stored with + mid; [N, ...] layouts
+        q = (_unpack(arrays["weight_packed"], bits, axis=1)[:, :k] if "weight_packed" in arrays
+             else arrays["weight"].astype(np.int16) + mid).T                       # [K, N]
+        scales = np.asarray(arrays["weight_scale"]).reshape(n, -1).T                # [G, N]
+        z = (_unpack(arrays["weight_zero_point"], bits, axis=0)[:n].T if "weight_zero_point" in arrays
+             else np.full(scales.shape, mid, np.int16))
+        g_idx = arrays.get("weight_g_idx")
     else:
-        z = np.full((groups, n), 1 << (bits - 1), np.int16)
+        awq = scheme.method == "awq"
+        order = AWQ_ORDER if awq else None
+        q = _unpack(arrays["qweight"], bits, axis=1 if awq else 0, order=order)   # [K, N] 0 .. 2^bits - 1
+        scales = arrays["scales"]
+        if "qzeros" in arrays:
+            z = _unpack(arrays["qzeros"], bits, axis=1, order=order)[:, :n]       # [G, N]
+            if not awq and scheme.gptq_v1:
+                z = (z & ((1 << bits) - 1)) + 1
+        else:
+            z = np.full(scales.shape, mid, np.int16)
+        g_idx = arrays.get("g_idx")
+    groups = scales.shape[0]
     group = k // groups if k % groups == 0 else 0
-    g_idx = arrays.get("g_idx")
     contiguous = group > 0 and (g_idx is None or np.array_equal(np.asarray(g_idx), np.arange(k) // group))
-    mid = 1 << (bits - 1)
-    fits = (contiguous and group & (group - 1) == 0 and group >= 16 and z.max() < 2 * mid
-            and (bits == 4 or np.all(z == mid)))
+    symmetric = bool(np.all(z == mid))
+    per_channel = groups == 1 and bits == 8 and symmetric
+    fits = contiguous and z.max() < 2 * mid and (bits == 4 or symmetric) and (
+        per_channel or (group & (group - 1) == 0 and group >= 16))
     if not fits:
         if as_floats_because is None:
             return "groups not contiguous along K" if not contiguous else "outside the engine's formats"
         index = np.asarray(g_idx) if g_idx is not None else np.arange(k) // max(group, 1)
-        w = (q - z[index]).astype(np.float32) * scales[index].astype(np.float32)   # [K, N]
+        w = (q[:, :n] - z[index]).astype(np.float32) * scales[index].astype(np.float32)   # [K, N]
         return np.ascontiguousarray(w.T)
-    fmt = "int4" if bits == 4 else "int8"
+    return _int_weight(q[:, :n] - mid, None if symmetric else z - mid, scales, None if per_channel else group,
+                       bits, shape)
+
+
+def _int_weight(codes, zeros, scales, group, bits, shape):
+    """Signed codes [K, N], zero points [G, N] (None: symmetric) and scales [G, N] as a padded
+    QuantizedWeight: int4 in mma order, or int8 (symmetric)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from atlasjax.quantization import QuantizedWeight, padded_sizes, with_mma_order  # noqa: PLC0415
+    k, n = shape[1], shape[0]
+    groups = scales.shape[0]
     k_pad, n_pad, group = padded_sizes(k, n, group)
-    codes = np.zeros((n_pad, k_pad), np.int8)
-    codes[:n, :k] = (q[:, :n] - mid).T
+    q = np.zeros((n_pad, k_pad), np.int8)
+    q[:n, :k] = codes.T
     stored = scales.dtype if scales.dtype in (np.float16, np.float32) else np.float32
     s = np.zeros((k_pad // group, n_pad), stored)
     s[:groups, :n] = scales[:, :n]
-    import jax.numpy as jnp  # noqa: PLC0415
-    if fmt == "int8":   # symmetric: z = mid everywhere
-        return QuantizedWeight(jnp.asarray(codes), jnp.asarray(s), None, "int8", group, (k, n))
-    zeros = np.zeros((k_pad // group, n_pad), np.float16)
-    zeros[:groups, :n] = z - mid
-    return with_mma_order(QuantizedWeight(jnp.asarray(codes.astype(jnp.int4)), jnp.asarray(s), jnp.asarray(zeros),
-                                          "int4", group, (k, n), zero_point=True))
+    if bits == 8:
+        return QuantizedWeight(jnp.asarray(q), jnp.asarray(s), None, "int8", group, (k, n))
+    z = None
+    if zeros is not None:
+        z = np.zeros((k_pad // group, n_pad), np.float16)
+        z[:groups, :n] = zeros
+        z = jnp.asarray(z)
+    return with_mma_order(QuantizedWeight(jnp.asarray(q.astype(jnp.int4)), jnp.asarray(s), z, "int4", group, (k, n),
+                                          zero_point=zeros is not None))

@@ -1,7 +1,7 @@
 """Test helper: save a tiny Hugging Face model the way quantization tools save their checkpoints.
 
 `write_prequantized(model, out_dir, fmt)` quantizes the decoder's linear layers by plain rounding,
-writes them in the layout of `fmt` (below) with a matching `quantization_config`, and sets the
+writes them in the layout of `fmt` (`CONFIGS`) with a matching `quantization_config`, and sets the
 torch model's weights to exactly what the saved tensors mean, so that the model is the reference
 for the engine loading the directory. Written from the formats' conventions (AutoAWQ / AutoGPTQ
 packing, llm-compressor and transformers' FP8 tensors), independently of atlasjax/prequantized.py.
@@ -18,6 +18,18 @@ from safetensors.torch import save_file
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # nibble i of a word holds column 8c + order[i]
 FP8_MAX = 448.0
+
+
+
+def _ct_int_config(fmt, bits, strategy, symmetric, group=64):
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "dynamic": False}
+    weights |= {"group_size": group} if strategy == "group" else {}
+    activations = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True} if bits == 8 else None
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations}},
+            "ignore": ["lm_head"]}
+
 
 CONFIGS = {
     "fp8-channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
@@ -36,6 +48,10 @@ CONFIGS = {
                   "checkpoint_format": "gptq"},
     "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": True,
                        "checkpoint_format": "gptq"},
+    # llm-compressor (compressed-tensors): W4A16 packed, symmetric and with zero points; W8A8 int8
+    "ct-w4a16": _ct_int_config("pack-quantized", 4, "group", True),
+    "ct-w4a16-asym": _ct_int_config("pack-quantized", 4, "group", False),
+    "ct-w8a8-int": _ct_int_config("int-quantized", 8, "channel", True),
 }
 
 
@@ -138,6 +154,36 @@ def _gptq(w, rng, bits=4, group=64, symmetric=False, act_order=False):
     return saved, meaning[inverse].T.copy()
 
 
+def _ct_int(w, rng, bits=4, group=64, symmetric=True, packed=True):
+    """compressed-tensors: signed codes q, w = (q - zp) * s, scales (bf16) [N, K / g] or [N, 1]."""
+    n, k = w.shape
+    group = group or k
+    g = w.reshape(n, k // group, group)
+    lo_q, hi_q = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if symmetric:
+        s = np.maximum(np.abs(g).max(-1), 1e-8) / hi_q
+        zp = np.zeros_like(s)
+    else:
+        lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+        s = np.maximum(hi - lo, 1e-8) / (hi_q - lo_q)
+        zp = np.clip(np.rint(lo_q - lo / s), lo_q, hi_q)
+    scale = torch.from_numpy(s.astype(np.float32)).to(torch.bfloat16)
+    s = scale.float().numpy()
+    q = np.clip(np.rint(g / s[..., None]) + zp[..., None], lo_q, hi_q)
+    meaning = ((q - zp[..., None]) * s[..., None]).reshape(n, k)
+    q = q.reshape(n, k).astype(np.int64)
+    offset = 1 << (bits - 1)
+    saved = {"weight_scale": scale}
+    if packed:
+        saved |= {"weight_packed": _pack((q + offset).astype(np.uint32), bits, axis=1),
+                  "weight_shape": torch.tensor([n, k])}
+    else:
+        saved["weight"] = torch.from_numpy(q.astype(np.int8))
+    if not symmetric:
+        saved["weight_zero_point"] = _pack((zp.astype(np.int64) + offset).astype(np.uint32), bits, axis=0)
+    return saved, meaning.astype(np.float32)
+
+
 _ENCODERS = {
     "fp8-channel": _fp8_channel,
     "fp8-block": _fp8_block,
@@ -146,4 +192,7 @@ _ENCODERS = {
     "gptq": _gptq,
     "gptq-8bit": lambda w, rng: _gptq(w, rng, bits=8, group=32, symmetric=True),
     "gptq-act-order": lambda w, rng: _gptq(w, rng, symmetric=True, act_order=True),
+    "ct-w4a16": _ct_int,
+    "ct-w4a16-asym": lambda w, rng: _ct_int(w, rng, symmetric=False),
+    "ct-w8a8-int": lambda w, rng: _ct_int(w, rng, bits=8, group=None, packed=False),
 }

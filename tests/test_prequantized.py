@@ -18,7 +18,8 @@ CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=320, num_hidden
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # format -> (kept format, its group along K; None: per channel), or None: dequantized to floats
 KEPT = {"fp8-channel": ("fp8", None), "fp8-block": ("fp8", 128), "fbgemm-fp8": ("fp8", None), "awq": ("int4", 64),
-        "gptq": ("int4", 64), "gptq-8bit": ("int8", 32), "gptq-act-order": None}
+        "gptq": ("int4", 64), "gptq-8bit": ("int8", 32), "gptq-act-order": None, "ct-w4a16": ("int4", 64),
+        "ct-w4a16-asym": ("int4", 64), "ct-w8a8-int": ("int8", None)}
 
 
 def _model(seed=0):
@@ -52,6 +53,7 @@ def test_loads_kept_and_matches_transformers_on_the_same_weights(saved, caplog):
         want_format, want_group = KEPT[fmt]
         assert down.format == want_format
         assert down.num_groups == 1 if want_group is None else down.group_size == want_group
+        assert (down.zeros is not None) == (fmt in ("awq", "gptq", "ct-w4a16-asym"))   # asymmetric writers
         assert not any(r.levelno >= logging.WARNING for r in caplog.records)
     prompt = [int(t) for t in np.random.RandomState(1).randint(0, 512, size=21)]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1,
@@ -78,8 +80,8 @@ def test_fp8_checkpoint_can_be_quantized_again_at_load(tmp_path):
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "gptq", "bits": 3}, "3-bit GPTQ"),
     ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
-     "4-bit int weights"),
+        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}},
+     "4-bit float weights"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2"),
 ])
 def test_unsupported_methods_are_refused_by_name(config, message):
