@@ -171,9 +171,7 @@ def _fp8(arrays: dict, shape: tuple[int, int]):
     if str(w.dtype) != "float8_e4m3fn":
         raise ValueError(f"weight dtype {w.dtype}, expected float8_e4m3fn")
     scale = np.asarray(arrays["weight_scale"] if "weight_scale" in arrays else arrays["weight_scale_inv"], np.float32)
-    if scale.ndim <= 1 or scale.shape[-1] == 1:    # per tensor / per channel: one group over K
-        if scale.size not in (1, n):
-            raise ValueError(f"{scale.size} weight scales for {n} output channels")
+    if scale.size == 1 or scale.shape in ((n,), (n, 1)):   # per tensor / per channel: one group over K
         group, rows = None, np.broadcast_to(scale.reshape(1, -1), (1, n))
     else:                                          # [ceil(N / bn), ceil(K / bk)] blocks of powers of two
         bn, bk = (1 << int(np.ceil(np.log2(-(-size // blocks)))) for size, blocks in zip((n, k), scale.shape))

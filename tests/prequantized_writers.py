@@ -42,6 +42,7 @@ CONFIGS = {
                   "weight_block_size": [128, 128]},
     "fbgemm-fp8": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+    "awq-g32": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": False,
              "checkpoint_format": "gptq"},
     "gptq-8bit": {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False, "sym": True,
@@ -136,8 +137,8 @@ def _pack(values: np.ndarray, bits: int, axis: int, order=None) -> torch.Tensor:
     return torch.from_numpy(np.moveaxis(words, -1, axis).astype(np.uint32).view(np.int32).copy())
 
 
-def _awq(w, rng):
-    q, z, s, meaning = _int_grid(w, 64, 4, False, rng)
+def _awq(w, rng, group=64):
+    q, z, s, meaning = _int_grid(w, group, 4, False, rng)
     saved = {"qweight": _pack(q, 4, axis=1, order=AWQ_PACK_ORDER), "qzeros": _pack(z, 4, axis=1, order=AWQ_PACK_ORDER),
              "scales": torch.from_numpy(s)}
     return saved, meaning.T.copy()
@@ -189,6 +190,7 @@ _ENCODERS = {
     "fp8-block": _fp8_block,
     "fbgemm-fp8": lambda w, rng: _fp8_channel(w, rng, torch.float32, extra=("input_scale_ub",)),
     "awq": _awq,
+    "awq-g32": lambda w, rng: _awq(w, rng, group=32),
     "gptq": _gptq,
     "gptq-8bit": lambda w, rng: _gptq(w, rng, bits=8, group=32, symmetric=True),
     "gptq-act-order": lambda w, rng: _gptq(w, rng, symmetric=True, act_order=True),

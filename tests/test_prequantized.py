@@ -17,7 +17,7 @@ from tests.prequantized_writers import CONFIGS, write_prequantized
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # format -> (kept format, its group along K; None: per channel), or None: dequantized to floats
-KEPT = {"fp8-channel": ("fp8", None), "fp8-block": ("fp8", 128), "fbgemm-fp8": ("fp8", None), "awq": ("int4", 64),
+KEPT = {"fp8-channel": ("fp8", None), "fp8-block": ("fp8", 128), "fbgemm-fp8": ("fp8", None), "awq": ("int4", 64), "awq-g32": ("int4", 32),
         "gptq": ("int4", 64), "gptq-8bit": ("int8", 32), "gptq-act-order": None, "ct-w4a16": ("int4", 64),
         "ct-w4a16-asym": ("int4", 64), "ct-w8a8-int": ("int8", None)}
 
@@ -53,7 +53,7 @@ def test_loads_kept_and_matches_transformers_on_the_same_weights(saved, caplog):
         want_format, want_group = KEPT[fmt]
         assert down.format == want_format
         assert down.num_groups == 1 if want_group is None else down.group_size == want_group
-        assert (down.zeros is not None) == (fmt in ("awq", "gptq", "ct-w4a16-asym"))   # asymmetric writers
+        assert (down.zeros is not None) == (fmt in ("awq", "awq-g32", "gptq", "ct-w4a16-asym"))   # asymmetric writers
         assert not any(r.levelno >= logging.WARNING for r in caplog.records)
     prompt = [int(t) for t in np.random.RandomState(1).randint(0, 512, size=21)]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1,
@@ -102,3 +102,18 @@ def test_unsupported_checkpoint_fails_cleanly_through_the_api(tmp_path):
 
 def test_every_written_format_has_a_config():
     assert set(KEPT) == set(CONFIGS)
+
+
+@pytest.mark.parametrize("n,k", [(300, 64), (64, 300), (96, 512)])   # one block along K, along N, or several
+def test_fp8_block_scales_cover_every_block_shape(n, k):
+    import ml_dtypes
+
+    from atlasjax.prequantized import _fp8
+    from atlasjax.quantization import dequantize
+    from tests.prequantized_writers import _fp8_block
+    w = np.random.default_rng(n).standard_normal((n, k)).astype(np.float32)
+    saved, meaning = _fp8_block(w, None)
+    arrays = {"weight": saved["weight"].view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn),
+              "weight_scale_inv": saved["weight_scale_inv"].numpy()}
+    qw = _fp8(arrays, (n, k))
+    np.testing.assert_allclose(np.asarray(dequantize(qw)).T, meaning, rtol=1e-6, atol=1e-7)

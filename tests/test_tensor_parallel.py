@@ -128,6 +128,22 @@ def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path, qtype)
     _assert_same(_run(llm, prompts), one, f"GGUF {qtype.name} TP=2")
 
 
+# int4 with zero points and int8 groups split along K (o_proj's K of 64 halves into whole groups of 32)
+@pytest.mark.parametrize("fmt", ["awq-g32", "gptq-8bit", "fp8-channel"])
+def test_prequantized_checkpoint_stays_quantized_and_splits(hf_model_factory, tmp_path, fmt):
+    import transformers
+
+    from tests.prequantized_writers import write_prequantized
+    _, path = hf_model_factory("llama_gqa4")
+    write_prequantized(transformers.AutoModelForCausalLM.from_pretrained(path), str(tmp_path), fmt)
+    prompts = _prompts(512, seed=5)
+    one = _run(LLM(str(tmp_path), **ENGINE), prompts)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    down = llm.engine.runner.params["layers_1"]["mlp"]["down_proj"]["kernel"]   # row-parallel: split along K
+    assert is_quantized(down) and down.qweight.shape[0] == 2 and _spec_dims(down.qweight) == [0]
+    _assert_same(_run(llm, prompts), one, f"{fmt} TP=2")
+
+
 def _same_tree(a, b):
     fa, fb = dict(loader._flatten(a)), dict(loader._flatten(b))
     assert fa.keys() == fb.keys()
