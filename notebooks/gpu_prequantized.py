@@ -1,12 +1,14 @@
-"""GPU: checkpoints saved quantized (FP8 per channel and in blocks, AWQ, GPTQ 4- and 8-bit) and a
-Q4_K_M-style GGUF, each run kept quantized against the weights they mean saved as a dense bf16
-model, so the native kernels of every kept format (fp8 per channel, fp8 groups of 128, int4 groups
-with zero points or float offsets, int8 groups) run end to end.
+"""GPU: checkpoints saved quantized (FP8 per channel and in blocks, AWQ, GPTQ, compressed-tensors
+int) and a Q4_K_M-style GGUF, each run kept quantized, so the native kernels of every kept format
+(fp8 per channel, fp8 groups of 128, int4 groups with zero points or float offsets, int8 groups)
+run end to end. The truth is the weights the files mean, run in float32; beside the kept run, the
+same weights run dense in bf16 show how far bf16 alone moves a random model's greedy tokens.
 
 A random Llama of hidden 1024 (intermediate 2816, 4 layers, vocab 4096) is written by the test
 writers (tests/prequantized_writers.py, tests/gguf_kquant_encoders.py). Per format: the kept
-formats of down_proj, how many greedy tokens agree with the dense run before the first difference
-(over 4 prompts of 24 tokens), and the largest |logprob| difference of the chosen tokens before it.
+format of down_proj and, for the kept and the dense bf16 run each, how many greedy tokens agree with
+the float32 truth before the first difference (4 prompts of 24 tokens) and the largest |logprob|
+difference of the chosen tokens before it.
 Writes $OUT/prequantized.json.
 
   JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks python notebooks/gpu_prequantized.py
@@ -43,8 +45,8 @@ def model():
     return m.eval()
 
 
-def run(path, **kw):
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=4, max_model_len=256, **kw)
+def run(path, dtype="bfloat16", **kw):
+    llm = LLM(path, dtype=dtype, max_num_seqs=4, max_model_len=256, **kw)
     down = llm.engine.runner.params["layers_1"]["mlp"]["down_proj"]["kernel"]
     kind = f"{down.format}/g{down.group_size}" if hasattr(down, "qweight") else str(down.dtype)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=1))
@@ -86,13 +88,15 @@ with tempfile.TemporaryDirectory() as tmp:
             kept_path += ".gguf"
             gguf_q4_k_m(m, kept_path)
             kind, kept = run(kept_path, keep_gguf_quantized=True)
-            dense_kind, dense = run(kept_path, keep_gguf_quantized=False)
+            _, dense = run(kept_path, keep_gguf_quantized=False)
+            _, truth = run(kept_path, "float32", keep_gguf_quantized=False)
         else:
             write_prequantized(m, kept_path, fmt)          # m now holds what the files mean
-            m.to(torch.bfloat16).save_pretrained(dense_path, safe_serialization=True)
+            m.save_pretrained(dense_path, safe_serialization=True)
             kind, kept = run(kept_path)
-            dense_kind, dense = run(dense_path)
-        res["formats"][fmt] = {"kept": kind, "dense": dense_kind, **compare(kept, dense)}
+            _, dense = run(dense_path)
+            _, truth = run(dense_path, "float32")
+        res["formats"][fmt] = {"kept": kind, "kept_vs_f32": compare(kept, truth), "bf16_vs_f32": compare(dense, truth)}
         print(fmt, res["formats"][fmt], flush=True)
 with open(os.path.join(OUT, "prequantized.json"), "w") as f:
     json.dump(res, f, indent=1)
