@@ -156,14 +156,12 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         scale_spec = plgpu.BlockSpec((groups_per_step, TILE_N), lambda k: (first_step + k, 0))
 
     def per_group(rows_smem, shape, row=lambda j, r: r):  # [gps, TILE_N] -> shape: row j over group j's columns
-        def load(j):
-            return lax.broadcast_in_dim(row(j, load_row(rows_smem, j)), shape, [0])
-        full = load(0)
-        if groups_per_step > 1:
-            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            for j in range(1, groups_per_step):
-                full = jnp.where(col >= j * group_size, load(j), full)
-        return full
+        # Each group's row broadcast over its own columns, joined along K: in the WGMMA layout that
+        # only places registers (a chain of selects over the whole tile cost 2 ops per weight per group)
+        width = shape[1] // groups_per_step
+        parts = [lax.broadcast_in_dim(row(j, load_row(rows_smem, j)), (shape[0], width), [0])
+                 for j in range(groups_per_step)]
+        return parts[0] if groups_per_step == 1 else jnp.concatenate(parts, axis=1)
 
     def prescaled(w_smem, s_smem, z_smem=None):  # the tile times its groups' scales, rounded once to bf16
         a = dequantized(w_smem).astype(jnp.float32)

@@ -117,3 +117,20 @@ def test_fp8_block_scales_cover_every_block_shape(n, k):
               "weight_scale_inv": saved["weight_scale_inv"].numpy()}
     qw = _fp8(arrays, (n, k))
     np.testing.assert_allclose(np.asarray(dequantize(qw)).T, meaning, rtol=1e-6, atol=1e-7)
+
+
+def test_awq_checkpoint_saved_with_orbax_loads_back_the_same(tmp_path):
+    # read once from the AWQ layout, then `LLM.save`: the engine's own checkpoint keeps the int4 groups
+    model = _model(seed=2)
+    write_prequantized(model, str(tmp_path / "awq"), "awq")
+    llm = LLM(str(tmp_path / "awq"), max_num_seqs=2, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    ref = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0]
+    llm.save(str(tmp_path / "saved"))
+    again = LLM(str(tmp_path / "saved"), max_num_seqs=2, max_model_len=128)
+    down = again.engine.runner.checkpoint_params()["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert (down.format, down.group_size, down.zero_point) == ("int4", 64, True)
+    out = again.generate([[5, 6, 7, 8]], params)[0].outputs[0]
+    assert out.token_ids == ref.token_ids
+    np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)],
+                               [lp[t].logprob for lp, t in zip(ref.logprobs, ref.token_ids)], atol=1e-6)
