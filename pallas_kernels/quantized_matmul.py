@@ -78,6 +78,9 @@ class QuantMatmulConfig:
     # step with the scale on the f32 partial, faster there (docs/perf_quant.md, session 4).
     prescale: bool | None = None
     prescale_tile_k: int = 256
+    # Prescaled tiles in bf16 arithmetic (scales and offsets rounded to bf16, a multiply and an add
+    # per weight on bf16 pairs) instead of f32 (a convert each way and f32 math on the whole tile)
+    prescale_bf16: bool = False
     # Asymmetric groups: the offset term (x row sums times 8 s + zeros) inside the kernel, not in
     # XLA. Prescaled: added to the tile (H100, int4 g32 asym, 8 rows: 4096x28672 66.4 -> 47.8 us);
     # per group: a ones-tile wgmma (int4 g128 asym: 4096x28672 42.2 -> 38.4 us; docs/perf_quant.md).
@@ -107,7 +110,7 @@ class QuantMatmulConfig:
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
                             prescale=False, group_size=None, unroll=1, z_gmem=None, zero_point=False,
-                            mma_order=False):
+                            mma_order=False, prescale_bf16=False):
     """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
@@ -165,6 +168,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         return parts[0] if groups_per_step == 1 else jnp.concatenate(parts, axis=1)
 
     def prescaled(w_smem, s_smem, z_smem=None):  # the tile times its groups' scales, rounded once to bf16
+        if prescale_bf16:
+            return prescaled_bf16(w_smem, s_smem, z_smem)
         a = dequantized(w_smem).astype(jnp.float32)
         if zero_point:  # w = (q - z) s
             return ((a - per_group(z_smem, a.shape)) * per_group(s_smem, a.shape)).astype(jnp.bfloat16)
@@ -172,6 +177,17 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         if z_smem is not None:  # w = q s + (8 s + zeros)
             a = a + per_group(z_smem, a.shape, lambda j, z: z + 8.0 * load_row(s_smem, j))
         return a.astype(jnp.bfloat16)
+
+    def prescaled_bf16(w_smem, s_smem, z_smem=None):  # as `prescaled`, in bf16: q (or q - z) exact, times s
+        def bf16(j, r):
+            return r.astype(jnp.bfloat16)
+        a = dequantized(w_smem)
+        if zero_point:
+            return (a - per_group(z_smem, a.shape, bf16)) * per_group(s_smem, a.shape, bf16)
+        a = a * per_group(s_smem, a.shape, bf16)
+        if z_smem is not None:   # w = q s + (8 s + zeros)
+            a = a + per_group(z_smem, a.shape, lambda j, z: (z + 8.0 * load_row(s_smem, j)).astype(jnp.bfloat16))
+        return a
 
     if prescale and not per_channel:
         def step_prescaled(acc_ref, w_smem, x_smem, s_smem, z_smem=None):
@@ -299,7 +315,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.num_groups == 1 and qw.zeros is None,
         max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size,
-        unroll=unroll, zero_point=qw.zero_point, mma_order=qw.mma_order)
+        unroll=unroll, zero_point=qw.zero_point, mma_order=qw.mma_order, prescale_bf16=config.prescale_bf16)
 
     def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when read
         z, refs = (refs[0], refs[1:]) if with_zeros else (None, refs)
