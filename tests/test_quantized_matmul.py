@@ -58,6 +58,12 @@ def test_interpret_matches_reference(fmt, group_size, zeros, m):
     _check(fmt, group_size, zeros, m, k=200, n=70, seed=m, interpret=True)
 
 
+@pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 32, "offsets"), ("int8", 32, "sym"), ("int4", 64, "zp")])
+def test_interpret_prescaled_in_f32_too(fmt, group_size, zeros):
+    # the prescaled tile's arithmetic: bf16 by default (faster on the H100), f32 kept as an option
+    _check(fmt, group_size, zeros, 3, k=512, n=70, interpret=True, config=QuantMatmulConfig(prescale_bf16=False))
+
+
 def test_interpret_k_splits_and_m_tiles():
     # K = 512 gives 4 steps of 128, split 2 ways; M past DECODE_ROWS with tile_m 48 gives several
     # M tiles; N = 130 needs 3 tiles of 64 after padding.
