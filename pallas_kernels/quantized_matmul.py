@@ -71,11 +71,12 @@ class QuantMatmulConfig:
     num_k_splits: int | None = None  # None: enough splits to give every SM work
     max_concurrent_steps: int = 4  # pipeline depth (TMA loads in flight per warpgroup)
     tile_m: int = 128  # activation rows per tile when M > DECODE_ROWS (multiple of 8, <= 256)
-    # Grouped formats: fold each group's scale into the dequantized tile (rounded to bf16 per weight,
-    # as dequantize-then-matmul does; `prescale_bf16`) and keep one accumulator over all K steps; a step then
-    # spans several groups (up to prescale_tile_k elements). None: for groups under 128 elements
-    # (GGUF Q8_0 / Q4_0 / Q4_1), where it measured 1.3-5x faster; groups of 128 stay one group per
-    # step with the scale on the f32 partial, faster there (docs/perf_quant.md, session 4).
+    # Grouped formats: fold each group's scale into the dequantized tile (rounded to bf16 per
+    # weight, as dequantize-then-matmul does; `prescale_bf16`) and keep one accumulator over all K
+    # steps; a step then spans several groups (up to prescale_tile_k elements). None: for groups
+    # under 128 elements (GGUF Q8_0 / Q4_0 / Q4_1), where it measured 1.3-5x faster; groups of 128
+    # stay one group per step with the scale on the f32 partial, faster there (docs/perf_quant.md,
+    # session 4).
     prescale: bool | None = None
     prescale_tile_k: int = 256
     # Prescaled tiles in bf16 arithmetic (scales and offsets rounded to bf16, a multiply and an add

@@ -17,9 +17,10 @@ from tests.prequantized_writers import CONFIGS, write_prequantized
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # format -> (kept format, its group along K; None: per channel), or None: dequantized to floats
-KEPT = {"fp8-channel": ("fp8", None), "fp8-block": ("fp8", 128), "fbgemm-fp8": ("fp8", None), "awq": ("int4", 64), "awq-g32": ("int4", 32),
-        "gptq": ("int4", 64), "gptq-8bit": ("int8", 32), "gptq-act-order": None, "ct-w4a16": ("int4", 64),
-        "ct-w4a16-asym": ("int4", 64), "ct-w8a8-int": ("int8", None)}
+KEPT = {"fp8-channel": ("fp8", None), "fp8-block": ("fp8", 128), "fbgemm-fp8": ("fp8", None),
+        "awq": ("int4", 64), "awq-g32": ("int4", 32), "gptq": ("int4", 64), "gptq-8bit": ("int8", 32),
+        "gptq-act-order": None, "ct-w4a16": ("int4", 64), "ct-w4a16-asym": ("int4", 64),
+        "ct-w8a8-int": ("int8", None)}
 
 
 def _model(seed=0):
