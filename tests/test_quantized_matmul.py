@@ -64,6 +64,12 @@ def test_interpret_prescaled_in_f32_too(fmt, group_size, zeros):
     _check(fmt, group_size, zeros, 3, k=512, n=70, interpret=True, config=QuantMatmulConfig(prescale_bf16=False))
 
 
+@pytest.mark.parametrize("fmt,zeros", [("int8", "sym"), ("int4", "offsets")])
+def test_interpret_default_configs_of_groups_of_32(fmt, zeros):
+    # `default_config`: int8 in 512-row steps, 2 in flight; int4 with offsets 3 in flight
+    _check(fmt, 32, zeros, 3, k=1024, n=70, interpret=True)
+
+
 def test_interpret_k_splits_and_m_tiles():
     # K = 512 gives 4 steps of 128, split 2 ways; M past DECODE_ROWS with tile_m 48 gives several
     # M tiles; N = 130 needs 3 tiles of 64 after padding.
