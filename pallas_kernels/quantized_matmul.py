@@ -298,15 +298,15 @@ def default_config(qw: QuantizedWeight) -> QuantMatmulConfig:
     """The fused kernel's tunables for a weight (H100, 8 rows, session 33). Groups under 128:
     - int4 with float offsets (GGUF Q4_1, Q4_K) keeps 3 steps in flight: 4096x28672 41.3 -> 32.2
       us, the other 8B shapes within 0.2 us but the 4096x128256 LM head shape, 119.2 -> 121.7;
-    - int8 (GGUF Q8_0 and the types kept as int8) steps over 512 rows, 2 in flight: 4096x6144
-      14.8 -> 13.6 us, 4096x28672 48.2 -> 46.5, the LM head shape 191.8 -> 190.0 (with 3 steps of
-      256 rows gate_up took 60.1).
+    - int8 (GGUF Q8_0 and the types kept as int8) wider than 4096 columns steps over 512 rows, 2 in
+      flight: 4096x6144 14.7 -> 13.7 us, 4096x28672 48.1 -> 46.5, the LM head shape 192.0 -> 190.1;
+      not at 4096 columns (4096x4096 10.1 -> 13.2, 14336x4096 unchanged).
     The rest keep the defaults."""
     if qw.group_size >= 128 or qw.num_groups == 1:
         return QuantMatmulConfig()
     if qw.format == "int4" and qw.zeros is not None and not qw.zero_point:
         return OFFSETS_CONFIG
-    return INT8_GROUPS_CONFIG if qw.format == "int8" else QuantMatmulConfig()
+    return INT8_GROUPS_CONFIG if qw.format == "int8" and qw.shape[1] > 4096 else QuantMatmulConfig()
 
 
 OFFSETS_CONFIG = QuantMatmulConfig(max_concurrent_steps=3)

@@ -66,8 +66,8 @@ def test_interpret_prescaled_in_f32_too(fmt, group_size, zeros):
 
 @pytest.mark.parametrize("fmt,zeros", [("int8", "sym"), ("int4", "offsets")])
 def test_interpret_default_configs_of_groups_of_32(fmt, zeros):
-    # `default_config`: int8 in 512-row steps, 2 in flight; int4 with offsets 3 in flight
-    _check(fmt, 32, zeros, 3, k=1024, n=70, interpret=True)
+    # `default_config`: int8 wider than 4096 columns in 512-row steps, 2 in flight; int4 with offsets 3 in flight
+    _check(fmt, 32, zeros, 3, k=1024, n=4160, interpret=True)
 
 
 def test_interpret_k_splits_and_m_tiles():
