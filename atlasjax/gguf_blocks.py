@@ -25,10 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 import gguf
-import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.quantization import QuantizedWeight, padded_sizes, quantize, with_mma_order
+from atlasjax.quantization import QuantizedWeight, from_codes, quantize
 
 BLOCK = 32   # the group size of every kept GGUF weight
 # bytes per block of the types read as stored: 32 values, or Q4_K's super-block of 256
@@ -105,8 +104,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> 
             q = (_split_nibbles(blocks[..., 6:]) | (fifth << 4)).astype(np.int8) - 16
         else:
             q = _split_nibbles(blocks[..., 4 if name == "Q4_1" else 2:]).astype(np.int8) - 8
-    return _quantized(q.reshape(n, k), scales.reshape(n, -1), None if zeros is None else zeros.reshape(n, -1),
-                      "int8" if name in ("Q8_0", "Q5_0") else "int4", (k, n))
+    return from_codes(q.reshape(n, k), scales.reshape(n, -1).T, None if zeros is None else zeros.reshape(n, -1).T,
+                      format=kept_format(name), group_size=BLOCK)
 
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
@@ -135,15 +134,3 @@ def _q4_k(blocks: np.ndarray):
     if not (np.isfinite(scales).all() and np.isfinite(offsets).all()):
         raise ValueError("a Q4_K scale or min is beyond float16's range")
     return q, scales, offsets
-
-
-def _quantized(q, scales, zeros, fmt, shape):
-    """Pads [N, K] values and [N, K/32] scales / offsets as `quantize` would, as a QuantizedWeight."""
-    k, n = shape
-    k_pad, n_pad, _ = padded_sizes(k, n, BLOCK)
-    q = np.pad(q, ((0, n_pad - n), (0, k_pad - k)))
-    pad_groups = ((0, (k_pad - k) // BLOCK), (0, n_pad - n))
-    scales = jnp.asarray(np.pad(scales.T, pad_groups))
-    zeros = None if zeros is None else jnp.asarray(np.pad(zeros.T, pad_groups))
-    qweight = jnp.asarray(q.astype(jnp.int4) if fmt == "int4" else q)
-    return with_mma_order(QuantizedWeight(qweight, scales, zeros, fmt, BLOCK, (k, n)))

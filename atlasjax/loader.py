@@ -91,14 +91,23 @@ def _safetensors_files(model_dir: str) -> list[str]:
 _RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
+@functools.lru_cache(maxsize=16)
+def _safetensors_header(path: str, version: tuple[int, int]) -> tuple[int, dict]:
+    """(byte offset of the data, the header's tensor table) of a safetensors file, read once per
+    version (its mtime and size: a file written again is read again)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return 8 + size, json.loads(f.read(size))
+
+
 def _read_raw(path: str, name: str) -> np.ndarray:
     """One tensor of a float8 dtype, viewed from the memory-mapped file (the header says where)."""
     import ml_dtypes  # noqa: PLC0415 (a jax dependency)
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(size))[name]
+    stat = os.stat(path)
+    base, table = _safetensors_header(path, (stat.st_mtime_ns, stat.st_size))
+    info = table[name]
     start, stop = info["data_offsets"]
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size + start, shape=(stop - start,))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=base + start, shape=(stop - start,))
     return data.view(getattr(ml_dtypes, _RAW_DTYPES[info["dtype"]])).reshape(info["shape"])
 
 

@@ -144,18 +144,13 @@ def _reader(scheme, root, parts, shape, as_floats, warned: set):
     def read():
         try:
             arrays = {key: np.asarray(r()) for key, r in parts.items()}
-            if scheme.method == "fp8":
-                qw = _fp8(arrays, shape)
-            else:
-                qw = _int(scheme, arrays, shape)
+            qw, why = (_fp8(arrays, shape), None) if scheme.method == "fp8" else _int(scheme, arrays, shape)
         except (ValueError, KeyError, IndexError) as e:
             raise CheckpointError(f"{root}: cannot read its {scheme.method} weight: {e}") from e
-        if isinstance(qw, str):   # why it cannot be kept: once per checkpoint, at its first weight
-            if qw not in warned:
-                warned.add(qw)
-                log.warning("%s weights dequantized to floats at load (%s), starting with %s",
-                            scheme.method.upper(), qw, root)
-            qw = _int(scheme, arrays, shape, as_floats_because=qw)
+        if why is not None and why not in warned:   # read as floats: said once per checkpoint and reason
+            warned.add(why)
+            log.warning("%s weights dequantized to floats at load (%s), starting with %s",
+                        scheme.method.upper(), why, root)
         if as_floats or isinstance(qw, np.ndarray):
             from atlasjax.quantization import dequantize  # noqa: PLC0415
             return qw if isinstance(qw, np.ndarray) else np.asarray(dequantize(qw), np.float32).T
@@ -165,7 +160,7 @@ def _reader(scheme, root, parts, shape, as_floats, warned: set):
 
 def _fp8(arrays: dict, shape: tuple[int, int]):
     """An FP8 weight [N, K] with per-tensor, per-channel or per-block scales, as the fp8 format."""
-    from atlasjax.quantization import QuantizedWeight, padded_sizes  # noqa: PLC0415
+    from atlasjax.quantization import from_codes  # noqa: PLC0415
     n, k = shape
     w = arrays["weight"]
     if str(w.dtype) != "float8_e4m3fn":
@@ -178,13 +173,7 @@ def _fp8(arrays: dict, shape: tuple[int, int]):
         if scale.ndim != 2 or bk < 16 or -(-n // bn) != scale.shape[0] or -(-k // bk) != scale.shape[1]:
             raise ValueError(f"block scales of shape {scale.shape} for a {n} x {k} weight")
         group, rows = bk, np.repeat(scale.T, bn, axis=1)[:, :n]   # [K / bk, N]
-    k_pad, n_pad, group = padded_sizes(k, n, group)
-    q = np.zeros((n_pad, k_pad), w.dtype)
-    q[:n, :k] = w
-    scales = np.zeros((k_pad // group, n_pad), np.float32)
-    scales[: rows.shape[0], :n] = rows
-    import jax.numpy as jnp  # noqa: PLC0415
-    return QuantizedWeight(jnp.asarray(q), jnp.asarray(scales), None, "fp8", group, (k, n))
+    return from_codes(w, rows, format="fp8", group_size=group)
 
 
 def _unpack(words: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
@@ -201,10 +190,11 @@ def _unpack(words: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
     return values.reshape(shape).astype(np.int16)
 
 
-def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int], as_floats_because: str | None = None):
-    """An integer weight (AWQ, GPTQ, compressed-tensors int) as int4 / int8 with integer zero points;
-    when the engine's formats cannot hold it, the reason (a str), and with `as_floats_because` the
-    dequantized [N, K] float32 weight."""
+def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
+    """An integer weight (AWQ, GPTQ, compressed-tensors int): (int4 / int8 QuantizedWeight with integer
+    zero points, None), or, where the engine's formats cannot hold it, (the dequantized [N, K]
+    float32 weight, why)."""
+    from atlasjax.quantization import from_codes  # noqa: PLC0415
     n, k = shape
     bits, mid = scheme.bits, 1 << (scheme.bits - 1)
     if scheme.method == "compressed-tensors":   # signed values stored with + mid; [N, ...] layouts
@@ -226,6 +216,7 @@ def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int], as_floats_because
         else:
             z = np.full(scales.shape, mid, np.int16)
         g_idx = arrays.get("g_idx")
+    q = q[:, :n]
     groups = scales.shape[0]
     group = k // groups if k % groups == 0 else 0
     contiguous = group > 0 and (g_idx is None or np.array_equal(np.asarray(g_idx), np.arange(k) // group))
@@ -234,35 +225,11 @@ def _int(scheme: Scheme, arrays: dict, shape: tuple[int, int], as_floats_because
     fits = contiguous and z.max() < 2 * mid and (bits == 4 or symmetric) and (
         per_channel or (group & (group - 1) == 0 and group >= 16))
     if not fits:
-        if as_floats_because is None:
-            return "groups not contiguous along K" if not contiguous else "outside the engine's formats"
         index = np.asarray(g_idx) if g_idx is not None else np.arange(k) // max(group, 1)
-        w = (q[:, :n] - z[index]).astype(np.float32) * scales[index].astype(np.float32)   # [K, N]
-        return np.ascontiguousarray(w.T)
-    return _int_weight(q[:, :n] - mid, None if symmetric else z - mid, scales, None if per_channel else group,
-                       bits, shape)
-
-
-def _int_weight(codes, zeros, scales, group, bits, shape):
-    """Signed codes [K, N], zero points [G, N] (None: symmetric) and scales [G, N] as a padded
-    QuantizedWeight: int4 in mma order, or int8 (symmetric)."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from atlasjax.quantization import QuantizedWeight, padded_sizes, with_mma_order  # noqa: PLC0415
-    k, n = shape[1], shape[0]
-    groups = scales.shape[0]
-    k_pad, n_pad, group = padded_sizes(k, n, group)
-    q = np.zeros((n_pad, k_pad), np.int8)
-    q[:n, :k] = codes.T
-    stored = scales.dtype if scales.dtype in (np.float16, np.float32) else np.float32
-    s = np.zeros((k_pad // group, n_pad), stored)
-    s[:groups, :n] = scales[:, :n]
-    if bits == 8:
-        return QuantizedWeight(jnp.asarray(q), jnp.asarray(s), None, "int8", group, (k, n))
-    z = None
-    if zeros is not None:
-        z = np.zeros((k_pad // group, n_pad), np.float16)
-        z[:groups, :n] = zeros
-        z = jnp.asarray(z)
-    return with_mma_order(QuantizedWeight(jnp.asarray(q.astype(jnp.int4)), jnp.asarray(s), z, "int4", group, (k, n),
-                                          zero_point=zeros is not None))
+        w = (q - z[index]).astype(np.float32) * scales[index].astype(np.float32)   # [K, N]
+        return np.ascontiguousarray(w.T), ("groups not contiguous along K" if not contiguous
+                                            else "outside the engine's formats")
+    qw = from_codes((q - mid).T.astype(np.int8), scales, None if symmetric else z - mid,
+                    format="int4" if bits == 4 else "int8", group_size=None if per_channel else group,
+                    zero_point=not symmetric)
+    return qw, None

@@ -165,6 +165,33 @@ def quantize(
                            mma_order=format == "int4")
 
 
+def from_codes(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None = None, *, format: str,
+               group_size: int | None, zero_point: bool = False) -> QuantizedWeight:
+    """A weight already quantized elsewhere (GGUF blocks, checkpoints saved quantized), padded and
+    laid out as `quantize` lays it out; no value changes.
+
+    Args:
+      codes: [N, K] stored values: int8 (int4 codes in [-8, 7] for "int4") or float8_e4m3fn.
+      scales: [G, N], G = K / group_size (1 per channel); float16 / float32 kept, others -> float32.
+      zeros: [G, N] or None: integer zero points (`zero_point`) or float offsets, stored as float16.
+      group_size: along K; None per channel.
+    """
+    n, k = codes.shape
+    k_pad, n_pad, group = padded_sizes(k, n, group_size)
+    q = np.zeros((n_pad, k_pad), codes.dtype)
+    q[:n, :k] = codes
+
+    def rows(x, dtype):   # [G, N] -> [K_pad / group, N_pad]
+        out = np.zeros((k_pad // group, n_pad), dtype)
+        out[: x.shape[0], :n] = x[:, :n]
+        return jnp.asarray(out)
+    s = rows(scales, scales.dtype if scales.dtype in (np.float16, np.float32) else np.float32)
+    z = None if zeros is None else rows(zeros, np.float16)
+    qw = QuantizedWeight(jnp.asarray(q.astype(jnp.int4) if format == "int4" else q), s, z, format, group, (k, n),
+                         zero_point=zero_point)
+    return with_mma_order(qw) if format == "int4" else qw   # int4 in mma order, as `quantize` stores it
+
+
 def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
     """The block W[start:start+size, :] (dim 0, along K) or W[:, start:start+size] (dim 1, along N)
     of a quantized weight, as its own QuantizedWeight (host arrays, padded as `quantize` pads).

@@ -1,0 +1,75 @@
+"""The fused dequantize-matmul's tunables (`QuantMatmulConfig`) and the config each weight gets
+(`default_config`), from the H100 measurements in docs/perf_quant.md and docs/performance.md.
+
+pallas_kernels/quantized_matmul.py is the kernel; this module holds what decides how it runs, as
+decode_matmul_rules.py does for the decode matmul.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.quant_format import QuantizedWeight
+
+MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantMatmulConfig:
+    """Tunables of the fused kernel. Checked against a weight in `quantized_matmul._can_use_pallas`."""
+
+    tile_k: int = 128  # K elements per pipeline step (capped at the group size)
+    num_k_splits: int | None = None  # None: enough splits to give every SM work
+    max_concurrent_steps: int = 4  # pipeline depth (TMA loads in flight per warpgroup)
+    tile_m: int = 128  # activation rows per tile when M > DECODE_ROWS (multiple of 8, <= 256)
+    # Grouped formats: fold each group's scale into the dequantized tile (rounded to bf16 per
+    # weight, as dequantize-then-matmul does; `prescale_bf16`) and keep one accumulator over all K
+    # steps; a step then spans several groups (up to prescale_tile_k elements). None: for groups
+    # under 128 elements (GGUF Q8_0 / Q4_0 / Q4_1), where it measured 1.3-5x faster; groups of 128
+    # stay one group per step with the scale on the f32 partial, faster there (docs/perf_quant.md,
+    # session 4).
+    prescale: bool | None = None
+    prescale_tile_k: int = 256
+    # Prescaled tiles in bf16 arithmetic (scales and offsets rounded to bf16, a multiply and an add
+    # per weight on bf16 pairs) instead of f32 (a convert each way and f32 math on the whole tile).
+    # H100, 8 rows, groups of 32 (session 33): int4 with offsets 4096x6144 15.0 -> 11.2 us, 14336x4096
+    # 23.5 -> 17.8, 4096x128256 153 -> 121; int4 symmetric 4096x28672 38.9 -> 29.7; int8 17.5 -> 14.5
+    # (4096x6144); relative error 2.4-2.9e-3 against 2.2-2.3e-3
+    prescale_bf16: bool = True
+    # Asymmetric groups: the offset term (x row sums times 8 s + zeros) inside the kernel, not in
+    # XLA. Prescaled: added to the tile (H100, int4 g32 asym, 8 rows: 4096x28672 66.4 -> 47.8 us);
+    # per group: a ones-tile wgmma (int4 g128 asym: 4096x28672 42.2 -> 38.4 us; docs/perf_quant.md).
+    fold_zeros: bool = True
+    # Groups per pipeline step on the per-group path (groups of >= 128 elements, int4 by default):
+    # all of a step's wgmmas are in flight before one wait. None: auto (`_unroll`).
+    group_unroll: int | None = None
+
+    def __post_init__(self):
+        if self.tile_k % 16 or self.tile_k <= 0:
+            raise ValueError(f"tile_k must be a positive multiple of 16, got {self.tile_k}")
+        if self.tile_m % 8 or not 8 <= self.tile_m <= MAX_TILE_M:
+            raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {self.tile_m}")
+        if self.max_concurrent_steps < 1:
+            raise ValueError("max_concurrent_steps must be >= 1")
+        if self.prescale_tile_k % 16 or self.prescale_tile_k <= 0:
+            raise ValueError(f"prescale_tile_k must be a positive multiple of 16, got {self.prescale_tile_k}")
+        if self.group_unroll is not None and self.group_unroll < 1:
+            raise ValueError(f"group_unroll must be >= 1, got {self.group_unroll}")
+
+
+def default_config(qw: QuantizedWeight) -> QuantMatmulConfig:
+    """The fused kernel's tunables for a weight (H100, 8 rows, session 33). Groups under 128:
+    - int4 with float offsets (GGUF Q4_1, Q4_K) keeps 3 steps in flight: 4096x28672 41.3 -> 32.2
+      us, the other 8B shapes within 0.2 us but the 4096x128256 LM head shape, 119.2 -> 121.7;
+    - int8 (GGUF Q8_0 and the types kept as int8) wider than 4096 columns steps over 512 rows, 2 in
+      flight: 4096x6144 14.7 -> 13.7 us, 4096x28672 48.1 -> 46.5, the LM head shape 192.0 -> 190.1;
+      not at 4096 columns (4096x4096 10.1 -> 13.2, 14336x4096 unchanged).
+    The rest keep the defaults."""
+    if qw.group_size >= 128 or qw.num_groups == 1:
+        return QuantMatmulConfig()
+    if qw.format == "int4" and qw.zeros is not None and not qw.zero_point:
+        return OFFSETS_CONFIG
+    return INT8_GROUPS_CONFIG if qw.format == "int8" and qw.shape[1] > 4096 else QuantMatmulConfig()
+
+
+OFFSETS_CONFIG = QuantMatmulConfig(max_concurrent_steps=3)
+INT8_GROUPS_CONFIG = QuantMatmulConfig(prescale_tile_k=512, max_concurrent_steps=2)
