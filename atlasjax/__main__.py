@@ -14,10 +14,13 @@ def add_attention_backend_arg(g) -> None:
                    help="interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; checks them on a CPU)")
 
 
-def add_weight_format_args(g) -> None:
-    """--quantization and --quantize-lm-head (the serving CLI and the bench share them)."""
-    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
-                   help="quantize the linear projections (q/k/v/o, gate/up/down) at load (weight-only)")
+def add_weight_format_args(g, layouts: tuple[str, ...] = ()) -> None:
+    """--quantization and --quantize-lm-head (the serving CLI and the bench share them); `layouts`:
+    further --quantization choices (the bench's GGUF-shaped presets)."""
+    more = (f"; {', '.join(layouts)}: a preset laid out as a llama.cpp file of that type loads "
+            "(its LM head included)") if layouts else ""
+    g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4", *layouts],
+                   help="quantize the linear projections (q/k/v/o, gate/up/down) at load (weight-only)" + more)
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
                         "0.53 GB int8; default: it stays in --dtype; a tied LM head, i.e. the embedding "

@@ -57,6 +57,20 @@ def kept_format(qtype: Any) -> str:
     return "int4" if type_name(qtype) in ("Q4_0", "Q4_1", "Q4_K") else "int8"
 
 
+def like_gguf(w: Any, qtype: Any) -> QuantizedWeight:
+    """A float weight W[K, N] quantized into the layout a GGUF tensor of `qtype` loads into: the
+    same format, group size and kind of zeros as `gguf_weight` gives (int4 with float offsets for
+    Q4_K / Q4_1, symmetric int4 for Q4_0, int8 for the rest), so the kernels run what they would
+    for such a file. The values are this quantizer's, not llama.cpp's (for benchmarks and tests)."""
+    from pallas_kernels.quant_format import with_float_offsets  # noqa: PLC0415
+    name = type_name(qtype)
+    if kept_format(name) == "int8":
+        return quantize(w, "int8", group_size=BLOCK)
+    if name == "Q4_0":
+        return quantize(w, "int4", group_size=BLOCK, symmetric=True)
+    return with_float_offsets(quantize(w, "int4", group_size=BLOCK, symmetric=False))
+
+
 def gguf_weight(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> QuantizedWeight:
     """A GGUF linear weight in any block type, kept quantized (the module docstring says how).
 

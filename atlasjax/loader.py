@@ -273,13 +273,14 @@ def _random_leaf(key, shape, dtype, sharding):
 
 
 def _gguf_reader(name: str, t, keep_quantized: bool):
-    """Loader for one GGUF tensor: projection weights in a block type stay quantized
-    (atlasjax/gguf_blocks.py: Q8_0 / Q4_0 / Q4_1 / Q4_K as stored, the other types as int8)."""
+    """Loader for one GGUF tensor: projection weights and an untied LM head (`output.weight`) in a
+    block type stay quantized (atlasjax/gguf_blocks.py: Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K as stored,
+    the other types as int8), as llama.cpp runs them; embeddings and norms load as floats."""
     from atlasjax.gguf_blocks import is_block_type  # noqa: PLC0415
     from atlasjax.quantization import DEFAULT_PROJECTIONS  # noqa: PLC0415
     parts = name.split(".")
-    if not (keep_quantized and is_block_type(t.qtype) and len(t.shape) == 2 and parts[-1] == "weight"
-            and parts[-2] in DEFAULT_PROJECTIONS):
+    linear = (parts[-1] == "weight" and parts[-2] in DEFAULT_PROJECTIONS) or name == "lm_head.weight"
+    if not (keep_quantized and is_block_type(t.qtype) and len(t.shape) == 2 and linear):
         return TensorReader(t.shape, t.dequantize)
 
     def read():

@@ -106,13 +106,43 @@ def test_latency_with_multi_step_decoding_reports_per_token_times(tmp_path):
 def test_latency_compare_quantization(tmp_path, capsys):
     # The "against the same engine in bf16, measured in one run": the main run, then each format.
     rep = run_bench(tmp_path, "latency", "--preset", "tiny", "--batch-size", "1", "--input-len", "8",
-                    "--output-len", "4", "--num-iters", "1", "--compare-quantization", "int8,int4")
+                    "--output-len", "4", "--num-iters", "1", "--compare-quantization", "int8,int4,gguf-q4_k_m")
     rows = rep["compare_quantization"]
-    assert [r["quantization"] for r in rows] == ["none", "int8", "int4"]
+    assert [r["quantization"] for r in rows] == ["none", "int8", "int4", "gguf-q4_k_m"]
     assert rows[0]["tpot_vs_main"] == 1.0 and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in rows)
     assert "weight formats" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown"):
         main(["latency", "--preset", "tiny", "--compare-quantization", "int3"])
+
+
+def test_gguf_layouts_follow_llama_cpp():
+    # gguf-q4_k_m: Q6_K v / down in llama.cpp's "more bits" layers and a Q6_K LM head, Q4_K elsewhere,
+    # each in the layout the loader keeps that type in
+    import jax
+
+    from atlasjax.bench.gguf_layouts import llama_cpp_type, quantize_like_gguf, use_more_bits
+    from atlasjax.loader import random_params
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert llama_cpp_type("gguf-q4_k_m", "down_proj", 6, 32) == "Q6_K"
+    assert llama_cpp_type("gguf-q4_k_m", "down_proj", 7, 32) == "Q4_K"
+    assert llama_cpp_type("gguf-q4_k_m", "q_proj", 0, 32) == "Q4_K"
+    assert llama_cpp_type("gguf-q8_0", "lm_head", None, 32) == "Q8_0"
+    assert llama_cpp_type("gguf-q4_0", "lm_head", None, 32) == "Q6_K"
+    with pytest.raises(ValueError, match="unknown GGUF layout"):
+        llama_cpp_type("gguf-q3_k_s", "q_proj", 0, 32)
+    cfg = PRESETS["tiny"]   # 2 layers: layer 1 is a "more bits" layer
+    params = quantize_like_gguf(random_params(cfg, jax.numpy.float32, 0), "gguf-q4_k_m", cfg.num_layers)
+
+    def kind(layer, module, proj):   # (format, group size, float offsets)
+        w = params[layer][module][proj]["kernel"]
+        return w.format, w.group_size, w.zeros is not None and not w.zero_point
+    assert kind("layers_0", "mlp", "down_proj") == kind("layers_0", "self_attn", "v_proj") == ("int4", 32, True)  # Q4_K
+    assert kind("layers_1", "mlp", "down_proj") == kind("layers_1", "self_attn", "v_proj") == ("int8", 32, False)  # Q6_K
+    assert kind("layers_1", "self_attn", "q_proj") == ("int4", 32, True)
+    head = params["lm_head"]["kernel"]
+    assert (head.format, head.group_size) == ("int8", 32)
+    with pytest.raises(SystemExit, match="--preset"):
+        main(["latency", "--quantization", "gguf-q4_k_m", "--num-iters", "1"])
 
 
 def test_throughput_mode_random_prompts(tmp_path):

@@ -92,41 +92,77 @@ def test_float_and_unknown_types_are_refused_with_their_names():
         gguf_weight(np.zeros((1, 2), np.uint8), "Q9_9", (1, 32))
 
 
-def test_llama_k_quant_file_loads_kept_with_the_q_k_rows_unpermuted(tmp_path):
-    # llama.cpp permutes q/k rows per head in llama files; kept blocks must be reordered like the floats
-    import jax.numpy as jnp
+_SHAPES = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
+           "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
+           "mlp.down_proj": (256, 512)}
+
+
+def _write_k_quant_llama(path, head_type=Q.F32):
+    """A 1-layer untied Llama GGUF, Q4_K_M-like: v and down in Q6_K, the other projections in Q4_K,
+    the LM head (output.weight) in `head_type`; a 256-byte vocabulary."""
     import transformers
 
-    from atlasjax.loader import load_model
     from tests.gguf_writer_util import write_gguf_from_hf
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                       tie_word_embeddings=False)
     rng = np.random.default_rng(0)
-    shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
-              "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
-              "mlp.down_proj": (256, 512)}
-    state = {f"model.layers.0.{p}.weight": rng.standard_normal(s).astype(np.float32) * 0.05 for p, s in shapes.items()}
+    state = {f"model.layers.0.{p}.weight": rng.standard_normal(s).astype(np.float32) * 0.05 for p, s in _SHAPES.items()}
     state |= {"model.layers.0.input_layernorm.weight": np.ones(256, np.float32),
               "model.layers.0.post_attention_layernorm.weight": np.ones(256, np.float32),
               "model.norm.weight": np.ones(256, np.float32),
               "model.embed_tokens.weight": rng.standard_normal((256, 256)).astype(np.float32),
-              "lm_head.weight": rng.standard_normal((256, 256)).astype(np.float32)}
+              "lm_head.weight": rng.standard_normal((256, 256)).astype(np.float32) * 0.3}
 
-    def encode(name, array):   # Q4_K_M-like: v and down in Q6_K, the other projections in Q4_K
-        if array.ndim == 1 or name in ("token_embd.weight", "output.weight"):
+    def encode(name, array):
+        if array.ndim == 1 or name == "token_embd.weight":
             return array, Q.F32
+        if name == "output.weight":   # gguf cannot encode K-quants: Q6_K through the test encoder
+            encoders = {Q.F32: lambda a: a, Q.Q6_K: encode_q6_k}
+            return encoders.get(head_type, lambda a: gguf.quants.quantize(a, head_type))(array), head_type
         if name.endswith(("attn_v.weight", "ffn_down.weight")):
             return encode_q6_k(array), Q.Q6_K
         return encode_q4_k(array), Q.Q4_K
 
-    write_gguf_from_hf(state, config, tmp_path / "k.gguf", encode=encode)
-    kept = load_model(str(tmp_path / "k.gguf"), jnp.float32, keep_gguf_quantized=True).params
-    floats = load_model(str(tmp_path / "k.gguf"), jnp.float32, keep_gguf_quantized=False).params
-    for path, want in shapes.items():
+    write_gguf_from_hf(state, config, path, encode=encode)
+    return str(path)
+
+
+def test_llama_k_quant_file_loads_kept_with_the_q_k_rows_unpermuted(tmp_path):
+    # llama.cpp permutes q/k rows per head in llama files; kept blocks must be reordered like the floats
+    import jax.numpy as jnp
+
+    from atlasjax.loader import load_model
+    path = _write_k_quant_llama(tmp_path / "k.gguf")
+    kept = load_model(path, jnp.float32, keep_gguf_quantized=True).params
+    floats = load_model(path, jnp.float32, keep_gguf_quantized=False).params
+    for path, want in _SHAPES.items():
         module, proj = path.split(".")
         qw = kept["layers_0"][module][proj]["kernel"]
         assert qw.format == ("int8" if proj in ("v_proj", "down_proj") else "int4"), proj
         got, ref = np.asarray(dequantize(qw)), np.asarray(floats["layers_0"][module][proj]["kernel"])
         assert got.shape == ref.shape == want[::-1]
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2, proj   # a wrong row order is ~1.4
+
+
+@pytest.mark.parametrize("head_type", [Q.Q6_K, Q.Q8_0], ids=["Q6_K", "Q8_0"])
+def test_untied_lm_head_stays_quantized(tmp_path, head_type):
+    # output.weight in a block type runs quantized, as llama.cpp runs it (Q6_K is what Q4_K_M files
+    # store; an 8B head in bf16 would be 1.05 GB read per token). Q8_0 is kept exactly, Q6_K as int8
+    # within half a step; the model's next-token distributions stay those of the file read as floats.
+    from atlasjax import LLM
+    from models.layers import is_quantized
+    from tests.test_quantized_models import Q4_K_M_KL_BOUND, _full_logprobs
+    path = _write_k_quant_llama(tmp_path / "h.gguf", head_type)
+    kept = LLM(path, max_num_seqs=2, max_model_len=64, keep_gguf_quantized=True, dtype="float32")
+    floats = LLM(path, max_num_seqs=2, max_model_len=64, keep_gguf_quantized=False, dtype="float32")
+    head, ref = kept.engine.runner.params["lm_head"]["kernel"], floats.engine.runner.params["lm_head"]["kernel"]
+    assert is_quantized(head) and not is_quantized(ref)
+    assert head.format == "int8" and head.group_size == 32 and head.shape == (256, 256)
+    err = np.linalg.norm(np.asarray(dequantize(head)) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
+    assert err < (1e-7 if head_type == Q.Q8_0 else 1e-2), err
+    ids = list(range(3, 40))
+    got, want = _full_logprobs(kept.engine, ids), _full_logprobs(floats.engine, ids)
+    kl = float(np.sum(np.exp(want) * (want - got), axis=-1).mean())
+    assert kl < Q4_K_M_KL_BOUND, kl   # Q6_K measured 2e-4 nats/token here; the projections alone 3e-5
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from atlasjax.bench.gguf_layouts import LAYOUTS as GGUF_LAYOUTS
 from atlasjax.bench.presets import PRESETS, progress
 from atlasjax.__main__ import add_attention_backend_arg, add_scheduler_steps_arg, add_weight_format_args
 
@@ -18,7 +19,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                      help="a published architecture with random weights built on the device (no download)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on GPU, float32 on CPU")
-    add_weight_format_args(g)
+    add_weight_format_args(g, GGUF_LAYOUTS)
     g.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("engine (unset: the mode's default, then EngineConfig's)")
     e.add_argument("--max-num-seqs", type=int, default=None)

@@ -36,8 +36,9 @@ def add_args(p) -> None:
     g.add_argument("--num-warmup", type=int, default=1)
     g.add_argument("--compare-quantization", default=None, metavar="Q[,Q...]",
                    help="after the main run, the same shapes with each of these weight formats (int8, fp8, "
-                        "int4, none) in this process, one after the other; prints each TTFT / TPOT and its "
-                        "ratio to the main run (--quantize-lm-head applies to each quantized format)")
+                        "int4, gguf-q4_k_m, gguf-q8_0, gguf-q4_0, none) in this process, one after the other; "
+                        "prints each TTFT / TPOT and its ratio to the main run (--quantize-lm-head applies "
+                        "to int8, fp8 and int4; a gguf-* layout quantizes its LM head as the file type does)")
 
 
 def engine_overrides(args) -> dict:
@@ -108,8 +109,9 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
 def compare_formats(args) -> list[str]:
     if not args.compare_quantization:
         return []
+    from atlasjax.bench.gguf_layouts import LAYOUTS  # noqa: PLC0415
     from atlasjax.quantization import FORMATS  # noqa: PLC0415
-    known = (*FORMATS, "none")
+    known = (*FORMATS, *LAYOUTS, "none")
     formats = [q.strip() for q in args.compare_quantization.split(",") if q.strip()]
     bad = [q for q in formats if q not in known]
     if bad:

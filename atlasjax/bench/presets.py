@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from atlasjax.bench.gguf_layouts import LAYOUTS as GGUF_LAYOUTS
 from atlasjax.config import ModelConfig, RopeScaling
 
 _LLAMA3 = dict(family="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
@@ -87,7 +88,10 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
         from atlasjax.sharding import TensorParallel, make_mesh  # noqa: PLC0415
         plan = TensorParallel(make_mesh(tensor_parallel_size), cfg)
     params = random_params(cfg, dtype, seed, plan)
-    if quantization:
+    if quantization in GGUF_LAYOUTS:   # as a llama.cpp file of that type loads, its LM head included
+        from atlasjax.bench.gguf_layouts import quantize_like_gguf  # noqa: PLC0415
+        params = quantize_like_gguf(params, quantization, cfg.num_layers)
+    elif quantization:
         from atlasjax.quantization import quantize_params, warn_if_tied_lm_head  # noqa: PLC0415
         params = quantize_params(params, quantization, quantize_lm_head=quantize_lm_head)
         warn_if_tied_lm_head(cfg, quantize_lm_head)
@@ -99,9 +103,12 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
 
 
 def weights_label(quantization: str | None, quantize_lm_head: bool = False) -> str | None:
-    """How the bench names a weight format in its tables: "int8", "int8 + LM head", or None (unquantized)."""
+    """How the bench names a weight format in its tables: "int8", "int8 + LM head", "gguf-q4_k_m" (its
+    LM head as the file has it), or None (unquantized)."""
     if not quantization:
         return None
+    if quantization in GGUF_LAYOUTS:
+        return quantization
     return f"{quantization} + LM head" if quantize_lm_head else quantization
 
 
@@ -113,6 +120,9 @@ def build_engine(args, **overrides):
     from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
     if args.quantization and not quantization_available():
         raise SystemExit("--quantization is unavailable: atlasjax.quantization cannot be imported")
+    if args.quantization in GGUF_LAYOUTS and not args.preset:
+        raise SystemExit(f"--quantization {args.quantization} lays out a --preset's random weights as that GGUF "
+                         "type loads; a .gguf --model loads its own layout (leave --quantization unset)")
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
