@@ -125,6 +125,8 @@ def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path, qtype)
     assert is_quantized(llm.engine.runner.params["layers_1"]["self_attn"]["qkv_proj"]["kernel"])
     down = llm.engine.runner.params["layers_1"]["mlp"]["down_proj"]["kernel"]   # row-parallel: split along K
     assert is_quantized(down) and down.mma_order == (qtype == Q.Q4_0)
+    head = llm.engine.runner.params["lm_head"]["kernel"]   # untied output.weight: kept, split over the vocab
+    assert is_quantized(head) and head.qweight.shape[0] == 2
     _assert_same(_run(llm, prompts), one, f"GGUF {qtype.name} TP=2")
 
 
