@@ -96,8 +96,8 @@ def _run_generate(args, chat: bool) -> None:
     params = _sampling(args)
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
-    print(f"atlasjax: model loaded in {time.perf_counter() - t0:.1f}s; compiling and generating ...",
-          file=sys.stderr, flush=True)
+    print(f"atlasjax: model loaded in {time.perf_counter() - t0:.1f}s ({llm.engine.weights_summary}); "
+          "compiling and generating ...", file=sys.stderr, flush=True)
     t1 = time.perf_counter()
     if chat:
         outs = llm.chat([{"role": "user", "content": p} for p in args.prompt][:1], params)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import distributed, metrics
+from atlasjax import distributed, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.outputs import Logprob, StreamDelta
@@ -106,6 +106,8 @@ class LLMEngine:
         # The runner holds the params from here on (in its execution layout: `runner.checkpoint_params()`
         # gives them back as loaded); a tree this engine loaded or sharded itself is handed over whole.
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
+        self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
+        log.info("%s: %s", self.loaded.source, self.weights_summary)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=self.num_slots,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),

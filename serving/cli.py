@@ -91,6 +91,7 @@ def serve(args) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     llm = AsyncLLM(max_waiting=args.max_waiting, **engine_kwargs(args))
+    print(f"atlasjax: {llm.engine.weights_summary}", file=sys.stderr, flush=True)
     try:
         asyncio.run(warm_up(llm))
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None

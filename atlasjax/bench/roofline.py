@@ -22,7 +22,6 @@ import numpy as np
 
 from atlasjax.config import ModelConfig
 
-_FOUR_BIT = ("int4", "uint4", "float4_e2m1fn")
 
 
 def time_fn(fn, *args, iters: int = 10, reps: int = 5) -> float:
@@ -72,8 +71,8 @@ def measure_ceilings() -> dict:
 
 # ---- counted costs
 def _leaf_bytes(leaf) -> int:
-    dtype = np.dtype(leaf.dtype)
-    return leaf.size // 2 if dtype.name in _FOUR_BIT else leaf.size * dtype.itemsize
+    from atlasjax.weights_summary import nbytes  # noqa: PLC0415
+    return nbytes(leaf)
 
 
 def weight_bytes_per_step(params: dict, cfg: ModelConfig, batch: int, act_itemsize: int) -> int:
