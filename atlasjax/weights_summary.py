@@ -46,7 +46,7 @@ def summarize(params: Any) -> dict[str, tuple[int, int]]:
 
 
 def describe(params: Any) -> str:
-    """One line: "weights 6.41 GB: int4 g32 offsets 3.74 GB (161 tensors), int8 g32 1.63 GB (33 tensors), ..."."""
+    """One line: "weights 6.41 GB: int4 g32 offsets 3.73 GB (192 tensors), int8 g32 1.63 GB (33 tensors), ..."."""
     summary = summarize(params)
     total = sum(b for _, b in summary.values())
     parts = [f"{name} {_size(b)} ({n} tensor{'s' if n != 1 else ''})" for name, (n, b) in summary.items()]
