@@ -122,8 +122,12 @@ def _quantize_padded(w, *, fmt, group_size, symmetric, k_pad, n_pad):
 
 def _f16_values(x):
     """x (>= 0) rounded to the nearest float16 values (subnormals included, capped at the largest
-    finite one), kept in float32."""
-    return jnp.minimum(x, float(jnp.finfo(jnp.float16).max)).astype(jnp.float16).astype(jnp.float32)
+    finite one), kept in float32. The barrier keeps the rounding: inside a fusion XLA may otherwise
+    skip a round trip through a narrower float (`xla_allow_excess_precision`, on by default), which
+    on a GPU computed the codes with the unrounded scale while the rounded one was stored, up to
+    127 * 2^-11 of a step off for int8 groups (session 34)."""
+    f16 = jnp.minimum(x, float(jnp.finfo(jnp.float16).max)).astype(jnp.float16)
+    return jax.lax.optimization_barrier(f16).astype(jnp.float32)
 
 
 def quantize(
