@@ -76,9 +76,9 @@ Q4_K_M_KL_BOUND = 0.001
 
 def _q4_k_m_type(name: str, array: np.ndarray, num_layers: int):
     from gguf import GGMLQuantizationType as Q
+    from atlasjax.bench.gguf_layouts import use_more_bits
     layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-    more_bits = (layer < num_layers // 8 or layer >= 7 * num_layers // 8
-                 or (layer - num_layers // 8) % 3 == 2)   # llama.cpp's use_more_bits
+    more_bits = use_more_bits(layer, num_layers)
     wide = name.endswith(("attn_v.weight", "ffn_down.weight")) and more_bits or name == "token_embd.weight"
     if array.shape[1] % 256:
         return Q.Q8_0 if wide else Q.Q5_0
