@@ -109,6 +109,7 @@ def test_latency_compare_quantization(tmp_path, capsys):
                     "--output-len", "4", "--num-iters", "1", "--compare-quantization", "int8,int4,gguf-q4_k_m")
     rows = rep["compare_quantization"]
     assert [r["quantization"] for r in rows] == ["none", "int8", "int4", "gguf-q4_k_m"]
+    assert rep["settings"]["weights"].startswith("weights ")   # the main run's formats and bytes
     assert rows[0]["tpot_vs_main"] == 1.0 and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in rows)
     assert "weight formats" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown"):
@@ -143,6 +144,26 @@ def test_gguf_layouts_follow_llama_cpp():
     assert (head.format, head.group_size) == ("int8", 32)
     with pytest.raises(SystemExit, match="--preset"):
         main(["latency", "--quantization", "gguf-q4_k_m", "--num-iters", "1"])
+
+
+def test_preset_server_lays_out_a_gguf_preset(monkeypatch):
+    # `python -m atlasjax.bench.preset_server --quantization gguf-q4_0`: the preset is laid out as
+    # the file type loads; the server's own --quantization (int8 / fp8 / int4) is not told
+    import jax.numpy as jnp
+
+    import atlasjax.__main__ as cli
+    import atlasjax.model_source as model_source
+    from atlasjax.bench import preset_server
+    from atlasjax.engine_config import EngineConfig
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(model_source, "load_for_engine", model_source.load_for_engine)   # restored afterwards
+    assert preset_server.main(["--preset", "tiny", "--quantization", "gguf-q4_0", "--port", "0"]) == 0
+    assert "--quantization" not in seen[0] and seen[0][:3] == ["serve", "--port", "0"]
+    down = model_source.load_for_engine(EngineConfig(), jnp.float32).params["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert (down.format, down.group_size, down.zeros) == ("int4", 32, None)   # Q4_0: symmetric int4, groups of 32
+    preset_server.main(["--preset", "tiny", "--quantization", "int8"])
+    assert seen[1][1:3] == ["--quantization", "int8"]
 
 
 def test_throughput_mode_random_prompts(tmp_path):

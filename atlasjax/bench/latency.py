@@ -179,7 +179,7 @@ def _settings(engine, args) -> dict:
     return dict(model=engine.loaded.source, batch_size=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, num_iters=args.num_iters, num_warmup=args.num_warmup,
                 dtype=str(np.dtype(engine.dtype)), quantization=args.quantization,
-                quantize_lm_head=args.quantize_lm_head,
+                quantize_lm_head=args.quantize_lm_head, weights=engine.weights_summary,
                 engine=dataclasses.asdict(engine.config), model_config=dataclasses.asdict(engine.model_config))
 
 

@@ -4,7 +4,8 @@
 
 It runs the real server (`atlasjax.__main__.main(["serve", ...])`) and only swaps what the engine
 loads: `atlasjax.model_source.load_for_engine` returns the preset (quantized with the server's
-own --quantization and --quantize-lm-head), with the synthetic word tokenizer of
+own --quantization and --quantize-lm-head, or laid out as a GGUF file with `--quantization
+gguf-q4_k_m` etc.: atlasjax/bench/gguf_layouts.py), with the synthetic word tokenizer of
 `presets.synthetic_tokenizer`, so every token streams as its own chunk. The served model name
 defaults to the preset's name.
 """
@@ -13,20 +14,26 @@ from __future__ import annotations
 import argparse
 import sys
 
+from atlasjax.bench.gguf_layouts import LAYOUTS
 from atlasjax.bench.presets import PRESETS, load_preset, progress, weights_label
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--quantization", default=None)
     args, rest = p.parse_known_args(argv)
+    layout = args.quantization if args.quantization in LAYOUTS else None   # the preset's business, not the server's
+    if args.quantization and not layout:
+        rest += ["--quantization", args.quantization]   # int8 / fp8 / int4: the server's own flag
 
     import atlasjax.model_source  # noqa: PLC0415
 
     def load_for_engine(config, dtype):
-        label = weights_label(config.quantization, config.quantize_lm_head)
+        quantization = layout or config.quantization
+        label = weights_label(quantization, config.quantize_lm_head)
         progress(f"serving preset {args.preset} with random weights" + (f" ({label})" if label else ""))
-        return load_preset(args.preset, dtype, config.quantization, config.seed,
+        return load_preset(args.preset, dtype, quantization, config.seed,
                            quantize_lm_head=config.quantize_lm_head)
     atlasjax.model_source.load_for_engine = load_for_engine
     if "--served-model-name" not in rest:

@@ -147,7 +147,7 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     settings = dict(model=engine.loaded.source, num_prompts=len(reqs), input_len=args.input_len,
                     output_len=args.output_len, range_ratio=args.range_ratio, dataset=args.dataset,
                     dtype=str(np.dtype(engine.dtype)), quantization=args.quantization,
-                    quantize_lm_head=args.quantize_lm_head,
+                    quantize_lm_head=args.quantize_lm_head, weights=engine.weights_summary,
                     engine=_asdict(engine.config), model_config=_asdict(engine.model_config))
     report = dict(mode="throughput", settings=settings, results=results, roofline=roof)
     label = weights_label(args.quantization, args.quantize_lm_head)
