@@ -23,7 +23,6 @@ import numpy as np
 from atlasjax.config import ModelConfig
 
 
-
 def time_fn(fn, *args, iters: int = 10, reps: int = 5) -> float:
     """Median seconds per call: `iters` back-to-back asynchronous calls per rep, synchronized at the end."""
     import jax  # noqa: PLC0415
