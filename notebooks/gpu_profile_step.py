@@ -7,6 +7,7 @@ how much: programmatic dependent launch), and the kernels grouped by name.
 The same decode step dispatched back to back with inputs already on the device gives the floor.
 
   JAX_PLATFORMS=cuda QUANT=int8 [LM_HEAD=1] [SCHED_STEPS=4] python notebooks/gpu_profile_step.py   (QUANT empty: bf16;
+  QUANT=gguf-q4_k_m etc.: laid out as that GGUF type loads, atlasjax/bench/gguf_layouts.py;
   LM_HEAD=1 quantizes the LM head too, as `bench --quantize-lm-head` does)
 Writes $OUT/profile_<quant or bf16><TAG>.json.
 """
