@@ -286,7 +286,11 @@ def _gguf_reader(name: str, t, keep_quantized: bool):
     def read():
         from atlasjax.gguf_blocks import gguf_weight  # noqa: PLC0415
         from atlasjax.gguf_loader import unpermute_heads  # noqa: PLC0415
-        qw = gguf_weight(np.asarray(t.raw), t.qtype, t.shape)
+        try:
+            qw = gguf_weight(np.asarray(t.raw), t.qtype, t.shape)
+        except ValueError as e:   # blocks the kept format cannot hold (a Q4_K scale beyond float16's range)
+            log.warning("GGUF tensor %s: %s; it is read as floats instead", name, e)
+            return t.dequantize()
         if t.permute_heads is not None:   # undo llama.cpp's q/k row order on the output channels
             n = t.shape[0]
             perm = unpermute_heads(np.arange(n), t.permute_heads)

@@ -97,9 +97,10 @@ _SHAPES = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self
            "mlp.down_proj": (256, 512)}
 
 
-def _write_k_quant_llama(path, head_type=Q.F32):
+def _write_k_quant_llama(path, head_type=Q.F32, patch=None):
     """A 1-layer untied Llama GGUF, Q4_K_M-like: v and down in Q6_K, the other projections in Q4_K,
-    the LM head (output.weight) in `head_type`; a 256-byte vocabulary."""
+    the LM head (output.weight) in `head_type`; a 256-byte vocabulary. patch: GGUF name -> a function
+    of that tensor's encoded blocks (to write bad ones)."""
     import transformers
 
     from tests.gguf_writer_util import write_gguf_from_hf
@@ -122,7 +123,7 @@ def _write_k_quant_llama(path, head_type=Q.F32):
             return encoders.get(head_type, lambda a: gguf.quants.quantize(a, head_type))(array), head_type
         if name.endswith(("attn_v.weight", "ffn_down.weight")):
             return encode_q6_k(array), Q.Q6_K
-        return encode_q4_k(array), Q.Q4_K
+        return (patch or {}).get(name, lambda raw: raw)(encode_q4_k(array)), Q.Q4_K
 
     write_gguf_from_hf(state, config, path, encode=encode)
     return str(path)
@@ -166,3 +167,32 @@ def test_untied_lm_head_stays_quantized(tmp_path, head_type):
     kl = float(np.sum(np.exp(want) * (want - got), axis=-1).mean())
     assert kl < Q4_K_M_KL_BOUND, kl   # Q6_K measured 2e-4 nats/token here; the projections alone 3e-5
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+
+def test_a_block_the_kept_format_cannot_hold_falls_back_to_floats(tmp_path, caplog):
+    # A Q4_K sub-block scale d * sc beyond float16's range (d = 2048, sc = 63) has no kept form: that
+    # tensor loads as floats (exactly the file's values), with a warning naming it; the rest stay kept.
+    import logging
+
+    import jax.numpy as jnp
+
+    from atlasjax.loader import load_model
+    from models.layers import is_quantized
+
+    def oversize(raw):   # the first sub-block of the first row: d = 2048, sc = 63
+        blocks = raw.reshape(raw.shape[0], -1, 144)
+        blocks[0, 0, 0:2] = np.array([2048], np.float16).view(np.uint8)
+        blocks[0, 0, 4] = (blocks[0, 0, 4] & 0xC0) | 63
+        return blocks.reshape(raw.shape)
+
+    n, k = 64, 256
+    with pytest.raises(ValueError, match="beyond float16"):
+        gguf_weight(oversize(encode_q4_k(_weight(n, k))), Q.Q4_K, (n, k))
+    path = _write_k_quant_llama(tmp_path / "big.gguf", patch={"blk.0.attn_output.weight": oversize})
+    with caplog.at_level(logging.WARNING, logger="atlasjax.loader"):
+        kept = load_model(path, jnp.float32, keep_gguf_quantized=True).params["layers_0"]["self_attn"]
+    floats = load_model(path, jnp.float32, keep_gguf_quantized=False).params["layers_0"]["self_attn"]
+    assert any("self_attn.o_proj.weight" in r.getMessage() and "floats" in r.getMessage() for r in caplog.records)
+    assert not is_quantized(kept["o_proj"]["kernel"]) and is_quantized(kept["q_proj"]["kernel"])
+    np.testing.assert_array_equal(np.asarray(kept["o_proj"]["kernel"]), np.asarray(floats["o_proj"]["kernel"]))
+    assert np.abs(np.asarray(floats["o_proj"]["kernel"])).max() > 65504   # the file's value, kept
