@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from atlasjax.quantization import QuantizedWeight, dequantize, quantize
+from atlasjax.quantization import dequantize, quantize
+from atlasjax.weights_summary import weight_nbytes
 from pallas_kernels.quant_format import with_float_offsets
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
@@ -56,11 +57,6 @@ def _name(fmt, group_size, zeros) -> str:   # e.g. "int8", "int4_g128", "int4_g1
     return f"{fmt}{'' if group_size is None else f'_g{group_size}'}{'' if zeros == 'sym' else f'_{zeros}'}"
 
 
-def weight_bytes(qw: QuantizedWeight) -> int:
-    n = qw.qweight.size // 2 if qw.format == "int4" else qw.qweight.size
-    return n + qw.scales.nbytes + (0 if qw.zeros is None else qw.zeros.nbytes)
-
-
 def rotated(fn):
     """One jitted call that applies fn to each weight copy (defeats L2 reuse); returns all outputs."""
     return jax.jit(lambda x, ws: [fn(x, w) for w in ws])
@@ -77,7 +73,7 @@ def bench_decode(k, n, m, results, configs, formats=FORMATS):
     for fmt, g, zeros in formats:
         qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
         qw = with_float_offsets(qw) if zeros == "offsets" else qw
-        copies = max(2, -(-MIN_ROTATION_BYTES // weight_bytes(qw)))
+        copies = max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw)))
         qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)), np.float32)
         name = _name(fmt, g, zeros)
@@ -88,7 +84,7 @@ def bench_decode(k, n, m, results, configs, formats=FORMATS):
                 y = np.asarray(fn(x, qw), np.float32)
                 err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                 ms = device_ms(rotated(fn), x, qws) / copies
-                moved = weight_bytes(qw) + x.nbytes + m * n * 2
+                moved = weight_nbytes(qw) + x.nbytes + m * n * 2
                 row[f"{name}/{cname}"] = {"us": ms * 1e3, "bytes": moved, "rel_err": err}
             except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
                 row[f"{name}/{cname}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

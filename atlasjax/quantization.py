@@ -346,12 +346,14 @@ def quantize_params(
         there. The embedding table is never quantized.
     """
     include = quantization_predicate(quantize_lm_head, include)
+    return map_params(params, lambda path, leaf: quantize(leaf, format, group_size=group_size, symmetric=symmetric)
+                      if include(path, leaf) else leaf)
 
+
+def map_params(params: Mapping[str, Any], fn: Callable[[tuple[str, ...], Any], Any]) -> dict[str, Any]:
+    """A copy of a nested-dict param tree with each leaf replaced by fn(path, leaf)."""
     def walk(node: Any, path: tuple[str, ...]) -> Any:
         if isinstance(node, Mapping):
             return {key: walk(value, path + (str(key),)) for key, value in node.items()}
-        if include(path, node):
-            return quantize(node, format, group_size=group_size, symmetric=symmetric)
-        return node
-
+        return fn(path, node)
     return walk(params, ())

@@ -24,6 +24,12 @@ def nbytes(leaf) -> int:
     return leaf.size // 2 if dtype.name in FOUR_BIT else leaf.size * dtype.itemsize
 
 
+def weight_nbytes(w) -> int:
+    """Device bytes of one weight: an array, or a QuantizedWeight's codes, scales and zeros."""
+    parts = [w.qweight, w.scales, w.zeros] if is_quantized(w) else [w]
+    return sum(nbytes(p) for p in parts if p is not None)
+
+
 def format_name(w) -> str:
     """"int4 g32 offsets", "int8 per channel", "fp8 g128", "int4 g128 zero points", or a float dtype."""
     if not is_quantized(w):
@@ -40,8 +46,7 @@ def summarize(params: Any) -> dict[str, tuple[int, int]]:
     for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_quantized):
         name = format_name(leaf)
         counts[name] += 1
-        parts = [leaf.qweight, leaf.scales, leaf.zeros] if is_quantized(leaf) else [leaf]
-        sizes[name] += sum(nbytes(p) for p in parts if p is not None)
+        sizes[name] += weight_nbytes(leaf)
     return {name: (counts[name], sizes[name]) for name in sorted(sizes, key=sizes.get, reverse=True)}
 
 

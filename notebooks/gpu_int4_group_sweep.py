@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.bench_kernels_quant import DECODE_SHAPES, copy_bandwidth, device_ms, rotated, weight_bytes, MIN_ROTATION_BYTES
+from atlasjax.bench_kernels_quant import DECODE_SHAPES, copy_bandwidth, device_ms, rotated, MIN_ROTATION_BYTES
+from atlasjax.weights_summary import weight_nbytes
 from atlasjax.quantization import dequantize, quantize
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
@@ -51,10 +52,10 @@ def main():
         row = {"K": k, "N": n}
         for sym in (False, True):
             qw = quantize(w, "int4", group_size=128, symmetric=sym)
-            copies = max(2, -(-MIN_ROTATION_BYTES // weight_bytes(qw)))
+            copies = max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw)))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
             ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)))
-            moved = weight_bytes(qw) + x.nbytes + ROWS * n * 2
+            moved = weight_nbytes(qw) + x.nbytes + ROWS * n * 2
             for name, cfg in VARIANTS.items():
                 if (only and name not in only) or (sym and name not in ("u1", "u2", "u4", "u4_d2", "pre128", "pre256", "pre512")):
                     continue

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, device_ms, rotated, weight_bytes
+from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, device_ms, rotated
+from atlasjax.weights_summary import weight_nbytes
 from atlasjax.quantization import dequantize, quantize
 from pallas_kernels.quant_format import with_float_offsets, with_mma_order
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
@@ -47,14 +48,14 @@ for k, n in SHAPES:
             orders = [True] if SWEEP else [False, True]
             for mma in orders:
                 stored = with_mma_order(qw, mma)
-                copies = max(2, -(-MIN_ROTATION_BYTES // weight_bytes(stored)))
+                copies = max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(stored)))
                 weights = [jax.tree.map(jnp.copy, stored) for _ in range(copies)]
                 for cname, cfg in (CONFIGS.items() if group == 128 else [("default", QuantMatmulConfig())]):
                     fn = lambda x, w, cfg=cfg: quantized_matmul(x, w, backend="pallas", config=cfg)  # noqa: E731
                     y = np.asarray(jax.jit(fn)(x, stored), np.float32)
                     err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                     us = device_ms(rotated(fn), x, weights) / copies * 1e3
-                    frac = (weight_bytes(stored) + x.nbytes + m * n * 2) / (us * 1e-6) / copy
+                    frac = (weight_nbytes(stored) + x.nbytes + m * n * 2) / (us * 1e-6) / copy
                     row = dict(K=k, N=n, M=m, format=name, order="mma" if mma else "natural", config=cname,
                                us=us, copy_fraction=frac, rel_err=err)
                     results.append(row)

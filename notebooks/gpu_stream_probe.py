@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, device_ms, rotated, weight_bytes
+from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, copy_bandwidth, device_ms, rotated
+from atlasjax.weights_summary import weight_nbytes
 from atlasjax.quantization import quantize
 from pallas_kernels import int4_mma_order
 from pallas_kernels.gemm_tiling import k_splits, swizzled
@@ -158,9 +159,9 @@ def main():
             # makes), also with the conversion ablated; per-channel int8 through XLA (the engine's) and Pallas
             wb = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
             qw = quantize(wb, "int4" if bits == 4 else "int8", group_size=128 if bits == 4 else None)
-            copies = max(2, -(-MIN_ROTATION_BYTES // weight_bytes(qw)))
+            copies = max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw)))
             qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
-            nbytes = weight_bytes(qw)
+            nbytes = weight_nbytes(qw)
             if bits == 4:
                 timed(name, k, n, "int4_kernel", functools.partial(quantized_matmul, backend="pallas"), x, qws, nbytes)
                 jax.clear_caches()   # so that the jitted kernel is traced again with the patch

@@ -38,16 +38,13 @@ def quantize_like_gguf(params: Mapping[str, Any], layout: str, num_layers: int) 
     """The param tree with every projection kernel (and the untied LM head) in the layout a GGUF file
     of type `layout` loads into; embeddings and norms unchanged."""
     from atlasjax.gguf_blocks import like_gguf  # noqa: PLC0415
-    from atlasjax.quantization import DEFAULT_PROJECTIONS, is_lm_head_kernel  # noqa: PLC0415
+    from atlasjax.quantization import is_lm_head_kernel, is_projection_kernel, map_params  # noqa: PLC0415
 
-    def walk(node: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(node, Mapping):
-            return {key: walk(value, path + (str(key),)) for key, value in node.items()}
-        if is_lm_head_kernel(path, node):
-            return like_gguf(node, llama_cpp_type(layout, "lm_head", None, num_layers))
-        if path[-1:] == ("kernel",) and len(path) >= 2 and path[-2] in DEFAULT_PROJECTIONS:
-            layer = int(path[0].removeprefix("layers_"))
-            return like_gguf(node, llama_cpp_type(layout, path[-2], layer, num_layers))
-        return node
+    def lay_out(path: tuple[str, ...], leaf: Any) -> Any:
+        if is_lm_head_kernel(path, leaf):
+            return like_gguf(leaf, llama_cpp_type(layout, "lm_head", None, num_layers))
+        if is_projection_kernel(path, leaf):   # layers_<i>/<module>/<projection>/kernel
+            return like_gguf(leaf, llama_cpp_type(layout, path[-2], int(path[0].removeprefix("layers_")), num_layers))
+        return leaf
 
-    return walk(params, ())
+    return map_params(params, lay_out)
