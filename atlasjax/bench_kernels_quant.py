@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
+from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import dequantize, quantize
 from atlasjax.weights_summary import weight_nbytes
 from pallas_kernels.quant_format import with_float_offsets
@@ -31,10 +32,13 @@ from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
 DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # (K, N)
 # (format, group size, zeros): "sym", "zp" (integer zero points: what int4 quantizes to at load) or
-# "offsets" (float offsets: GGUF Q4_1's form, and int4 checkpoints saved before session 11).
+# "offsets" (float offsets: GGUF Q4_1's form, and int4 checkpoints saved before session 11) or
+# "two_level" (float offsets in two levels, GGUF Q4_K's form: `QuantizedWeight.super_scales`).
 FORMATS = [("int8", None, "sym"), ("fp8", None, "sym"), ("int4", 128, "sym"), ("int4", 128, "zp"),
            ("int4", 128, "offsets"), ("int4", 32, "offsets"), ("int8", 32, "sym"),   # GGUF Q4_1 / Q4_K, Q8_0
-           ("fp8", 128, "sym")]   # FP8 checkpoints with 128 x 128 block scales
+           ("fp8", 128, "sym"),   # FP8 checkpoints with 128 x 128 block scales
+           ("int4", 64, "offsets"),   # groups of 64 with float offsets (4.5 bits per weight)
+           ("int4", 32, "two_level")]   # GGUF Q4_K as it loads: uint8 rows under float16 rows per 256
 DECODE_ROWS = 8   # the engine's decode step on a GPU runs at least 8 rows
 MIN_ROTATION_BYTES = 256 << 20
 
@@ -71,8 +75,11 @@ def bench_decode(k, n, m, results, configs, formats=FORMATS):
     bf16_ms = device_ms(rotated(lambda x, w: x @ w), x, ws) / copies
     row = {"K": k, "N": n, "M": m, "bf16_us": bf16_ms * 1e3, "bf16_bytes": w.nbytes}
     for fmt, g, zeros in formats:
-        qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
-        qw = with_float_offsets(qw) if zeros == "offsets" else qw
+        if zeros == "two_level":
+            qw = like_gguf(w, "Q4_K")
+        else:
+            qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
+            qw = with_float_offsets(qw) if zeros == "offsets" else qw
         copies = max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw)))
         qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)), np.float32)

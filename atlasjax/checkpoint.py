@@ -19,7 +19,7 @@ from atlasjax.config import ModelConfig, RopeScaling
 from atlasjax.errors import CheckpointError
 from atlasjax.loader import LoadedModel, _flatten, _set
 from models.layers import is_quantized
-from pallas_kernels.quant_format import QuantizedWeight
+from pallas_kernels.quant_format import GROUP_ROWS, QuantizedWeight
 
 FORMAT_VERSION = 1
 
@@ -35,9 +35,10 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
                                   qweight_dtype=str(leaf.qweight.dtype), has_zeros=leaf.zeros is not None,
                                   zero_point=leaf.zero_point, mma_order=leaf.mma_order)
             qweight = leaf.qweight.astype(jnp.int8) if leaf.qweight.dtype == jnp.int4 else leaf.qweight
-            leaves[key + "|qweight"], leaves[key + "|scales"] = qweight, leaf.scales
-            if leaf.zeros is not None:
-                leaves[key + "|zeros"] = leaf.zeros
+            leaves[key + "|qweight"] = qweight
+            for f in GROUP_ROWS:   # scales, and zeros and two-level rows where present
+                if getattr(leaf, f) is not None:
+                    leaves[key + "|" + f] = getattr(leaf, f)
         else:
             leaves[key] = leaf
     if jax.process_count() > 1:   # multi-host: process 0 holds the whole (gathered) tree and writes it alone
@@ -76,10 +77,10 @@ def load_checkpoint(directory: str, dtype) -> LoadedModel:
     params: dict = {}
     for key, q in meta["quantized"].items():
         qweight = jnp.asarray(leaves[key + "|qweight"]).astype(jnp.dtype(q["qweight_dtype"]))
-        zeros = jnp.asarray(leaves[key + "|zeros"]) if q["has_zeros"] else None
-        _set(params, tuple(key.split("/")), QuantizedWeight(qweight, jnp.asarray(leaves[key + "|scales"]), zeros,
-                                                            q["format"], q["group_size"], tuple(q["shape"]),
-                                                            q.get("zero_point", False), q.get("mma_order", False)))
+        rows = {f: jnp.asarray(leaves[key + "|" + f]) if key + "|" + f in leaves else None for f in GROUP_ROWS}
+        _set(params, tuple(key.split("/")), QuantizedWeight(qweight, format=q["format"], group_size=q["group_size"],
+                                                            shape=tuple(q["shape"]), zero_point=q.get("zero_point", False),
+                                                            mma_order=q.get("mma_order", False), **rows))
     for key, value in leaves.items():
         if "|" not in key:
             _set(params, tuple(key.split("/")), jnp.asarray(value).astype(dtype))

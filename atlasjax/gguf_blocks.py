@@ -5,9 +5,10 @@ How a linear projection stored in a GGML block type loads when it is kept quanti
   symmetric 5-bit values q - 16) or int4 with groups of 32, the block's fp16 scale, and Q4_1's min
   as the group's float offset.
 - Q4_K (super-blocks of 256: eight sub-blocks of 32, each with a 6-bit scale sc and min m under
-  the super-block's fp16 d and dmin, w = d*sc*q - dmin*m): the nibbles as stored, int4 with groups
-  of 32 and float offsets. Each sub-block's scale d*sc and offset -dmin*m are rounded to float16:
-  a relative error of at most 2^-11 in each, far under a step of the 4-bit grid.
+  the super-block's fp16 d and dmin, w = d*sc*q - dmin*m): as stored, exact in float32: int4 with
+  groups of 32 and float offsets in two levels (`QuantizedWeight.super_scales`): sc and m as uint8
+  rows, d and -dmin as float16 rows per 256. That is 4.625 bits per weight on the device, the
+  file's 4.5 plus a byte instead of 6 bits for each sc and m.
 - every other block type (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the IQ types): dequantized by the
   `gguf` package and re-quantized to symmetric int8 with groups of 32. None has more than 64 levels
   in a group of 32, so int8's 255 (a step of 1/127 of the group's largest magnitude) adds an
@@ -25,6 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 import gguf
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from atlasjax.quantization import QuantizedWeight, from_codes, quantize
@@ -60,15 +63,56 @@ def kept_format(qtype: Any) -> str:
 def like_gguf(w: Any, qtype: Any) -> QuantizedWeight:
     """A float weight W[K, N] quantized into the layout a GGUF tensor of `qtype` loads into: the
     same format, group size and kind of zeros as `gguf_weight` gives (int4 with float offsets for
-    Q4_K / Q4_1, symmetric int4 for Q4_0, int8 for the rest), so the kernels run what they would
-    for such a file. The values are this quantizer's, not llama.cpp's (for benchmarks and tests)."""
+    Q4_K / Q4_1, two-level for Q4_K, symmetric int4 for Q4_0, int8 for the rest), so the kernels
+    run what they would for such a file. The values are this quantizer's, not llama.cpp's (for benchmarks and tests)."""
     from pallas_kernels.quant_format import with_float_offsets  # noqa: PLC0415
     name = type_name(qtype)
     if kept_format(name) == "int8":
         return quantize(w, "int8", group_size=BLOCK)
     if name == "Q4_0":
         return quantize(w, "int4", group_size=BLOCK, symmetric=True)
+    if name == "Q4_K" and w.shape[0] % Q4_K_SUPER == 0:
+        return _like_q4_k(w)
     return with_float_offsets(quantize(w, "int4", group_size=BLOCK, symmetric=False))
+
+
+Q4_K_SUPER = 256   # Q4_K's super-block
+
+
+def _like_q4_k(w) -> QuantizedWeight:
+    """W[K, N] (K a multiple of 256) quantized the Q4_K way, in the layout a Q4_K tensor loads into."""
+    from atlasjax.quantization import padded_sizes  # noqa: PLC0415
+    from pallas_kernels.quant_format import with_mma_order  # noqa: PLC0415
+    k, n = w.shape
+    q, sc, m, d, neg_dmin = _q4_k_codes(jnp.asarray(w, jnp.float32))
+    k_pad, n_pad, _ = padded_sizes(k, n, BLOCK)
+
+    def pad(x, axis):
+        return jnp.pad(x, [(0, n_pad - n) if i == axis else (0, 0) for i in range(x.ndim)])
+    qw = QuantizedWeight(pad(q, 0).astype(jnp.int4), pad(sc, 1), pad(m, 1), "int4", BLOCK, (k, n),
+                         super_scales=pad(d, 1), super_zeros=pad(neg_dmin, 1))
+    return with_mma_order(qw)
+
+
+@jax.jit
+def _q4_k_codes(w):
+    """`_like_q4_k`'s codes: per group of 32 the range [min(w, 0), max(w, 0)] in 15 steps; per 256
+    the groups' scales and mins as 6-bit multiples of d and dmin (float16); codes against those."""
+    k, n = w.shape
+    groups = w.reshape(k // BLOCK, BLOCK, n)
+    lo, hi = jnp.minimum(groups.min(1), 0.0), jnp.maximum(groups.max(1), 0.0)   # [G, N]
+    per = Q4_K_SUPER // BLOCK
+
+    def six_bit(x):   # [G, N] >= 0 -> codes in 0..63, their float16 unit per 256 [S, N], that unit per group
+        unit = (x.reshape(-1, per, n).max(1) / 63).astype(jnp.float16)
+        u = jnp.repeat(unit.astype(jnp.float32), per, axis=0)
+        return jnp.where(u > 0, jnp.round(x / jnp.where(u > 0, u, 1.0)), 0).clip(0, 63), unit, u
+    sc, d, d_rows = six_bit((hi - lo) / 15)
+    m, dmin, dmin_rows = six_bit(-lo)
+    s, offset = sc * d_rows, -m * dmin_rows
+    q = jnp.where(s[:, None] > 0, jnp.round((groups - offset[:, None]) / jnp.where(s > 0, s, 1.0)[:, None]), 0)
+    q = q.clip(0, 15).reshape(k, n).T.astype(jnp.int8) - 8
+    return q, sc.astype(jnp.uint8), m.astype(jnp.uint8), d, -dmin
 
 
 def gguf_weight(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> QuantizedWeight:
@@ -95,8 +139,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> 
     Args: as `gguf_weight`.
     Returns:
       QuantizedWeight of logical shape (K, N) with groups of 32. Its `dequantize` equals
-      `gguf.quants.dequantize(raw, qtype).T` exactly in float32 for the blocks of 32, and up to
-      Q4_K's scales and offsets rounded to float16.
+      `gguf.quants.dequantize(raw, qtype).T` exactly in float32 (Q4_K: up to the order of the
+      float32 products d * sc * q).
     """
     name = type_name(qtype)
     if name not in AS_STORED:
@@ -107,7 +151,9 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Any, shape_hf: tuple[int, int]) -> 
         raise ValueError(f"in_features {k} is not a multiple of the {name} block size {values}")
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // values, _TYPE_BYTES[name])
     if name == "Q4_K":
-        q, scales, zeros = _q4_k(blocks)
+        q, sc, mins, d, dmin = _q4_k(blocks)
+        return from_codes(q.reshape(n, k), sc.reshape(n, -1).T, mins.reshape(n, -1).T, format="int4",
+                          group_size=BLOCK, super_scales=d.T, super_zeros=-dmin.T)
     else:
         scales = _f16(blocks[..., 0:2])          # [N, K/32], as stored
         zeros = _f16(blocks[..., 2:4]) if name == "Q4_1" else None
@@ -133,18 +179,12 @@ def _split_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_k(blocks: np.ndarray):
-    """[N, S, 144] Q4_K super-blocks -> (q [N, S, 256] int8 nibble - 8, scales and offsets
-    [N, S, 8] float16 per sub-block of 32), so that w = (q + 8) * scale + offset."""
-    d, dmin = _f16(blocks[..., 0:2]).astype(np.float32), _f16(blocks[..., 2:4]).astype(np.float32)
+    """[N, S, 144] Q4_K super-blocks -> (q [N, S, 256] int8 nibble - 8, sc and m [N, S, 8] uint8
+    per sub-block of 32, d and dmin [N, S] float16), so that w = (q + 8) * d * sc - dmin * m."""
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     low_sc, low_m, high = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
     sc = np.concatenate([low_sc & 63, (high & 15) | ((low_sc >> 6) << 4)], axis=-1)
     mins = np.concatenate([low_m & 63, (high >> 4) | ((low_m >> 6) << 4)], axis=-1)
     qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)
     q = (np.concatenate([qs & 15, qs >> 4], axis=-2).astype(np.int8) - 8).reshape(*blocks.shape[:2], 256)
-    scales = d[..., None] * sc.astype(np.float32)
-    offsets = -(dmin[..., None] * mins.astype(np.float32))
-    with np.errstate(over="ignore"):
-        scales, offsets = scales.astype(np.float16), offsets.astype(np.float16)
-    if not (np.isfinite(scales).all() and np.isfinite(offsets).all()):
-        raise ValueError("a Q4_K scale or min is beyond float16's range")
-    return q, scales, offsets
+    return q, sc, mins, d, dmin

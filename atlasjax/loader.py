@@ -25,6 +25,7 @@ from atlasjax.errors import CheckpointError, UnsupportedModelError
 from models import get_family
 from models.layers import is_quantized
 from models.transformer import abstract_params
+from pallas_kernels.quant_format import GROUP_ROWS
 
 log = logging.getLogger("atlasjax.loader")
 
@@ -288,7 +289,7 @@ def _gguf_reader(name: str, t, keep_quantized: bool):
         from atlasjax.gguf_loader import unpermute_heads  # noqa: PLC0415
         try:
             qw = gguf_weight(np.asarray(t.raw), t.qtype, t.shape)
-        except ValueError as e:   # blocks the kept format cannot hold (a Q4_K scale beyond float16's range)
+        except ValueError as e:   # blocks the kept format cannot hold
             log.warning("GGUF tensor %s: %s; it is read as floats instead", name, e)
             return t.dequantize()
         if t.permute_heads is not None:   # undo llama.cpp's q/k row order on the output channels
@@ -296,8 +297,8 @@ def _gguf_reader(name: str, t, keep_quantized: bool):
             perm = unpermute_heads(np.arange(n), t.permute_heads)
             full = np.arange(qw.qweight.shape[0])
             full[:n] = perm
-            qw = dataclasses.replace(qw, qweight=qw.qweight[full], scales=qw.scales[:, full],
-                                     zeros=None if qw.zeros is None else qw.zeros[:, full])
+            qw = dataclasses.replace(qw, qweight=qw.qweight[full], **{
+                f: getattr(qw, f)[:, full] for f in GROUP_ROWS if getattr(qw, f) is not None})
         return qw
     return TensorReader(t.shape, read, quantized=True)
 

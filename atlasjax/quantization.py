@@ -16,7 +16,12 @@ Storage layout (the same for every format, chosen for the kernels):
   own). The kernels multiply in float32 whatever the storage.
 - `zeros`: `[K_pad // group_size, N_pad]` float16 or None. Only asymmetric "int4" uses it, in one
   of two ways (`zero_point`, static): the integer zero point z of the group, a whole number in
-  [-8, 7] (quantize at load), or the group's additive float offset (GGUF Q4_1's min, Q4_K's -dmin*m).
+  [-8, 7] (quantize at load), or the group's additive float offset (GGUF Q4_1's min).
+- `super_scales`, `super_zeros`: None, or two-level group rows, as GGUF K-quants store them (Q4_K:
+  a 6-bit scale and min per group of 32 under a float16 d and dmin per super-group of 256).
+  `scales` and `zeros` then hold uint8 codes, and these `[K_pad // 256, N_pad]` float16 rows
+  multiply them: scale = scales[g, n] * super_scales[g // 8, n], offset likewise (4.625 bits per
+  weight for Q4_K instead of 5 with float16 rows).
 - Padding: `N_pad` is `N` rounded up to `N_ALIGN`, `K_pad` is `K` rounded up to `K_ALIGN` (and to a
   multiple of `group_size`). Padded entries dequantize to 0. The Llama/Qwen shapes need none.
 
@@ -25,6 +30,7 @@ Dequantization, per element (k, n) with g = k // group_size:
 - "int4", zeros is None:   w = float(q) * scales[g, n]                (symmetric, GGUF Q4_0)
 - "int4", zero points:     w = float(q - zeros[g, n]) * scales[g, n]  (asymmetric, quantized at load)
 - "int4", float offsets:   w = float(q + 8) * scales[g, n] + zeros[g, n]   (asymmetric, GGUF Q4_1 / Q4_K)
+  (with two-level rows, scales and zeros here are the products above)
 These are exact in float32 for GGUF Q8_0 / Q4_0 / Q4_1 blocks (atlasjax/gguf_blocks.py). With integer
 zero points, q - z is a whole number in [-15, 15], exact in bf16, so the kernel subtracts it from
 the dequantized tile and needs no offset term (docs/perf_quant.md, session 11).
@@ -48,7 +54,8 @@ K_ALIGN = 256  # input-channel padding: the kernels' widest K step
 DEFAULT_GROUP_SIZE = {"int8": None, "fp8": None, "int4": 128}  # None: per output channel
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 from pallas_kernels.quant_format import (  # noqa: E402,F401 (QuantizedWeight, dequantize re-exported)
-    MMA_BLOCK, QuantizedWeight, dequantize, to_mma_order, with_mma_order)
+    ARRAY_FIELDS, GROUP_ROWS, MMA_BLOCK, QuantizedWeight, dequantize, one_level, row_span, to_mma_order,
+    with_mma_order)
 
 DEFAULT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -170,29 +177,43 @@ def quantize(
 
 
 def from_codes(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None = None, *, format: str,
-               group_size: int | None, zero_point: bool = False) -> QuantizedWeight:
+               group_size: int | None, zero_point: bool = False, super_scales: np.ndarray | None = None,
+               super_zeros: np.ndarray | None = None) -> QuantizedWeight:
     """A weight already quantized elsewhere (GGUF blocks, checkpoints saved quantized), padded and
     laid out as `quantize` lays it out; no value changes.
 
     Args:
       codes: [N, K] stored values: int8 (int4 codes in [-8, 7] for "int4") or float8_e4m3fn.
-      scales: [G, N], G = K / group_size (1 per channel); float16 / float32 kept, others -> float32.
-      zeros: [G, N] or None: integer zero points (`zero_point`) or float offsets, stored as float16.
+      scales: [G, N], G = K / group_size (1 per channel); float16 / float32 kept, others -> float32;
+        uint8 codes with `super_scales`.
+      zeros: [G, N] or None: integer zero points (`zero_point`) or float offsets, stored as float16;
+        uint8 codes with `super_zeros`.
       group_size: along K; None per channel.
+      super_scales, super_zeros: [S, N] float16 rows of two-level groups (`QuantizedWeight`), each
+        over G / S groups; K a multiple of their span.
     """
     n, k = codes.shape
     k_pad, n_pad, group = padded_sizes(k, n, group_size)
     q = np.zeros((n_pad, k_pad), codes.dtype)
     q[:n, :k] = codes
 
-    def rows(x, dtype):   # [G, N] -> [K_pad / group, N_pad]
-        out = np.zeros((k_pad // group, n_pad), dtype)
+    def rows(x, dtype, span=group):   # [k / span, N] -> [K_pad / span, N_pad]
+        out = np.zeros((k_pad // span, n_pad), dtype)
         out[: x.shape[0], :n] = x[:, :n]
         return jnp.asarray(out)
-    s = rows(scales, scales.dtype if scales.dtype in (np.float16, np.float32) else np.float32)
-    z = None if zeros is None else rows(zeros, np.float16)
+    two_level = super_scales is not None
+    if two_level and (k % (k // super_scales.shape[0]) or (zeros is None) != (super_zeros is None)):
+        raise ValueError("two-level group rows need K a multiple of their super-group and zeros matching")
+    if two_level:
+        span = k // super_scales.shape[0]
+        s, z = rows(scales, np.uint8), None if zeros is None else rows(zeros, np.uint8)
+        ss, sz = rows(super_scales, np.float16, span), None if zeros is None else rows(super_zeros, np.float16, span)
+    else:
+        s = rows(scales, scales.dtype if scales.dtype in (np.float16, np.float32) else np.float32)
+        z = None if zeros is None else rows(zeros, np.float16)
+        ss = sz = None
     qw = QuantizedWeight(jnp.asarray(q.astype(jnp.int4) if format == "int4" else q), s, z, format, group, (k, n),
-                         zero_point=zero_point)
+                         zero_point=zero_point, super_scales=ss, super_zeros=sz)
     return with_mma_order(qw) if format == "int4" else qw   # int4 in mma order, as `quantize` stores it
 
 
@@ -202,45 +223,57 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
 
     The quantized values and scales are the original ones, so a split weight computes exactly what
     the whole one does (tensor parallelism). Splitting K needs whole groups unless scales are per
-    channel (then every block keeps the channel scales). A block reaching past the end of the
-    weight gets zero columns (rows) there, which dequantize to 0: the padded end of a vocab-parallel
-    LM head whose vocab does not split evenly.
+    channel (then every block keeps the channel scales); a cut inside a two-level super-group
+    multiplies its rows out first (`one_level`: float32 rows, the same values).
+    A block reaching past the end of the weight gets zero columns (rows) there, which dequantize to
+    0: the padded end of a vocab-parallel LM head whose vocab does not split evenly.
     """
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
     if qw.mma_order and dim == 0 and (start % MMA_BLOCK or size % MMA_BLOCK):
         # a cut inside a permuted block of 32 (groups of 16): slice the natural order
         return with_mma_order(slice_quantized(with_mma_order(qw, False), dim, start, size))
+    if qw.two_level and dim == 0 and (start % qw.super_group or size % qw.super_group):
+        return slice_quantized(one_level(qw), dim, start, size)
     k, n = qw.shape
-    g = qw.group_size
     per_channel = qw.num_groups == 1
-    qweight, scales = np.asarray(qw.qweight), np.asarray(qw.scales)
-    zeros = None if qw.zeros is None else np.asarray(qw.zeros)
+    arrays = {f: None if getattr(qw, f) is None else np.asarray(getattr(qw, f)) for f in ARRAY_FIELDS}
     if dim == 1:
         new_k, new_n = k, size
-        qweight = qweight[start:start + size]
-        scales = scales[:, start:start + size]
-        zeros = None if zeros is None else zeros[:, start:start + size]
+        arrays = {f: None if a is None else (a[start:start + size] if f == "qweight" else a[:, start:start + size])
+                  for f, a in arrays.items()}
     else:
+        g = qw.group_size
         if not per_channel and (start % g or size % g):
             raise EngineConfigError(f"cannot split a {qw.format} weight with {g}-wide groups at rows "
                                     f"[{start}, {start + size}) for tensor parallelism")
         new_k, new_n = size, n
-        qweight = qweight[:, start:start + size]
-        if not per_channel:
-            scales = scales[start // g:(start + size) // g]
-            zeros = None if zeros is None else zeros[start // g:(start + size) // g]
-    k_pad, n_pad, group_size = padded_sizes(new_k, new_n, None if per_channel else g)
+        for f, a in arrays.items():
+            if a is None or (per_channel and f != "qweight"):
+                continue
+            r = 1 if f == "qweight" else row_span(qw, f)
+            arrays[f] = a[:, start:start + size] if f == "qweight" else a[start // r:(start + size) // r]
+    k_pad, n_pad, group_size = padded_sizes(new_k, new_n, None if per_channel else qw.group_size)
+    qweight = arrays.pop("qweight")
     qweight = np.pad(qweight, ((0, n_pad - qweight.shape[0]), (0, k_pad - qweight.shape[1])))
-    pad_groups = ((0, k_pad // group_size - scales.shape[0]), (0, n_pad - scales.shape[1]))
-    return QuantizedWeight(qweight, np.pad(scales, pad_groups), None if zeros is None else np.pad(zeros, pad_groups),
-                           qw.format, group_size, (new_k, new_n), qw.zero_point, qw.mma_order)
+
+    def padded(f, a):
+        if a is None:
+            return None
+        r = k_pad if per_channel else row_span(qw, f)
+        return np.pad(a, ((0, k_pad // r - a.shape[0]), (0, n_pad - a.shape[1])))
+    return QuantizedWeight(qweight, format=qw.format, group_size=group_size, shape=(new_k, new_n),
+                           zero_point=qw.zero_point, mma_order=qw.mma_order,
+                           **{f: padded(f, a) for f, a in arrays.items()})
 
 
 def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
     """Join weights along K (dim 0) or N (dim 1): the inverse of `slice_quantized` (and how fused
     projections are built). Each part's padding is dropped and the result padded as `quantize` pads;
     arrays may carry leading (device) axes, kept as they are. Along K, per-channel scales are the
-    parts' shared channel scales (slice_quantized keeps them whole)."""
+    parts' shared channel scales (slice_quantized keeps them whole). Parts with two-level group rows
+    among one-level ones are multiplied out first (`one_level`)."""
+    if len({p.two_level for p in parts}) > 1:
+        parts = [one_level(p) for p in parts]
     first = parts[0]
     if first.mma_order and dim == 0 and any(p.shape[0] % MMA_BLOCK for p in parts):
         # a join inside a permuted block of 32: join the natural order
@@ -255,17 +288,16 @@ def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
         leaves = [getattr(p, name) for p in parts]
         return None if leaves[0] is None else _join_padded(leaves, sizes=sizes, axis=axis, size=size)
     if dim == 1:
-        qweight = join("qweight", -2, ns, n_pad)
-        scales, zeros = (join(f, -1, ns, n_pad) for f in ("scales", "zeros"))
+        arrays = {f: join(f, -2 if f == "qweight" else -1, ns, n_pad) for f in ARRAY_FIELDS}
+    elif per_channel:
+        arrays = {"qweight": join("qweight", -1, ks, k_pad), **{f: getattr(first, f) for f in GROUP_ROWS}}
     else:
-        qweight = join("qweight", -1, ks, k_pad)
-        if per_channel:
-            scales, zeros = first.scales, first.zeros
-        else:
-            groups = tuple(x // first.group_size for x in ks)
-            scales, zeros = (join(f, -2, groups, k_pad // group) for f in ("scales", "zeros"))
-    return QuantizedWeight(qweight, scales, zeros, first.format, group, (new_k, new_n), first.zero_point,
-                           first.mma_order)
+        arrays = {"qweight": join("qweight", -1, ks, k_pad)}
+        for f in GROUP_ROWS:
+            r = row_span(first, f) if getattr(first, f) is not None else 1
+            arrays[f] = join(f, -2, tuple(x // r for x in ks), k_pad // r)
+    return QuantizedWeight(format=first.format, group_size=group, shape=(new_k, new_n),
+                           zero_point=first.zero_point, mma_order=first.mma_order, **arrays)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "axis", "size"))

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from atlasjax.errors import EngineConfigError
 from models.layers import is_quantized
 from models.parallel import Parallel
+from pallas_kernels.quant_format import ARRAY_FIELDS
 
 MESH_AXES = ("data", "model", "expert")   # data: replicas (1 for now); expert: for MoE (1 for now)
 TP_AXIS = "model"
@@ -200,7 +201,7 @@ class TensorParallel:
                 return None
             return jax.make_array_from_callback(
                 (self.size, *leaf.shape), sharding, lambda index: np.asarray(getattr(shard(index[0].start or 0), name))[None])
-        return dataclasses.replace(first, qweight=stacked("qweight"), scales=stacked("scales"), zeros=stacked("zeros"))
+        return dataclasses.replace(first, **{name: stacked(name) for name in ARRAY_FIELDS})
 
     def shard_params(self, params: dict, logical_tree: dict) -> dict:
         """Place an already-built param tree (host or one device) on the mesh, tensor by tensor."""
@@ -241,7 +242,7 @@ class TensorParallel:
     def _join_quantized(self, qw, logical: tuple[str, ...]):
         from atlasjax.quantization import concat_quantized, slice_quantized  # noqa: PLC0415
         dim = self.split_dim(logical)
-        host = {f: None if getattr(qw, f) is None else _to_host(getattr(qw, f)) for f in ("qweight", "scales", "zeros")}
+        host = {f: None if getattr(qw, f) is None else _to_host(getattr(qw, f)) for f in ARRAY_FIELDS}
         devices = range(0, self.size, self.kv_replicas if logical[dim] == "kv_heads" else 1)
         pieces = [dataclasses.replace(qw, **{f: None if x is None else x[d] for f, x in host.items()})
                   for d in devices]

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from models.layers import is_quantized
+from pallas_kernels.quant_format import ARRAY_FIELDS
 
 
 FOUR_BIT = ("int4", "uint4", "float4_e2m1fn")   # two values per byte on the device
@@ -25,18 +26,20 @@ def nbytes(leaf) -> int:
 
 
 def weight_nbytes(w) -> int:
-    """Device bytes of one weight: an array, or a QuantizedWeight's codes, scales and zeros."""
-    parts = [w.qweight, w.scales, w.zeros] if is_quantized(w) else [w]
+    """Device bytes of one weight: an array, or a QuantizedWeight's codes and group rows."""
+    parts = [getattr(w, f) for f in ARRAY_FIELDS] if is_quantized(w) else [w]
     return sum(nbytes(p) for p in parts if p is not None)
 
 
 def format_name(w) -> str:
-    """"int4 g32 offsets", "int8 per channel", "fp8 g128", "int4 g128 zero points", or a float dtype."""
+    """"int4 g32 offsets", "int8 per channel", "fp8 g128", "int4 g128 zero points", "int4 g32/256
+    offsets" (two-level group rows: groups of 32 under super-groups of 256), or a float dtype."""
     if not is_quantized(w):
         return np.dtype(w.dtype).name
     per_channel = w.num_groups == 1
     kind = "" if w.zeros is None else (" zero points" if w.zero_point else " offsets")
-    return f"{w.format} {'per channel' if per_channel else f'g{w.group_size}'}{kind}"
+    groups = f"g{w.group_size}" + (f"/{w.super_group}" if w.two_level else "")
+    return f"{w.format} {'per channel' if per_channel else groups}{kind}"
 
 
 def summarize(params: Any) -> dict[str, tuple[int, int]]:

@@ -14,6 +14,7 @@ either layout per layer.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from atlasjax.quantization import concat_quantized, padded_sizes
+from atlasjax.quantization import ARRAY_FIELDS, concat_quantized, padded_sizes
 from models.layers import is_quantized
 
 # (module, fused name, parts in output order)
@@ -93,7 +94,7 @@ def _compatible(parts: list[dict]) -> bool:
         return all(k.format == first.format and k.group_size == first.group_size and k.shape[0] == first.shape[0]
                    and k.qweight.shape[-1] == first.qweight.shape[-1] and (k.zeros is None) == (first.zeros is None)
                    and k.zero_point == first.zero_point and k.mma_order == first.mma_order
-                   for k in kernels)
+                   and k.two_level == first.two_level for k in kernels)
     return (not any(is_quantized(k) for k in kernels)
             and all(k.dtype == kernels[0].dtype and k.shape[0] == kernels[0].shape[0] for k in kernels))
 
@@ -129,7 +130,7 @@ def _local_split(mesh, axis, ndim, cuts):
                                  out_specs=(spec,) * (len(cuts) + 1)))
 
 
-# Quantized weights: qweight [(dev,) N_pad, K_pad], scales / zeros [(dev,) G, N_pad], logical shape (K, N)
+# Quantized weights: qweight [(dev,) N_pad, K_pad], group rows [(dev,) rows, N_pad], logical shape (K, N)
 # per device. Stacked per-device weights (tensor parallelism) carry a leading device axis, which
 # the ops below leave in place (and sharded).
 
@@ -137,11 +138,13 @@ def _split_quantized(qw, widths):
     k = qw.shape[0]
     n_pads = tuple(padded_sizes(k, w, qw.group_size)[1] for w in widths)
 
-    def split(leaf, n_axis):
-        return [None] * len(widths) if leaf is None else _split_n(leaf, widths=tuple(widths), n_axis=n_axis,
+    def split(name):
+        leaf = getattr(qw, name)
+        return [None] * len(widths) if leaf is None else _split_n(leaf, widths=tuple(widths), n_axis=-2 if name == "qweight" else -1,
                                                                   n_pads=n_pads)
-    return [qw.__class__(q, s, z, qw.format, qw.group_size, (k, w), qw.zero_point, qw.mma_order)
-            for q, s, z, w in zip(split(qw.qweight, -2), split(qw.scales, -1), split(qw.zeros, -1), widths)]
+    pieces = {name: split(name) for name in ARRAY_FIELDS}
+    return [dataclasses.replace(qw, shape=(k, w), **{name: pieces[name][i] for name in ARRAY_FIELDS})
+            for i, w in enumerate(widths)]
 
 
 @functools.partial(jax.jit, static_argnames=("widths", "n_axis", "n_pads"))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["qweight", "scales", "zeros"],
+    data_fields=["qweight", "scales", "zeros", "super_scales", "super_zeros"],
     meta_fields=["format", "group_size", "shape", "zero_point", "mma_order"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,10 @@ class QuantizedWeight:
         stored in the order the kernel's matrix instruction consumes it (`to_mma_order`), so that
         one 32-bit (int4) or 64-bit (int8) load gives a thread the eight values it needs.
         `dequantize` undoes it.
+      super_scales, super_zeros: None, or two-level group rows (GGUF K-quants): `scales` (and
+        `zeros`) then hold uint8 codes, and [K_pad // super_group, N_pad] float16 rows scale them:
+        a group's scale is scales[g, n] * super_scales[g // r, n] (r groups per super-group), its
+        offset zeros[g, n] * super_zeros[g // r, n]. Float offsets only (not zero points).
     """
 
     qweight: jax.Array
@@ -46,6 +50,8 @@ class QuantizedWeight:
     shape: tuple[int, int]
     zero_point: bool = False
     mma_order: bool = False
+    super_scales: jax.Array | None = None
+    super_zeros: jax.Array | None = None
 
     @property
     def padded_shape(self) -> tuple[int, int]:
@@ -56,6 +62,53 @@ class QuantizedWeight:
     @property
     def num_groups(self) -> int:
         return self.scales.shape[-2]
+
+    @property
+    def two_level(self) -> bool:
+        """Whether the group rows are uint8 codes under float16 super-group rows."""
+        return self.super_scales is not None
+
+    @property
+    def super_group(self) -> int:
+        """K elements per super-group row (two-level only)."""
+        return self.group_size * (self.num_groups // self.super_scales.shape[-2])
+
+
+# The [rows, N_pad] arrays of group rows, in the order the kernels take them; each row covers
+# `row_span` K elements.
+GROUP_ROWS = ("scales", "zeros", "super_scales", "super_zeros")
+ARRAY_FIELDS = ("qweight",) + GROUP_ROWS
+
+
+def row_span(qw: QuantizedWeight, name: str) -> int:
+    """K elements covered by one row of the group-row array `name`."""
+    return qw.super_group if name.startswith("super_") else qw.group_size
+
+
+def group_scales(qw: QuantizedWeight) -> jax.Array:
+    """[G, N_pad] float32: each group's scale (two-level rows multiplied out)."""
+    return _two_level(qw.scales, qw.super_scales)
+
+
+def group_zeros(qw: QuantizedWeight) -> jax.Array | None:
+    """[G, N_pad] float32 zero points or float offsets (two-level rows multiplied out), or None."""
+    return None if qw.zeros is None else _two_level(qw.zeros, qw.super_zeros)
+
+
+def _two_level(rows, super_rows):
+    rows = rows.astype(jnp.float32)
+    if super_rows is None:
+        return rows
+    r = rows.shape[-2] // super_rows.shape[-2]
+    return rows * jnp.repeat(super_rows.astype(jnp.float32), r, axis=-2)
+
+
+def one_level(qw: QuantizedWeight) -> QuantizedWeight:
+    """The weight with two-level group rows multiplied out into float32 ones (the same values)."""
+    if not qw.two_level:
+        return qw
+    return dataclasses.replace(qw, scales=group_scales(qw), zeros=group_zeros(qw), super_scales=None,
+                               super_zeros=None)
 
 
 # "mma order": each block of 32 K positions of a qweight row is stored in the order the kernel's
@@ -127,13 +180,13 @@ def with_float_offsets(qw: QuantizedWeight) -> QuantizedWeight:
     of zeros' to the scales' dtype."""
     if not qw.zero_point:
         return qw
-    s, z = qw.scales.astype(jnp.float32), qw.zeros.astype(jnp.float32)
+    s, z = group_scales(qw), group_zeros(qw)
     return dataclasses.replace(qw, zeros=(-(z + 8.0) * s).astype(qw.scales.dtype), zero_point=False)
 
 
 def group_offsets(qw: QuantizedWeight) -> jax.Array:
     """[G, N_pad] float32 b such that w = q * s + b for an asymmetric weight (either kind of zeros)."""
-    s, z = qw.scales.astype(jnp.float32), qw.zeros.astype(jnp.float32)
+    s, z = group_scales(qw), group_zeros(qw)
     return -z * s if qw.zero_point else 8.0 * s + z
 
 
@@ -156,8 +209,8 @@ def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     k_pad, n_pad = qw.padded_shape
     g = qw.group_size
     q = natural_codes(qw).T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
-    s = qw.scales.astype(jnp.float32)[:, None, :]
-    z = None if qw.zeros is None else qw.zeros.astype(jnp.float32)[:, None, :]
+    s = group_scales(qw)[:, None, :]
+    z = None if qw.zeros is None else group_zeros(qw)[:, None, :]
     if z is not None and qw.zero_point:
         w = (q - z) * s
     elif z is not None:

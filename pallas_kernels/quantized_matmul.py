@@ -17,6 +17,9 @@ one TMA tile (wider weight rows stream faster).
 Groups under 128 elements (GGUF's 32) instead multiply the dequantized tile by its groups' scales
 in registers before the wgmma ("prescale"), so a step spans several groups and one accumulator
 serves all of K; int4 groups of 32 need that (a 16-byte row is under the smallest swizzle).
+Two-level group rows (GGUF Q4_K: uint8 codes under float16 rows per 256) take the prescaled path
+only: a step also loads the super rows over its groups and multiplies each group's row by its
+super row (per column, in f32) before prescaling.
 The dequantized weight never leaves registers. K is split across a second grid axis when the
 N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
 Asymmetric int4 with integer zero points (what quantize at load makes) subtracts each group's
@@ -67,12 +70,13 @@ DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_qua
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
                             prescale=False, group_size=None, unroll=1, z_gmem=None, zero_point=False,
-                            mma_order=False, prescale_bf16=False):
+                            mma_order=False, prescale_bf16=False, ss_gmem=None, sz_gmem=None, super_group=None):
     """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
     scales (integer zero points with `zero_point`, else float offsets to fold in), any float
-    dtype; out_gmem [splits, M_pad, N_pad] f32 (the output dtype when K is not split); out_smem
+    dtype, or uint8 codes under ss_gmem (sz_gmem) [S, N_pad] two-level super-group rows (prescaled
+    steps only); out_gmem [splits, M_pad, N_pad] f32 (the output dtype when K is not split); out_smem
     [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k] bf16 scratch or None: when given
     (interpret mode, whose wgmma reads only shared memory), the dequantized tile is staged there
     instead of feeding wgmma from registers.
@@ -115,49 +119,69 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     if prescale and groups_per_step > 1:  # the step's groups: rows [k * gps, (k + 1) * gps) of the scales
         scale_spec = plgpu.BlockSpec((groups_per_step, TILE_N), lambda k: (first_step + k, 0))
 
-    def per_group(rows_smem, shape, row=lambda j, r: r):  # [gps, TILE_N] -> shape: row j over group j's columns
+    def per_group(row, shape, f=lambda r: r):  # row(j): [TILE_N] f32 -> shape: f(row j) over group j's columns
         # Each group's row broadcast over its own columns, joined along K (in the WGMMA layout that
         # only places registers). Measured as fast as the chain of whole-tile selects it replaced
         # (session 33): the compiler had resolved those per register already.
         width = shape[1] // groups_per_step
-        parts = [lax.broadcast_in_dim(row(j, load_row(rows_smem, j)), (shape[0], width), [0])
-                 for j in range(groups_per_step)]
+        parts = [lax.broadcast_in_dim(f(row(j)), (shape[0], width), [0]) for j in range(groups_per_step)]
         return parts[0] if groups_per_step == 1 else jnp.concatenate(parts, axis=1)
 
-    def prescaled(w_smem, s_smem, z_smem=None):  # the tile times its groups' scales, rounded once to bf16
+    def prescaled(w_smem, s_row, z_row=None):  # the tile times its groups' scales, rounded once to bf16
         if prescale_bf16:
-            return prescaled_bf16(w_smem, s_smem, z_smem)
+            return prescaled_bf16(w_smem, s_row, z_row)
         a = dequantized(w_smem).astype(jnp.float32)
         if zero_point:  # w = (q - z) s
-            return ((a - per_group(z_smem, a.shape)) * per_group(s_smem, a.shape)).astype(jnp.bfloat16)
-        a = a * per_group(s_smem, a.shape)
-        if z_smem is not None:  # w = q s + (8 s + zeros)
-            a = a + per_group(z_smem, a.shape, lambda j, z: z + 8.0 * load_row(s_smem, j))
+            return ((a - per_group(z_row, a.shape)) * per_group(s_row, a.shape)).astype(jnp.bfloat16)
+        a = a * per_group(s_row, a.shape)
+        if z_row is not None:  # w = q s + (8 s + zeros)
+            a = a + per_group(lambda j: z_row(j) + 8.0 * s_row(j), a.shape)
         return a.astype(jnp.bfloat16)
 
-    def prescaled_bf16(w_smem, s_smem, z_smem=None):  # as `prescaled`, in bf16: q (or q - z) exact, times s
-        def bf16(j, r):
+    def prescaled_bf16(w_smem, s_row, z_row=None):  # as `prescaled`, in bf16: q (or q - z) exact, times s
+        def bf16(r):
             return r.astype(jnp.bfloat16)
         a = dequantized(w_smem)
         if zero_point:
-            return (a - per_group(z_smem, a.shape, bf16)) * per_group(s_smem, a.shape, bf16)
-        a = a * per_group(s_smem, a.shape, bf16)
-        if z_smem is not None:   # w = q s + (8 s + zeros)
-            a = a + per_group(z_smem, a.shape, lambda j, z: (z + 8.0 * load_row(s_smem, j)).astype(jnp.bfloat16))
+            return (a - per_group(z_row, a.shape, bf16)) * per_group(s_row, a.shape, bf16)
+        a = a * per_group(s_row, a.shape, bf16)
+        if z_row is not None:   # w = q s + (8 s + zeros)
+            a = a + per_group(lambda j: z_row(j) + 8.0 * s_row(j), a.shape, bf16)
         return a
 
     if prescale and not per_channel:
-        def step_prescaled(acc_ref, w_smem, x_smem, s_smem, z_smem=None):
-            mma(acc_ref, prescaled(w_smem, s_smem, z_smem), x_smem)
+        # Two-level rows: a step of tile_k holds tile_k // super_group super rows (one, indexed by
+        # step, when a super-group spans several steps); group j of the step is under super row
+        # j * group_size // super_group of them.
+        two_level = ss_gmem is not None
+        if two_level:
+            supers_per_step = max(1, tile_k // super_group)
+            steps_per_super = max(1, super_group // tile_k)
+            super_spec = plgpu.BlockSpec((supers_per_step, TILE_N),
+                                         lambda k: ((first_step + k) // steps_per_super, 0))
+
+        def rows_of(smem, super_smem):  # group j's f32 row (multiplied out of two levels)
+            if super_smem is None:
+                return lambda j: load_row(smem, j)
+            return lambda j: load_row(smem, j) * load_row(super_smem, j * group_size // super_group)
+
+        def step_prescaled(acc_ref, w_smem, x_smem, *rows):
+            s_smem, z_smem = rows[0], rows[1] if z_gmem is not None else None
+            ss_smem = rows[1 + (z_gmem is not None)] if two_level else None
+            sz_smem = rows[-1] if sz_gmem is not None else None
+            z_row = None if z_smem is None else rows_of(z_smem, sz_smem)
+            mma(acc_ref, prescaled(w_smem, rows_of(s_smem, ss_smem), z_row), x_smem)
 
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
+        super_rows = [r.at[:, n_slice] for r in (ss_gmem, sz_gmem) if r is not None]
 
         def body_prescaled(acc_ref):
             plgpu.emit_pipeline(
                 lambda _, *refs: step_prescaled(acc_ref, *refs),
-                grid=(steps_per_split,), in_specs=in_specs + [scale_spec] * len(group_rows),
+                grid=(steps_per_split,),
+                in_specs=in_specs + [scale_spec] * len(group_rows) + [super_spec] * len(super_rows),
                 max_concurrent_steps=max_concurrent_steps,
-            )(*operands, *group_rows)
+            )(*operands, *group_rows, *super_rows)
             return acc_ref[...]
 
         acc = pl.run_scoped(body_prescaled, plgpu.ACC((TILE_N, m_tile), jnp.float32))
@@ -272,11 +296,14 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         quantized_matmul_kernel, tile_k=tile_k, m_tile=m_tile, steps_per_split=num_steps // splits,
         steps_per_group=max(1, qw.group_size // tile_k), per_channel=qw.num_groups == 1 and qw.zeros is None,
         max_concurrent_steps=depth, prescale=_prescales(qw, config), group_size=qw.group_size,
-        unroll=unroll, zero_point=qw.zero_point, mma_order=qw.mma_order, prescale_bf16=config.prescale_bf16)
+        unroll=unroll, zero_point=qw.zero_point, mma_order=qw.mma_order, prescale_bf16=config.prescale_bf16,
+        super_group=qw.super_group if qw.two_level else None)
+    # inputs after w, x, scales: the zeros when read, then the two-level super rows of each
+    extra = (["z"] if with_zeros else []) + (["ss"] + (["sz"] if with_zeros else []) if qw.two_level else [])
 
-    def quantized_matmul_kernel_refs(w, x, s, *refs):  # the zeros come as a fourth input when read
-        z, refs = (refs[0], refs[1:]) if with_zeros else (None, refs)
-        kernel(w, x, s, *refs, z_gmem=z)
+    def quantized_matmul_kernel_refs(w, x, s, *refs):
+        named = dict(zip(extra, refs))
+        kernel(w, x, s, *refs[len(extra):], **{f"{name}_gmem": ref for name, ref in named.items()})
     call = plgpu.kernel(
         quantized_matmul_kernel_refs,
         out_type=jax.ShapeDtypeStruct((splits, m_pad, n_pad), y_dtype),
@@ -289,7 +316,8 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    y = call(qw.qweight, xp, qw.scales, *([qw.zeros] if with_zeros else []))
+    rows = {"z": qw.zeros, "ss": qw.super_scales, "sz": qw.super_zeros}
+    y = call(qw.qweight, xp, qw.scales, *(rows[name] for name in extra))
     return y[0] if splits == 1 else y.sum(axis=0)
 
 
@@ -346,8 +374,13 @@ def _unroll(qw: QuantizedWeight, config: QuantMatmulConfig, tile_k: int) -> int:
 
 def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
     k_pad, n_pad = qw.padded_shape
-    return (n_pad % TILE_N == 0 and _tile_k(qw, config) is not None
-            and qw.scales.shape == (k_pad // qw.group_size, n_pad))
+    tile_k = _tile_k(qw, config)
+    ok = n_pad % TILE_N == 0 and tile_k is not None and qw.scales.shape == (k_pad // qw.group_size, n_pad)
+    if ok and qw.two_level:   # prescaled steps only, each within a super-group or over whole ones
+        sg = qw.super_group
+        ok = (_prescales(qw, config) and (tile_k % sg == 0 or sg % tile_k == 0)
+              and qw.super_scales.shape == (k_pad // sg, n_pad) and (qw.zero_point is False))
+    return ok
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "interpret", "out_dtype", "config", "prefill"))

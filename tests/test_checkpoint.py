@@ -91,3 +91,25 @@ def test_int4_checkpoint_from_before_mma_order_loads_as_natural_order(tmp_path_f
     leaf = again.engine.runner.checkpoint_params()["layers_0"]["mlp"]["down_proj"]["kernel"]
     assert leaf.format == "int4" and not leaf.mma_order
     assert again.generate(["One two three"], params)[0].outputs[0].token_ids == ref.token_ids
+
+
+def test_gguf_q4_k_two_level_rows_survive_save_and_load(tmp_path_factory):
+    # A Q4_K file's two-level group rows (uint8 under float16 rows per 256) are saved as they are
+    # and load back to the same weights, the same bytes and the same greedy output.
+    import numpy as np
+
+    from pallas_kernels.quant_format import dequantize
+    from tests.test_gguf_blocks import _write_k_quant_llama
+    path = _write_k_quant_llama(tmp_path_factory.mktemp("q4_k") / "q4_k.gguf", more_bits=False)
+    kw = dict(max_num_seqs=1, max_model_len=64, dtype="float32")
+    llm = LLM(path, keep_gguf_quantized=True, **kw)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = llm.generate([[1, 2, 3, 4]], params)[0].outputs[0]
+    saved = str(tmp_path_factory.mktemp("saved_q4_k"))
+    llm.save(saved)
+    again = LLM(saved, **kw)
+    before = llm.engine.runner.checkpoint_params()["layers_0"]["mlp"]["down_proj"]["kernel"]
+    leaf = again.engine.runner.checkpoint_params()["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert leaf.two_level and leaf.scales.dtype == np.uint8 and leaf.super_zeros is not None
+    np.testing.assert_array_equal(np.asarray(dequantize(leaf)), np.asarray(dequantize(before)))
+    assert again.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids == ref.token_ids

@@ -6,6 +6,7 @@ import pytest
 
 from atlasjax.gguf_blocks import from_gguf_blocks, gguf_weight, is_block_type, kept_format
 from atlasjax.quantization import dequantize
+from atlasjax.weights_summary import weight_nbytes
 from tests.gguf_kquant_encoders import encode_q4_k, encode_q6_k
 
 Q = gguf.GGMLQuantizationType
@@ -48,17 +49,15 @@ def test_test_encoders_write_what_the_gguf_package_reads(encode, qtype, bound):
 
 @pytest.mark.parametrize("source", ["random bits", "encoded"])
 @pytest.mark.parametrize("n", [96, 130])   # N under and over one 128-wide padding unit
-def test_q4_k_keeps_its_nibbles_with_f16_rounded_scales(source, n):
+def test_q4_k_is_kept_exactly_in_two_levels(source, n):
     k = 512
     raw = _random_blocks(Q.Q4_K, n, k, seed=n) if source == "random bits" else encode_q4_k(_weight(n, k, seed=n))
     qw, got, want = _kept_vs_file(raw, Q.Q4_K, n, k)
     assert qw.zeros is not None and not qw.zero_point and qw.mma_order   # float offsets, as Q4_1
-    # w = (q + 8) s + z with s and z each off by at most half a float16 ulp (2^-11 relative)
-    scales = np.repeat(np.asarray(qw.scales, np.float32), 32, axis=0)[:k, :n]
-    zeros = np.repeat(np.asarray(qw.zeros, np.float32), 32, axis=0)[:k, :n]
-    bound = 2.0 ** -11 * (15 * np.abs(scales) + np.abs(zeros)) * (1 + 1e-3) + 1e-7
-    assert np.all(np.abs(got - want) <= bound)
-    assert np.abs(got - want).max() > 0 or source == "encoded"   # the rounding is real, and bounded
+    # the 6-bit sc and m as bytes, the file's d and -dmin as float16 per super-block of 256
+    assert qw.two_level and qw.super_group == 256 and qw.scales.dtype == np.uint8 and qw.super_scales.dtype == np.float16
+    np.testing.assert_array_equal(got, want)
+    assert weight_nbytes(qw) * 8 == qw.padded_shape[0] * qw.padded_shape[1] * 4.625   # the file: 4.5 bits
 
 
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.Q5_1])
@@ -97,10 +96,10 @@ _SHAPES = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self
            "mlp.down_proj": (256, 512)}
 
 
-def _write_k_quant_llama(path, head_type=Q.F32, patch=None):
+def _write_k_quant_llama(path, head_type=Q.F32, patch=None, more_bits=True):
     """A 1-layer untied Llama GGUF, Q4_K_M-like: v and down in Q6_K, the other projections in Q4_K,
     the LM head (output.weight) in `head_type`; a 256-byte vocabulary. patch: GGUF name -> a function
-    of that tensor's encoded blocks (to write bad ones)."""
+    of that tensor's encoded blocks (to write bad ones). more_bits=False: v and down in Q4_K too."""
     import transformers
 
     from tests.gguf_writer_util import write_gguf_from_hf
@@ -121,7 +120,7 @@ def _write_k_quant_llama(path, head_type=Q.F32, patch=None):
         if name == "output.weight":   # gguf cannot encode K-quants: Q6_K through the test encoder
             encoders = {Q.F32: lambda a: a, Q.Q6_K: encode_q6_k}
             return encoders.get(head_type, lambda a: gguf.quants.quantize(a, head_type))(array), head_type
-        if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        if more_bits and name.endswith(("attn_v.weight", "ffn_down.weight")):
             return encode_q6_k(array), Q.Q6_K
         return (patch or {}).get(name, lambda raw: raw)(encode_q4_k(array)), Q.Q4_K
 
@@ -169,11 +168,9 @@ def test_untied_lm_head_stays_quantized(tmp_path, head_type):
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
-def test_a_block_the_kept_format_cannot_hold_falls_back_to_floats(tmp_path, caplog):
-    # A Q4_K sub-block scale d * sc beyond float16's range (d = 2048, sc = 63) has no kept form: that
-    # tensor loads as floats (exactly the file's values), with a warning naming it; the rest stay kept.
-    import logging
-
+def test_a_q4_k_scale_beyond_float16_stays_kept_and_exact(tmp_path):
+    # A sub-block scale d * sc beyond float16's range (d = 2048, sc = 63) is held in two levels as
+    # the file holds it: the tensor stays quantized and computes the file's values exactly.
     import jax.numpy as jnp
 
     from atlasjax.loader import load_model
@@ -185,14 +182,38 @@ def test_a_block_the_kept_format_cannot_hold_falls_back_to_floats(tmp_path, capl
         blocks[0, 0, 4] = (blocks[0, 0, 4] & 0xC0) | 63
         return blocks.reshape(raw.shape)
 
-    n, k = 64, 256
-    with pytest.raises(ValueError, match="beyond float16"):
-        gguf_weight(oversize(encode_q4_k(_weight(n, k))), Q.Q4_K, (n, k))
     path = _write_k_quant_llama(tmp_path / "big.gguf", patch={"blk.0.attn_output.weight": oversize})
+    kept = load_model(path, jnp.float32, keep_gguf_quantized=True).params["layers_0"]["self_attn"]
+    floats = load_model(path, jnp.float32, keep_gguf_quantized=False).params["layers_0"]["self_attn"]
+    assert is_quantized(kept["o_proj"]["kernel"])
+    np.testing.assert_array_equal(np.asarray(dequantize(kept["o_proj"]["kernel"])), np.asarray(floats["o_proj"]["kernel"]))
+    assert np.abs(np.asarray(floats["o_proj"]["kernel"])).max() > 65504   # the file's value, kept
+
+
+def test_a_tensor_the_kept_format_cannot_hold_falls_back_to_floats(tmp_path, caplog, monkeypatch):
+    # Blocks that `gguf_weight` refuses (a ValueError) load as floats, with a warning naming the
+    # tensor; the rest stay kept.
+    import logging
+
+    import jax.numpy as jnp
+
+    import atlasjax.gguf_blocks as blocks
+    from atlasjax.loader import load_model
+    from models.layers import is_quantized
+
+    path = _write_k_quant_llama(tmp_path / "model.gguf")
+    floats = load_model(path, jnp.float32, keep_gguf_quantized=False).params["layers_0"]["self_attn"]
+    keep = blocks.gguf_weight
+
+    def refuse_o_proj(raw, qtype, shape_hf):
+        if shape_hf == (256, 256) and np.array_equal(raw, refuse_o_proj.raw):
+            raise ValueError("blocks this test cannot keep")
+        return keep(raw, qtype, shape_hf)
+    reader = gguf.GGUFReader(path)
+    refuse_o_proj.raw = next(np.asarray(t.data) for t in reader.tensors if t.name == "blk.0.attn_output.weight")
+    monkeypatch.setattr(blocks, "gguf_weight", refuse_o_proj)
     with caplog.at_level(logging.WARNING, logger="atlasjax.loader"):
         kept = load_model(path, jnp.float32, keep_gguf_quantized=True).params["layers_0"]["self_attn"]
-    floats = load_model(path, jnp.float32, keep_gguf_quantized=False).params["layers_0"]["self_attn"]
     assert any("self_attn.o_proj.weight" in r.getMessage() and "floats" in r.getMessage() for r in caplog.records)
     assert not is_quantized(kept["o_proj"]["kernel"]) and is_quantized(kept["q_proj"]["kernel"])
     np.testing.assert_array_equal(np.asarray(kept["o_proj"]["kernel"]), np.asarray(floats["o_proj"]["kernel"]))
-    assert np.abs(np.asarray(floats["o_proj"]["kernel"])).max() > 65504   # the file's value, kept

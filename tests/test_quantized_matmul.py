@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import quantize
 from pallas_kernels.quant_format import with_float_offsets, with_mma_order
 from pallas_kernels.quantized_matmul import DECODE_ROWS, QuantMatmulConfig, quantized_matmul, quantized_matmul_reference
@@ -19,7 +20,8 @@ ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
 
 # zeros: "sym" (none), "zp" (asymmetric, integer zero points: what quantize makes) or "offsets"
-# (asymmetric with float offsets, GGUF Q4_1's form: the same weight through `with_float_offsets`).
+# (asymmetric with float offsets, GGUF Q4_1's form: the same weight through `with_float_offsets`),
+# or "two_level" (GGUF Q4_K's float offsets: uint8 rows under float16 rows per 256, `like_gguf`).
 CASES = [  # (format, group_size, zeros)
     ("int8", None, "sym"),
     ("fp8", None, "sym"),
@@ -34,9 +36,13 @@ CASES = [  # (format, group_size, zeros)
 def _check(fmt, group_size, zeros, m, k, n, seed=0, natural_order=False, **kwargs):
     kwargs.setdefault("prefill", "pallas")
     rng = np.random.default_rng(seed)
-    qw = quantize(rng.standard_normal((k, n)).astype(np.float32), fmt, group_size=group_size,
-                  symmetric=zeros == "sym")
-    assert qw.zero_point == (zeros != "sym")
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if zeros == "two_level":   # GGUF Q4_K's layout: uint8 group rows under float16 rows per 256
+        qw = like_gguf(w, "Q4_K")
+        assert qw.two_level and (fmt, group_size) == ("int4", 32)
+    else:
+        qw = quantize(w, fmt, group_size=group_size, symmetric=zeros == "sym")
+        assert qw.zero_point == (zeros != "sym")
     if zeros == "offsets":
         qw = with_float_offsets(qw)
     assert qw.mma_order == (fmt == "int4")   # int4 is stored in mma order (test_int4_mma_order.py)
@@ -240,6 +246,36 @@ def test_gpu_prescaled_asymmetric(zeros, group_size, tile_k, m, k, n):
 def test_gpu_per_group_unroll(zeros, fold_zeros, unroll, m, k, n):
     _check("int4", 128, zeros, m, k, n, seed=k + m + unroll,
            config=QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros))
+
+
+# Two-level group rows (GGUF Q4_K): steps of one super-group (the default), of half of one, and of
+# two; the offset term folded into the tile or added by XLA.
+TWO_LEVEL_CONFIGS = {"default": None, "half_super": QuantMatmulConfig(prescale_tile_k=128),
+                     "two_supers": QuantMatmulConfig(prescale_tile_k=512),
+                     "xla_offsets": QuantMatmulConfig(fold_zeros=False)}
+
+
+@pytest.mark.parametrize("config", TWO_LEVEL_CONFIGS, ids=str)
+@pytest.mark.parametrize("m", [1, 17])
+def test_interpret_two_level_rows(config, m):
+    _check("int4", 32, "two_level", m, k=512, n=70, seed=m, interpret=True, config=TWO_LEVEL_CONFIGS[config])
+
+
+def test_two_level_rows_take_the_kernel_and_xla_dequantizes_them():
+    from pallas_kernels.quantized_matmul import _can_use_pallas, default_config
+    qw = like_gguf(np.random.default_rng(0).standard_normal((512, 128)).astype(np.float32), "Q4_K")
+    assert _can_use_pallas(qw, default_config(qw))
+    assert not _can_use_pallas(qw, QuantMatmulConfig(prescale=False))   # per-group steps cannot read them
+    _check("int4", 32, "two_level", 3, k=512, n=70, backend="xla")
+    _check("int4", 32, "two_level", 130, k=256, n=70, interpret=True, prefill="xla")
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("config", TWO_LEVEL_CONFIGS, ids=str)
+@pytest.mark.parametrize("m,k,n", [(1, 512, 70), (8, 4096, 1000), (40, 1024, 4100)])
+def test_gpu_two_level_rows(config, m, k, n):
+    _check("int4", 32, "two_level", m, k, n, seed=k + m, config=TWO_LEVEL_CONFIGS[config])
 
 
 @pytest.mark.parametrize("zeros,group_size", [("sym", 128), ("zp", 128), ("offsets", 32)])

@@ -130,6 +130,22 @@ def test_gguf_blocks_stay_quantized_and_split(hf_model_factory, tmp_path, qtype)
     _assert_same(_run(llm, prompts), one, f"GGUF {qtype.name} TP=2")
 
 
+def test_gguf_q4_k_two_level_rows_split(tmp_path):
+    # Q4_K's two-level rows (uint8 under float16 rows per 256) split along N as they are and along K
+    # in whole super-blocks (down: K 512 into 256s); a cut inside one (o_proj: K 256 into 128s)
+    # multiplies that weight's rows out. Either way TP=2 computes what one device does.
+    from tests.test_gguf_blocks import _write_k_quant_llama
+    path = _write_k_quant_llama(tmp_path / "q4_k.gguf", more_bits=False)
+    prompts = _prompts(256, seed=6)
+    one = _run(LLM(path, keep_gguf_quantized=True, **ENGINE), prompts)
+    llm = LLM(path, keep_gguf_quantized=True, tensor_parallel_size=2, **ENGINE)
+    layer = llm.engine.runner.params["layers_0"]
+    assert layer["mlp"]["gate_up_proj"]["kernel"].two_level and layer["mlp"]["down_proj"]["kernel"].two_level
+    assert layer["mlp"]["down_proj"]["kernel"].super_scales.shape[:2] == (2, 1)   # per device: K 256 = one super row
+    assert not layer["self_attn"]["o_proj"]["kernel"].two_level
+    _assert_same(_run(llm, prompts), one, "GGUF Q4_K TP=2")
+
+
 # int4 with zero points and int8 groups split along K (o_proj's K of 64 halves into whole groups of 32)
 @pytest.mark.parametrize("fmt", ["awq-g32", "gptq-8bit", "fp8-channel"])
 def test_prequantized_checkpoint_stays_quantized_and_splits(hf_model_factory, tmp_path, fmt):
