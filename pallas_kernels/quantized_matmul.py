@@ -153,7 +153,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # Two-level rows: a step of tile_k holds tile_k // super_group super rows (one, indexed by
         # step, when a super-group spans several steps); group j of the step is under super row
         # j * group_size // super_group of them.
-        two_level = ss_gmem is not None
+        two_level, super_spec = ss_gmem is not None, None
         if two_level:
             supers_per_step = max(1, tile_k // super_group)
             steps_per_super = max(1, super_group // tile_k)
@@ -179,7 +179,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             plgpu.emit_pipeline(
                 lambda _, *refs: step_prescaled(acc_ref, *refs),
                 grid=(steps_per_split,),
-                in_specs=in_specs + [scale_spec] * len(group_rows) + [super_spec] * len(super_rows),
+                in_specs=in_specs + [scale_spec] * len(group_rows) + [super_spec for _ in super_rows],
                 max_concurrent_steps=max_concurrent_steps,
             )(*operands, *group_rows, *super_rows)
             return acc_ref[...]
