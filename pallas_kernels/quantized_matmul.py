@@ -107,12 +107,11 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         issue(acc_ref, a, x_smem)
         plgpu.wgmma_wait(0)  # x_smem is released to the pipeline when the step returns
 
-    in_specs = [
-        plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, first_step + k),
-                        transforms=swizzled(tile_k * w_bits, w_bits, "weight")),
-        plgpu.BlockSpec((m_tile, tile_k), lambda k: (0, first_step + k),
-                        transforms=swizzled(tile_k * 16, 16, "x")),
-    ]
+    def in_specs():  # one weight and one x tile per step (the per-group path builds its own)
+        return [plgpu.BlockSpec((TILE_N, tile_k), lambda k: (0, first_step + k),
+                                transforms=swizzled(tile_k * w_bits, w_bits, "weight")),
+                plgpu.BlockSpec((m_tile, tile_k), lambda k: (0, first_step + k),
+                                transforms=swizzled(tile_k * 16, 16, "x"))]
     operands = (w_gmem.at[n_slice], x_gmem.at[m_slice])
     scale_spec = plgpu.BlockSpec((1, TILE_N), lambda k: ((first_step + k) // steps_per_group, 0))
     groups_per_step = max(1, tile_k // group_size) if prescale else 1
@@ -163,7 +162,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         def rows_of(smem, super_smem):  # group j's f32 row (multiplied out of two levels)
             if super_smem is None:
                 return lambda j: load_row(smem, j)
-            return lambda j: load_row(smem, j) * load_row(super_smem, j * group_size // super_group)
+            supers = [load_row(super_smem, i) for i in range(max(1, groups_per_step * group_size // super_group))]
+            return lambda j: load_row(smem, j) * supers[j * group_size // super_group]
 
         def step_prescaled(acc_ref, w_smem, x_smem, *rows):
             s_smem, z_smem = rows[0], rows[1] if z_gmem is not None else None
@@ -179,7 +179,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             plgpu.emit_pipeline(
                 lambda _, *refs: step_prescaled(acc_ref, *refs),
                 grid=(steps_per_split,),
-                in_specs=in_specs + [scale_spec] * len(group_rows) + [super_spec for _ in super_rows],
+                in_specs=in_specs() + [scale_spec] * len(group_rows) + [super_spec for _ in super_rows],
                 max_concurrent_steps=max_concurrent_steps,
             )(*operands, *group_rows, *super_rows)
             return acc_ref[...]
@@ -195,7 +195,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         def body(acc_ref):
             scale = plgpu.emit_pipeline(
                 lambda _, *refs: step_per_channel(acc_ref, *refs),
-                grid=(steps_per_split,), in_specs=in_specs + [scale_spec],
+                grid=(steps_per_split,), in_specs=in_specs() + [scale_spec],
                 max_concurrent_steps=max_concurrent_steps,
                 init_carry=plgpu.layout_cast(jnp.zeros((TILE_N,), jnp.float32), row_layout),
             )(*operands, s_gmem.at[:, n_slice])
@@ -219,7 +219,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         specs = ([plgpu.BlockSpec((TILE_N, tile_k * wide), lambda k, i=i: (0, (first_step + k) * tiles + i),
                                   transforms=swizzled(tile_k * wide * w_bits, w_bits, "weight")) for i in range(tiles)]
                  + [plgpu.BlockSpec((m_tile, tile_k * wide), lambda k, i=i: (0, (first_step + k) * tiles + i),
-                                    transforms=swizzled(tile_k * wide * 16, 16, "x")) for i in range(tiles)])
+                                    transforms=swizzled(tile_k * 16, 16, "x")) for i in range(tiles)])
         # unroll > 1 only with one group per tile (steps_per_group == 1): rows [k * unroll, (k + 1) * unroll)
         rows_spec = scale_spec if unroll == 1 else plgpu.BlockSpec((unroll, TILE_N), lambda k: (first_step + k, 0))
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
@@ -341,7 +341,9 @@ def _tile_k(qw: QuantizedWeight, config: QuantMatmulConfig) -> int | None:
         tile = next((t for t in reversed(tiles) if k_pad % t == 0), g)
     else:
         tile = min(config.tile_k, g)
-    ok = k_pad % tile == 0 and tile * elem_bits(qw.qweight.dtype) >= 256 and (g % tile == 0 or tile % g == 0)
+    # in mma order a step's groups load as one tile (`_unroll` of them), whose rows must span 32 bytes
+    wide = _unroll(qw, config, tile) if qw.mma_order else 1
+    ok = k_pad % tile == 0 and tile * wide * elem_bits(qw.qweight.dtype) >= 256 and (g % tile == 0 or tile % g == 0)
     return tile if ok else None
 
 

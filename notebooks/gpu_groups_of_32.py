@@ -1,0 +1,30 @@
+"""Groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K) on the fused kernel's two paths, on the 8B decode shapes.
+
+`JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks python notebooks/gpu_groups_of_32.py`: the prescaled path
+(each group's scale folded into the bf16 tile) against the per-group path (each group's f32 partial
+scaled; in mma order a step's groups load as one tile), with several groups per step and steps in
+flight. Prints us per call (CUPTI, weights rotated past the L2) and the error against the reference.
+"""
+import json
+import os
+
+from atlasjax.bench_kernels_quant import DECODE_SHAPES, bench_decode, copy_bandwidth
+from pallas_kernels.quantized_matmul import QuantMatmulConfig
+
+CONFIGS = {"engine": None,
+           "per_group_8": QuantMatmulConfig(prescale=False, group_unroll=8),
+           "per_group_8_d3": QuantMatmulConfig(prescale=False, group_unroll=8, max_concurrent_steps=3),
+           "per_group_4": QuantMatmulConfig(prescale=False, group_unroll=4),
+           "per_group_8_xla_offsets": QuantMatmulConfig(prescale=False, group_unroll=8, fold_zeros=False)}
+FORMATS = [("int4", 32, "offsets"), ("int4", 32, "sym"), ("int4", 32, "two_level")]
+
+if __name__ == "__main__":
+    results = {"decode": [], "copy_GBps": copy_bandwidth() / 1e9}
+    print(f"copy {results['copy_GBps']:.0f} GB/s")
+    for k, n in DECODE_SHAPES:
+        row = bench_decode(k, n, 8, results, CONFIGS, [f for f in FORMATS if os.environ.get("ONLY", "") in f[2]])
+        for key, v in row.items():
+            if isinstance(v, dict):
+                print(f"{k:6d} x {n:6d} {key:42s} " + (f"{v['us']:7.1f} us  err {v['rel_err']:.1e}" if "us" in v else v["error"][:200]), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "groups_of_32.json"), "w") as f:
+        json.dump(results, f, indent=1)
