@@ -3,7 +3,7 @@
 `JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks python notebooks/gpu_groups_of_32.py`: the prescaled path
 (each group's scale folded into the bf16 tile) against the per-group path (each group's f32 partial
 scaled; in mma order a step's groups load as one tile), with several groups per step and steps in
-flight. Prints us per call (CUPTI, weights rotated past the L2) and the error against the reference.
+flight; float offsets from a ones-tile wgmma per group or from x's group sums (`x_sums`). Prints us per call (CUPTI, weights rotated past the L2) and the error against the reference.
 """
 import json
 import os
@@ -13,9 +13,9 @@ from pallas_kernels.quantized_matmul import QuantMatmulConfig
 
 CONFIGS = {"engine": None,
            "per_group_8": QuantMatmulConfig(prescale=False, group_unroll=8),
-           "per_group_8_d3": QuantMatmulConfig(prescale=False, group_unroll=8, max_concurrent_steps=3),
-           "per_group_4": QuantMatmulConfig(prescale=False, group_unroll=4),
-           "per_group_8_xla_offsets": QuantMatmulConfig(prescale=False, group_unroll=8, fold_zeros=False)}
+           "per_group_8_sums": QuantMatmulConfig(prescale=False, group_unroll=8, x_sums=True),
+           "per_group_8_sums_d3": QuantMatmulConfig(prescale=False, group_unroll=8, x_sums=True, max_concurrent_steps=3),
+           "per_group_4_sums": QuantMatmulConfig(prescale=False, group_unroll=4, x_sums=True)}
 FORMATS = [("int4", 32, "offsets"), ("int4", 32, "sym"), ("int4", 32, "two_level")]
 
 if __name__ == "__main__":

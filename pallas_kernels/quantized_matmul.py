@@ -70,13 +70,16 @@ DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_qua
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
                             steps_per_split, steps_per_group, per_channel, max_concurrent_steps,
                             prescale=False, group_size=None, unroll=1, z_gmem=None, zero_point=False,
-                            mma_order=False, prescale_bf16=False, ss_gmem=None, sz_gmem=None, super_group=None):
+                            mma_order=False, prescale_bf16=False, ss_gmem=None, sz_gmem=None, super_group=None,
+                            xs_gmem=None):
     """One (N tile, M tile, K split) block: out[split, m_tile, n_tile] = sum over its K steps.
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
     scales (integer zero points with `zero_point`, else float offsets to fold in), any float
     dtype, or uint8 codes under ss_gmem (sz_gmem) [S, N_pad] two-level super-group rows (prescaled
-    steps only); out_gmem [splits, M_pad, N_pad] f32 (the output dtype when K is not split); out_smem
+    steps only); xs_gmem [G, M_pad] f32 or None: x's sum over each group, for float offsets on the
+    per-group path (instead of a ones-tile wgmma per group); out_gmem [splits, M_pad, N_pad] f32 (the
+    output dtype when K is not split); out_smem
     [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k] bf16 scratch or None: when given
     (interpret mode, whose wgmma reads only shared memory), the dequantized tile is staged there
     instead of feeding wgmma from registers.
@@ -211,7 +214,9 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # run one more wgmma, of a ones tile with x: its every row is the group's x row sum, which
         # times the offset row (8 s + zeros) is the offset term.
         fold = z_gmem is not None and not zero_point
-        ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16) if fold else None
+        # the offset term from x's group sums (xs_gmem) or from a ones-tile wgmma per group
+        ones_mma = fold and xs_gmem is None
+        ones = jnp.ones((TILE_N, tile_k), jnp.bfloat16) if ones_mma else None
         # int4 in mma order loads a step's groups as one tile (128-byte weight rows for two groups of
         # 128: docs/perf_quant.md, session 14); otherwise one tile per group.
         wide = unroll if mma_order else 1
@@ -223,9 +228,26 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # unroll > 1 only with one group per tile (steps_per_group == 1): rows [k * unroll, (k + 1) * unroll)
         rows_spec = scale_spec if unroll == 1 else plgpu.BlockSpec((unroll, TILE_N), lambda k: (first_step + k, 0))
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
+        row_specs = [rows_spec] * len(group_rows)
+        # two-level rows: the super rows over the step's groups (one per step when a super-group
+        # spans several steps); group i of the step sits under super row i * group_size // super_group
+        step_k = tile_k * unroll
+        if ss_gmem is not None:
+            super_rows = [r.at[:, n_slice] for r in (ss_gmem, sz_gmem) if r is not None]
+            group_rows += super_rows
+            row_specs += [plgpu.BlockSpec((max(1, step_k // super_group), TILE_N),
+                                          lambda k: ((first_step + k) // max(1, super_group // step_k), 0))
+                          for _ in super_rows]
+        if xs_gmem is not None and fold:   # [unroll, m_tile] group sums per step
+            group_rows.append(xs_gmem.at[:, m_slice])
+            row_specs.append(plgpu.BlockSpec((unroll, m_tile), lambda k: (first_step + k, 0)))
 
         def row(rows_smem, i, shape, dtype=jnp.float32):
             return lax.broadcast_in_dim(load_row(rows_smem, i).astype(dtype), shape, [0])
+
+        def sums(xs_smem, i, shape):   # group i's x sums [m_tile], broadcast over the TILE_N rows
+            col = plgpu.load(xs_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(0))
+            return lax.broadcast_in_dim(col, shape, [1])
 
         def tile(ws, z_smem, i, w_wide=None):  # group i's weight tile in bf16: q, or q - z (exact) with zero points
             if mma_order:
@@ -238,28 +260,38 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             return xs[i] if wide == 1 else xs[0].at[:, pl.ds(i * tile_k, tile_k)]
 
         def step(_, *refs):
-            ws, xs, (s_smem, *z_smem), acc = refs[:tiles], refs[tiles:2 * tiles], refs[2 * tiles:-1], refs[-1]
+            ws, xs, rows, acc = refs[:tiles], refs[tiles:2 * tiles], list(refs[2 * tiles:-1]), refs[-1]
+            s_smem = rows.pop(0)
+            z_smem = [rows.pop(0)] if z_gmem is not None else []
+            ss_smem = rows.pop(0) if ss_gmem is not None else None
+            sz_smem = rows.pop(0) if sz_gmem is not None else None
+            xs_smem = rows.pop(0) if rows else None
             w_wide = ws[0][...] if mma_order else None   # loaded once, converted group by group
 
             def issue_all(*acc_refs):
                 for i in range(unroll):
                     issue(acc_refs[i], tile(ws, z_smem, i, w_wide), x_tile(xs, i))
-                    if fold:
+                    if ones_mma:
                         issue(acc_refs[unroll + i], ones, x_tile(xs, i))
                 plgpu.wgmma_wait(0)
                 return [r[...] for r in acc_refs]
 
-            parts = pl.run_scoped(issue_all, *[plgpu.ACC((TILE_N, m_tile), jnp.float32)] * (unroll * (1 + fold)))
+            def two_level(rows_smem, super_smem, i):   # group i's f32 row, broadcast over the tile
+                r = row(rows_smem, i, acc.shape)
+                return r if super_smem is None else r * row(super_smem, i * group_size // super_group, acc.shape)
+
+            parts = pl.run_scoped(issue_all, *[plgpu.ACC((TILE_N, m_tile), jnp.float32)] * (unroll * (1 + ones_mma)))
             for i in range(unroll):
-                scale = row(s_smem, i, acc.shape)
+                scale = two_level(s_smem, ss_smem, i)
                 acc = acc + parts[i] * scale
                 if fold:
-                    acc = acc + parts[unroll + i] * (8.0 * scale + row(z_smem[0], i, acc.shape))
+                    offset = 8.0 * scale + two_level(z_smem[0], sz_smem, i)
+                    acc = acc + (parts[unroll + i] if ones_mma else sums(xs_smem, i, acc.shape)) * offset
             return acc
 
         acc = plgpu.emit_pipeline(
             step, grid=(steps_per_split,),
-            in_specs=specs + [rows_spec] * len(group_rows),
+            in_specs=specs + row_specs,
             max_concurrent_steps=max_concurrent_steps,
             init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
         )(*([w_gmem.at[n_slice]] * tiles + [x_gmem.at[m_slice]] * tiles), *group_rows)
@@ -300,6 +332,9 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         super_group=qw.super_group if qw.two_level else None)
     # inputs after w, x, scales: the zeros when read, then the two-level super rows of each
     extra = (["z"] if with_zeros else []) + (["ss"] + (["sz"] if with_zeros else []) if qw.two_level else [])
+    # float offsets on the per-group path: x's group sums from XLA (`x_sums`) or a ones-tile wgmma
+    x_sums = fold and config.x_sums and not _prescales(qw, config)
+    extra += ["xs"] if x_sums else []
 
     def quantized_matmul_kernel_refs(w, x, s, *refs):
         named = dict(zip(extra, refs))
@@ -317,6 +352,9 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     rows = {"z": qw.zeros, "ss": qw.super_scales, "sz": qw.super_zeros}
+    if x_sums:   # [G, M_pad]: each group's sum of x, exact in f32 for bf16 x
+        g = qw.group_size
+        rows["xs"] = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1).T
     y = call(qw.qweight, xp, qw.scales, *(rows[name] for name in extra))
     return y[0] if splits == 1 else y.sum(axis=0)
 
@@ -378,10 +416,11 @@ def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
     k_pad, n_pad = qw.padded_shape
     tile_k = _tile_k(qw, config)
     ok = n_pad % TILE_N == 0 and tile_k is not None and qw.scales.shape == (k_pad // qw.group_size, n_pad)
-    if ok and qw.two_level:   # prescaled steps only, each within a super-group or over whole ones
+    if ok and qw.two_level:   # steps within a super-group or over whole ones
         sg = qw.super_group
-        ok = (_prescales(qw, config) and (tile_k % sg == 0 or sg % tile_k == 0)
-              and qw.super_scales.shape == (k_pad // sg, n_pad) and (qw.zero_point is False))
+        step_k = tile_k if _prescales(qw, config) else tile_k * _unroll(qw, config, tile_k)
+        ok = ((step_k % sg == 0 or sg % step_k == 0) and (_prescales(qw, config) or tile_k == qw.group_size)
+              and qw.super_scales.shape == (k_pad // sg, n_pad) and not qw.zero_point)
     return ok
 
 

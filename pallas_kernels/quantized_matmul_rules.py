@@ -39,6 +39,9 @@ class QuantMatmulConfig:
     # XLA. Prescaled: added to the tile (H100, int4 g32 asym, 8 rows: 4096x28672 66.4 -> 47.8 us);
     # per group: a ones-tile wgmma (int4 g128 asym: 4096x28672 42.2 -> 38.4 us; docs/perf_quant.md).
     fold_zeros: bool = True
+    # Float offsets on the per-group path: the offset term from x's sum over each group (an XLA
+    # reduce next to the kernel, read per step) instead of one more wgmma per group, of a ones tile.
+    x_sums: bool = False
     # Groups per pipeline step on the per-group path (groups of >= 128 elements, int4 by default):
     # all of a step's wgmmas are in flight before one wait. None: auto (`_unroll`).
     group_unroll: int | None = None
