@@ -380,8 +380,10 @@ def _tile_k(qw: QuantizedWeight, config: QuantMatmulConfig) -> int | None:
     else:
         tile = min(config.tile_k, g)
     # in mma order a step's groups load as one tile (`_unroll` of them), whose rows must span 32 bytes
+    # (a multiple of them: the swizzle)
     wide = _unroll(qw, config, tile) if qw.mma_order else 1
-    ok = k_pad % tile == 0 and tile * wide * elem_bits(qw.qweight.dtype) >= 256 and (g % tile == 0 or tile % g == 0)
+    row_bits = tile * wide * elem_bits(qw.qweight.dtype)
+    ok = k_pad % tile == 0 and row_bits >= 256 and (wide == 1 or row_bits % 256 == 0) and (g % tile == 0 or tile % g == 0)
     return tile if ok else None
 
 
@@ -442,7 +444,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         is set; the reference elsewhere).
       interpret: False, True or plgpu.InterpretGPUParams(): run the kernel in interpret mode.
       out_dtype: dtype of y (default x.dtype).
-      config: kernel tunables (default: `default_config(qw)`).
+      config: kernel tunables (default: `default_config(qw, M)`).
       prefill: for M > DECODE_ROWS, "xla" (dequantize to bf16, then an XLA dot: measured faster, see
         docs/perf_quant.md) or "pallas" (the fused kernel, tile_m rows per tile). Weights whose
         layout the kernel cannot stream (int4 groups of 32 without prescale, K not a multiple of
@@ -450,7 +452,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
     Returns:
       y: [M, N] in out_dtype.
     """
-    config = default_config(qw) if config is None else config
+    config = default_config(qw, x.shape[0]) if config is None else config
     m, k = x.shape
     if k != qw.shape[0]:
         raise ValueError(f"x has K={k} but the weight is {qw.shape} (K, N)")

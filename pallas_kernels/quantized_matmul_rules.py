@@ -59,20 +59,40 @@ class QuantMatmulConfig:
             raise ValueError(f"group_unroll must be >= 1, got {self.group_unroll}")
 
 
-def default_config(qw: QuantizedWeight) -> QuantMatmulConfig:
-    """The fused kernel's tunables for a weight (H100, 8 rows, session 33). Groups under 128:
-    - int4 with float offsets (GGUF Q4_1, Q4_K) keeps 3 steps in flight: 4096x28672 41.3 -> 32.2
-      us, the other 8B shapes within 0.2 us but the 4096x128256 LM head shape, 119.2 -> 121.7;
+def default_config(qw: QuantizedWeight, rows: int = 8) -> QuantMatmulConfig:
+    """The fused kernel's tunables for a weight multiplied by `rows` activation rows (H100, 8 rows,
+    sessions 33 and 35). Groups under 128:
+    - int4 in mma order, up to 16 rows (decode), takes the per-group path with 8 groups of 32 per
+      step (one 128-byte tile row) and 3 steps in flight: each group's f32 partial times its scale,
+      exact up to the f32 sums (relative error 1.7e-3 against 2.4-2.9e-3 prescaled in bf16).
+      Symmetric (GGUF Q4_0): 4096x6144 10.4 -> 9.0 us, 4096x28672 30.0 -> 29.5, 14336x4096
+      16.4 -> 15.9, 4096x128256 108.7 -> 108.5. With float offsets (Q4_1, Q4_K), whose term comes
+      from x's group sums (`x_sums`), only where the weight is narrow (K and N up to 6144): 4096x6144
+      11.3 -> 9.9 us (11.5 -> 10.0 two-level); 4096x28672 32.4 -> 34.3 and 14336x4096 17.8 -> 19.5
+      (two-level) got slower. More rows keep the prescaled path (8 accumulators per step would not
+      fit in registers).
+    - int4 with float offsets otherwise keeps 3 steps in flight: 4096x28672 41.3 -> 32.2 us, the
+      other 8B shapes within 0.2 us but the 4096x128256 LM head shape, 119.2 -> 121.7;
     - int8 (GGUF Q8_0 and the types kept as int8) wider than 4096 columns steps over 512 rows, 2 in
       flight: 4096x6144 14.7 -> 13.7 us, 4096x28672 48.1 -> 46.5, the LM head shape 192.0 -> 190.1;
       not at 4096 columns (4096x4096 10.1 -> 13.2, 14336x4096 unchanged).
     The rest keep the defaults."""
     if qw.group_size >= 128 or qw.num_groups == 1:
         return QuantMatmulConfig()
-    if qw.format == "int4" and qw.zeros is not None and not qw.zero_point:
+    offsets = qw.format == "int4" and qw.zeros is not None and not qw.zero_point
+    if qw.format == "int4" and qw.group_size == 32 and qw.mma_order and rows <= PER_GROUP_MAX_ROWS:
+        if qw.zeros is None:
+            return PER_GROUP_CONFIG
+        if offsets and max(qw.shape) <= PER_GROUP_OFFSETS_MAX_WIDTH:
+            return PER_GROUP_SUMS_CONFIG
+    if offsets:
         return OFFSETS_CONFIG
     return INT8_GROUPS_CONFIG if qw.format == "int8" and qw.shape[1] > 4096 else QuantMatmulConfig()
 
 
 OFFSETS_CONFIG = QuantMatmulConfig(max_concurrent_steps=3)
 INT8_GROUPS_CONFIG = QuantMatmulConfig(prescale_tile_k=512, max_concurrent_steps=2)
+PER_GROUP_CONFIG = QuantMatmulConfig(prescale=False, group_unroll=8, max_concurrent_steps=3)
+PER_GROUP_SUMS_CONFIG = dataclasses.replace(PER_GROUP_CONFIG, x_sums=True)
+PER_GROUP_MAX_ROWS = 16
+PER_GROUP_OFFSETS_MAX_WIDTH = 6144

@@ -76,6 +76,26 @@ def test_interpret_default_configs_of_groups_of_32(fmt, zeros):
     _check(fmt, 32, zeros, 3, k=1024, n=4160, interpret=True)
 
 
+@pytest.mark.parametrize("zeros", ["sym", "offsets", "two_level"])
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_interpret_default_configs_of_int4_groups_of_32(zeros, m):
+    # `default_config` at up to 16 rows: the per-group path, 8 groups of 32 per step (x's group sums
+    # for the offsets of narrow weights); from 17 rows the prescaled path
+    from pallas_kernels.quantized_matmul import default_config
+    qw = like_gguf(np.zeros((512, 256), np.float32), {"sym": "Q4_0", "offsets": "Q4_1", "two_level": "Q4_K"}[zeros])
+    assert default_config(qw, m).prescale is (None if m > 16 else False)
+    _check("int4", 32, zeros, m, k=512, n=200, seed=m, interpret=True, config=None)
+
+
+@pytest.mark.parametrize("zeros", ["sym", "offsets", "two_level"])
+@pytest.mark.parametrize("unroll,k", [(8, 512), (2, 512), (4, 1024)])
+def test_interpret_per_group_groups_of_32(zeros, unroll, k):
+    # in mma order a step's groups of 32 load as one tile; offsets from a ones-tile wgmma or x's sums
+    for x_sums in (False, True):
+        _check("int4", 32, zeros, 3, k=k, n=70, seed=unroll, interpret=True,
+               config=QuantMatmulConfig(prescale=False, group_unroll=unroll, x_sums=x_sums))
+
+
 def test_interpret_k_splits_and_m_tiles():
     # K = 512 gives 4 steps of 128, split 2 ways; M past DECODE_ROWS with tile_m 48 gives several
     # M tiles; N = 130 needs 3 tiles of 64 after padding.
@@ -174,8 +194,11 @@ def test_prescaled_int4_g32_takes_the_kernel():
     from atlasjax.quantization import quantize as q
     from pallas_kernels.quantized_matmul import _can_use_pallas
     qw = q(np.ones((576, 64), np.float32), "int4", group_size=32, symmetric=True)
-    assert not _can_use_pallas(qw, QuantMatmulConfig(prescale=False))   # 16-byte rows: no swizzle
-    assert _can_use_pallas(qw, QuantMatmulConfig())                    # the default prescales groups of 32
+    one_group = QuantMatmulConfig(prescale=False, group_unroll=1)
+    assert not _can_use_pallas(qw, one_group)   # one group a step: 16-byte rows, no swizzle
+    assert not _can_use_pallas(with_mma_order(qw, False), QuantMatmulConfig(prescale=False))   # natural order: one tile a group
+    assert _can_use_pallas(qw, QuantMatmulConfig(prescale=False))   # in mma order 2 groups load as a 32-byte row
+    assert _can_use_pallas(qw, QuantMatmulConfig(prescale=True))
 
 
 def test_interpret_batched_decode_rows():
@@ -265,7 +288,8 @@ def test_two_level_rows_take_the_kernel_and_xla_dequantizes_them():
     from pallas_kernels.quantized_matmul import _can_use_pallas, default_config
     qw = like_gguf(np.random.default_rng(0).standard_normal((512, 128)).astype(np.float32), "Q4_K")
     assert _can_use_pallas(qw, default_config(qw))
-    assert not _can_use_pallas(qw, QuantMatmulConfig(prescale=False))   # per-group steps cannot read them
+    assert _can_use_pallas(qw, QuantMatmulConfig(prescale=False, group_unroll=8))
+    assert not _can_use_pallas(qw, QuantMatmulConfig(prescale=False, group_unroll=1))   # 16-byte rows
     _check("int4", 32, "two_level", 3, k=512, n=70, backend="xla")
     _check("int4", 32, "two_level", 130, k=256, n=70, interpret=True, prefill="xla")
 
@@ -276,6 +300,17 @@ def test_two_level_rows_take_the_kernel_and_xla_dequantizes_them():
 @pytest.mark.parametrize("m,k,n", [(1, 512, 70), (8, 4096, 1000), (40, 1024, 4100)])
 def test_gpu_two_level_rows(config, m, k, n):
     _check("int4", 32, "two_level", m, k, n, seed=k + m, config=TWO_LEVEL_CONFIGS[config])
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("zeros", ["sym", "offsets", "two_level"])
+@pytest.mark.parametrize("config", ["default", "per_group_4", "ones_mma"])
+@pytest.mark.parametrize("m,k,n", [(1, 512, 70), (8, 4096, 1000), (16, 1024, 4100), (40, 1024, 4100)])
+def test_gpu_per_group_groups_of_32(zeros, config, m, k, n):
+    configs = {"default": None, "per_group_4": QuantMatmulConfig(prescale=False, group_unroll=4, x_sums=True),
+               "ones_mma": QuantMatmulConfig(prescale=False, group_unroll=8)}
+    _check("int4", 32, zeros, m, k, n, seed=k + m, config=configs[config])
 
 
 @pytest.mark.parametrize("zeros,group_size", [("sym", 128), ("zp", 128), ("offsets", 32)])
