@@ -14,12 +14,14 @@ kernel computes y.T = W.T @ x.T. Each warpgroup owns 64 output channels; per K s
 A step covers `group_unroll` groups (2 by default), whose wgmmas are all issued before one wait,
 so dequantizing a group overlaps the previous group's wgmma; in mma order the step's groups are
 one TMA tile (wider weight rows stream faster).
-Groups under 128 elements (GGUF's 32) instead multiply the dequantized tile by its groups' scales
-in registers before the wgmma ("prescale"), so a step spans several groups and one accumulator
-serves all of K; int4 groups of 32 need that (a 16-byte row is under the smallest swizzle).
-Two-level group rows (GGUF Q4_K: uint8 codes under float16 rows per 256) take the prescaled path
-only: a step also loads the super rows over its groups and multiplies each group's row by its
-super row (per column, in f32) before prescaling.
+Groups under 128 elements (GGUF's 32) can instead multiply the dequantized tile by its groups'
+scales in registers before the wgmma ("prescale"), so a step spans several groups and one
+accumulator serves all of K; int4 groups of 32 in natural order need that (a 16-byte row is under
+the smallest swizzle). In mma order 8 of them load as one 128-byte row and take the per-group path
+(`default_config`: up to 16 rows), whose float offsets can come from x's group sums (`x_sums`).
+Two-level group rows (GGUF Q4_K: uint8 codes under float16 rows per 256) take either path: a step
+also loads the super rows over its groups and multiplies each group's row by its super row (per
+column, in f32).
 The dequantized weight never leaves registers. K is split across a second grid axis when the
 N tiles alone cannot fill the GPU; the f32 split partials are summed by XLA (they are tiny).
 Asymmetric int4 with integer zero points (what quantize at load makes) subtracts each group's
@@ -76,8 +78,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
     Refs: w_gmem [N_pad, K_pad] quantized; x_gmem [M_pad, K_pad] bf16; s_gmem (z_gmem) [G, N_pad]
     scales (integer zero points with `zero_point`, else float offsets to fold in), any float
-    dtype, or uint8 codes under ss_gmem (sz_gmem) [S, N_pad] two-level super-group rows (prescaled
-    steps only); xs_gmem [G, M_pad] f32 or None: x's sum over each group, for float offsets on the
+    dtype, or uint8 codes under ss_gmem (sz_gmem) [S, N_pad] two-level super-group rows; xs_gmem [G, M_pad] f32 or None: x's sum over each group, for float offsets on the
     per-group path (instead of a ones-tile wgmma per group); out_gmem [splits, M_pad, N_pad] f32 (the
     output dtype when K is not split); out_smem
     [m_tile, TILE_N] of out_gmem's dtype; a_smem [TILE_N, tile_k] bf16 scratch or None: when given
@@ -168,10 +169,12 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
             supers = [load_row(super_smem, i) for i in range(max(1, groups_per_step * group_size // super_group))]
             return lambda j: load_row(smem, j) * supers[j * group_size // super_group]
 
-        def step_prescaled(acc_ref, w_smem, x_smem, *rows):
-            s_smem, z_smem = rows[0], rows[1] if z_gmem is not None else None
-            ss_smem = rows[1 + (z_gmem is not None)] if two_level else None
-            sz_smem = rows[-1] if sz_gmem is not None else None
+        def step_prescaled(acc_ref, w_smem, x_smem, *rows):   # rows: scales, [zeros], [super rows of each]
+            rows = list(rows)
+            s_smem = rows.pop(0)
+            z_smem = rows.pop(0) if z_gmem is not None else None
+            ss_smem = rows.pop(0) if two_level else None
+            sz_smem = rows.pop(0) if sz_gmem is not None else None
             z_row = None if z_smem is None else rows_of(z_smem, sz_smem)
             mma(acc_ref, prescaled(w_smem, rows_of(s_smem, ss_smem), z_row), x_smem)
 
