@@ -71,12 +71,9 @@ def like_gguf(w: Any, qtype: Any) -> QuantizedWeight:
         return quantize(w, "int8", group_size=BLOCK)
     if name == "Q4_0":
         return quantize(w, "int4", group_size=BLOCK, symmetric=True)
-    if name == "Q4_K" and w.shape[0] % Q4_K_SUPER == 0:
+    if name == "Q4_K" and w.shape[0] % _BLOCK_VALUES["Q4_K"] == 0:
         return _like_q4_k(w)
     return with_float_offsets(quantize(w, "int4", group_size=BLOCK, symmetric=False))
-
-
-Q4_K_SUPER = 256   # Q4_K's super-block
 
 
 def _like_q4_k(w) -> QuantizedWeight:
@@ -101,7 +98,7 @@ def _q4_k_codes(w):
     k, n = w.shape
     groups = w.reshape(k // BLOCK, BLOCK, n)
     lo, hi = jnp.minimum(groups.min(1), 0.0), jnp.maximum(groups.max(1), 0.0)   # [G, N]
-    per = Q4_K_SUPER // BLOCK
+    per = _BLOCK_VALUES["Q4_K"] // BLOCK   # groups per super-block
 
     def six_bit(x):   # [G, N] >= 0 -> codes in 0..63, their float16 unit per 256 [S, N], that unit per group
         unit = (x.reshape(-1, per, n).max(1) / 63).astype(jnp.float16)

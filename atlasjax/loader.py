@@ -25,7 +25,7 @@ from atlasjax.errors import CheckpointError, UnsupportedModelError
 from models import get_family
 from models.layers import is_quantized
 from models.transformer import abstract_params
-from pallas_kernels.quant_format import GROUP_ROWS
+from pallas_kernels.quant_format import ARRAY_FIELDS, n_axis
 
 log = logging.getLogger("atlasjax.loader")
 
@@ -297,8 +297,8 @@ def _gguf_reader(name: str, t, keep_quantized: bool):
             perm = unpermute_heads(np.arange(n), t.permute_heads)
             full = np.arange(qw.qweight.shape[0])
             full[:n] = perm
-            qw = dataclasses.replace(qw, qweight=qw.qweight[full], **{
-                f: getattr(qw, f)[:, full] for f in GROUP_ROWS if getattr(qw, f) is not None})
+            qw = dataclasses.replace(qw, **{f: jnp.take(getattr(qw, f), full, axis=n_axis(f))
+                                            for f in ARRAY_FIELDS if getattr(qw, f) is not None})
         return qw
     return TensorReader(t.shape, read, quantized=True)
 

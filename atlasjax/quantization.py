@@ -54,8 +54,8 @@ K_ALIGN = 256  # input-channel padding: the kernels' widest K step
 DEFAULT_GROUP_SIZE = {"int8": None, "fp8": None, "int4": 128}  # None: per output channel
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 from pallas_kernels.quant_format import (  # noqa: E402,F401 (QuantizedWeight, dequantize re-exported)
-    ARRAY_FIELDS, GROUP_ROWS, MMA_BLOCK, QuantizedWeight, dequantize, one_level, row_span, to_mma_order,
-    with_mma_order)
+    ARRAY_FIELDS, GROUP_ROWS, MMA_BLOCK, QuantizedWeight, dequantize, k_axis, n_axis, one_level, row_span,
+    to_mma_order, with_mma_order)
 
 DEFAULT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -236,11 +236,10 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
         return slice_quantized(one_level(qw), dim, start, size)
     k, n = qw.shape
     per_channel = qw.num_groups == 1
-    arrays = {f: None if getattr(qw, f) is None else np.asarray(getattr(qw, f)) for f in ARRAY_FIELDS}
+    arrays = {f: np.asarray(getattr(qw, f)) for f in ARRAY_FIELDS if getattr(qw, f) is not None}   # absent: None
     if dim == 1:
         new_k, new_n = k, size
-        arrays = {f: None if a is None else (a[start:start + size] if f == "qweight" else a[:, start:start + size])
-                  for f, a in arrays.items()}
+        arrays = {f: _cut(a, n_axis(f), start, start + size) for f, a in arrays.items()}
     else:
         g = qw.group_size
         if not per_channel and (start % g or size % g):
@@ -248,22 +247,25 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
                                     f"[{start}, {start + size}) for tensor parallelism")
         new_k, new_n = size, n
         for f, a in arrays.items():
-            if a is None or (per_channel and f != "qweight"):
-                continue
-            r = 1 if f == "qweight" else row_span(qw, f)
-            arrays[f] = a[:, start:start + size] if f == "qweight" else a[start // r:(start + size) // r]
+            if f == "qweight" or not per_channel:   # per-channel rows stay whole
+                r = 1 if f == "qweight" else row_span(qw, f)
+                arrays[f] = _cut(a, k_axis(f), start // r, (start + size) // r)
     k_pad, n_pad, group_size = padded_sizes(new_k, new_n, None if per_channel else qw.group_size)
     qweight = arrays.pop("qweight")
     qweight = np.pad(qweight, ((0, n_pad - qweight.shape[0]), (0, k_pad - qweight.shape[1])))
 
     def padded(f, a):
-        if a is None:
-            return None
         r = k_pad if per_channel else row_span(qw, f)
         return np.pad(a, ((0, k_pad // r - a.shape[0]), (0, n_pad - a.shape[1])))
     return QuantizedWeight(qweight, format=qw.format, group_size=group_size, shape=(new_k, new_n),
                            zero_point=qw.zero_point, mma_order=qw.mma_order,
-                           **{f: padded(f, a) for f, a in arrays.items()})
+                           **{f: padded(f, arrays[f]) if f in arrays else None for f in GROUP_ROWS})
+
+
+def _cut(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(start, stop)
+    return a[tuple(index)]
 
 
 def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
@@ -288,14 +290,14 @@ def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
         leaves = [getattr(p, name) for p in parts]
         return None if leaves[0] is None else _join_padded(leaves, sizes=sizes, axis=axis, size=size)
     if dim == 1:
-        arrays = {f: join(f, -2 if f == "qweight" else -1, ns, n_pad) for f in ARRAY_FIELDS}
+        arrays = {f: join(f, n_axis(f), ns, n_pad) for f in ARRAY_FIELDS}
     elif per_channel:
         arrays = {"qweight": join("qweight", -1, ks, k_pad), **{f: getattr(first, f) for f in GROUP_ROWS}}
     else:
-        arrays = {"qweight": join("qweight", -1, ks, k_pad)}
-        for f in GROUP_ROWS:
-            r = row_span(first, f) if getattr(first, f) is not None else 1
-            arrays[f] = join(f, -2, tuple(x // r for x in ks), k_pad // r)
+        arrays = {}
+        for f in ARRAY_FIELDS:
+            r = 1 if f == "qweight" or getattr(first, f) is None else row_span(first, f)
+            arrays[f] = join(f, k_axis(f), tuple(x // r for x in ks), k_pad // r)
     return QuantizedWeight(format=first.format, group_size=group, shape=(new_k, new_n),
                            zero_point=first.zero_point, mma_order=first.mma_order, **arrays)
 

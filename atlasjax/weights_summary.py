@@ -44,7 +44,7 @@ def format_name(w) -> str:
 
 def summarize(params: Any) -> dict[str, tuple[int, int]]:
     """format name -> (number of tensors, bytes on the device) over the tree (all shards of a
-    sharded array; a quantized weight counts its codes, scales and zeros)."""
+    sharded array; a quantized weight counts its codes and group rows)."""
     counts, sizes = Counter(), Counter()
     for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_quantized):
         name = format_name(leaf)

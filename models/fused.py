@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from atlasjax.quantization import ARRAY_FIELDS, concat_quantized, padded_sizes
+from atlasjax.quantization import ARRAY_FIELDS, concat_quantized, n_axis, padded_sizes
 from models.layers import is_quantized
 
 # (module, fused name, parts in output order)
@@ -140,7 +140,7 @@ def _split_quantized(qw, widths):
 
     def split(name):
         leaf = getattr(qw, name)
-        return [None] * len(widths) if leaf is None else _split_n(leaf, widths=tuple(widths), n_axis=-2 if name == "qweight" else -1,
+        return [None] * len(widths) if leaf is None else _split_n(leaf, widths=tuple(widths), n_axis=n_axis(name),
                                                                   n_pads=n_pads)
     pieces = {name: split(name) for name in ARRAY_FIELDS}
     return [dataclasses.replace(qw, shape=(k, w), **{name: pieces[name][i] for name in ARRAY_FIELDS})

@@ -80,6 +80,16 @@ GROUP_ROWS = ("scales", "zeros", "super_scales", "super_zeros")
 ARRAY_FIELDS = ("qweight",) + GROUP_ROWS
 
 
+def n_axis(name: str) -> int:
+    """The output-channel (N) axis of a stored array: qweight is [N_pad, K_pad], group rows [rows, N_pad]."""
+    return -2 if name == "qweight" else -1
+
+
+def k_axis(name: str) -> int:
+    """The K axis of a stored array (group rows: one row per `row_span` K elements)."""
+    return -1 if name == "qweight" else -2
+
+
 def row_span(qw: QuantizedWeight, name: str) -> int:
     """K elements covered by one row of the group-row array `name`."""
     return qw.super_group if name.startswith("super_") else qw.group_size

@@ -60,13 +60,11 @@ from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params,
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import (QuantizedWeight, codes_as_bf16, dequantize, group_offsets,
                                          permuted_like_mma_order)
-from pallas_kernels.quantized_matmul_rules import (  # noqa: F401 (MAX_TILE_M re-exported)
-    MAX_TILE_M, QuantMatmulConfig, default_config)
+from pallas_kernels.quantized_matmul_rules import (  # noqa: F401 (MAX_TILE_M, TILE_N re-exported)
+    MAX_TILE_M, TILE_N, QuantMatmulConfig, _can_use_pallas, _folds_zeros, _prescales, _tile_k, _unroll,
+    _xla_offsets, default_config)
 
-TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
-DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_quant.md, session 7)
-
 
 
 def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=None, *, tile_k, m_tile,
@@ -121,6 +119,21 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
     groups_per_step = max(1, tile_k // group_size) if prescale else 1
     if prescale and groups_per_step > 1:  # the step's groups: rows [k * gps, (k + 1) * gps) of the scales
         scale_spec = plgpu.BlockSpec((groups_per_step, TILE_N), lambda k: (first_step + k, 0))
+    # Two-level rows: the super rows over a step of step_k elements (one, indexed by step, when a
+    # super-group spans several steps); group j of the step sits under its super row
+    # j * group_size // super_group.
+    super_gmem = [r.at[:, n_slice] for r in (ss_gmem, sz_gmem) if r is not None]
+
+    def super_specs(step_k):
+        if not super_gmem:
+            return []
+        return [plgpu.BlockSpec((max(1, step_k // super_group), TILE_N),
+                                lambda k: ((first_step + k) // max(1, super_group // step_k), 0))] * len(super_gmem)
+
+    def step_rows(rows):  # a step's row refs (scales, [zeros], [super scales], [super zeros], [x sums]) by name
+        rows = list(rows)
+        return (rows.pop(0), rows.pop(0) if z_gmem is not None else None, rows.pop(0) if ss_gmem is not None else None,
+                rows.pop(0) if sz_gmem is not None else None, rows.pop(0) if rows else None)
 
     def per_group(row, shape, f=lambda r: r):  # row(j): [TILE_N] f32 -> shape: f(row j) over group j's columns
         # Each group's row broadcast over its own columns, joined along K (in the WGMMA layout that
@@ -153,41 +166,26 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         return a
 
     if prescale and not per_channel:
-        # Two-level rows: a step of tile_k holds tile_k // super_group super rows (one, indexed by
-        # step, when a super-group spans several steps); group j of the step is under super row
-        # j * group_size // super_group of them.
-        two_level, super_spec = ss_gmem is not None, None
-        if two_level:
-            supers_per_step = max(1, tile_k // super_group)
-            steps_per_super = max(1, super_group // tile_k)
-            super_spec = plgpu.BlockSpec((supers_per_step, TILE_N),
-                                         lambda k: ((first_step + k) // steps_per_super, 0))
-
         def rows_of(smem, super_smem):  # group j's f32 row (multiplied out of two levels)
             if super_smem is None:
                 return lambda j: load_row(smem, j)
             supers = [load_row(super_smem, i) for i in range(max(1, groups_per_step * group_size // super_group))]
             return lambda j: load_row(smem, j) * supers[j * group_size // super_group]
 
-        def step_prescaled(acc_ref, w_smem, x_smem, *rows):   # rows: scales, [zeros], [super rows of each]
-            rows = list(rows)
-            s_smem = rows.pop(0)
-            z_smem = rows.pop(0) if z_gmem is not None else None
-            ss_smem = rows.pop(0) if two_level else None
-            sz_smem = rows.pop(0) if sz_gmem is not None else None
+        def step_prescaled(acc_ref, w_smem, x_smem, *rows):
+            s_smem, z_smem, ss_smem, sz_smem, _ = step_rows(rows)
             z_row = None if z_smem is None else rows_of(z_smem, sz_smem)
             mma(acc_ref, prescaled(w_smem, rows_of(s_smem, ss_smem), z_row), x_smem)
 
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
-        super_rows = [r.at[:, n_slice] for r in (ss_gmem, sz_gmem) if r is not None]
 
         def body_prescaled(acc_ref):
             plgpu.emit_pipeline(
                 lambda _, *refs: step_prescaled(acc_ref, *refs),
                 grid=(steps_per_split,),
-                in_specs=in_specs() + [scale_spec] * len(group_rows) + [super_spec for _ in super_rows],
+                in_specs=in_specs() + [scale_spec] * len(group_rows) + super_specs(tile_k),
                 max_concurrent_steps=max_concurrent_steps,
-            )(*operands, *group_rows, *super_rows)
+            )(*operands, *group_rows, *super_gmem)
             return acc_ref[...]
 
         acc = pl.run_scoped(body_prescaled, plgpu.ACC((TILE_N, m_tile), jnp.float32))
@@ -231,16 +229,8 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
         # unroll > 1 only with one group per tile (steps_per_group == 1): rows [k * unroll, (k + 1) * unroll)
         rows_spec = scale_spec if unroll == 1 else plgpu.BlockSpec((unroll, TILE_N), lambda k: (first_step + k, 0))
         group_rows = [s_gmem.at[:, n_slice]] + ([] if z_gmem is None else [z_gmem.at[:, n_slice]])
-        row_specs = [rows_spec] * len(group_rows)
-        # two-level rows: the super rows over the step's groups (one per step when a super-group
-        # spans several steps); group i of the step sits under super row i * group_size // super_group
-        step_k = tile_k * unroll
-        if ss_gmem is not None:
-            super_rows = [r.at[:, n_slice] for r in (ss_gmem, sz_gmem) if r is not None]
-            group_rows += super_rows
-            row_specs += [plgpu.BlockSpec((max(1, step_k // super_group), TILE_N),
-                                          lambda k: ((first_step + k) // max(1, super_group // step_k), 0))
-                          for _ in super_rows]
+        row_specs = [rows_spec] * len(group_rows) + super_specs(tile_k * unroll)
+        group_rows += super_gmem
         if xs_gmem is not None and fold:   # [unroll, m_tile] group sums per step
             group_rows.append(xs_gmem.at[:, m_slice])
             row_specs.append(plgpu.BlockSpec((unroll, m_tile), lambda k: (first_step + k, 0)))
@@ -254,21 +244,17 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
 
         def tile(ws, z_smem, i, w_wide=None):  # group i's weight tile in bf16: q, or q - z (exact) with zero points
             if mma_order:
-                z = load_row(z_smem[0], i) if zero_point else None
+                z = load_row(z_smem, i) if zero_point else None
                 return mma_tile_to_bf16(w_wide, z, parts=wide, part=i, interpret=a_smem is not None)
             a = dequantized(ws[i])
-            return a - row(z_smem[0], i, a.shape, jnp.bfloat16) if zero_point else a
+            return a - row(z_smem, i, a.shape, jnp.bfloat16) if zero_point else a
 
         def x_tile(xs, i):  # group i's [m_tile, tile_k] activations
             return xs[i] if wide == 1 else xs[0].at[:, pl.ds(i * tile_k, tile_k)]
 
         def step(_, *refs):
-            ws, xs, rows, acc = refs[:tiles], refs[tiles:2 * tiles], list(refs[2 * tiles:-1]), refs[-1]
-            s_smem = rows.pop(0)
-            z_smem = [rows.pop(0)] if z_gmem is not None else []
-            ss_smem = rows.pop(0) if ss_gmem is not None else None
-            sz_smem = rows.pop(0) if sz_gmem is not None else None
-            xs_smem = rows.pop(0) if rows else None
+            ws, xs, acc = refs[:tiles], refs[tiles:2 * tiles], refs[-1]
+            s_smem, z_smem, ss_smem, sz_smem, xs_smem = step_rows(refs[2 * tiles:-1])
             w_wide = ws[0][...] if mma_order else None   # loaded once, converted group by group
 
             def issue_all(*acc_refs):
@@ -288,7 +274,7 @@ def quantized_matmul_kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_smem, a_smem=N
                 scale = two_level(s_smem, ss_smem, i)
                 acc = acc + parts[i] * scale
                 if fold:
-                    offset = 8.0 * scale + two_level(z_smem[0], sz_smem, i)
+                    offset = 8.0 * scale + two_level(z_smem, sz_smem, i)
                     acc = acc + (parts[unroll + i] if ones_mma else sums(xs_smem, i, acc.shape)) * offset
             return acc
 
@@ -365,68 +351,6 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
 # ---------------------------------------------------------------------------------------------
 # Public entry
 # ---------------------------------------------------------------------------------------------
-
-
-def _tile_k(qw: QuantizedWeight, config: QuantMatmulConfig) -> int | None:
-    """K elements per pipeline step, or None when the kernel cannot stream this weight.
-
-    A weight tile row must span >= 32 bytes (the smallest swizzle): int4 with groups of 32 needs
-    steps of several groups, which only the prescaled path has (an unswizzled variant lowered but
-    computed garbage on the H100, 2026-11-21). Without prescaling a step stays inside one group.
-    """
-    k_pad, _ = qw.padded_shape
-    g = qw.group_size
-    if _prescales(qw, config):
-        # the largest power-of-two multiple of the group size up to prescale_tile_k that divides K
-        tiles = [g << i for i in range(8) if g << i <= max(config.prescale_tile_k, g)]
-        tile = next((t for t in reversed(tiles) if k_pad % t == 0), g)
-    else:
-        tile = min(config.tile_k, g)
-    # in mma order a step's groups load as one tile (`_unroll` of them), whose rows must span 32 bytes
-    # (a multiple of them: the swizzle)
-    wide = _unroll(qw, config, tile) if qw.mma_order else 1
-    row_bits = tile * wide * elem_bits(qw.qweight.dtype)
-    ok = k_pad % tile == 0 and row_bits >= 256 and (wide == 1 or row_bits % 256 == 0) and (g % tile == 0 or tile % g == 0)
-    return tile if ok else None
-
-
-def _prescales(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
-    if qw.num_groups == 1:   # per channel: the scale multiplies the final accumulator anyway
-        return False
-    return qw.group_size < 128 if config.prescale is None else config.prescale
-
-
-def _folds_zeros(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
-    """Float offsets whose term the kernel computes (integer zero points need no term)."""
-    return config.fold_zeros and qw.zeros is not None and not qw.zero_point and qw.num_groups > 1
-
-
-def _xla_offsets(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
-    """Float offsets whose term XLA adds next to the kernel (`fold_zeros=False`)."""
-    return qw.zeros is not None and not qw.zero_point and not _folds_zeros(qw, config)
-
-
-def _unroll(qw: QuantizedWeight, config: QuantMatmulConfig, tile_k: int) -> int:
-    """Groups per pipeline step on the per-group path: 1 unless a tile is exactly one group."""
-    if _prescales(qw, config) or qw.num_groups == 1 or tile_k != qw.group_size:
-        return 1
-    want = DEFAULT_GROUP_UNROLL if config.group_unroll is None else config.group_unroll
-    unroll = max(1, min(want, qw.num_groups))
-    while qw.num_groups % unroll:
-        unroll -= 1
-    return unroll
-
-
-def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
-    k_pad, n_pad = qw.padded_shape
-    tile_k = _tile_k(qw, config)
-    ok = n_pad % TILE_N == 0 and tile_k is not None and qw.scales.shape == (k_pad // qw.group_size, n_pad)
-    if ok and qw.two_level:   # steps within a super-group or over whole ones
-        sg = qw.super_group
-        step_k = tile_k if _prescales(qw, config) else tile_k * _unroll(qw, config, tile_k)
-        ok = ((step_k % sg == 0 or sg % step_k == 0) and (_prescales(qw, config) or tile_k == qw.group_size)
-              and qw.super_scales.shape == (k_pad // sg, n_pad) and not qw.zero_point)
-    return ok
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "interpret", "out_dtype", "config", "prefill"))

@@ -1,21 +1,24 @@
 """The fused dequantize-matmul's tunables (`QuantMatmulConfig`) and the config each weight gets
 (`default_config`), from the H100 measurements in docs/perf_quant.md and docs/performance.md.
 
-pallas_kernels/quantized_matmul.py is the kernel; this module holds what decides how it runs, as
-decode_matmul_rules.py does for the decode matmul.
+pallas_kernels/quantized_matmul.py is the kernel; this module holds what decides how it runs (and
+whether it can: `_can_use_pallas`), as decode_matmul_rules.py does for the decode matmul.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.gemm_tiling import elem_bits
 from pallas_kernels.quant_format import QuantizedWeight
 
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
+TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
+DEFAULT_GROUP_UNROLL = 2  # groups per step on the per-group path (docs/perf_quant.md, session 7)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantMatmulConfig:
-    """Tunables of the fused kernel. Checked against a weight in `quantized_matmul._can_use_pallas`."""
+    """Tunables of the fused kernel. Checked against a weight in `_can_use_pallas`."""
 
     tile_k: int = 128  # K elements per pipeline step (capped at the group size)
     num_k_splits: int | None = None  # None: enough splits to give every SM work
@@ -96,3 +99,67 @@ PER_GROUP_CONFIG = QuantMatmulConfig(prescale=False, group_unroll=8, max_concurr
 PER_GROUP_SUMS_CONFIG = dataclasses.replace(PER_GROUP_CONFIG, x_sums=True)
 PER_GROUP_MAX_ROWS = 16
 PER_GROUP_OFFSETS_MAX_WIDTH = 6144
+
+
+# ---- what the kernel can stream, and how (tiles, groups per step, where offsets are added)
+
+def _tile_k(qw: QuantizedWeight, config: QuantMatmulConfig) -> int | None:
+    """K elements per pipeline step, or None when the kernel cannot stream this weight.
+
+    A weight tile row must span >= 32 bytes (the smallest swizzle): int4 with groups of 32 needs
+    steps of several groups, which only the prescaled path has (an unswizzled variant lowered but
+    computed garbage on the H100, 2026-11-21). Without prescaling a step stays inside one group.
+    """
+    k_pad, _ = qw.padded_shape
+    g = qw.group_size
+    if _prescales(qw, config):
+        # the largest power-of-two multiple of the group size up to prescale_tile_k that divides K
+        tiles = [g << i for i in range(8) if g << i <= max(config.prescale_tile_k, g)]
+        tile = next((t for t in reversed(tiles) if k_pad % t == 0), g)
+    else:
+        tile = min(config.tile_k, g)
+    # in mma order a step's groups load as one tile (`_unroll` of them), whose rows must span 32 bytes
+    # (a multiple of them: the swizzle)
+    wide = _unroll(qw, config, tile) if qw.mma_order else 1
+    row_bits = tile * wide * elem_bits(qw.qweight.dtype)
+    ok = k_pad % tile == 0 and row_bits >= 256 and (wide == 1 or row_bits % 256 == 0) and (g % tile == 0 or tile % g == 0)
+    return tile if ok else None
+
+
+def _prescales(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    if qw.num_groups == 1:   # per channel: the scale multiplies the final accumulator anyway
+        return False
+    return qw.group_size < 128 if config.prescale is None else config.prescale
+
+
+def _folds_zeros(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    """Float offsets whose term the kernel computes (integer zero points need no term)."""
+    return config.fold_zeros and qw.zeros is not None and not qw.zero_point and qw.num_groups > 1
+
+
+def _xla_offsets(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    """Float offsets whose term XLA adds next to the kernel (`fold_zeros=False`)."""
+    return qw.zeros is not None and not qw.zero_point and not _folds_zeros(qw, config)
+
+
+def _unroll(qw: QuantizedWeight, config: QuantMatmulConfig, tile_k: int) -> int:
+    """Groups per pipeline step on the per-group path: 1 unless a tile is exactly one group."""
+    if _prescales(qw, config) or qw.num_groups == 1 or tile_k != qw.group_size:
+        return 1
+    want = DEFAULT_GROUP_UNROLL if config.group_unroll is None else config.group_unroll
+    unroll = max(1, min(want, qw.num_groups))
+    while qw.num_groups % unroll:
+        unroll -= 1
+    return unroll
+
+
+def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
+    k_pad, n_pad = qw.padded_shape
+    tile_k = _tile_k(qw, config)
+    ok = n_pad % TILE_N == 0 and tile_k is not None and qw.scales.shape == (k_pad // qw.group_size, n_pad)
+    if ok and qw.two_level:   # steps within a super-group or over whole ones
+        sg = qw.super_group
+        step_k = tile_k if _prescales(qw, config) else tile_k * _unroll(qw, config, tile_k)
+        ok = ((step_k % sg == 0 or sg % step_k == 0) and (_prescales(qw, config) or tile_k == qw.group_size)
+              and qw.super_scales.shape == (k_pad // sg, n_pad) and not qw.zero_point)
+    return ok
