@@ -48,7 +48,6 @@ Grouped formats cannot take it: XLA materializes a dequantized weight when the s
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -346,11 +345,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         g = qw.group_size
         rows["xs"] = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1).T
     y = call(qw.qweight, xp, qw.scales, *(rows[name] for name in extra))
-    if splits == 1:
-        return y[0]
-    if os.environ.get("ATLASJAX_SPLIT_SUM") == "adds":   # experiment (session 36)
-        return functools.reduce(lambda a, b: a + b, [y[i] for i in range(splits)])
-    return y.sum(axis=0)
+    return y[0] if splits == 1 else y.sum(axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
