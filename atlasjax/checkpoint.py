@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,8 @@ from atlasjax.config import ModelConfig, RopeScaling
 from atlasjax.errors import CheckpointError
 from atlasjax.loader import LoadedModel, _flatten, _set
 from models.layers import is_quantized
-from pallas_kernels.quant_format import GROUP_ROWS, QuantizedWeight
+from models.transformer import abstract_params
+from pallas_kernels.quant_format import GROUP_ROWS, QuantizedWeight, layout_problem
 
 FORMAT_VERSION = 1
 
@@ -32,8 +34,8 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
         key = "/".join(path)
         if is_quantized(leaf):
             quantized[key] = dict(format=leaf.format, group_size=leaf.group_size, shape=list(leaf.shape),
-                                  qweight_dtype=str(leaf.qweight.dtype), has_zeros=leaf.zeros is not None,
-                                  zero_point=leaf.zero_point, mma_order=leaf.mma_order)
+                                  qweight_dtype=str(leaf.qweight.dtype), zero_point=leaf.zero_point,
+                                  mma_order=leaf.mma_order)
             qweight = leaf.qweight.astype(jnp.int8) if leaf.qweight.dtype == jnp.int4 else leaf.qweight
             leaves[key + "|qweight"] = qweight
             for f in GROUP_ROWS:   # scales, and zeros and two-level rows where present
@@ -61,6 +63,9 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
 
 
 def load_checkpoint(directory: str, dtype) -> LoadedModel:
+    """Reads a saved checkpoint back. Anything unreadable, damaged or inconsistent with its own model
+    config (a missing, unexpected or mis-shaped parameter, a quantized weight whose arrays disagree
+    with its format) raises CheckpointError naming it, before any array reaches the device."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
     import tokenizers  # noqa: PLC0415
 
@@ -68,22 +73,24 @@ def load_checkpoint(directory: str, dtype) -> LoadedModel:
     try:
         with open(os.path.join(directory, "atlasjax_checkpoint.json")) as f:
             meta = json.load(f)
-        leaves = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read the atlasjax checkpoint in {directory}: {e}") from e
-    if meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{directory}: unsupported atlasjax checkpoint version {meta.get('version')}")
-    cfg = _config_from_dict(meta["config"])
-    params: dict = {}
-    for key, q in meta["quantized"].items():
-        qweight = jnp.asarray(leaves[key + "|qweight"]).astype(jnp.dtype(q["qweight_dtype"]))
-        rows = {f: jnp.asarray(leaves[key + "|" + f]) if key + "|" + f in leaves else None for f in GROUP_ROWS}
-        _set(params, tuple(key.split("/")), QuantizedWeight(qweight, format=q["format"], group_size=q["group_size"],
-                                                            shape=tuple(q["shape"]), zero_point=q.get("zero_point", False),
-                                                            mma_order=q.get("mma_order", False), **rows))
-    for key, value in leaves.items():
-        if "|" not in key:
-            _set(params, tuple(key.split("/")), jnp.asarray(value).astype(dtype))
+    if not isinstance(meta, dict) or meta.get("version") != FORMAT_VERSION:
+        version = meta.get("version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{directory}: unsupported atlasjax checkpoint version {version}")
+    try:
+        cfg = _config_from_dict(meta["config"])
+        quantized = dict(meta["quantized"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory}: atlasjax_checkpoint.json has no valid model config or quantized "
+                              f"table ({type(e).__name__}: {e})") from e
+    try:
+        leaves = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")))
+    except Exception as e:   # orbax and tensorstore raise plain Exceptions for damaged arrays
+        raise CheckpointError(f"cannot read the arrays of the atlasjax checkpoint in {directory}: "
+                              f"{str(e).splitlines()[0][:300]}") from e
+    params = _params(leaves, quantized, dtype, directory)
+    _check_against_config(params, cfg, dtype, directory)
     tok = None
     if meta.get("tokenizer"):
         t = meta["tokenizer"]
@@ -91,6 +98,44 @@ def load_checkpoint(directory: str, dtype) -> LoadedModel:
                         bos_token=t["bos_token"], eos_token=t["eos_token"], eos_token_ids=t["eos_token_ids"],
                         add_bos=t["add_bos"], chat_template=t["chat_template"])
     return LoadedModel(cfg, params, tok, directory)
+
+
+def _params(leaves: dict, quantized: dict, dtype, directory: str) -> dict:
+    """The param tree from the restored arrays and the checkpoint's quantized table."""
+    params: dict = {}
+    for key, q in quantized.items():
+        try:
+            qweight = jnp.asarray(leaves[key + "|qweight"]).astype(jnp.dtype(q["qweight_dtype"]))
+            rows = {f: jnp.asarray(leaves[key + "|" + f]) if key + "|" + f in leaves else None for f in GROUP_ROWS}
+            qw = QuantizedWeight(qweight, format=q["format"], group_size=int(q["group_size"]),
+                                 shape=tuple(int(d) for d in q["shape"]), zero_point=bool(q.get("zero_point", False)),
+                                 mma_order=bool(q.get("mma_order", False)), **rows)
+            problem = layout_problem(qw)
+        except (KeyError, TypeError, ValueError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
+            raise CheckpointError(f"{directory}: quantized parameter {key!r} is damaged: {problem}")
+        _set(params, tuple(key.split("/")), qw)
+    for key, value in leaves.items():
+        if "|" not in key:
+            _set(params, tuple(key.split("/")), jnp.asarray(value).astype(dtype))
+    return params
+
+
+def _check_against_config(params: dict, cfg: ModelConfig, dtype, directory: str) -> None:
+    """Every parameter the config's model has, with its shape (a quantized one: its logical shape), and no other."""
+    expected = dict(_flatten(nn.unbox(abstract_params(cfg, dtype))))
+    got = dict(_flatten(params))
+    missing = [p for p in expected if p not in got]
+    unexpected = [p for p in got if p not in expected]
+    if missing or unexpected:
+        names = [["/".join(p) for p in paths[:5]] for paths in (missing, unexpected)]
+        raise CheckpointError(f"{directory}: parameters do not match its model config: missing {names[0]}, "
+                              f"unexpected {names[1]}")
+    for path, leaf in got.items():
+        if tuple(leaf.shape) != tuple(expected[path].shape):
+            raise CheckpointError(f"{directory}: parameter {'/'.join(path)} has shape {tuple(leaf.shape)}, its model "
+                                  f"config gives {tuple(expected[path].shape)}")
 
 
 def _config_dict(cfg: ModelConfig) -> dict:

@@ -74,6 +74,33 @@ class QuantizedWeight:
         return self.group_size * (self.num_groups // self.super_scales.shape[-2])
 
 
+QWEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
+
+
+def layout_problem(qw: QuantizedWeight) -> str | None:
+    """What makes `qw` inconsistent with the layout above (for weights read from a file), or None."""
+    if qw.format not in QWEIGHT_DTYPES:
+        return f"unknown format {qw.format!r}"
+    if qw.qweight.ndim != 2 or jnp.dtype(qw.qweight.dtype) != jnp.dtype(QWEIGHT_DTYPES[qw.format]):
+        return f"qweight is {qw.qweight.dtype}{list(qw.qweight.shape)}, expected a 2-D {qw.format} array"
+    (k, n), (k_pad, n_pad), g = qw.shape, qw.padded_shape, qw.group_size
+    if not (0 < k <= k_pad and 0 < n <= n_pad) or g <= 0 or k_pad % g:
+        return f"stored [{n_pad}, {k_pad}] does not hold logical {(k, n)} in groups of {g}"
+    rows = (k_pad // g, n_pad)
+    if tuple(qw.scales.shape) != rows or (qw.zeros is not None and tuple(qw.zeros.shape) != rows):
+        zeros = None if qw.zeros is None else list(qw.zeros.shape)
+        return f"group rows {list(qw.scales.shape)} (zeros {zeros}), expected {list(rows)}"
+    if qw.zero_point and (qw.format != "int4" or qw.zeros is None or qw.two_level):
+        return "integer zero points need int4 with a zeros array and one level of rows"
+    supers = [r for r in (qw.super_scales, qw.super_zeros) if r is not None]
+    if qw.super_zeros is not None and (qw.super_scales is None or qw.zeros is None):
+        return "super_zeros without super_scales and zeros"
+    for r in supers:
+        if r.ndim != 2 or r.shape[1] != n_pad or not r.shape[0] or rows[0] % r.shape[0]:
+            return f"super-group rows {list(r.shape)} do not divide the group rows {list(rows)}"
+    return None
+
+
 # The [rows, N_pad] arrays of group rows, in the order the kernels take them; each row covers
 # `row_span` K elements.
 GROUP_ROWS = ("scales", "zeros", "super_scales", "super_zeros")

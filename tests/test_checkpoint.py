@@ -113,3 +113,67 @@ def test_gguf_q4_k_two_level_rows_survive_save_and_load(tmp_path_factory):
     assert leaf.two_level and leaf.scales.dtype == np.uint8 and leaf.super_zeros is not None
     np.testing.assert_array_equal(np.asarray(dequantize(leaf)), np.asarray(dequantize(before)))
     assert again.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids == ref.token_ids
+
+
+def _edit_meta(edit):
+    def mutate(directory):
+        path = os.path.join(directory, "atlasjax_checkpoint.json")
+        with open(path) as f:
+            meta = json.load(f)
+        edit(meta)
+        with open(path, "w") as f:
+            json.dump(meta, f)
+    return mutate
+
+
+def _first_quantized(meta):
+    return meta["quantized"]["layers_0/mlp/down_proj/kernel"]
+
+
+def _truncate_largest_array_file(directory):
+    import glob
+    files = [f for f in glob.glob(os.path.join(directory, "params", "**"), recursive=True) if os.path.isfile(f)]
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.truncate(os.path.getsize(largest) // 2)
+
+
+DAMAGE = {   # what a damaged or mismatched saved checkpoint looks like -> what the error must say
+    "no_config": (_edit_meta(lambda m: m.pop("config")), "no valid model config"),
+    "unknown_config_field": (_edit_meta(lambda m: m["config"].update(bogus=1)), "bogus"),
+    "config_from_another_model": (_edit_meta(lambda m: m["config"].update(hidden_size=2 * m["config"]["hidden_size"])),
+                                  "its model config gives"),
+    "quantized_shape": (_edit_meta(lambda m: _first_quantized(m).update(shape=[7, 9])), "has shape (7, 9)"),
+    "quantized_format": (_edit_meta(lambda m: _first_quantized(m).update(format="int3")), "unknown format 'int3'"),
+    "quantized_group_size": (_edit_meta(lambda m: _first_quantized(m).update(group_size=64)), "group rows"),
+    "quantized_arrays_missing": (_edit_meta(lambda m: m["quantized"].update({"layers_0/extra/kernel": _first_quantized(m)})),
+                                 "layers_0/extra/kernel"),
+    "arrays_missing": (lambda d: __import__("shutil").rmtree(os.path.join(d, "params")), "cannot read the arrays"),
+    "array_file_truncated": (_truncate_largest_array_file, "cannot read the arrays"),
+    "newer_version": (_edit_meta(lambda m: m.update(version=99)), "unsupported atlasjax checkpoint version 99"),
+}
+
+
+def test_damaged_checkpoint_is_refused_by_name_and_the_intact_one_still_loads(tmp_path_factory):
+    # Each damage raises CheckpointError saying what is wrong (no KeyError or TypeError from deep
+    # inside, no model built on weights that disagree with its config); the process stays usable.
+    import re
+    import shutil
+
+    import pytest
+
+    from atlasjax.errors import CheckpointError
+    model = tiny_model_dir(tmp_path_factory)
+    kw = dict(max_num_seqs=1, max_model_len=64, dtype="float32")
+    llm = LLM(model, quantization="int4", **kw)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ref = llm.generate(["One two three"], params)[0].outputs[0].token_ids
+    saved = str(tmp_path_factory.mktemp("intact"))
+    llm.save(saved)
+    for name, (damage, message) in DAMAGE.items():
+        damaged = str(tmp_path_factory.mktemp(name) / "ckpt")
+        shutil.copytree(saved, damaged)
+        damage(damaged)
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            LLM(damaged, **kw)
+    assert LLM(saved, **kw).generate(["One two three"], params)[0].outputs[0].token_ids == ref
