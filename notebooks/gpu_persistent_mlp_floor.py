@@ -12,6 +12,8 @@ kernels whose pipeline steps only wait for their tiles (int4 bytes of Llama-3.1-
   fused_free    one kernel, 448 blocks: each streams one gate_up tile, then one down unit (64
                 columns x 1/7 of K), with no barrier: the overlap's upper bound;
   fused_barrier as fused_free with a grid barrier (a global semaphore) between the phases;
+  fused_prefetchP  as fused_barrier, with the unit's first P weight steps prefetched into L2
+                (TMA prefetch) before the barrier, the activations loaded as usual after it;
   fused_early   the barrier inside the down pipeline's first step, after its prologue has issued
                 the first `depth` weight tiles, then one activation tile loaded after the barrier
                 (a real kernel must reload what its prologue read before the barrier).
@@ -72,9 +74,13 @@ def fused(mode):
         if mode != "free":
             sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
             pl.semaphore_signal(sem)
-        if mode == "barrier":
-            pl.semaphore_wait(sem, BLOCKS, decrement=False)
         tile, split = b // SPLITS2, lax.rem(b, SPLITS2)
+        if mode.startswith("prefetch"):   # the unit's first weight steps into L2 before the barrier
+            steps = int(mode[len("prefetch"):])
+            for i in range(0, steps * ROW_BYTES, 256):   # a TMA box is at most 256 wide
+                plgpu.async_prefetch(w2.at[pl.ds(tile * TILE_N, TILE_N), pl.ds(split * PER2 * ROW_BYTES + i, 256)])
+        if mode == "barrier" or mode.startswith("prefetch"):
+            pl.semaphore_wait(sem, BLOCKS, decrement=False)
 
         def step(idx, w_smem, x_smem, carry):
             if mode == "early":
@@ -130,7 +136,8 @@ def main():
     results["resident_blocks"] = resident
     variants = [("separate", separate()), ("fused_free", fused("free"))]
     if resident >= BLOCKS:   # else the barrier would wait forever for blocks that cannot start
-        variants += [("fused_barrier", fused("barrier")), ("fused_early", fused("early"))]
+        variants += [("fused_barrier", fused("barrier")), ("fused_early", fused("early")),
+                     ("fused_prefetch4", fused("prefetch4")), ("fused_prefetch8", fused("prefetch8"))]
     for name, fn in variants:
         try:
             one = jax.jit(lambda x1, x2, ws, fn=fn: [fn(x1, x2, *w) for w in ws])
