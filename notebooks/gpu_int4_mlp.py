@@ -6,11 +6,13 @@ L2, CUPTI time summed over each call's kernels (the gaps between kernels not cou
 favours the paths with more kernels):
   engine   the int4 kernel on gate_up, XLA's silu x up, the int4 kernel on down (its K-split sum);
   fused    the persistent kernel (one launch, a grid barrier) and XLA's sum of its 7 partials;
-  split    the same two phases as two launches (what interpret mode tests).
+  split    the same two phases as two launches (what interpret mode tests);
+  engine_gate_up / gate_up_phase   the first half of each: gate_up and silu x up.
 Also: each path's relative error against the jnp reference, and whether 50 calls of the fused
 kernel on one input all give the same bits (a barrier that let a block read h early would not).
 
-  JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [ROWS=8,1] python notebooks/gpu_int4_mlp.py   # -> $OUT/int4_mlp.json
+  JAX_PLATFORMS=cuda PYTHONPATH=.:notebooks [ROWS=8,1] [CONFIGS=g4d4,g3d4] python notebooks/gpu_int4_mlp.py
+  (-> $OUT/int4_mlp.json; CONFIGS: the kernel's pipeline depths, gate_up and down)
 """
 import json
 import os
@@ -28,6 +30,8 @@ from pallas_kernels.quantized_matmul import quantized_matmul
 
 OUT = os.environ.get("OUT", "/tmp")
 ROWS = [int(r) for r in os.environ.get("ROWS", "8,1").split(",")]
+# pipeline depths to try, "g<gate_up>d<down>" (the module's defaults first)
+CONFIGS = os.environ.get("CONFIGS", f"g{int4_mlp.GATE_UP_DEPTH}d{int4_mlp.DOWN_DEPTH}").split(",")
 H, I = 4096, 14336
 
 
@@ -42,6 +46,14 @@ def fused(x, gu, down):
 
 def split(x, gu, down):
     return int4_mlp.int4_mlp_partials(x, gu, down, phases="split").sum(0)
+
+
+def gate_up_phase(x, gu, down):   # the first phase alone (h), against the engine's gate_up + silu x up
+    return int4_mlp.int4_mlp_partials(x, gu, down, phases="gate_up")
+
+
+def engine_gate_up(x, gu, down):
+    return SwiGLU(quantized_matmul(x, gu, backend="pallas", out_dtype=jnp.bfloat16)).materialize()
 
 
 def main():
@@ -60,16 +72,31 @@ def main():
         x = jnp.asarray(rng.standard_normal((rows, H), np.float32), jnp.bfloat16)
         want = int4_mlp.int4_mlp_reference(x, gu, down)
         row = {}
-        for name, fn in (("engine", engine), ("fused", fused), ("split", split)):
+        paths = [("engine", engine), ("engine_gate_up", engine_gate_up)]
+        for config in CONFIGS:
+            g, d = (int(v) for v in config[1:].split("d"))
+            paths += [(f"{p}_{config}", fn, g, d) for p, fn in (("fused", fused), ("split", split),
+                                                                 ("gate_up_phase", gate_up_phase))]
+        for name, fn, *depths in paths:
+            if depths:
+                int4_mlp.GATE_UP_DEPTH, int4_mlp.DOWN_DEPTH = depths
+                jax.clear_caches()   # traced again with these depths
+                if not int4_mlp.fits(rows, gu, down):   # blocks that cannot all be resident would hang the barrier
+                    row[name] = {"skipped": "does not fit two blocks per SM"}
+                    continue
             try:
                 got = jax.jit(fn)(x, gu, down)
-                err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                err = (float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) if got.shape == want.shape
+                       else None)
                 one = jax.jit(lambda x, ws, fn=fn: [fn(x, *w) for w in ws])
                 row[name] = {"us": round(device_ms(one, x, weights) / copies * 1e3, 2), "rel_err": err}
             except Exception as e:   # reported, not fatal
                 row[name] = {"error": str(e).splitlines()[0][:400]}
             print(rows, name, row[name], flush=True)
-        if "us" in row.get("fused", {}):
+        first_config = f"fused_{CONFIGS[0]}"
+        if "us" in row.get(first_config, {}):
+            int4_mlp.GATE_UP_DEPTH, int4_mlp.DOWN_DEPTH = (int(v) for v in CONFIGS[0][1:].split("d"))
+            jax.clear_caches()
             f = jax.jit(fused)
             first = np.asarray(f(x, gu, down))
             same = all(np.array_equal(np.asarray(f(x, gu, down)), first) for _ in range(50))

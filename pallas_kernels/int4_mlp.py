@@ -10,9 +10,9 @@ only ramps up after that. Here each block
 1. computes one 64-column tile of gate and the matching tile of up (two weight tiles a step, the
    int4 kernel's per-group pipeline), then h = silu(gate) * up for those 64 columns, stored to
    `h` in global memory, and signals a global semaphore;
-2. starts the pipeline of its down units (64 output columns x 1/SPLITS of K each). The pipeline
+2. starts one pipeline over its down units (64 output columns x 1/SPLITS of K each). The pipeline
    issues its first weight tiles at once, and its first step waits until every block has
-   signalled, then loads the unit's slice of h (whole, into shared memory) and multiplies.
+   signalled, then loads the units' slices of h (whole, into shared memory) and multiplies.
 So down's first weight tiles load while the last gate_up tiles finish, and no silu x up kernel
 runs between the two. Every block must be resident at once (the semaphore waits for all): the
 grid is N_gate / 64 blocks (224 for Llama-3.1-8B), two per SM.
@@ -37,10 +37,12 @@ from pallas_kernels.quant_format import QuantizedWeight, dequantize
 TILE_N = 64          # output columns per block tile (the M of one wgmma, swap AB)
 GROUP = 128          # K elements per group: the engine's int4
 STEP_K = 2 * GROUP   # K per pipeline step: two groups, one 128-byte row of int4 in mma order
-DEPTH = 4            # pipeline steps in flight
+GATE_UP_DEPTH = 4    # pipeline steps in flight: gate_up (two weight tiles a step)
+DOWN_DEPTH = 4       # and down
 SPLITS = 7           # down units per 64 output columns (Llama-3.1-8B: 64 x 7 = 448 units, 2 per block)
 MAX_ROWS = 16
 BLOCKS_PER_SM = 2
+SMEM_PER_SM = 227 * 1024
 
 
 def fits(x_rows: int, gate_up: QuantizedWeight, down: QuantizedWeight, splits: int = SPLITS) -> bool:
@@ -56,7 +58,17 @@ def fits(x_rows: int, gate_up: QuantizedWeight, down: QuantizedWeight, splits: i
     units = down.shape[1] // TILE_N * splits
     return (gu % (2 * TILE_N) == 0 and down.shape[0] == inter and hidden % STEP_K == 0
             and (inter // STEP_K) % splits == 0 and down.shape[1] % TILE_N == 0 and units % blocks == 0
-            and blocks <= BLOCKS_PER_SM * num_sms())
+            and blocks <= BLOCKS_PER_SM * num_sms()
+            and BLOCKS_PER_SM * (smem_bytes(x_rows, inter, units // blocks, splits) + 1024) <= SMEM_PER_SM)
+
+
+def smem_bytes(x_rows: int, inter: int, units: int, splits: int) -> int:
+    """Shared memory of one block: the larger phase's pipeline and slices, and the output tiles."""
+    m_tile = -(-x_rows // 8) * 8
+    rows = 2 * TILE_N * 2   # a step's two group rows (f16) of scales or of zero points
+    gate_up = GATE_UP_DEPTH * (2 * (TILE_N * STEP_K // 2 + 2 * rows) + m_tile * STEP_K * 2)
+    down = DOWN_DEPTH * (TILE_N * STEP_K // 2 + 2 * rows) + units * (inter // STEP_K // splits) * m_tile * STEP_K * 2
+    return max(gate_up, down) + m_tile * TILE_N * (2 + 4)
 
 
 def _rows(ref, i):   # row i of a group-rows tile as f32 [TILE_N] in the wgmma row layout
@@ -109,7 +121,7 @@ def _gate_up_phase(x_gmem, w_gmem, s_gmem, z_gmem, h_gmem, h_smem, *, block, int
 
     acc_g, acc_u = plgpu.emit_pipeline(
         step, grid=(x_gmem.shape[1] // STEP_K,), in_specs=[w_spec, w_spec] + [row_spec] * 4 + [x_spec],
-        max_concurrent_steps=DEPTH, init_carry=(zeros, zeros),
+        max_concurrent_steps=GATE_UP_DEPTH, init_carry=(zeros, zeros),
     )(w_gmem.at[gate], w_gmem.at[up], s_gmem.at[:, gate], z_gmem.at[:, gate], s_gmem.at[:, up], z_gmem.at[:, up],
       x_gmem)
     # The unfused model rounds gate_up to bf16, then computes silu(gate) * up (models/deferred.py).
@@ -124,50 +136,65 @@ def _gate_up_phase(x_gmem, w_gmem, s_gmem, z_gmem, h_gmem, h_smem, *, block, int
 
 def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, block, m_tile, splits, units, wait_for,
                 interpret, scratch):
-    """The block's down units: out[j, :, tile] = h[:, K_j] @ Wd[K_j, tile]. wait_for: a () -> None that
-    blocks until every block's h is written, called in the first unit's first step (after the
-    pipeline has issued its first weight tiles), or None."""
+    """The block's down units, one pipeline over all their steps: out[j, :, tile] = h[:, K_j] @ Wd[K_j, tile].
+    wait_for: a () -> None that blocks until every block's h is written, or None. The first step calls
+    it, after the pipeline has issued its first weight tiles, then loads the units' slices of h whole."""
     steps = h_gmem.shape[1] // STEP_K // splits
-    zeros = plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA)
+
+    def unit_of(k):   # (tile, split) of pipeline step k's unit
+        unit = block * units + k // steps
+        return unit // splits, lax.rem(unit, splits)
+
+    def w_index(k):
+        tile, split = unit_of(k)
+        return tile, split * steps + lax.rem(k, steps)
+
+    def rows_index(k):
+        tile, split = unit_of(k)
+        return split * steps + lax.rem(k, steps), tile
+    w_spec = plgpu.BlockSpec((TILE_N, STEP_K), w_index, transforms=swizzled(STEP_K * 4, 4, "weight"))
+    row_spec = plgpu.BlockSpec((2, TILE_N), rows_index)
     acc_t = plgpu.ACC((TILE_N, m_tile), jnp.float32)
 
-    def units_with(hs_smem, h_bars):   # hs_smem: the unit's slice of h, [steps, m_tile, STEP_K]
-        for n in range(units):
-            unit = block * units + n
-            tile, split = unit // splits, lax.rem(unit, splits)
-            cols = pl.ds(tile * TILE_N, TILE_N)
-            w_spec, row_spec, _ = _step_specs(split * steps, m_tile, False)
+    def with_h(hs_smem, h_bars):   # hs_smem: the units' slices of h, [units * steps, m_tile, STEP_K]
+        def step(idx, w, s_rows, z_rows, acc):
+            k = idx[0]
 
-            def load_h(split=split):   # STEP_K columns per copy: a TMA box is at most 256 wide
-                for s in range(steps):
-                    plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds((split * steps + s) * STEP_K, STEP_K)],
-                                            hs_smem.at[s], h_bars.at[s])
-                for s in range(steps):
-                    plgpu.barrier_wait(h_bars.at[s])
+            @pl.when(k == 0)
+            def _():
+                if wait_for is not None:
+                    wait_for()
+                for n in range(units):   # STEP_K columns per copy: a TMA box is at most 256 wide
+                    split = lax.rem(block * units + n, splits)
+                    for s in range(steps):
+                        plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds((split * steps + s) * STEP_K, STEP_K)],
+                                                hs_smem.at[n * steps + s], h_bars.at[n * steps + s])
+                for i in range(units * steps):
+                    plgpu.barrier_wait(h_bars.at[i])
 
-            def step(idx, w, s_rows, z_rows, carry, first=n == 0, load_h=load_h):
-                @pl.when(idx[0] == 0)
-                def _():
-                    if first and wait_for is not None:
-                        wait_for()
-                    load_h()
+            def x_of(i):
+                return hs_smem.at[k, :, pl.ds(i * GROUP, GROUP)]
+            parts = pl.run_scoped(_issue_groups(w, z_rows, x_of, interpret, scratch), acc_t, acc_t)
+            acc = _scaled(parts, s_rows, acc)
+            last = lax.rem(k, steps) == steps - 1
 
-                def x_of(i):
-                    return hs_smem.at[idx[0], :, pl.ds(i * GROUP, GROUP)]
-                parts = pl.run_scoped(_issue_groups(w, z_rows, x_of, interpret, scratch), acc_t, acc_t)
-                return _scaled(parts, s_rows, carry)
+            @pl.when(last)
+            def _():
+                tile, split = unit_of(k)
+                out_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, pl.ds(tile * TILE_N, TILE_N)])
+                plgpu.wait_smem_to_gmem(0)
+            return acc * jnp.where(last, 0.0, 1.0)   # the next unit starts from zero
 
-            acc = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec, row_spec, row_spec],
-                                      max_concurrent_steps=DEPTH, init_carry=zeros,
-                                      )(w_gmem.at[cols], s_gmem.at[:, cols], z_gmem.at[:, cols])
-            out_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, cols])
-            plgpu.wait_smem_to_gmem(0)
+        plgpu.emit_pipeline(step, grid=(units * steps,), in_specs=[w_spec, row_spec, row_spec],
+                            max_concurrent_steps=DOWN_DEPTH,
+                            init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
+                            )(w_gmem, s_gmem, z_gmem)
 
     # scoped here, so that it reuses the gate_up pipeline's shared memory (two blocks fit per SM)
-    h_slice = plgpu.SMEM((steps, m_tile, STEP_K), jnp.bfloat16, transforms=swizzled(GROUP * 16, 16, "x"))
-    pl.run_scoped(units_with, h_slice, plgpu.Barrier(num_arrivals=1, num_barriers=steps))
+    h_slices = plgpu.SMEM((units * steps, m_tile, STEP_K), jnp.bfloat16, transforms=swizzled(GROUP * 16, 16, "x"))
+    pl.run_scoped(with_h, h_slices, plgpu.Barrier(num_arrivals=1, num_barriers=units * steps))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "phases", "splits"))
@@ -175,8 +202,9 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
                       phases: str = "fused", splits: int = SPLITS) -> jax.Array:
     """x [M, hidden] (M <= 16) -> f32 partials [splits, M, out] of silu(x Wg) * (x Wu) @ Wd (`fits` must hold).
 
-    phases: "fused" (one kernel, a grid barrier between gate_up and down; native only) or "split"
-    (two kernel calls of the same phases; what interpret mode runs)."""
+    phases: "fused" (one kernel, a grid barrier between gate_up and down; native only), "split"
+    (two kernel calls of the same phases; what interpret mode runs), or "gate_up" (the first call
+    alone, returning h [M, intermediate] bf16: for measurements)."""
     m, hidden = x.shape
     inter = gate_up.shape[1] // 2
     out_n = down.shape[1]
@@ -203,7 +231,7 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
         return dict(block=block, m_tile=m_tile, splits=splits, units=units, wait_for=wait_for,
                     interpret=bool(interpret), scratch=scratch[0] if scratch else None)
 
-    if phases == "split":
+    if phases in ("split", "gate_up"):
         def gate_up_kernel(x_ref, w, s, z, h_ref, h_smem, *scratch):
             _gate_up_phase(x_ref, w, s, z, h_ref, **gate_up_args(lax.axis_index("block"), h_smem, scratch))
 
@@ -211,6 +239,8 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
             _down_phase(h_ref, w, s, z, out_ref, out_smem, **down_args(lax.axis_index("block"), scratch, None))
         h = plgpu.kernel(gate_up_kernel, out_type=h_type, kernel_name="int4_mlp_gate_up",
                          scratch_types=[plgpu.SMEM((m_tile, TILE_N), jnp.bfloat16)] + scratch_a, **params)(xp, *gu)
+        if phases == "gate_up":
+            return h[:m]
         out = plgpu.kernel(down_kernel, out_type=out_type, kernel_name="int4_mlp_down",
                            scratch_types=down_scratch + scratch_a, **params)(h, *dn)
     elif phases == "fused":
@@ -225,7 +255,7 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
                               scratch_types=[plgpu.SMEM((m_tile, TILE_N), jnp.bfloat16)] + down_scratch + scratch_a,
                               **params)(xp, *gu, *dn)
     else:
-        raise ValueError(f"phases must be 'fused' or 'split', got {phases!r}")
+        raise ValueError(f"phases must be 'fused', 'split' or 'gate_up', got {phases!r}")
     return out[:, :m]
 
 
