@@ -37,7 +37,7 @@ from pallas_kernels.quant_format import QuantizedWeight, dequantize
 TILE_N = 64          # output columns per block tile (the M of one wgmma, swap AB)
 GROUP = 128          # K elements per group: the engine's int4
 STEP_K = 2 * GROUP   # K per pipeline step: two groups, one 128-byte row of int4 in mma order
-GATE_UP_DEPTH = 4    # pipeline steps in flight: gate_up (two weight tiles a step)
+GATE_UP_DEPTH = 3    # pipeline steps in flight: gate_up (two weight tiles a step)
 DOWN_DEPTH = 4       # and down
 SPLITS = 7           # down units per 64 output columns (Llama-3.1-8B: 64 x 7 = 448 units, 2 per block)
 MAX_ROWS = 16
@@ -68,7 +68,7 @@ def smem_bytes(x_rows: int, inter: int, units: int, splits: int) -> int:
     rows = 2 * TILE_N * 2   # a step's two group rows (f16) of scales or of zero points
     gate_up = GATE_UP_DEPTH * (2 * (TILE_N * STEP_K // 2 + 2 * rows) + m_tile * STEP_K * 2)
     down = DOWN_DEPTH * (TILE_N * STEP_K // 2 + 2 * rows) + units * (inter // STEP_K // splits) * m_tile * STEP_K * 2
-    return max(gate_up, down) + m_tile * TILE_N * (2 + 4)
+    return max(gate_up, down) + m_tile * TILE_N * (2 + 4 * units)
 
 
 def _rows(ref, i):   # row i of a group-rows tile as f32 [TILE_N] in the wgmma row layout
@@ -138,7 +138,8 @@ def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, block, m_
                 interpret, scratch):
     """The block's down units, one pipeline over all their steps: out[j, :, tile] = h[:, K_j] @ Wd[K_j, tile].
     wait_for: a () -> None that blocks until every block's h is written, or None. The first step calls
-    it, after the pipeline has issued its first weight tiles, then loads the units' slices of h whole."""
+    it, after the pipeline has issued its first weight tiles, then issues the loads of the units' slices
+    of h; each step waits for its own."""
     steps = h_gmem.shape[1] // STEP_K // splits
 
     def unit_of(k):   # (tile, split) of pipeline step k's unit
@@ -169,8 +170,8 @@ def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, block, m_
                     for s in range(steps):
                         plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds((split * steps + s) * STEP_K, STEP_K)],
                                                 hs_smem.at[n * steps + s], h_bars.at[n * steps + s])
-                for i in range(units * steps):
-                    plgpu.barrier_wait(h_bars.at[i])
+
+            plgpu.barrier_wait(h_bars.at[k])   # this step's slice of h (all were issued in step 0)
 
             def x_of(i):
                 return hs_smem.at[k, :, pl.ds(i * GROUP, GROUP)]
@@ -179,18 +180,19 @@ def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, block, m_
             last = lax.rem(k, steps) == steps - 1
 
             @pl.when(last)
-            def _():
+            def _():   # the unit's partial, stored without waiting (each unit has its own staging tile)
                 tile, split = unit_of(k)
-                out_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                staged = out_smem.at[k // steps]
+                staged.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, pl.ds(tile * TILE_N, TILE_N)])
-                plgpu.wait_smem_to_gmem(0)
+                plgpu.copy_smem_to_gmem(staged, out_gmem.at[split, :, pl.ds(tile * TILE_N, TILE_N)])
             return acc * jnp.where(last, 0.0, 1.0)   # the next unit starts from zero
 
         plgpu.emit_pipeline(step, grid=(units * steps,), in_specs=[w_spec, row_spec, row_spec],
                             max_concurrent_steps=DOWN_DEPTH,
                             init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
                             )(w_gmem, s_gmem, z_gmem)
+        plgpu.wait_smem_to_gmem(0)
 
     # scoped here, so that it reuses the gate_up pipeline's shared memory (two blocks fit per SM)
     h_slices = plgpu.SMEM((units * steps, m_tile, STEP_K), jnp.bfloat16, transforms=swizzled(GROUP * 16, 16, "x"))
@@ -216,7 +218,7 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
     out_type = jax.ShapeDtypeStruct((splits, m_tile, out_n), jnp.float32)
     scratch_a = ([plgpu.SMEM((TILE_N, GROUP), jnp.bfloat16, transforms=swizzled(GROUP * 16, 16, "a"))]
                  if interpret else [])
-    down_scratch = [plgpu.SMEM((m_tile, TILE_N), jnp.float32)]
+    down_scratch = [plgpu.SMEM((units, m_tile, TILE_N), jnp.float32)]
     params = dict(grid=(blocks,), grid_names=("block",), interpret=interpret_params(interpret),
                   compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                                        approx_math=True))
