@@ -6,16 +6,17 @@ points, mma order); gate_up fused as [gate | up] along N (models/fused.py).
 
 Why one kernel (docs/performance.md, session 36): with gate_up and down as two kernels, the SMs
 that finish their gate_up tiles early sit idle until the last ones finish, and down's weight stream
-only ramps up after that. Here each block
-1. computes one 64-column tile of gate and the matching tile of up (two weight tiles a step, the
-   int4 kernel's per-group pipeline), then h = silu(gate) * up for those 64 columns, stored to
-   `h` in global memory, and signals a global semaphore;
-2. starts one pipeline over its down units (64 output columns x 1/SPLITS of K each). The pipeline
-   issues its first weight tiles at once, and its first step waits until every block has
-   signalled, then loads the units' slices of h (whole, into shared memory) and multiplies.
+only ramps up after that. Here block b
+1. computes gate_up's 64-column tile pair b (gate's columns and up's same columns: two weight tiles
+   a step, the int4 kernel's per-group pipeline), then h = silu(gate) * up for those 64 columns,
+   stored to `h` in global memory, and signals a global semaphore;
+2. runs down's unit b (64 output columns x 1/splits of K, as the int4 kernel splits down). Its
+   pipeline issues its first weight tiles at once; its first step waits until every block has
+   signalled, then issues the loads of the unit's slice of h, and each step waits for its own.
 So down's first weight tiles load while the last gate_up tiles finish, and no silu x up kernel
-runs between the two. Every block must be resident at once (the semaphore waits for all): the
-grid is N_gate / 64 blocks (224 for Llama-3.1-8B), two per SM.
+runs between the two. The grid is max(pairs, units) blocks (256 for Llama-3.1-8B: 224 pairs, 64 x 4
+units), and every block must be resident at once, since the semaphore waits for all: two per SM
+(`fits` checks the shared memory).
 
 GPU interpret mode has no semaphores, so there (`phases="split"`) the two phases run as two kernel
 calls of the same code, which tests everything but the barrier.
@@ -39,10 +40,10 @@ GROUP = 128          # K elements per group: the engine's int4
 STEP_K = 2 * GROUP   # K per pipeline step: two groups, one 128-byte row of int4 in mma order
 GATE_UP_DEPTH = 3    # pipeline steps in flight: gate_up (two weight tiles a step)
 DOWN_DEPTH = 4       # and down
-SPLITS = 7           # down units per 64 output columns (Llama-3.1-8B: 64 x 7 = 448 units, 2 per block)
+SPLITS = 4           # down units per 64 output columns, as the int4 kernel splits down
 MAX_ROWS = 16
 BLOCKS_PER_SM = 2
-SMEM_PER_SM = 227 * 1024
+SMEM_PER_BLOCK = 100 * 1024   # what two blocks per SM may use, with room for what the estimate misses
 
 
 def fits(x_rows: int, gate_up: QuantizedWeight, down: QuantizedWeight, splits: int = SPLITS) -> bool:
@@ -54,21 +55,24 @@ def fits(x_rows: int, gate_up: QuantizedWeight, down: QuantizedWeight, splits: i
         return False
     hidden, gu = gate_up.shape
     inter = gu // 2
-    blocks = inter // TILE_N
-    units = down.shape[1] // TILE_N * splits
     return (gu % (2 * TILE_N) == 0 and down.shape[0] == inter and hidden % STEP_K == 0
-            and (inter // STEP_K) % splits == 0 and down.shape[1] % TILE_N == 0 and units % blocks == 0
-            and blocks <= BLOCKS_PER_SM * num_sms()
-            and BLOCKS_PER_SM * (smem_bytes(x_rows, inter, units // blocks, splits) + 1024) <= SMEM_PER_SM)
+            and (inter // STEP_K) % splits == 0 and down.shape[1] % TILE_N == 0
+            and grid_size(inter, down.shape[1], splits) <= BLOCKS_PER_SM * num_sms()
+            and smem_bytes(x_rows, inter, splits) <= SMEM_PER_BLOCK)
 
 
-def smem_bytes(x_rows: int, inter: int, units: int, splits: int) -> int:
-    """Shared memory of one block: the larger phase's pipeline and slices, and the output tiles."""
+def grid_size(inter: int, out_n: int, splits: int) -> int:
+    """Blocks: one per gate_up tile pair and one per down unit."""
+    return max(inter // TILE_N, out_n // TILE_N * splits)
+
+
+def smem_bytes(x_rows: int, inter: int, splits: int) -> int:
+    """Shared memory of one block: the larger phase's pipeline (and slice of h), and the output tiles."""
     m_tile = -(-x_rows // 8) * 8
     rows = 2 * TILE_N * 2   # a step's two group rows (f16) of scales or of zero points
     gate_up = GATE_UP_DEPTH * (2 * (TILE_N * STEP_K // 2 + 2 * rows) + m_tile * STEP_K * 2)
-    down = DOWN_DEPTH * (TILE_N * STEP_K // 2 + 2 * rows) + units * (inter // STEP_K // splits) * m_tile * STEP_K * 2
-    return max(gate_up, down) + m_tile * TILE_N * (2 + 4 * units)
+    down = DOWN_DEPTH * (TILE_N * STEP_K // 2 + 2 * rows) + inter // splits * m_tile * 2
+    return max(gate_up, down) + m_tile * TILE_N * (2 + 4)
 
 
 def _rows(ref, i):   # row i of a group-rows tile as f32 [TILE_N] in the wgmma row layout
@@ -134,30 +138,21 @@ def _gate_up_phase(x_gmem, w_gmem, s_gmem, z_gmem, h_gmem, h_smem, *, block, int
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)   # h is in memory before the block signals
 
 
-def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, block, m_tile, splits, units, wait_for,
+def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, unit, m_tile, splits, wait_for,
                 interpret, scratch):
-    """The block's down units, one pipeline over all their steps: out[j, :, tile] = h[:, K_j] @ Wd[K_j, tile].
+    """Down's unit `unit`: out[j, :, tile] = h[:, K_j] @ Wd[K_j, tile] for (tile, j) = divmod(unit, splits).
     wait_for: a () -> None that blocks until every block's h is written, or None. The first step calls
-    it, after the pipeline has issued its first weight tiles, then issues the loads of the units' slices
+    it, after the pipeline has issued its first weight tiles, then issues the loads of the unit's slice
     of h; each step waits for its own."""
     steps = h_gmem.shape[1] // STEP_K // splits
-
-    def unit_of(k):   # (tile, split) of pipeline step k's unit
-        unit = block * units + k // steps
-        return unit // splits, lax.rem(unit, splits)
-
-    def w_index(k):
-        tile, split = unit_of(k)
-        return tile, split * steps + lax.rem(k, steps)
-
-    def rows_index(k):
-        tile, split = unit_of(k)
-        return split * steps + lax.rem(k, steps), tile
-    w_spec = plgpu.BlockSpec((TILE_N, STEP_K), w_index, transforms=swizzled(STEP_K * 4, 4, "weight"))
-    row_spec = plgpu.BlockSpec((2, TILE_N), rows_index)
+    tile, split = unit // splits, lax.rem(unit, splits)
+    cols = pl.ds(tile * TILE_N, TILE_N)
+    w_spec = plgpu.BlockSpec((TILE_N, STEP_K), lambda k: (0, split * steps + k),
+                             transforms=swizzled(STEP_K * 4, 4, "weight"))
+    row_spec = plgpu.BlockSpec((2, TILE_N), lambda k: (split * steps + k, 0))
     acc_t = plgpu.ACC((TILE_N, m_tile), jnp.float32)
 
-    def with_h(hs_smem, h_bars):   # hs_smem: the units' slices of h, [units * steps, m_tile, STEP_K]
+    def with_h(hs_smem, h_bars):   # hs_smem: the unit's slice of h, [steps, m_tile, STEP_K]
         def step(idx, w, s_rows, z_rows, acc):
             k = idx[0]
 
@@ -165,38 +160,29 @@ def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, block, m_
             def _():
                 if wait_for is not None:
                     wait_for()
-                for n in range(units):   # STEP_K columns per copy: a TMA box is at most 256 wide
-                    split = lax.rem(block * units + n, splits)
-                    for s in range(steps):
-                        plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds((split * steps + s) * STEP_K, STEP_K)],
-                                                hs_smem.at[n * steps + s], h_bars.at[n * steps + s])
+                for s in range(steps):   # STEP_K columns per copy: a TMA box is at most 256 wide
+                    plgpu.copy_gmem_to_smem(h_gmem.at[:, pl.ds((split * steps + s) * STEP_K, STEP_K)],
+                                            hs_smem.at[s], h_bars.at[s])
 
             plgpu.barrier_wait(h_bars.at[k])   # this step's slice of h (all were issued in step 0)
 
             def x_of(i):
                 return hs_smem.at[k, :, pl.ds(i * GROUP, GROUP)]
             parts = pl.run_scoped(_issue_groups(w, z_rows, x_of, interpret, scratch), acc_t, acc_t)
-            acc = _scaled(parts, s_rows, acc)
-            last = lax.rem(k, steps) == steps - 1
+            return _scaled(parts, s_rows, acc)
 
-            @pl.when(last)
-            def _():   # the unit's partial, stored without waiting (each unit has its own staging tile)
-                tile, split = unit_of(k)
-                staged = out_smem.at[k // steps]
-                staged.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(staged, out_gmem.at[split, :, pl.ds(tile * TILE_N, TILE_N)])
-            return acc * jnp.where(last, 0.0, 1.0)   # the next unit starts from zero
-
-        plgpu.emit_pipeline(step, grid=(units * steps,), in_specs=[w_spec, row_spec, row_spec],
-                            max_concurrent_steps=DOWN_DEPTH,
-                            init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
-                            )(w_gmem, s_gmem, z_gmem)
+        acc = plgpu.emit_pipeline(
+            step, grid=(steps,), in_specs=[w_spec, row_spec, row_spec], max_concurrent_steps=DOWN_DEPTH,
+            init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA),
+        )(w_gmem.at[cols], s_gmem.at[:, cols], z_gmem.at[:, cols])
+        out_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
     # scoped here, so that it reuses the gate_up pipeline's shared memory (two blocks fit per SM)
-    h_slices = plgpu.SMEM((units * steps, m_tile, STEP_K), jnp.bfloat16, transforms=swizzled(GROUP * 16, 16, "x"))
-    pl.run_scoped(with_h, h_slices, plgpu.Barrier(num_arrivals=1, num_barriers=units * steps))
+    h_slice = plgpu.SMEM((steps, m_tile, STEP_K), jnp.bfloat16, transforms=swizzled(GROUP * 16, 16, "x"))
+    pl.run_scoped(with_h, h_slice, plgpu.Barrier(num_arrivals=1, num_barriers=steps))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "phases", "splits"))
@@ -212,14 +198,14 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
     out_n = down.shape[1]
     m_tile = -(-m // 8) * 8
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_tile - m), (0, 0)))
-    blocks = inter // TILE_N
-    units = out_n // TILE_N * splits // blocks
+    pairs, units = inter // TILE_N, out_n // TILE_N * splits
+    blocks = grid_size(inter, out_n, splits)
     h_type = jax.ShapeDtypeStruct((m_tile, inter), jnp.bfloat16)
     out_type = jax.ShapeDtypeStruct((splits, m_tile, out_n), jnp.float32)
     scratch_a = ([plgpu.SMEM((TILE_N, GROUP), jnp.bfloat16, transforms=swizzled(GROUP * 16, 16, "a"))]
                  if interpret else [])
-    down_scratch = [plgpu.SMEM((units, m_tile, TILE_N), jnp.float32)]
-    params = dict(grid=(blocks,), grid_names=("block",), interpret=interpret_params(interpret),
+    down_scratch = [plgpu.SMEM((m_tile, TILE_N), jnp.float32)]
+    params = dict(grid_names=("block",), interpret=interpret_params(interpret),
                   compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                                        approx_math=True))
     gu = (gate_up.qweight, gate_up.scales, gate_up.zeros)
@@ -230,7 +216,7 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
                     scratch=scratch[0] if scratch else None)
 
     def down_args(block, scratch, wait_for):
-        return dict(block=block, m_tile=m_tile, splits=splits, units=units, wait_for=wait_for,
+        return dict(unit=block, m_tile=m_tile, splits=splits, wait_for=wait_for,
                     interpret=bool(interpret), scratch=scratch[0] if scratch else None)
 
     if phases in ("split", "gate_up"):
@@ -239,21 +225,27 @@ def int4_mlp_partials(x: jax.Array, gate_up: QuantizedWeight, down: QuantizedWei
 
         def down_kernel(h_ref, w, s, z, out_ref, out_smem, *scratch):
             _down_phase(h_ref, w, s, z, out_ref, out_smem, **down_args(lax.axis_index("block"), scratch, None))
-        h = plgpu.kernel(gate_up_kernel, out_type=h_type, kernel_name="int4_mlp_gate_up",
+        h = plgpu.kernel(gate_up_kernel, out_type=h_type, kernel_name="int4_mlp_gate_up", grid=(pairs,),
                          scratch_types=[plgpu.SMEM((m_tile, TILE_N), jnp.bfloat16)] + scratch_a, **params)(xp, *gu)
         if phases == "gate_up":
             return h[:m]
-        out = plgpu.kernel(down_kernel, out_type=out_type, kernel_name="int4_mlp_down",
+        out = plgpu.kernel(down_kernel, out_type=out_type, kernel_name="int4_mlp_down", grid=(units,),
                            scratch_types=down_scratch + scratch_a, **params)(h, *dn)
     elif phases == "fused":
         def mlp_kernel(x_ref, wg, sg, zg, wd, sd, zd, h_ref, out_ref, h_smem, out_smem, *scratch):
             block = lax.axis_index("block")
-            _gate_up_phase(x_ref, wg, sg, zg, h_ref, **gate_up_args(block, h_smem, scratch))
+
+            @pl.when(block < pairs)
+            def _():
+                _gate_up_phase(x_ref, wg, sg, zg, h_ref, **gate_up_args(block, h_smem, scratch))
             sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
             pl.semaphore_signal(sem)
-            _down_phase(h_ref, wd, sd, zd, out_ref, out_smem,
-                        **down_args(block, scratch, lambda: pl.semaphore_wait(sem, blocks, decrement=False)))
-        _, out = plgpu.kernel(mlp_kernel, out_type=(h_type, out_type), kernel_name="int4_mlp",
+
+            @pl.when(block < units)
+            def _():
+                _down_phase(h_ref, wd, sd, zd, out_ref, out_smem,
+                            **down_args(block, scratch, lambda: pl.semaphore_wait(sem, blocks, decrement=False)))
+        _, out = plgpu.kernel(mlp_kernel, out_type=(h_type, out_type), kernel_name="int4_mlp", grid=(blocks,),
                               scratch_types=[plgpu.SMEM((m_tile, TILE_N), jnp.bfloat16)] + down_scratch + scratch_a,
                               **params)(xp, *gu, *dn)
     else:
