@@ -150,6 +150,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x, residual=None):  # x [tokens, embed] (or deferred); residual: added to the output
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
+        kernels = self._int4_kernels(x)
+        if kernels is not None:   # a decode step on int4 weights: one persistent kernel (pallas_kernels/int4_mlp.py)
+            from pallas_kernels.int4_mlp import int4_mlp_partials  # noqa: PLC0415
+            h = jax.lax.optimization_barrier(materialize(x))   # as `matmul` keeps it from XLA's fusions
+            y = int4_mlp_partials(h, *kernels).sum(axis=0).astype(h.dtype)
+            return y if residual is None else residual + y
         if self.has_variable("params", "gate_up_proj"):   # the runner's fused layout (models/fused.py)
             act = SwiGLU(linear(0, ("embed", "mlp"), name="gate_up_proj")(x))   # down_proj may fuse it
         else:
@@ -158,6 +164,22 @@ class MLP(nn.Module):
             up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x)
             act = nn.silu(gate) * up
         return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(act, residual)
+
+    def _int4_kernels(self, x):
+        """(gate_up, down) when the persistent int4 MLP kernel takes this call: a decode step (few
+        rows) on a GPU where it measured faster, one device, fused gate_up, both weights in the
+        engine's int4 format. Else None."""
+        from pallas_kernels import decode_switches, int4_mlp  # noqa: PLC0415
+        if not (self.has_variable("params", "gate_up_proj") and self.has_variable("params", "down_proj")
+                and len(x.shape) == 2 and _on_gpu() and self.parallel.mesh_axis("mlp") is None):
+            return None
+        gate_up_params = self.get_variable("params", "gate_up_proj")
+        gate_up, down = gate_up_params.get("kernel"), self.get_variable("params", "down_proj").get("kernel")
+        if not (is_quantized(gate_up) and is_quantized(down)) or "bias" in gate_up_params:
+            return None
+        if decode_switches.int4_mlp_on() and int4_mlp.fits(x.shape[0], gate_up, down):
+            return gate_up, down
+        return None
 
 
 def rope_inv_freq(cfg) -> jax.Array:

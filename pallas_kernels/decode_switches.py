@@ -46,3 +46,17 @@ def wide_setting() -> str:
 def prologues_on() -> bool:
     """`ATLASJAX_DECODE_PROLOGUE=off`: the norms and SwiGLU stay in XLA, for A/B measurements."""
     return os.environ.get("ATLASJAX_DECODE_PROLOGUE", "").lower() not in ("off", "0", "false")
+
+
+def int4_mlp_setting() -> str:
+    """`ATLASJAX_INT4_MLP`: "auto" (default: on the GPUs in MEASURED_FASTER_ON), "on" (any GPU) or
+    "off": whether a decode step's MLP on the engine's int4 weights runs as one persistent kernel
+    (pallas_kernels/int4_mlp.py) instead of two int4 kernels and XLA's silu x up."""
+    return os.environ.get("ATLASJAX_INT4_MLP", "auto").lower()
+
+
+def int4_mlp_on() -> bool:
+    setting = int4_mlp_setting()
+    if setting in ("off", "0", "false"):
+        return False
+    return setting in ("on", "1", "true") or any(kind in device_kind() for kind in MEASURED_FASTER_ON)

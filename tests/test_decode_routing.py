@@ -4,6 +4,8 @@ weights, with prologues and residual epilogues), or to XLA's GEMM, and on which 
 The kernel runs in GPU interpret mode here, behind `models.layers.matmul` as a GPU step would call it.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,10 +206,9 @@ _KERNEL_CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=256, inter
                           num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
 
 
-def _tiny_decode_step(params):
+def _tiny_decode_step(params, cfg=_KERNEL_CFG):
     """run() -> the tiny model's logits for one decode step of two sequences. Each call traces the
     step anew (jax's jit cache keys on the function), so it sees the routing in force then."""
-    cfg = _KERNEL_CFG
     model = Transformer(cfg, attn_backend="reference", dtype=jnp.bfloat16)
     kv = init_kv_cache(cfg, 4, 16, jnp.bfloat16)
     meta = AttentionMetadata(slot_mapping=jnp.array([0, 16]), page_table=jnp.array([[0, 1], [2, 3]], jnp.int32),
@@ -280,3 +281,31 @@ def test_int4_decode_step_stays_on_its_own_kernel(monkeypatch):
     routed = _tiny_decode_step(params)()
     assert not calls
     assert _rel_err(routed, reference) < 2e-2
+
+
+def test_int4_decode_mlp_runs_as_one_persistent_kernel(monkeypatch):
+    """On an H100, a decode step's MLP on the engine's int4 weights (groups of 128, zero points, mma
+    order, gate_up fused) runs pallas_kernels/int4_mlp.py: gate_up, silu x up and down in one kernel.
+    Here its two phases run as two interpreted calls (interpret mode has no grid barrier), and the
+    logits agree with the CPU path's. `ATLASJAX_INT4_MLP=off` keeps the separate kernels."""
+    from pallas_kernels import int4_mlp
+    cfg = dataclasses.replace(_KERNEL_CFG, intermediate_size=1024)   # 4 down splits of whole steps
+    params = fuse_projections(quantize_params(random_params(cfg, jnp.bfloat16, seed=5), "int4"))
+    mlp = params["layers_0"]["mlp"]
+    assert int4_mlp.fits(2, mlp["gate_up_proj"]["kernel"], mlp["down_proj"]["kernel"])
+    reference = _tiny_decode_step(params, cfg)()   # CPU: dequantize + dot
+    calls = []
+    real = int4_mlp.int4_mlp_partials
+
+    def interpreted(x, gate_up, down, **kw):
+        calls.append(x.shape)
+        return real(x, gate_up, down, interpret=True, phases="split")
+    _route_to_interpreted_kernel(monkeypatch, lambda x, kw: None, min_tiles=1)
+    monkeypatch.setattr(int4_mlp, "int4_mlp_partials", interpreted)
+    routed = _tiny_decode_step(params, cfg)()
+    assert calls == [(2, cfg.hidden_size)] * cfg.num_layers
+    assert _rel_err(routed, reference) < 2e-2
+    calls.clear()
+    monkeypatch.setenv("ATLASJAX_INT4_MLP", "off")
+    _tiny_decode_step(params, cfg)()
+    assert not calls
