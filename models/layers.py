@@ -151,7 +151,7 @@ class MLP(nn.Module):
     def __call__(self, x, residual=None):  # x [tokens, embed] (or deferred); residual: added to the output
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
         kernels = self._int4_kernels(x)
-        if kernels is not None:   # a decode step on int4 weights: one persistent kernel (pallas_kernels/int4_mlp.py)
+        if kernels is not None:   # opt-in: one persistent kernel for the MLP (pallas_kernels/int4_mlp.py)
             from pallas_kernels.int4_mlp import int4_mlp_partials  # noqa: PLC0415
             h = jax.lax.optimization_barrier(materialize(x))   # as `matmul` keeps it from XLA's fusions
             y = int4_mlp_partials(h, *kernels).sum(axis=0).astype(h.dtype)
@@ -166,9 +166,9 @@ class MLP(nn.Module):
         return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(act, residual)
 
     def _int4_kernels(self, x):
-        """(gate_up, down) when the persistent int4 MLP kernel takes this call: a decode step (few
-        rows) on a GPU where it measured faster, one device, fused gate_up, both weights in the
-        engine's int4 format. Else None."""
+        """(gate_up, down) when the persistent int4 MLP kernel takes this call (opt-in,
+        `ATLASJAX_INT4_MLP=on`): a decode step (few rows) on a GPU, one device, fused gate_up, both
+        weights in the engine's int4 format. Else None."""
         from pallas_kernels import decode_switches, int4_mlp  # noqa: PLC0415
         if not (self.has_variable("params", "gate_up_proj") and self.has_variable("params", "down_proj")
                 and len(x.shape) == 2 and _on_gpu() and self.parallel.mesh_axis("mlp") is None):

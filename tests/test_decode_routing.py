@@ -284,10 +284,11 @@ def test_int4_decode_step_stays_on_its_own_kernel(monkeypatch):
 
 
 def test_int4_decode_mlp_runs_as_one_persistent_kernel(monkeypatch):
-    """On an H100, a decode step's MLP on the engine's int4 weights (groups of 128, zero points, mma
-    order, gate_up fused) runs pallas_kernels/int4_mlp.py: gate_up, silu x up and down in one kernel.
-    Here its two phases run as two interpreted calls (interpret mode has no grid barrier), and the
-    logits agree with the CPU path's. `ATLASJAX_INT4_MLP=off` keeps the separate kernels."""
+    """With `ATLASJAX_INT4_MLP=on`, a decode step's MLP on the engine's int4 weights (groups of 128,
+    zero points, mma order, gate_up fused) runs pallas_kernels/int4_mlp.py on a GPU: gate_up, silu x
+    up and down in one kernel. Here its two phases run as two interpreted calls (interpret mode has
+    no grid barrier), and the logits agree with the CPU path's. Unset (the default), the separate
+    kernels run."""
     from pallas_kernels import int4_mlp
     cfg = dataclasses.replace(_KERNEL_CFG, intermediate_size=1024)   # 4 down splits of whole steps
     params = fuse_projections(quantize_params(random_params(cfg, jnp.bfloat16, seed=5), "int4"))
@@ -302,10 +303,9 @@ def test_int4_decode_mlp_runs_as_one_persistent_kernel(monkeypatch):
         return real(x, gate_up, down, interpret=True, phases="split")
     _route_to_interpreted_kernel(monkeypatch, lambda x, kw: None, min_tiles=1)
     monkeypatch.setattr(int4_mlp, "int4_mlp_partials", interpreted)
+    _tiny_decode_step(params, cfg)()
+    assert not calls
+    monkeypatch.setenv("ATLASJAX_INT4_MLP", "on")
     routed = _tiny_decode_step(params, cfg)()
     assert calls == [(2, cfg.hidden_size)] * cfg.num_layers
     assert _rel_err(routed, reference) < 2e-2
-    calls.clear()
-    monkeypatch.setenv("ATLASJAX_INT4_MLP", "off")
-    _tiny_decode_step(params, cfg)()
-    assert not calls
