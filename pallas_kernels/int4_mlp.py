@@ -106,16 +106,17 @@ def _scaled(parts, s_smem, acc):
     return acc
 
 
-def _step_specs(first, m_tile, with_x):
+def _specs(m_tile, first=0):
+    """Step k's weight tile, group rows and activation tile, from K step `first` on."""
     w = plgpu.BlockSpec((TILE_N, STEP_K), lambda k: (0, first + k), transforms=swizzled(STEP_K * 4, 4, "weight"))
     rows = plgpu.BlockSpec((2, TILE_N), lambda k: (first + k, 0))
-    x = plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, k), transforms=swizzled(GROUP * 16, 16, "x"))
+    x = plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, first + k), transforms=swizzled(GROUP * 16, 16, "x"))
     return w, rows, x
 
 
 def _gate_up_phase(x_gmem, w_gmem, s_gmem, z_gmem, h_gmem, h_smem, *, block, inter, m_tile, interpret, scratch):
     """h[:, block tile] = silu(x @ Wg[:, tile]) * (x @ Wu[:, tile]), rounded as the unfused model rounds."""
-    w_spec, row_spec, x_spec = _step_specs(0, m_tile, True)
+    w_spec, row_spec, x_spec = _specs(m_tile)
     gate, up = pl.ds(block * TILE_N, TILE_N), pl.ds(inter + block * TILE_N, TILE_N)
     zeros = plgpu.layout_cast(jnp.zeros((TILE_N, m_tile), jnp.float32), plgpu.Layout.WGMMA)
     acc_t = plgpu.ACC((TILE_N, m_tile), jnp.float32)
@@ -152,9 +153,7 @@ def _down_phase(h_gmem, w_gmem, s_gmem, z_gmem, out_gmem, out_smem, *, unit, m_t
     steps = h_gmem.shape[1] // STEP_K // splits
     tile, split = unit // splits, lax.rem(unit, splits)
     cols = pl.ds(tile * TILE_N, TILE_N)
-    w_spec = plgpu.BlockSpec((TILE_N, STEP_K), lambda k: (0, split * steps + k),
-                             transforms=swizzled(STEP_K * 4, 4, "weight"))
-    row_spec = plgpu.BlockSpec((2, TILE_N), lambda k: (split * steps + k, 0))
+    w_spec, row_spec, _ = _specs(m_tile, split * steps)   # the activations come from the h slice
     acc_t = plgpu.ACC((TILE_N, m_tile), jnp.float32)
 
     def with_h(hs_smem, h_bars):   # hs_smem: the unit's slice of h, [steps, m_tile, STEP_K]
