@@ -130,6 +130,11 @@ def _first_quantized(meta):
     return meta["quantized"]["layers_0/mlp/down_proj/kernel"]
 
 
+def _remove_arrays(directory):
+    import shutil
+    shutil.rmtree(os.path.join(directory, "params"))
+
+
 def _truncate_largest_array_file(directory):
     import glob
     files = [f for f in glob.glob(os.path.join(directory, "params", "**"), recursive=True) if os.path.isfile(f)]
@@ -148,7 +153,7 @@ DAMAGE = {   # what a damaged or mismatched saved checkpoint looks like -> what 
     "quantized_group_size": (_edit_meta(lambda m: _first_quantized(m).update(group_size=64)), "group rows"),
     "quantized_arrays_missing": (_edit_meta(lambda m: m["quantized"].update({"layers_0/extra/kernel": _first_quantized(m)})),
                                  "layers_0/extra/kernel"),
-    "arrays_missing": (lambda d: __import__("shutil").rmtree(os.path.join(d, "params")), "cannot read the arrays"),
+    "arrays_missing": (_remove_arrays, "cannot read the arrays"),
     "array_file_truncated": (_truncate_largest_array_file, "cannot read the arrays"),
     "newer_version": (_edit_meta(lambda m: m.update(version=99)), "unsupported atlasjax checkpoint version 99"),
 }
