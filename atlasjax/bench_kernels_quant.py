@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import functools
 import statistics
 import time
 
@@ -29,6 +30,7 @@ from atlasjax.quantization import dequantize, quantize
 from atlasjax.weights_summary import weight_nbytes
 from pallas_kernels.quant_format import with_float_offsets
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
+from pallas_kernels.quantized_matmul import is_per_channel as quantize_is_per_channel
 
 DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # (K, N)
 # (format, group size, zeros): "sym", "zp" (integer zero points: what int4 quantizes to at load) or
@@ -119,12 +121,75 @@ def bench_prefill(k, n, m, results):
     return row
 
 
+SWEEP_SHAPES = [(4096, 28672), (14336, 4096), (4096, 6144)]   # gate_up, down, qkv (K, N)
+SWEEP_FORMATS = [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym"), ("int8", None, "sym")]
+# Paths of the rows sweep: what the engine runs, and the grouped formats' alternatives above
+# DECODE_ROWS (one fused kernel per M tile of 128 or 256 rows, weight-tile-major or not, or the
+# dequantized weight through XLA's dot).
+SWEEP_PATHS = {
+    "engine": dict(),
+    "pallas_tm128": dict(backend="pallas", prefill="pallas"),
+    "pallas_tm128_inner": dict(backend="pallas", prefill="pallas", config=QuantMatmulConfig(m_tiles_inner=True)),
+    "pallas_tm256_inner": dict(backend="pallas", prefill="pallas",
+                               config=QuantMatmulConfig(tile_m=256, m_tiles_inner=True)),
+    "xla_dequant_dot": dict(backend="xla"),
+}
+
+
+def _quantized(w, fmt, g, zeros):
+    if zeros == "two_level":
+        return like_gguf(w, "Q4_K")
+    qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
+    return with_float_offsets(qw) if zeros == "offsets" else qw
+
+
+def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
+    """Each format at each row count: what the engine runs and the alternatives (grouped formats
+    only; per-channel int8 / fp8 always run XLA's GEMM), against the bf16 dot. Weights rotated past
+    the L2 as in the decode rows."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+    copies = max(2, -(-MIN_ROTATION_BYTES // w.nbytes))
+    ws = [w + i for i in range(copies)]
+    qws = {}
+    for fmt, g, zeros in formats:
+        qw = _quantized(w, fmt, g, zeros)
+        qws[_name(fmt, g, zeros)] = [jax.tree.map(jnp.copy, qw)
+                                     for _ in range(max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw))))]
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        iters = 20 if m <= 256 else 10
+        row = {"K": k, "N": n, "M": m, "bf16_us": device_ms(rotated(lambda x, w: x @ w), x, ws, iterations=iters) / copies * 1e3}
+        for name, copies_q in qws.items():
+            ref = None
+            for path, kw in paths.items():
+                if path != "engine" and quantize_is_per_channel(copies_q[0]):
+                    continue
+                try:
+                    fn = functools.partial(lambda x, w, kw: quantized_matmul(x, w, **kw), kw=kw)
+                    y = np.asarray(jax.jit(fn)(x, copies_q[0]), np.float32)
+                    if ref is None:
+                        ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(copies_q[0])), np.float32)
+                    err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                    us = device_ms(rotated(fn), x, copies_q, iterations=iters) / len(copies_q) * 1e3
+                    row[f"{name}/{path}"] = {"us": us, "rel_err": err}
+                except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
+                    row[f"{name}/{path}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        results["rows"].append(row)
+        yield row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="first decode shape only, no prefill")
     parser.add_argument("--rows", type=int, default=DECODE_ROWS, help="activation rows of the decode rows")
     parser.add_argument("--formats", help="comma-separated names to run (e.g. int4_g128,int4_g128_zp); default all")
     parser.add_argument("--no-prefill", action="store_true", help="decode shapes only")
+    parser.add_argument("--sweep-rows", help="comma-separated row counts (e.g. 32,128,256,512,1024): "
+                        "instead of the decode and prefill tables, each format's paths at each count "
+                        "on the gate_up, down and qkv shapes (--formats picks from int4_g128_zp, "
+                        "int4_g32_two_level, fp8, int8)")
+    parser.add_argument("--shapes", type=int, default=len(SWEEP_SHAPES), help="--sweep-rows: the first N shapes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     formats = FORMATS
@@ -137,9 +202,23 @@ def main():
     dev = jax.devices()[0]
     results = {"device": dev.device_kind, "jax": jax.__version__,
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "decode": [], "prefill": []}
+               "decode": [], "prefill": [], "rows": []}
     results["copy_GBps"] = copy_bandwidth() / 1e9
     print(f"{dev.device_kind}  jax {jax.__version__}  copy {results['copy_GBps']:.0f} GB/s", flush=True)
+    if args.sweep_rows:
+        rows = [int(r) for r in args.sweep_rows.split(",")]
+        sweep = SWEEP_FORMATS if not args.formats else [f for f in SWEEP_FORMATS if _name(*f) in keep]
+        for k, n in SWEEP_SHAPES[:args.shapes]:
+            for row in bench_rows(k, n, rows, results, sweep):
+                for key, v in row.items():
+                    if isinstance(v, dict):
+                        msg = v.get("error") or (f"{v['us']:9.1f} us  {v['us'] / row['bf16_us']:5.2f}x bf16 "
+                                                 f"({row['bf16_us']:.1f} us)  err {v['rel_err']:.1e}")
+                        print(f"rows M={row['M']:5d} K={k:6d} N={n:6d} {key:34s} {msg}", flush=True)
+                print(f"  [{time.time() - t0:.0f}s]", flush=True)
+                with open(os.path.join(args.out, "bench_quant_rows.json"), "w") as f:
+                    json.dump(results, f, indent=1)
+        return
     configs = {"engine": None, "pallas": QuantMatmulConfig(),
                "pallas_unfolded": QuantMatmulConfig(fold_zeros=False)}   # differs for asym groups under 128 only
     for k, n in DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES:

@@ -334,8 +334,10 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         scratch_types=[plgpu.SMEM((m_tile, TILE_N), y_dtype)] + ([
             plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=swizzled(tile_k * 16, 16, "a"))
         ] if interpret else []),
-        grid=(n_pad // TILE_N, m_pad // m_tile, splits),
-        grid_names=("n", "m", "split"),
+        # the first grid axis varies fastest among the blocks that launch together
+        grid=((m_pad // m_tile, n_pad // TILE_N, splits) if config.m_tiles_inner else
+              (n_pad // TILE_N, m_pad // m_tile, splits)),
+        grid_names=("m", "n", "split") if config.m_tiles_inner else ("n", "m", "split"),
         interpret=interpret_params(interpret),
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -48,6 +48,9 @@ class QuantMatmulConfig:
     # Groups per pipeline step on the per-group path (groups of >= 128 elements, int4 by default):
     # all of a step's wgmmas are in flight before one wait. None: auto (`_unroll`).
     group_unroll: int | None = None
+    # Several M tiles (more than DECODE_ROWS rows on the fused kernel): launch one weight tile's M
+    # tiles next to each other, so its later M tiles read the weight from L2, not HBM.
+    m_tiles_inner: bool = False
 
     def __post_init__(self):
         if self.tile_k % 16 or self.tile_k <= 0:
