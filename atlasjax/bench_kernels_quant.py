@@ -121,17 +121,18 @@ def bench_prefill(k, n, m, results):
     return row
 
 
-SWEEP_SHAPES = [(4096, 28672), (14336, 4096), (4096, 6144)]   # gate_up, down, qkv (K, N)
-SWEEP_FORMATS = [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym"), ("int8", None, "sym")]
-# Paths of the rows sweep: what the engine runs, and the grouped formats' alternatives above
-# DECODE_ROWS (one fused kernel per M tile of 128 or 256 rows, weight-tile-major or not, or the
-# dequantized weight through XLA's dot).
+SWEEP_SHAPES = [(4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)]   # gate_up, down, qkv, o_proj (K, N)
+SWEEP_FORMATS = [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym"), ("int8", None, "sym"),
+                 ("int4", 32, "offsets"), ("int8", 32, "sym"), ("fp8", 128, "sym")]
+# Paths of the rows sweep: what the engine runs, and the grouped formats' alternatives past
+# DECODE_ROWS (the fused kernel on M tiles of 128 or 256 rows, with the group scales applied per
+# group's partial or folded into the tile, or the dequantized weight through XLA's dot).
 SWEEP_PATHS = {
     "engine": dict(),
-    "pallas_tm128": dict(backend="pallas", prefill="pallas"),
-    "pallas_tm128_inner": dict(backend="pallas", prefill="pallas", config=QuantMatmulConfig(m_tiles_inner=True)),
-    "pallas_tm256_inner": dict(backend="pallas", prefill="pallas",
-                               config=QuantMatmulConfig(tile_m=256, m_tiles_inner=True)),
+    "fused_tm128": dict(backend="pallas", prefill="pallas"),
+    "fused_prescaled_tm128": dict(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True)),
+    "fused_prescaled_tm256": dict(backend="pallas", prefill="pallas",
+                                  config=QuantMatmulConfig(prescale=True, tile_m=256)),
     "xla_dequant_dot": dict(backend="xla"),
 }
 
@@ -144,8 +145,8 @@ def _quantized(w, fmt, g, zeros):
 
 
 def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
-    """Each format at each row count: what the engine runs and the alternatives (grouped formats
-    only; per-channel int8 / fp8 always run XLA's GEMM), against the bf16 dot. Weights rotated past
+    """Each format at each row count: what the engine runs and the alternatives (per-channel int8 /
+    fp8: XLA's convert-fused GEMM, and the fused kernel), against the bf16 dot. Weights rotated past
     the L2 as in the decode rows."""
     rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
@@ -163,8 +164,8 @@ def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
         for name, copies_q in qws.items():
             ref = None
             for path, kw in paths.items():
-                if path != "engine" and quantize_is_per_channel(copies_q[0]):
-                    continue
+                if quantize_is_per_channel(copies_q[0]) and path not in ("engine", "fused_tm128"):
+                    continue   # the engine's path is XLA's convert-fused GEMM; only the kernel compares
                 try:
                     fn = functools.partial(lambda x, w, kw: quantized_matmul(x, w, **kw), kw=kw)
                     y = np.asarray(jax.jit(fn)(x, copies_q[0]), np.float32)
@@ -187,9 +188,10 @@ def main():
     parser.add_argument("--no-prefill", action="store_true", help="decode shapes only")
     parser.add_argument("--sweep-rows", help="comma-separated row counts (e.g. 32,128,256,512,1024): "
                         "instead of the decode and prefill tables, each format's paths at each count "
-                        "on the gate_up, down and qkv shapes (--formats picks from int4_g128_zp, "
-                        "int4_g32_two_level, fp8, int8)")
-    parser.add_argument("--shapes", type=int, default=len(SWEEP_SHAPES), help="--sweep-rows: the first N shapes")
+                        "on the 8B's projection shapes (--formats picks from "
+                        + ",".join(_name(*f) for f in SWEEP_FORMATS) + ")")
+    parser.add_argument("--shapes", default="0,1,2,3", help="--sweep-rows: which of gate_up, down, qkv, o_proj (indices)")
+    parser.add_argument("--paths", help="--sweep-rows: comma-separated paths (default all: " + ",".join(SWEEP_PATHS) + ")")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     formats = FORMATS
@@ -208,8 +210,9 @@ def main():
     if args.sweep_rows:
         rows = [int(r) for r in args.sweep_rows.split(",")]
         sweep = SWEEP_FORMATS if not args.formats else [f for f in SWEEP_FORMATS if _name(*f) in keep]
-        for k, n in SWEEP_SHAPES[:args.shapes]:
-            for row in bench_rows(k, n, rows, results, sweep):
+        paths = SWEEP_PATHS if not args.paths else {p: SWEEP_PATHS[p] for p in args.paths.split(",")}
+        for k, n in [SWEEP_SHAPES[int(i)] for i in args.shapes.split(",")]:
+            for row in bench_rows(k, n, rows, results, sweep, paths):
                 for key, v in row.items():
                     if isinstance(v, dict):
                         msg = v.get("error") or (f"{v['us']:9.1f} us  {v['us'] / row['bf16_us']:5.2f}x bf16 "

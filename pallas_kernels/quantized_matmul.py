@@ -33,9 +33,10 @@ steps add the offsets to the tile; per-group steps run one more wgmma per group,
 with x, whose rows are the group's x row sums (exact in f32, and no division by a scale, which is
 0 for a constant group). `fold_zeros=False` leaves the term to XLA next to the kernel.
 
-Prefill (M > DECODE_ROWS) defaults to dequantize-to-bf16 + XLA dot, which measured 1.3-1.4x the bf16 dot
-against ~2.1x for this kernel with 128-row M tiles (`docs/perf_quant.md`); `prefill="pallas"` keeps
-the fused kernel.
+Past DECODE_ROWS rows the kernel runs M tiles of 128 rows up to `fused_max_rows` (512 for int4 groups
+of 128, 256 for the rest); above that, dequantize-to-bf16 + XLA dot measured faster (2,048 rows:
+1.3-1.5x the bf16 dot against 1.8-2.2x for this kernel; docs/perf_quant.md, session 37).
+`prefill="pallas"` / `"xla"` force either.
 
 Per-channel int8 / fp8 take a third path on the GPU, `backend="xla"`: y = (x @ convert(Wq)) * s.
 XLA fuses the int8/fp8 -> bf16 convert into its own (Triton) GEMM, which then streams the 1-byte
@@ -62,7 +63,7 @@ from pallas_kernels.quant_format import (QuantizedWeight, codes_as_bf16, dequant
                                          permuted_like_mma_order)
 from pallas_kernels.quantized_matmul_rules import (  # noqa: F401 (MAX_TILE_M, TILE_N re-exported)
     MAX_TILE_M, TILE_N, QuantMatmulConfig, _can_use_pallas, _folds_zeros, _prescales, _tile_k, _unroll,
-    _xla_offsets, default_config)
+    _xla_offsets, default_config, fused_max_rows)
 
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
 
@@ -334,10 +335,10 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
         scratch_types=[plgpu.SMEM((m_tile, TILE_N), y_dtype)] + ([
             plgpu.SMEM((TILE_N, tile_k), jnp.bfloat16, transforms=swizzled(tile_k * 16, 16, "a"))
         ] if interpret else []),
-        # the first grid axis varies fastest among the blocks that launch together
-        grid=((m_pad // m_tile, n_pad // TILE_N, splits) if config.m_tiles_inner else
-              (n_pad // TILE_N, m_pad // m_tile, splits)),
-        grid_names=("m", "n", "split") if config.m_tiles_inner else ("n", "m", "split"),
+        # M first: one weight tile's M tiles launch next to each other, so all but the first read
+        # it from L2 (H100, int4 g128, 2,048 rows: 4096 x 28672 1144 -> 1038 us, 14336 x 4096 561 -> 501)
+        grid=(m_pad // m_tile, n_pad // TILE_N, splits),
+        grid_names=("m", "n", "split"),
         interpret=interpret_params(interpret),
         kernel_name=f"quantized_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -358,7 +359,7 @@ def _pallas_matmul(xp, qw: QuantizedWeight, config: QuantMatmulConfig, m_tile: i
 @functools.partial(jax.jit, static_argnames=("backend", "interpret", "out_dtype", "config", "prefill"))
 def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto", interpret=False,
                      out_dtype=None, config: QuantMatmulConfig | None = None,
-                     prefill: str = "xla") -> jax.Array:
+                     prefill: str = "auto") -> jax.Array:
     """y = x @ W for a quantized W.
 
     Args:
@@ -374,10 +375,11 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
       interpret: False, True or plgpu.InterpretGPUParams(): run the kernel in interpret mode.
       out_dtype: dtype of y (default x.dtype).
       config: kernel tunables (default: `default_config(qw, M)`).
-      prefill: for M > DECODE_ROWS, "xla" (dequantize to bf16, then an XLA dot: measured faster, see
-        docs/perf_quant.md) or "pallas" (the fused kernel, tile_m rows per tile). Weights whose
-        layout the kernel cannot stream (int4 groups of 32 without prescale, K not a multiple of
-        a step) also take the "xla" path.
+      prefill: for M > DECODE_ROWS, "xla" (dequantize to bf16, then an XLA dot), "pallas" (the
+        fused kernel, tile_m rows per tile) or "auto" (the fused kernel up to `fused_max_rows(qw)`
+        rows, "xla" above: whichever measured faster, docs/perf_quant.md). Weights whose layout the
+        kernel cannot stream (int4 groups of 32 without prescale, K not a multiple of a step) also
+        take the "xla" path.
     Returns:
       y: [M, N] in out_dtype.
     """
@@ -395,6 +397,10 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
             backend = "reference"
     if backend not in ("pallas", "xla", "reference", "int8_mma"):
         raise ValueError(f"unknown backend {backend!r}")
+    if prefill not in ("auto", "pallas", "xla"):
+        raise ValueError(f"prefill must be 'auto', 'pallas' or 'xla', got {prefill!r}")
+    if prefill == "auto":
+        prefill = "pallas" if m <= fused_max_rows(qw) else "xla"
     if backend == "reference":
         return quantized_matmul_reference(x, qw).astype(out_dtype)
     if qw.mma_order and qw.format == "int8":   # its K permuted (for decode_matmul): permute x's alike

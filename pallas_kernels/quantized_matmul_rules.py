@@ -48,9 +48,6 @@ class QuantMatmulConfig:
     # Groups per pipeline step on the per-group path (groups of >= 128 elements, int4 by default):
     # all of a step's wgmmas are in flight before one wait. None: auto (`_unroll`).
     group_unroll: int | None = None
-    # Several M tiles (more than DECODE_ROWS rows on the fused kernel): launch one weight tile's M
-    # tiles next to each other, so its later M tiles read the weight from L2, not HBM.
-    m_tiles_inner: bool = False
 
     def __post_init__(self):
         if self.tile_k % 16 or self.tile_k <= 0:
@@ -94,6 +91,20 @@ def default_config(qw: QuantizedWeight, rows: int = 8) -> QuantMatmulConfig:
     if offsets:
         return OFFSETS_CONFIG
     return INT8_GROUPS_CONFIG if qw.format == "int8" and qw.shape[1] > 4096 else QuantMatmulConfig()
+
+
+def fused_max_rows(qw: QuantizedWeight) -> int:
+    """The most activation rows for which `quantized_matmul` (prefill="auto") runs the fused kernel,
+    in M tiles of 128 rows past 128; above, dequantizing the weight to bf16 for XLA's dot measures
+    faster. The dequantize pass costs about as much at any row count (4096 x 28672: ~170 us), the
+    fused kernel grows with the M tiles. H100, 8B gate_up and down shapes, session 37
+    (docs/perf_quant.md): int4 groups of 128 with integer zero points at 256 rows 136 / 79 us fused
+    against 263 / 130 dequantized, at 512 269 / 141 against 330 / 153, at 1024 534 / 248 against
+    499 / 234; Q4_K (groups of 32, two levels) at 256 175 / 92 against 275 / 134, at 512 332 / 173
+    against 342 / 158."""
+    if qw.group_size >= 128 and (qw.zeros is None or qw.zero_point) and not qw.two_level:
+        return 512
+    return 256
 
 
 OFFSETS_CONFIG = QuantMatmulConfig(max_concurrent_steps=3)

@@ -105,6 +105,29 @@ def test_interpret_k_splits_and_m_tiles():
     _check("int4", 128, "zp", m, 512, 130, config=cfg, interpret=True, prefill="pallas")
 
 
+@pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 128, "zp"), ("int4", 32, "two_level"), ("int8", 32, "sym")])
+def test_many_rows_take_the_kernel_up_to_fused_max_rows_then_dequantize(fmt, group_size, zeros):
+    # Past a decode batch the kernel runs M tiles of 128 rows while that measured faster than
+    # dequantizing the weight for XLA's dot (session 37); above fused_max_rows the dot takes over.
+    # Only traced here: interpret mode at 512 rows would take minutes.
+    from pallas_kernels.quantized_matmul_rules import fused_max_rows
+    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    qw = like_gguf(w, "Q4_K") if zeros == "two_level" else quantize(w, fmt, group_size=group_size, symmetric=zeros == "sym")
+    limit = fused_max_rows(qw)
+    assert limit > DECODE_ROWS
+
+    def kernels(m):
+        x = jnp.zeros((m, 256), jnp.bfloat16)
+        return str(jax.make_jaxpr(lambda x: quantized_matmul(x, qw, interpret=True))(x)).count("mpmd_map[")
+    assert kernels(DECODE_ROWS + 1) == 1 and kernels(limit) == 1
+    assert kernels(limit + 1) == 0
+
+
+def test_interpret_auto_rows_past_a_decode_batch():
+    # DECODE_ROWS + 8 rows on the default path: two M tiles of 128, the second mostly padding.
+    _check("int4", 128, "zp", DECODE_ROWS + 8, 256, 64, interpret=True, prefill="auto")
+
+
 @pytest.mark.parametrize("fmt,group_size,zeros,k,tile_k", [
     ("int4", 128, "sym", 512, 128), ("int4", 128, "offsets", 512, 256), ("int4", 32, "sym", 576, 128),
     ("int4", 32, "offsets", 160, 128), ("int8", 32, "sym", 200, 64),
