@@ -33,10 +33,9 @@ steps add the offsets to the tile; per-group steps run one more wgmma per group,
 with x, whose rows are the group's x row sums (exact in f32, and no division by a scale, which is
 0 for a constant group). `fold_zeros=False` leaves the term to XLA next to the kernel.
 
-Past DECODE_ROWS rows the kernel runs M tiles of 128 rows up to `fused_max_rows` (512 for int4 groups
-of 128, 256 for the rest); above that, dequantize-to-bf16 + XLA dot measured faster (2,048 rows:
-1.3-1.5x the bf16 dot against 1.8-2.2x for this kernel; docs/perf_quant.md, session 37).
-`prefill="pallas"` / `"xla"` force either.
+Past DECODE_ROWS rows the kernel runs M tiles of 128 rows up to `fused_max_rows` (256-768 by format);
+above that, dequantize-to-bf16 + XLA dot measured faster (2,048 rows: 1.3-1.5x the bf16 dot against
+1.8-2.2x for this kernel; docs/perf_quant.md, session 37). `prefill="pallas"` / `"xla"` force either.
 
 Per-channel int8 / fp8 take a third path on the GPU, `backend="xla"`: y = (x @ convert(Wq)) * s.
 XLA fuses the int8/fp8 -> bf16 convert into its own (Triton) GEMM, which then streams the 1-byte

@@ -95,15 +95,23 @@ def default_config(qw: QuantizedWeight, rows: int = 8) -> QuantMatmulConfig:
 
 def fused_max_rows(qw: QuantizedWeight) -> int:
     """The most activation rows for which `quantized_matmul` (prefill="auto") runs the fused kernel,
-    in M tiles of 128 rows past 128; above, dequantizing the weight to bf16 for XLA's dot measures
-    faster. The dequantize pass costs about as much at any row count (4096 x 28672: ~170 us), the
-    fused kernel grows with the M tiles. H100, 8B gate_up and down shapes, session 37
-    (docs/perf_quant.md): int4 groups of 128 with integer zero points at 256 rows 136 / 79 us fused
-    against 263 / 130 dequantized, at 512 269 / 141 against 330 / 153, at 1024 534 / 248 against
-    499 / 234; Q4_K (groups of 32, two levels) at 256 175 / 92 against 275 / 134, at 512 332 / 173
-    against 342 / 158."""
-    if qw.group_size >= 128 and (qw.zeros is None or qw.zero_point) and not qw.two_level:
-        return 512
+    in M tiles of 128 rows past 128; above, dequantizing the weight to bf16 for XLA's dot measured
+    faster. The dequantize pass costs about the same at any row count (4096 x 28672: ~170 us), the
+    fused kernel grows with its M tiles. H100, the 8B's gate_up and down (docs/perf_quant.md,
+    session 37), fused against dequantized, us:
+    - int4 groups of 128, integer zero points: 256 rows 137 / 80 against 262 / 129; 768 rows 406 /
+      189 against 419 / 190 (qkv and o_proj 97 / 59 against 93 / 85); 1024 rows 534 / 248 against
+      499 / 234;
+    - Q4_1 (groups of 32, float offsets): 512 rows 268 / 140 against 337 / 155;
+    - Q4_K (two levels): 384 rows 257 / 135 against 306 / 144; 512 rows 331 / 173 against 342 / 158;
+    - FP8 with 128-wide block scales: 384 rows 264 / 127 against 298 / 141; 512 even;
+    - Q8_0 (int8 groups of 32): 256 rows 272 / 89 against 271 / 134; 384 rows 424 / 120 against
+      303 / 143.
+    Per-channel int8 / fp8 never take this path (XLA's convert-fused GEMM, faster at every count)."""
+    if qw.format == "int4" and not qw.two_level:
+        return 768 if qw.group_size >= 128 and (qw.zeros is None or qw.zero_point) else 512
+    if qw.two_level or qw.format == "fp8":
+        return 384
     return 256
 
 
