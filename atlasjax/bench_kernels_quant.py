@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import functools
 import statistics
 import time
 
@@ -28,6 +27,7 @@ from jax.experimental.mosaic.gpu import profiler
 from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import dequantize, quantize
 from atlasjax.weights_summary import weight_nbytes
+from pallas_kernels import int4_rows_matmul as int4_rows
 from pallas_kernels.quant_format import with_float_offsets
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 from pallas_kernels.quantized_matmul import is_per_channel as quantize_is_per_channel
@@ -127,13 +127,28 @@ SWEEP_FORMATS = [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "
 # Paths of the rows sweep: what the engine runs, and the grouped formats' alternatives past
 # DECODE_ROWS (the fused kernel on M tiles of 128 or 256 rows, with the group scales applied per
 # group's partial or folded into the tile, or the dequantized weight through XLA's dot).
+def _via(**kw):
+    return lambda x, w: quantized_matmul(x, w, **kw)
+
+
+def _rows_kernel(m_tile, depth=4):
+    def run(x, w):
+        if not int4_rows.fits(w, m_tile):
+            raise NotImplementedError("int4_rows_matmul does not take this weight")
+        return int4_rows.int4_rows_matmul(x, w, m_tile=m_tile, max_concurrent_steps=depth)
+    return run
+
+
 SWEEP_PATHS = {
-    "engine": dict(),
-    "fused_tm128": dict(backend="pallas", prefill="pallas"),
-    "fused_prescaled_tm128": dict(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True)),
-    "fused_prescaled_tm256": dict(backend="pallas", prefill="pallas",
-                                  config=QuantMatmulConfig(prescale=True, tile_m=256)),
-    "xla_dequant_dot": dict(backend="xla"),
+    "engine": _via(),
+    "fused_tm128": _via(backend="pallas", prefill="pallas"),
+    "fused_prescaled_tm128": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True)),
+    "fused_prescaled_tm256": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True, tile_m=256)),
+    "xla_dequant_dot": _via(backend="xla"),
+    # pallas_kernels/int4_rows_matmul.py: warp-specialized, M tiles of 128 / 256 rows
+    "rows_tm128": _rows_kernel(128),
+    "rows_tm256": _rows_kernel(256),
+    "rows_tm256_d2": _rows_kernel(256, 2),
 }
 
 
@@ -167,7 +182,7 @@ def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
                 if quantize_is_per_channel(copies_q[0]) and path not in ("engine", "fused_tm128"):
                     continue   # the engine's path is XLA's convert-fused GEMM; only the kernel compares
                 try:
-                    fn = functools.partial(lambda x, w, kw: quantized_matmul(x, w, **kw), kw=kw)
+                    fn = kw
                     y = np.asarray(jax.jit(fn)(x, copies_q[0]), np.float32)
                     if ref is None:
                         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(copies_q[0])), np.float32)

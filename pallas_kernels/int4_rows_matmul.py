@@ -1,0 +1,129 @@
+"""y = x @ W for int4 W (groups of 128, in mma order) at many rows: a warp-specialized Mosaic GPU kernel.
+
+Past a decode batch (DECODE_ROWS rows) the fused kernel of quantized_matmul.py runs one warpgroup
+per block that converts a weight tile, waits for its wgmma, and holds an SM alone (its x tiles fill
+the shared memory): at 256-768 rows it ran 1.4-1.8x the bf16 dot (docs/perf_quant.md, session 37).
+Here a block has three warpgroups, as in jax's `hopper_mixed_type_matmul_mgpu.py`:
+- one issues the TMA loads of each K step (128 weight rows of int4, their scale and zero-point
+  rows, and the m_tile x 128 activations) into a ring of `max_concurrent_steps` slots;
+- two compute warpgroups each take 64 of the weight rows: convert the nibbles to bf16 with the
+  group's integer zero point subtracted in the conversion (`mma_tile_to_bf16`), multiply by the
+  group's scale (rounded to bf16, as dequantize-then-dot rounds the weight), and accumulate
+  W_tile @ x_tile^T in one f32 accumulator [64, m_tile] across all of K.
+So one warpgroup converts while the other's wgmma runs, and the loads never wait for either.
+
+Grid: (M tiles, N / 128), M first, so one weight tile's M tiles run next to each other and all but
+the first read it from L2. Weights the kernel does not take (`fits`) stay on the other paths.
+GPU interpret mode cannot feed wgmma from registers: there the converted tile is staged in shared
+memory.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gemm_tiling import interpret_params, swizzled
+from pallas_kernels.int4_mma_order import mma_tile_to_bf16
+from pallas_kernels.quant_format import QuantizedWeight
+
+WG_ROWS = 64              # weight rows per compute warpgroup (the M of one wgmma)
+BLOCK_N = 2 * WG_ROWS     # weight rows (output columns) per block
+STEP_K = 128              # K per pipeline step: one group
+SMEM_BUDGET = 210 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
+MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
+
+
+def fits(qw: QuantizedWeight, m_tile: int = 128) -> bool:
+    """Whether the kernel takes this weight: int4 in mma order, one level of groups that are whole
+    steps, integer zero points or none, N a multiple of 128 (after padding)."""
+    k_pad, n_pad = qw.padded_shape
+    return (qw.format == "int4" and qw.mma_order and not qw.two_level and qw.group_size % STEP_K == 0
+            and (qw.zeros is None or qw.zero_point) and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0
+            and m_tile % 8 == 0 and 8 <= m_tile <= 256)
+
+
+def _depth(m_tile: int, out_bytes: int, want: int) -> int:
+    per_step = m_tile * STEP_K * 2 + BLOCK_N * STEP_K // 2 + 2 * BLOCK_N * 2
+    fixed = 2 * m_tile * WG_ROWS * out_bytes
+    return max(2, min(want, (SMEM_BUDGET - fixed) // per_step))
+
+
+@functools.partial(jax.jit, static_argnames=("m_tile", "max_concurrent_steps", "out_dtype", "interpret"))
+def int4_rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_concurrent_steps: int = 4,
+                     out_dtype=jnp.bfloat16, interpret=False) -> jax.Array:
+    """x [M, K] -> y [M, N] in out_dtype (`fits(qw, m_tile)` must hold); f32 accumulation, each
+    group's weights (q - z) * s rounded to bf16."""
+    m, k = x.shape
+    k_pad, n_pad = qw.padded_shape
+    if k != qw.shape[0] or not fits(qw, m_tile):
+        raise ValueError(f"int4_rows_matmul does not take x {x.shape} with this weight ({qw.shape}, "
+                         f"{qw.format}, groups of {qw.group_size}) at m_tile {m_tile}")
+    m_pad = -(-m // m_tile) * m_tile
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
+    out_dtype = jnp.dtype(out_dtype)
+    depth = _depth(m_tile, out_dtype.itemsize, max_concurrent_steps)
+    steps_per_group = qw.group_size // STEP_K
+    zero_point = qw.zeros is not None
+    staged = bool(interpret)
+
+    def kernel(w_gmem, x_gmem, s_gmem, *refs):
+        z_gmem = refs[0] if zero_point else None
+        out_gmem, out_smem, *a_smem = refs[1:] if zero_point else refs
+        wg = lax.axis_index("wg")
+        m_idx, n_idx = lax.axis_index("m"), lax.axis_index("n")
+        cols = pl.ds(n_idx * BLOCK_N, BLOCK_N)
+        mine = pl.ds(wg * WG_ROWS, WG_ROWS)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+        def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_ROWS, m_tile), jnp.float32))
+            def _(acc_ref):
+                eval_pipeline(acc_ref)
+                out_smem.at[wg].T[...] = plgpu.layout_cast(acc_ref[...].astype(out_dtype),
+                                                          plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                        out_gmem.at[pl.ds(m_idx * m_tile, m_tile), pl.ds(n_idx * BLOCK_N + wg * WG_ROWS, WG_ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+
+        def step(_, w_smem, x_smem, s_smem, *rest):
+            z_smem, acc_ref = (rest[0], rest[1]) if zero_point else (None, rest[0])
+            z = plgpu.load(z_smem.at[0, mine], layout=row_layout).astype(jnp.float32) if zero_point else None
+            s = plgpu.load(s_smem.at[0, mine], layout=row_layout).astype(jnp.bfloat16)
+            a = mma_tile_to_bf16(w_smem[mine], z, interpret=staged)
+            a = a * lax.broadcast_in_dim(s, a.shape, [0])
+            if staged:
+                a_smem[0].at[wg][...] = a
+                plgpu.commit_smem()
+                a = a_smem[0].at[wg]
+            plgpu.wgmma(acc_ref, a, x_smem.T)
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        rows_spec = plgpu.BlockSpec((1, BLOCK_N), lambda k: (k // steps_per_group, 0))
+        in_specs = [plgpu.BlockSpec((BLOCK_N, STEP_K), lambda k: (0, k), transforms=swizzled(STEP_K * 4, 4, "weight")),
+                    plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, k), transforms=swizzled(STEP_K * 16, 16, "x")),
+                    rows_spec] + ([rows_spec] if zero_point else [])
+        operands = [w_gmem.at[cols], x_gmem.at[pl.ds(m_idx * m_tile, m_tile)], s_gmem.at[:, cols]]
+        operands += [z_gmem.at[:, cols]] if zero_point else []
+        plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k_pad // STEP_K,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=depth, compute_context=compute_context,
+        )(*operands)
+
+    scratch = [plgpu.SMEM((2, m_tile, WG_ROWS), out_dtype)]
+    if staged:
+        scratch.append(plgpu.SMEM((2, WG_ROWS, STEP_K), jnp.bfloat16, transforms=swizzled(STEP_K * 16, 16, "a")))
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype), grid=(m_pad // m_tile, n_pad // BLOCK_N),
+        grid_names=("m", "n"), num_threads=3, thread_name="wg", scratch_types=scratch,
+        interpret=interpret_params(interpret), kernel_name="int4_rows_matmul",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    y = call(qw.qweight, xp, qw.scales, *([qw.zeros] if zero_point else []))
+    return y[:m, :qw.shape[1]]
