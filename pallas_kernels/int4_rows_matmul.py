@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm_tiling import interpret_params, swizzled
+from pallas_kernels.gemm_tiling import interpret_params, num_sms, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import QuantizedWeight
 
@@ -38,35 +38,50 @@ SMEM_BUDGET = 210 * 1024  # the pipeline ring and the output tiles (the H100 all
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
 
 
-def fits(qw: QuantizedWeight, m_tile: int = 128) -> bool:
-    """Whether the kernel takes this weight: int4 in mma order, one level of groups that are whole
-    steps, integer zero points or none, N a multiple of 128 (after padding)."""
+def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16) -> bool:
+    """Whether the kernel takes this weight at `m_tile` rows per tile: int4 in mma order, one level
+    of groups that are whole steps, integer zero points or none, N a multiple of 128 (after
+    padding), and at least two pipeline steps in shared memory beside the output tiles."""
     k_pad, n_pad = qw.padded_shape
     return (qw.format == "int4" and qw.mma_order and not qw.two_level and qw.group_size % STEP_K == 0
             and (qw.zeros is None or qw.zero_point) and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0
-            and m_tile % 8 == 0 and 8 <= m_tile <= 256)
+            and m_tile % 8 == 0 and 8 <= m_tile <= 256 and _depth(m_tile, jnp.dtype(out_dtype).itemsize) >= 2)
 
 
-def _depth(m_tile: int, out_bytes: int, want: int) -> int:
+def m_tile_for(m: int, n_pad: int, out_dtype=jnp.bfloat16) -> int:
+    """Rows per M tile: 256 where it takes fewer waves of blocks, weighted by a 256-row block's
+    ~1.7x the time of a 128-row one; else 128. H100, the 8B's four projections at 256-2,048 rows,
+    session 37 (docs/perf_quant.md): this picks the faster tile in all 16 cases measured."""
+    def cost(tile, weight):
+        blocks = -(-m // tile) * (n_pad // BLOCK_N)
+        return -(-blocks // num_sms()) * weight
+    if not _depth(256, jnp.dtype(out_dtype).itemsize) >= 2 or m <= 128:
+        return 128
+    return 256 if cost(256, 1.7) < cost(128, 1.0) else 128
+
+
+def _depth(m_tile: int, out_bytes: int, want: int = 4) -> int:
+    """Pipeline steps in flight: as many as asked that fit (0 or 1: the tile does not fit)."""
     per_step = m_tile * STEP_K * 2 + BLOCK_N * STEP_K // 2 + 2 * BLOCK_N * 2
     fixed = 2 * m_tile * WG_ROWS * out_bytes
-    return max(2, min(want, (SMEM_BUDGET - fixed) // per_step))
+    return min(want, (SMEM_BUDGET - fixed) // per_step)
 
 
 @functools.partial(jax.jit, static_argnames=("m_tile", "max_concurrent_steps", "out_dtype", "interpret"))
 def int4_rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_concurrent_steps: int = 4,
                      out_dtype=jnp.bfloat16, interpret=False) -> jax.Array:
-    """x [M, K] -> y [M, N] in out_dtype (`fits(qw, m_tile)` must hold); f32 accumulation, each
-    group's weights (q - z) * s rounded to bf16."""
+    """x [M, K] -> y [M, N] in out_dtype (`fits(qw, m_tile, out_dtype)` must hold); f32
+    accumulation, each group's weights (q - z) * s rounded to bf16, as dequantize-then-dot rounds
+    them."""
     m, k = x.shape
     k_pad, n_pad = qw.padded_shape
-    if k != qw.shape[0] or not fits(qw, m_tile):
+    if k != qw.shape[0] or not fits(qw, m_tile, out_dtype):
         raise ValueError(f"int4_rows_matmul does not take x {x.shape} with this weight ({qw.shape}, "
-                         f"{qw.format}, groups of {qw.group_size}) at m_tile {m_tile}")
+                         f"{qw.format}, groups of {qw.group_size}) at m_tile {m_tile} ({out_dtype} out)")
     m_pad = -(-m // m_tile) * m_tile
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
     out_dtype = jnp.dtype(out_dtype)
-    depth = _depth(m_tile, out_dtype.itemsize, max_concurrent_steps)
+    depth = _depth(m_tile, out_dtype.itemsize, max_concurrent_steps)   # >= 2 (`fits`)
     steps_per_group = qw.group_size // STEP_K
     zero_point = qw.zeros is not None
     staged = bool(interpret)

@@ -105,26 +105,44 @@ def test_interpret_k_splits_and_m_tiles():
     _check("int4", 128, "zp", m, 512, 130, config=cfg, interpret=True, prefill="pallas")
 
 
-@pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 128, "zp"), ("int4", 32, "two_level"), ("int8", 32, "sym")])
+def _kernels_traced(qw, m, k=256):
+    """The Mosaic GPU kernels of quantized_matmul at m rows, by name (traced only: interpret mode at
+    hundreds of rows would take minutes)."""
+    import re
+    x = jnp.zeros((m, k), jnp.bfloat16)
+    text = str(jax.make_jaxpr(lambda x: quantized_matmul(x, qw, interpret=True))(x))
+    return text.count("mpmd_map["), set(re.findall(r"(int4_rows_matmul|quantized_matmul_\w+)", text))
+
+
+@pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 32, "two_level"), ("int8", 32, "sym"), ("int4", 64, "zp")])
 def test_many_rows_take_the_kernel_up_to_fused_max_rows_then_dequantize(fmt, group_size, zeros):
-    # Past a decode batch the kernel runs M tiles of 128 rows while that measured faster than
-    # dequantizing the weight for XLA's dot (session 37); above fused_max_rows the dot takes over.
-    # Only traced here: interpret mode at 512 rows would take minutes.
+    # Past a decode batch, weights the int4 rows kernel does not take run this module's kernel in
+    # M tiles of 128 rows while that measured faster than dequantizing the weight for XLA's dot
+    # (session 37); above fused_max_rows the dot takes over.
     from pallas_kernels.quantized_matmul_rules import fused_max_rows
-    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
     qw = like_gguf(w, "Q4_K") if zeros == "two_level" else quantize(w, fmt, group_size=group_size, symmetric=zeros == "sym")
     limit = fused_max_rows(qw)
     assert limit > DECODE_ROWS
+    for m in (DECODE_ROWS + 1, limit):
+        count, names = _kernels_traced(qw, m)
+        assert count == 1 and "int4_rows_matmul" not in names, (m, names)
+    assert _kernels_traced(qw, limit + 1)[0] == 0
 
-    def kernels(m):
-        x = jnp.zeros((m, 256), jnp.bfloat16)
-        return str(jax.make_jaxpr(lambda x: quantized_matmul(x, qw, interpret=True))(x)).count("mpmd_map[")
-    assert kernels(DECODE_ROWS + 1) == 1 and kernels(limit) == 1
-    assert kernels(limit + 1) == 0
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_groups_of_128_take_the_rows_kernel_at_any_row_count_past_a_decode_batch(symmetric):
+    # 0.6-1.2x the bf16 dot at 256-2,048 rows on the H100 (pallas_kernels/int4_rows_matmul.py)
+    qw = quantize(np.ones((256, 128), np.float32), "int4", group_size=128, symmetric=symmetric)
+    assert "int4_rows_matmul" not in _kernels_traced(qw, DECODE_ROWS)[1]   # a decode batch: the decode path
+    for m in (DECODE_ROWS + 1, 2048, 8192):
+        assert _kernels_traced(qw, m) == (1, {"int4_rows_matmul"}), m
 
 
 def test_interpret_auto_rows_past_a_decode_batch():
-    # DECODE_ROWS + 8 rows on the default path: two M tiles of 128, the second mostly padding.
+    # DECODE_ROWS + 8 rows on the default path: the int4 rows kernel (N = 128), and this module's
+    # kernel where N is not a multiple of 128 (two M tiles, the second mostly padding).
+    _check("int4", 128, "zp", DECODE_ROWS + 8, 256, 128, interpret=True, prefill="auto")
     _check("int4", 128, "zp", DECODE_ROWS + 8, 256, 64, interpret=True, prefill="auto")
 
 
