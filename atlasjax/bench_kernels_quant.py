@@ -27,8 +27,8 @@ from jax.experimental.mosaic.gpu import profiler
 from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import dequantize, quantize
 from atlasjax.weights_summary import weight_nbytes
-from pallas_kernels import int4_rows_matmul as int4_rows
-from pallas_kernels.quant_format import with_float_offsets
+from pallas_kernels import rows_matmul as rows_kernel
+from pallas_kernels.quant_format import permuted_like_mma_order, with_float_offsets
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 from pallas_kernels.quantized_matmul import is_per_channel as quantize_is_per_channel
 
@@ -133,9 +133,11 @@ def _via(**kw):
 
 def _rows_kernel(m_tile, depth=4):
     def run(x, w):
-        if not int4_rows.fits(w, m_tile):
-            raise NotImplementedError("int4_rows_matmul does not take this weight")
-        return int4_rows.int4_rows_matmul(x, w, m_tile=m_tile, max_concurrent_steps=depth)
+        if w.mma_order and w.format == "int8":   # as quantized_matmul runs it: x permuted alike
+            x, w = permuted_like_mma_order(jnp.pad(x, ((0, 0), (0, w.padded_shape[0] - x.shape[1]))), w)
+        if not rows_kernel.fits(w, m_tile):
+            raise NotImplementedError("rows_matmul does not take this weight")
+        return rows_kernel.rows_matmul(x, w, m_tile=m_tile, max_concurrent_steps=depth)
     return run
 
 
@@ -145,7 +147,7 @@ SWEEP_PATHS = {
     "fused_prescaled_tm128": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True)),
     "fused_prescaled_tm256": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True, tile_m=256)),
     "xla_dequant_dot": _via(backend="xla"),
-    # pallas_kernels/int4_rows_matmul.py: warp-specialized, M tiles of 128 / 256 rows
+    # pallas_kernels/rows_matmul.py: warp-specialized, M tiles of 128 / 256 rows
     "rows_tm128": _rows_kernel(128),
     "rows_tm256": _rows_kernel(256),
     "rows_tm256_d2": _rows_kernel(256, 2),
@@ -179,7 +181,7 @@ def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
         for name, copies_q in qws.items():
             ref = None
             for path, kw in paths.items():
-                if quantize_is_per_channel(copies_q[0]) and path not in ("engine", "fused_tm128"):
+                if quantize_is_per_channel(copies_q[0]) and not (path in ("engine", "fused_tm128") or path.startswith("rows")):
                     continue   # the engine's path is XLA's convert-fused GEMM; only the kernel compares
                 try:
                     fn = kw

@@ -34,7 +34,7 @@ with x, whose rows are the group's x row sums (exact in f32, and no division by 
 0 for a constant group). `fold_zeros=False` leaves the term to XLA next to the kernel.
 
 Past DECODE_ROWS rows, int4 with groups of 128 (the engine's int4, AWQ, GPTQ) runs a warp-specialized
-kernel of its own (int4_rows_matmul.py: 0.6-1.2x the bf16 dot at 256-2,048 rows on the 8B's shapes,
+kernel of its own (rows_matmul.py: 0.6-1.2x the bf16 dot at 256-2,048 rows on the 8B's shapes,
 where this kernel ran 0.8-1.8x). Other grouped weights run this kernel in M tiles of 128 rows up
 to `fused_max_rows` (256-768 by format); above that, dequantize-to-bf16 + XLA dot measured faster
 (docs/perf_quant.md, session 37). `prefill=` forces any of the three.
@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import int4_rows_matmul as int4_rows
+from pallas_kernels import rows_matmul as rows_kernel
 from pallas_kernels import int8_mma_matmul as int8_mma
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
@@ -377,13 +377,14 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
       interpret: False, True or plgpu.InterpretGPUParams(): run the kernel in interpret mode.
       out_dtype: dtype of y (default x.dtype).
       config: kernel tunables (default: `default_config(qw, M)`).
-      prefill: for M > DECODE_ROWS, "rows" or "auto" (int4 groups of 128 or more with integer
-        zero points or none, N a multiple of 128: the warp-specialized kernel of
-        int4_rows_matmul.py; other weights as "auto" below), "xla" (dequantize to bf16, then an
-        XLA dot), "pallas" (this module's fused kernel, tile_m rows per tile) or "auto" (the fused
-        kernel up to `fused_max_rows(qw)` rows, "xla" above: whichever measured faster,
-        docs/perf_quant.md). Weights whose layout the kernel cannot stream (int4 groups of 32
-        without prescale, K not a multiple of a step) also take the "xla" path.
+      prefill: for M > DECODE_ROWS: "rows" (the warp-specialized kernel of rows_matmul.py for the
+        weights it takes, `rows_matmul.fits`: int4 groups of 128, per-channel int8 / fp8), "auto"
+        (that kernel where it measured faster, `rows_matmul.pays`; other weights as "pallas" up to
+        `fused_max_rows(qw)` rows and "xla" above: whichever measured faster, docs/perf_quant.md),
+        "pallas" (this module's fused kernel, tile_m rows per tile) or "xla" (dequantize to bf16,
+        then an XLA dot; per-channel int8 / fp8: XLA's convert-fused GEMM). Weights whose layout
+        the kernel cannot stream (int4 groups of 32 without prescale, K not a multiple of a step)
+        also take the "xla" path.
     Returns:
       y: [M, N] in out_dtype.
     """
@@ -403,12 +404,6 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         raise ValueError(f"unknown backend {backend!r}")
     if prefill not in ("auto", "rows", "pallas", "xla"):
         raise ValueError(f"prefill must be 'auto', 'rows', 'pallas' or 'xla', got {prefill!r}")
-    if m > DECODE_ROWS and backend == "pallas" and prefill in ("auto", "rows"):
-        m_tile = int4_rows.m_tile_for(m, qw.padded_shape[1], out_dtype)
-        if int4_rows.fits(qw, m_tile, out_dtype):
-            return int4_rows.int4_rows_matmul(x, qw, m_tile=m_tile, out_dtype=out_dtype, interpret=interpret)
-    if prefill in ("auto", "rows"):
-        prefill = "pallas" if m <= fused_max_rows(qw) else "xla"
     if backend == "reference":
         return quantized_matmul_reference(x, qw).astype(out_dtype)
     if qw.mma_order and qw.format == "int8":   # its K permuted (for decode_matmul): permute x's alike
@@ -416,6 +411,12 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         # its own fusion: fused into XLA's GEMM, the permutation made it ~3x slower at 8 rows (H100)
         x = lax.optimization_barrier(x)
         k = x.shape[1]
+    if m > DECODE_ROWS and prefill in ("auto", "rows") and (backend == "pallas" or prefill == "rows"):
+        m_tile = rows_kernel.m_tile_for(m, qw, out_dtype)
+        if rows_kernel.fits(qw, m_tile, out_dtype) and (prefill == "rows" or rows_kernel.pays(qw)):
+            return rows_kernel.rows_matmul(x, qw, m_tile=m_tile, out_dtype=out_dtype, interpret=interpret)
+    if prefill in ("auto", "rows"):
+        prefill = "pallas" if m <= fused_max_rows(qw) else "xla"
     if backend == "int8_mma":
         return int8_mma.int8_mma_matmul(x, qw, out_dtype=out_dtype, interpret=interpret)
     if backend == "xla" and is_per_channel(qw):

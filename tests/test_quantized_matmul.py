@@ -111,7 +111,7 @@ def _kernels_traced(qw, m, k=256):
     import re
     x = jnp.zeros((m, k), jnp.bfloat16)
     text = str(jax.make_jaxpr(lambda x: quantized_matmul(x, qw, interpret=True))(x))
-    return text.count("mpmd_map["), set(re.findall(r"(int4_rows_matmul|quantized_matmul_\w+)", text))
+    return text.count("mpmd_map["), set(re.findall(r"(rows_matmul_\w+|quantized_matmul_\w+)", text))
 
 
 @pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 32, "two_level"), ("int8", 32, "sym"), ("int4", 64, "zp")])
@@ -126,17 +126,17 @@ def test_many_rows_take_the_kernel_up_to_fused_max_rows_then_dequantize(fmt, gro
     assert limit > DECODE_ROWS
     for m in (DECODE_ROWS + 1, limit):
         count, names = _kernels_traced(qw, m)
-        assert count == 1 and "int4_rows_matmul" not in names, (m, names)
+        assert count == 1 and not any(n.startswith("rows_") for n in names), (m, names)
     assert _kernels_traced(qw, limit + 1)[0] == 0
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_groups_of_128_take_the_rows_kernel_at_any_row_count_past_a_decode_batch(symmetric):
-    # 0.6-1.2x the bf16 dot at 256-2,048 rows on the H100 (pallas_kernels/int4_rows_matmul.py)
+    # 0.6-1.2x the bf16 dot at 256-2,048 rows on the H100 (pallas_kernels/rows_matmul.py)
     qw = quantize(np.ones((256, 128), np.float32), "int4", group_size=128, symmetric=symmetric)
-    assert "int4_rows_matmul" not in _kernels_traced(qw, DECODE_ROWS)[1]   # a decode batch: the decode path
+    assert "rows_matmul_int4" not in _kernels_traced(qw, DECODE_ROWS)[1]   # a decode batch: the decode path
     for m in (DECODE_ROWS + 1, 2048, 8192):
-        assert _kernels_traced(qw, m) == (1, {"int4_rows_matmul"}), m
+        assert _kernels_traced(qw, m) == (1, {"rows_matmul_int4"}), m
 
 
 def test_interpret_auto_rows_past_a_decode_batch():

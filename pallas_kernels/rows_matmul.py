@@ -1,0 +1,169 @@
+"""y = x @ W for quantized W at many rows (past a decode batch): a warp-specialized Mosaic GPU kernel.
+
+Takes int4 with groups of 128 in mma order (the engine's int4, AWQ, GPTQ) and per-channel int8 /
+fp8 (`fits`). Past DECODE_ROWS rows the fused kernel of quantized_matmul.py runs one warpgroup per
+block that converts a weight tile, waits for its wgmma, and holds an SM alone (its x tiles fill the
+shared memory): at 256-768 rows it ran 1.4-1.8x the bf16 dot (docs/perf_quant.md, session 37).
+Here a block has three warpgroups, as in jax's `hopper_mixed_type_matmul_mgpu.py`:
+- one issues the TMA loads of each 128-wide K step (128 weight rows, their group rows, and the
+  m_tile x 128 activations) into a ring of `max_concurrent_steps` slots;
+- two compute warpgroups each take 64 of the weight rows and convert them to bf16 in registers:
+  int4 with the group's integer zero point subtracted in the conversion (`mma_tile_to_bf16`), then
+  times the group's scale rounded to bf16 (as dequantize-then-dot rounds the weight); 8-bit codes
+  exactly (`codes_as_bf16`), their channel scale applied to the f32 result at the end. Each
+  accumulates W_tile @ x_tile^T in one f32 accumulator [64, m_tile] across all of K.
+So one warpgroup converts while the other's wgmma runs, and the loads never wait for either.
+
+Grid: (M tiles, N / 128), M first, so one weight tile's M tiles run next to each other and all but
+the first read it from L2. M tiles are 128 or 256 rows (`m_tile_for`). GPU interpret mode cannot
+feed wgmma from registers: there the converted tile is staged in shared memory.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gemm_tiling import elem_bits, interpret_params, num_sms, swizzled
+from pallas_kernels.int4_mma_order import mma_tile_to_bf16
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16
+
+WG_ROWS = 64              # weight rows per compute warpgroup (the M of one wgmma)
+BLOCK_N = 2 * WG_ROWS     # weight rows (output columns) per block
+STEP_K = 128              # K per pipeline step (one int4 group)
+SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
+MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
+
+
+def _per_channel(qw: QuantizedWeight) -> bool:
+    return qw.format in ("int8", "fp8") and qw.num_groups == 1 and qw.zeros is None
+
+
+def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16) -> bool:
+    """Whether the kernel takes this weight at `m_tile` rows per tile: int4 in mma order with one
+    level of groups that are whole steps and integer zero points or none, or per-channel int8 / fp8
+    in natural order (quantized_matmul permutes x for int8 in mma order first); K a multiple of 128,
+    N of 128 (after padding); and at least two pipeline steps in shared memory beside the output."""
+    k_pad, n_pad = qw.padded_shape
+    int4 = (qw.format == "int4" and qw.mma_order and not qw.two_level and qw.group_size % STEP_K == 0
+            and (qw.zeros is None or qw.zero_point))
+    eight_bit = _per_channel(qw) and not qw.mma_order
+    return ((int4 or eight_bit) and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0 and m_tile % 8 == 0
+            and 8 <= m_tile <= 256 and _depth(m_tile, qw, jnp.dtype(out_dtype).itemsize) >= 2)
+
+
+def pays(qw: QuantizedWeight) -> bool:
+    """Whether quantized_matmul (prefill="auto") runs this kernel for a weight it takes, past
+    DECODE_ROWS rows: int4, 0.6-1.2x the bf16 dot at 256-2,048 rows where the fused kernel or
+    dequantize + dot ran 0.8-1.8x (H100, session 37)."""
+    return qw.format == "int4"
+
+
+def m_tile_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> int:
+    """Rows per M tile: 256 where it takes fewer waves of blocks, weighted by a 256-row block's
+    ~1.7x the time of a 128-row one, and fits; else 128. H100, int4 on the 8B's four projections at
+    256-2,048 rows, session 37 (docs/perf_quant.md): this picks the faster tile in all 16 cases."""
+    n_blocks = qw.padded_shape[1] // BLOCK_N
+
+    def waves(tile):
+        return -(-(-(-m // tile) * n_blocks) // num_sms())
+    if m <= 128 or _depth(256, qw, jnp.dtype(out_dtype).itemsize) < 2:
+        return 128
+    return 256 if 1.7 * waves(256) < waves(128) else 128
+
+
+def _depth(m_tile: int, qw: QuantizedWeight, out_bytes: int, want: int = 4) -> int:
+    """Pipeline steps in flight: as many as asked that fit (under 2: the tile does not fit)."""
+    per_step = m_tile * STEP_K * 2 + BLOCK_N * STEP_K * elem_bits(qw.qweight.dtype) // 8 + 2 * BLOCK_N * 4
+    fixed = 2 * m_tile * WG_ROWS * out_bytes
+    return min(want, (SMEM_BUDGET - fixed) // per_step)
+
+
+@functools.partial(jax.jit, static_argnames=("m_tile", "max_concurrent_steps", "out_dtype", "interpret"))
+def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_concurrent_steps: int = 4,
+                out_dtype=jnp.bfloat16, interpret=False) -> jax.Array:
+    """x [M, K] -> y [M, N] in out_dtype (`fits(qw, m_tile, out_dtype)` must hold), f32 accumulation."""
+    m, k = x.shape
+    k_pad, n_pad = qw.padded_shape
+    out_dtype = jnp.dtype(out_dtype)
+    if k != qw.shape[0] or not fits(qw, m_tile, out_dtype):
+        raise ValueError(f"rows_matmul does not take x {x.shape} with this weight ({qw.shape}, "
+                         f"{qw.format}, groups of {qw.group_size}) at m_tile {m_tile} ({out_dtype} out)")
+    m_pad = -(-m // m_tile) * m_tile
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
+    depth = _depth(m_tile, qw, out_dtype.itemsize, max_concurrent_steps)   # >= 2 (`fits`)
+    per_channel = _per_channel(qw)
+    steps_per_group = qw.group_size // STEP_K
+    zero_point = qw.zeros is not None
+    staged = bool(interpret)
+    w_bits = elem_bits(qw.qweight.dtype)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(w_gmem, x_gmem, s_gmem, *refs):
+        z_gmem, (out_gmem, out_smem, *a_smem) = (refs[0], refs[1:]) if zero_point else (None, refs)
+        wg = lax.axis_index("wg")
+        m_idx, n_idx = lax.axis_index("m"), lax.axis_index("n")
+        cols = pl.ds(n_idx * BLOCK_N, BLOCK_N)
+        mine = pl.ds(wg * WG_ROWS, WG_ROWS)
+
+        def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_ROWS, m_tile), jnp.float32))
+            def _(acc_ref):
+                no_scale = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), row_layout)
+                _, scale = eval_pipeline((acc_ref, no_scale))
+                y = acc_ref[...]
+                if per_channel:
+                    y = y * lax.broadcast_in_dim(scale, y.shape, [0])
+                out_smem.at[wg].T[...] = plgpu.layout_cast(y.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(m_idx * m_tile, m_tile),
+                                                                     pl.ds(n_idx * BLOCK_N + wg * WG_ROWS, WG_ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+
+        def step(_, w_smem, x_smem, s_smem, *rest):
+            z_smem, (acc_ref, _) = (rest[0], rest[1]) if zero_point else (None, rest[0])
+            s = plgpu.load(s_smem.at[0, mine], layout=row_layout).astype(jnp.float32)
+            if per_channel:   # exact codes; the channel scale multiplies the result
+                a = codes_as_bf16(w_smem[mine])
+            else:
+                z = plgpu.load(z_smem.at[0, mine], layout=row_layout).astype(jnp.float32) if zero_point else None
+                a = mma_tile_to_bf16(w_smem[mine], z, interpret=staged)
+                a = a * lax.broadcast_in_dim(s.astype(jnp.bfloat16), a.shape, [0])
+            if staged:
+                a_smem[0].at[wg][...] = a
+                plgpu.commit_smem()
+                a = a_smem[0].at[wg]
+            plgpu.wgmma(acc_ref, a, x_smem.T)
+            plgpu.wgmma_wait(0)
+            return acc_ref, s
+
+        # per channel: the one scale row, fetched again each step (512 bytes; the warp-specialized
+        # pipeline takes only blocks whose index uses the grid)
+        group_of_step = (lambda k: (k * 0, 0)) if per_channel else (lambda k: (k // steps_per_group, 0))
+        rows_spec = plgpu.BlockSpec((1, BLOCK_N), group_of_step)
+        in_specs = [plgpu.BlockSpec((BLOCK_N, STEP_K), lambda k: (0, k),
+                                    transforms=swizzled(STEP_K * w_bits, w_bits, "weight")),
+                    plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, k), transforms=swizzled(STEP_K * 16, 16, "x")),
+                    rows_spec] + ([rows_spec] if zero_point else [])
+        operands = [w_gmem.at[cols], x_gmem.at[pl.ds(m_idx * m_tile, m_tile)], s_gmem.at[:, cols]]
+        operands += [z_gmem.at[:, cols]] if zero_point else []
+        plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k_pad // STEP_K,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=depth, compute_context=compute_context,
+        )(*operands)
+
+    scratch = [plgpu.SMEM((2, m_tile, WG_ROWS), out_dtype)]
+    if staged:
+        scratch.append(plgpu.SMEM((2, WG_ROWS, STEP_K), jnp.bfloat16, transforms=swizzled(STEP_K * 16, 16, "a")))
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype), grid=(m_pad // m_tile, n_pad // BLOCK_N),
+        grid_names=("m", "n"), num_threads=3, thread_name="wg", scratch_types=scratch,
+        interpret=interpret_params(interpret), kernel_name=f"rows_matmul_{qw.format}",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    y = call(qw.qweight, xp, qw.scales, *([qw.zeros] if zero_point else []))
+    return y[:m, :qw.shape[1]]

@@ -1,0 +1,90 @@
+"""The warp-specialized kernel for many rows (pallas_kernels/rows_matmul.py: int4 groups of 128,
+per-channel int8 / fp8) against the jnp reference: in GPU interpret mode on small shapes here,
+natively (`gpu`) at Llama-3.1-8B's."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from atlasjax.gguf_blocks import like_gguf
+from atlasjax.quantization import quantize
+from pallas_kernels import rows_matmul as rows
+from pallas_kernels.quant_format import dequantize, permuted_like_mma_order, with_mma_order
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
+
+
+def _error(m, k, n, *, fmt="int4", symmetric=False, group_size=128, m_tile=64, seed=0, interpret=True,
+           out_dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    qw = quantize(rng.standard_normal((k, n)).astype(np.float32), fmt, group_size=group_size, symmetric=symmetric)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw), precision=jax.lax.Precision.HIGHEST))
+    if qw.mma_order and fmt == "int8":   # as quantized_matmul runs it: x permuted like the weight's K
+        x, qw = permuted_like_mma_order(x, qw)
+    y = rows.rows_matmul(x, qw, m_tile=m_tile, interpret=interpret, out_dtype=out_dtype)
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    return float(np.linalg.norm(np.asarray(y, np.float32) - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("m,m_tile", [(3, 16), (130, 64)])
+def test_interpret_matches_the_reference(symmetric, m, m_tile):
+    # 130 rows: three M tiles, the last mostly padding; K = 384 (three groups); N = 200 pads to 256
+    assert _error(m, 384, 200, symmetric=symmetric, m_tile=m_tile) < 4e-3   # the bf16 rounding of (q - z) s
+
+
+def test_interpret_groups_of_256_and_bf16_output():
+    assert _error(24, 512, 128, group_size=256, m_tile=24, out_dtype=jnp.bfloat16) < 6e-3
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_interpret_per_channel_8_bit(fmt):
+    # exact codes in the wgmma, the channel scale on the f32 result: the decode kernels' error
+    assert _error(130, 256, 256, fmt=fmt, symmetric=True, group_size=None, m_tile=64) < 2.5e-3
+
+
+def test_what_it_does_not_take_is_refused():
+    w = np.ones((256, 128), np.float32)
+    assert not rows.fits(like_gguf(w, "Q4_K"))                               # two-level groups
+    assert not rows.fits(quantize(w, "int4", group_size=64, symmetric=True))    # groups under a step
+    assert not rows.fits(quantize(w, "int8", group_size=32, symmetric=True))   # Q8_0's groups
+    in_mma_order = with_mma_order(quantize(w, "int8"))   # as the decode matmul wants int8
+    assert in_mma_order.mma_order and not rows.fits(in_mma_order)   # quantized_matmul permutes x first:
+    assert rows.fits(permuted_like_mma_order(jnp.zeros((1, 256)), in_mma_order)[1])
+    assert rows.fits(quantize(w, "int8")) and rows.fits(quantize(w, "fp8"))
+    assert rows.fits(quantize(w, "int4", group_size=128, symmetric=False))
+    with pytest.raises(ValueError, match="does not take"):
+        rows.rows_matmul(jnp.zeros((4, 256), jnp.bfloat16), like_gguf(w, "Q4_K"), interpret=True)
+
+
+def test_tiles_of_256_rows_where_they_take_fewer_waves_and_fit():
+    # the tile the H100 measured faster at the 8B's shapes (session 37), on 132 SMs
+    def int4(n):
+        return quantize(np.ones((128, n), np.float32), "int4", group_size=128, symmetric=True)
+    picks = {(256, 28672): 256, (256, 4096): 128, (512, 4096): 128, (512, 6144): 256, (1024, 6144): 128,
+             (1024, 4096): 256, (2048, 14336): 256}
+    if rows.num_sms() == 132:
+        assert {(m, n): rows.m_tile_for(m, int4(n)) for m, n in picks} == picks
+    assert rows.m_tile_for(2048, int4(28672), jnp.float32) == 128   # f32 tiles of 256 rows do not fit beside the ring
+    assert rows.m_tile_for(2048, quantize(np.ones((128, 28672), np.float32), "fp8")) == 128   # nor 8-bit weights'
+    qw = int4(128)
+    assert rows.fits(qw, 256) and not rows.fits(qw, 256, jnp.float32) and rows.fits(qw, 128, jnp.float32)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672), (14336, 4096)])
+@pytest.mark.parametrize("m,m_tile,out_dtype", [(129, 128, jnp.float32), (512, 128, jnp.bfloat16),
+                                                (700, 256, jnp.bfloat16)])
+def test_native_llama_8b_shapes(k, n, m, m_tile, out_dtype):
+    assert _error(m, k, n, m_tile=m_tile, interpret=False, seed=m, out_dtype=out_dtype) < 6e-3
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("k,n,m", [(4096, 6144, 129), (14336, 4096, 600)])
+def test_native_per_channel_8_bit(fmt, k, n, m):
+    assert _error(m, k, n, fmt=fmt, symmetric=True, group_size=None, m_tile=128, interpret=False, seed=m, out_dtype=jnp.bfloat16) < 6e-3
