@@ -35,7 +35,7 @@ with x, whose rows are the group's x row sums (exact in f32, and no division by 
 
 Past DECODE_ROWS rows, int4 with groups of 128 (the engine's int4, AWQ, GPTQ) runs a warp-specialized
 kernel of its own (rows_matmul.py: 0.6-1.2x the bf16 dot at 256-2,048 rows on the 8B's shapes,
-where this kernel ran 0.8-1.8x). Other grouped weights run this kernel in M tiles of 128 rows up
+where this kernel ran 0.8-1.8x), and so do per-channel int8 / fp8 up to 1,024 rows (`rows_matmul.pays`). Other grouped weights run this kernel in M tiles of 128 rows up
 to `fused_max_rows` (256-768 by format); above that, dequantize-to-bf16 + XLA dot measured faster
 (docs/perf_quant.md, session 37). `prefill=` forces any of the three.
 
@@ -393,6 +393,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
     if k != qw.shape[0]:
         raise ValueError(f"x has K={k} but the weight is {qw.shape} (K, N)")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    backend_auto = backend == "auto"
     if backend == "auto":
         if interpret:
             backend = "pallas"
@@ -411,9 +412,9 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         # its own fusion: fused into XLA's GEMM, the permutation made it ~3x slower at 8 rows (H100)
         x = lax.optimization_barrier(x)
         k = x.shape[1]
-    if m > DECODE_ROWS and prefill in ("auto", "rows") and (backend == "pallas" or prefill == "rows"):
+    if m > DECODE_ROWS and prefill in ("auto", "rows") and (backend == "pallas" or (backend_auto and backend == "xla")):
         m_tile = rows_kernel.m_tile_for(m, qw, out_dtype)
-        if rows_kernel.fits(qw, m_tile, out_dtype) and (prefill == "rows" or rows_kernel.pays(qw)):
+        if rows_kernel.fits(qw, m_tile, out_dtype) and (prefill == "rows" or rows_kernel.pays(qw, m)):
             return rows_kernel.rows_matmul(x, qw, m_tile=m_tile, out_dtype=out_dtype, interpret=interpret)
     if prefill in ("auto", "rows"):
         prefill = "pallas" if m <= fused_max_rows(qw) else "xla"

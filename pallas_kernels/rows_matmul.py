@@ -56,11 +56,15 @@ def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16) -> bool
             and 8 <= m_tile <= 256 and _depth(m_tile, qw, jnp.dtype(out_dtype).itemsize) >= 2)
 
 
-def pays(qw: QuantizedWeight) -> bool:
-    """Whether quantized_matmul (prefill="auto") runs this kernel for a weight it takes, past
-    DECODE_ROWS rows: int4, 0.6-1.2x the bf16 dot at 256-2,048 rows where the fused kernel or
-    dequantize + dot ran 0.8-1.8x (H100, session 37)."""
-    return qw.format == "int4"
+def pays(qw: QuantizedWeight, m: int) -> bool:
+    """Whether quantized_matmul (prefill="auto") runs this kernel for a weight it takes, at m rows
+    past DECODE_ROWS (H100, the 8B's four projections, session 37, docs/perf_quant.md):
+    - int4: 0.6-1.2x the bf16 dot at 256-2,048 rows, where the fused kernel or dequantize + dot ran
+      0.8-1.8x;
+    - per-channel int8 / fp8 up to 1,024 rows: the four projections at 512 rows took fp8 384 /
+      int8 411 us against 460 / 537 for XLA's convert-fused GEMM, at 256 and 1,024 0-9% less; at
+      2,048 rows XLA's GEMM was as fast (fp8) or 5% faster (int8)."""
+    return qw.format == "int4" or m <= 1024
 
 
 def m_tile_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> int:
