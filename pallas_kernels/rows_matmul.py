@@ -43,16 +43,23 @@ def _per_channel(qw: QuantizedWeight) -> bool:
     return qw.format in ("int8", "fp8") and qw.num_groups == 1 and qw.zeros is None
 
 
+def _groups_per_step(qw: QuantizedWeight) -> int:
+    return max(1, STEP_K // qw.group_size)
+
+
 def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16) -> bool:
-    """Whether the kernel takes this weight at `m_tile` rows per tile: int4 in mma order with one
-    level of groups that are whole steps and integer zero points or none, or per-channel int8 / fp8
-    in natural order (quantized_matmul permutes x for int8 in mma order first); K a multiple of 128,
-    N of 128 (after padding); and at least two pipeline steps in shared memory beside the output."""
+    """Whether the kernel takes this weight at `m_tile` rows per tile: int4 in mma order or 8-bit
+    codes in natural order (quantized_matmul permutes x for int8 in mma order first), per channel
+    or in groups that tile a 128-wide step (32, 64, 128, 256, ...), with integer zero points, float
+    offsets, two-level rows (super-groups of whole steps) or none; K a multiple of 128, N of 128
+    (after padding); and at least two pipeline steps in shared memory beside the output tiles."""
     k_pad, n_pad = qw.padded_shape
-    int4 = (qw.format == "int4" and qw.mma_order and not qw.two_level and qw.group_size % STEP_K == 0
-            and (qw.zeros is None or qw.zero_point))
-    eight_bit = _per_channel(qw) and not qw.mma_order
-    return ((int4 or eight_bit) and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0 and m_tile % 8 == 0
+    codes = (qw.format == "int4" and qw.mma_order) or (qw.format in ("int8", "fp8") and not qw.mma_order)
+    groups = _per_channel(qw) or (qw.format != "fp8" or qw.zeros is None) and (
+        (STEP_K % qw.group_size == 0 or qw.group_size % STEP_K == 0)
+        and (not qw.two_level or qw.super_group % STEP_K == 0)
+        and (qw.format == "int4" or qw.zeros is None))
+    return (codes and groups and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0 and m_tile % 8 == 0
             and 8 <= m_tile <= 256 and _depth(m_tile, qw, jnp.dtype(out_dtype).itemsize) >= 2)
 
 
@@ -82,7 +89,8 @@ def m_tile_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> int:
 
 def _depth(m_tile: int, qw: QuantizedWeight, out_bytes: int, want: int = 4) -> int:
     """Pipeline steps in flight: as many as asked that fit (under 2: the tile does not fit)."""
-    per_step = m_tile * STEP_K * 2 + BLOCK_N * STEP_K * elem_bits(qw.qweight.dtype) // 8 + 2 * BLOCK_N * 4
+    rows = 4 * 1024   # a step's group rows: at most 4 groups of scales and of offsets, f32, and two super rows
+    per_step = m_tile * STEP_K * 2 + BLOCK_N * STEP_K * elem_bits(qw.qweight.dtype) // 8 + rows
     fixed = 2 * m_tile * WG_ROWS * out_bytes
     return min(want, (SMEM_BUDGET - fixed) // per_step)
 
@@ -101,14 +109,20 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
     depth = _depth(m_tile, qw, out_dtype.itemsize, max_concurrent_steps)   # >= 2 (`fits`)
     per_channel = _per_channel(qw)
-    steps_per_group = qw.group_size // STEP_K
-    zero_point = qw.zeros is not None
+    gps = _groups_per_step(qw)                          # groups in a step (1: a step within a group)
+    steps_per_group = max(1, qw.group_size // STEP_K)
+    zero_point, offsets = qw.zero_point, qw.zeros is not None and not qw.zero_point
+    two_level = qw.two_level
+    steps_per_super = qw.super_group // STEP_K if two_level else 1
     staged = bool(interpret)
-    w_bits = elem_bits(qw.qweight.dtype)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # the row operands after w and x, in order: scales, [zeros or offsets], [super scales], [super offsets]
+    names = ["s"] + (["z"] if qw.zeros is not None else []) + (["ss"] if two_level else []) + (
+        ["sz"] if two_level and qw.zeros is not None else [])
 
-    def kernel(w_gmem, x_gmem, s_gmem, *refs):
-        z_gmem, (out_gmem, out_smem, *a_smem) = (refs[0], refs[1:]) if zero_point else (None, refs)
+    def kernel(w_gmem, x_gmem, *refs):
+        row_gmem = dict(zip(names, refs))
+        out_gmem, out_smem, *a_smem = refs[len(names):]
         wg = lax.axis_index("wg")
         m_idx, n_idx = lax.axis_index("m"), lax.axis_index("n")
         cols = pl.ds(n_idx * BLOCK_N, BLOCK_N)
@@ -128,15 +142,32 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
                                                                      pl.ds(n_idx * BLOCK_N + wg * WG_ROWS, WG_ROWS)])
                 plgpu.wait_smem_to_gmem(0)
 
-        def step(_, w_smem, x_smem, s_smem, *rest):
-            z_smem, (acc_ref, _) = (rest[0], rest[1]) if zero_point else (None, rest[0])
-            s = plgpu.load(s_smem.at[0, mine], layout=row_layout).astype(jnp.float32)
-            if per_channel:   # exact codes; the channel scale multiplies the result
-                a = codes_as_bf16(w_smem[mine])
-            else:
-                z = plgpu.load(z_smem.at[0, mine], layout=row_layout).astype(jnp.float32) if zero_point else None
+        def step(_, w_smem, x_smem, *rest):
+            row_smem, (acc_ref, _) = dict(zip(names, rest[:-1])), rest[-1]
+
+            def row(name, j=0):   # row j of this step's group rows, f32 [64] (two levels multiplied out)
+                r = plgpu.load(row_smem[name].at[j, mine], layout=row_layout).astype(jnp.float32)
+                if two_level and name in ("s", "z"):
+                    r = r * plgpu.load(row_smem["s" + name].at[0, mine], layout=row_layout).astype(jnp.float32)
+                return r
+
+            def per_group(f):   # [64, 128] bf16: group j's f32 row f(j) over its columns
+                width = STEP_K // gps
+                parts = [lax.broadcast_in_dim(f(j).astype(jnp.bfloat16), (WG_ROWS, width), [0]) for j in range(gps)]
+                return parts[0] if gps == 1 else jnp.concatenate(parts, axis=1)
+
+            s = row("s")
+            if qw.format == "int4":   # zero points of one group: subtracted in the conversion
+                z = row("z") if zero_point and gps == 1 else None
                 a = mma_tile_to_bf16(w_smem[mine], z, interpret=staged)
-                a = a * lax.broadcast_in_dim(s.astype(jnp.bfloat16), a.shape, [0])
+                if zero_point and gps > 1:
+                    a = a - per_group(lambda j: row("z", j))
+            else:
+                a = codes_as_bf16(w_smem[mine])
+            if not per_channel:   # the group scales (and offsets, w = (q + 8) s + zeros), rounded to bf16
+                a = a * per_group(lambda j: row("s", j))
+                if offsets:
+                    a = a + per_group(lambda j: 8.0 * row("s", j) + row("z", j))
             if staged:
                 a_smem[0].at[wg][...] = a
                 plgpu.commit_smem()
@@ -145,18 +176,20 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
             plgpu.wgmma_wait(0)
             return acc_ref, s
 
-        # per channel: the one scale row, fetched again each step (512 bytes; the warp-specialized
-        # pipeline takes only blocks whose index uses the grid)
-        group_of_step = (lambda k: (k * 0, 0)) if per_channel else (lambda k: (k // steps_per_group, 0))
-        rows_spec = plgpu.BlockSpec((1, BLOCK_N), group_of_step)
+        w_bits = elem_bits(qw.qweight.dtype)
+        if per_channel:   # the one scale row, fetched again each step (512 bytes; the warp-specialized
+            row_specs = [plgpu.BlockSpec((1, BLOCK_N), lambda k: (k * 0, 0))]   # pipeline takes only blocks that move)
+        else:
+            group_rows = plgpu.BlockSpec((gps, BLOCK_N), lambda k: (k // steps_per_group, 0))
+            super_rows = plgpu.BlockSpec((1, BLOCK_N), lambda k: (k // steps_per_super, 0))
+            row_specs = [group_rows if name in ("s", "z") else super_rows for name in names]
         in_specs = [plgpu.BlockSpec((BLOCK_N, STEP_K), lambda k: (0, k),
                                     transforms=swizzled(STEP_K * w_bits, w_bits, "weight")),
-                    plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, k), transforms=swizzled(STEP_K * 16, 16, "x")),
-                    rows_spec] + ([rows_spec] if zero_point else [])
-        operands = [w_gmem.at[cols], x_gmem.at[pl.ds(m_idx * m_tile, m_tile)], s_gmem.at[:, cols]]
-        operands += [z_gmem.at[:, cols]] if zero_point else []
+                    plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, k), transforms=swizzled(STEP_K * 16, 16, "x"))]
+        operands = [w_gmem.at[cols], x_gmem.at[pl.ds(m_idx * m_tile, m_tile)]]
+        operands += [row_gmem[name].at[:, cols] for name in names]
         plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k_pad // STEP_K,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs,
+            step, grid=(k_pad // STEP_K,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs + row_specs,
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=depth, compute_context=compute_context,
         )(*operands)
 
@@ -169,5 +202,6 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
         interpret=interpret_params(interpret), kernel_name=f"rows_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    y = call(qw.qweight, xp, qw.scales, *([qw.zeros] if zero_point else []))
+    arrays = {"s": qw.scales, "z": qw.zeros, "ss": qw.super_scales, "sz": qw.super_zeros}
+    y = call(qw.qweight, xp, *(arrays[name] for name in names))
     return y[:m, :qw.shape[1]]

@@ -149,8 +149,8 @@ def test_per_channel_8_bit_takes_the_rows_kernel_up_to_1024_rows(fmt):
 
 
 def test_interpret_auto_rows_past_a_decode_batch():
-    # DECODE_ROWS + 8 rows on the default path: the int4 rows kernel (N = 128), and this module's
-    # kernel where N is not a multiple of 128 (two M tiles, the second mostly padding).
+    # DECODE_ROWS + 8 rows on the default path: the rows kernel (two M tiles, the second mostly
+    # padding; N = 64 padded to a block of 128)
     _check("int4", 128, "zp", DECODE_ROWS + 8, 256, 128, interpret=True, prefill="auto")
     _check("int4", 128, "zp", DECODE_ROWS + 8, 256, 64, interpret=True, prefill="auto")
     _check("fp8", None, "sym", DECODE_ROWS + 8, 256, 128, interpret=True, prefill="auto")

@@ -9,16 +9,24 @@ import pytest
 from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import quantize
 from pallas_kernels import rows_matmul as rows
-from pallas_kernels.quant_format import dequantize, permuted_like_mma_order, with_mma_order
+from pallas_kernels.quant_format import dequantize, permuted_like_mma_order, with_float_offsets, with_mma_order
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
 
 
-def _error(m, k, n, *, fmt="int4", symmetric=False, group_size=128, m_tile=64, seed=0, interpret=True,
+def _weight(k, n, fmt, group_size, zeros, rng):
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if zeros == "two_level":   # GGUF Q4_K as it loads
+        return like_gguf(w, "Q4_K")
+    qw = quantize(w, fmt, group_size=group_size, symmetric=zeros == "sym")
+    return with_float_offsets(qw) if zeros == "offsets" else qw
+
+
+def _error(m, k, n, *, fmt="int4", zeros="zp", group_size=128, m_tile=64, seed=0, interpret=True,
            out_dtype=jnp.float32):
     rng = np.random.default_rng(seed)
-    qw = quantize(rng.standard_normal((k, n)).astype(np.float32), fmt, group_size=group_size, symmetric=symmetric)
+    qw = _weight(k, n, fmt, group_size, zeros, rng)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw), precision=jax.lax.Precision.HIGHEST))
     if qw.mma_order and fmt == "int8":   # as quantized_matmul runs it: x permuted like the weight's K
@@ -32,7 +40,7 @@ def _error(m, k, n, *, fmt="int4", symmetric=False, group_size=128, m_tile=64, s
 @pytest.mark.parametrize("m,m_tile", [(3, 16), (130, 64)])
 def test_interpret_matches_the_reference(symmetric, m, m_tile):
     # 130 rows: three M tiles, the last mostly padding; K = 384 (three groups); N = 200 pads to 256
-    assert _error(m, 384, 200, symmetric=symmetric, m_tile=m_tile) < 4e-3   # the bf16 rounding of (q - z) s
+    assert _error(m, 384, 200, zeros="sym" if symmetric else "zp", m_tile=m_tile) < 4e-3   # the bf16 rounding of (q - z) s
 
 
 def test_interpret_groups_of_256_and_bf16_output():
@@ -42,21 +50,29 @@ def test_interpret_groups_of_256_and_bf16_output():
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_interpret_per_channel_8_bit(fmt):
     # exact codes in the wgmma, the channel scale on the f32 result: the decode kernels' error
-    assert _error(130, 256, 256, fmt=fmt, symmetric=True, group_size=None, m_tile=64) < 2.5e-3
+    assert _error(130, 256, 256, fmt=fmt, zeros="sym", group_size=None, m_tile=64) < 2.5e-3
+
+
+@pytest.mark.parametrize("fmt,group_size,zeros", [
+    ("int4", 32, "sym"), ("int4", 32, "offsets"), ("int4", 32, "two_level"),   # GGUF Q4_0, Q4_1, Q4_K
+    ("int4", 64, "zp"), ("int8", 32, "sym"), ("fp8", 128, "sym")])             # GPTQ g64, Q8_0, block FP8
+def test_interpret_grouped_formats(fmt, group_size, zeros):
+    # each group's scale (and offset) rounded to bf16 into the tile, as dequantize-then-dot rounds
+    assert _error(40, 512, 128, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=40) < 5e-3
 
 
 def test_what_it_does_not_take_is_refused():
     w = np.ones((256, 128), np.float32)
-    assert not rows.fits(like_gguf(w, "Q4_K"))                               # two-level groups
-    assert not rows.fits(quantize(w, "int4", group_size=64, symmetric=True))    # groups under a step
-    assert not rows.fits(quantize(w, "int8", group_size=32, symmetric=True))   # Q8_0's groups
+    assert not rows.fits(with_mma_order(quantize(w, "int4", group_size=32, symmetric=True), False))   # int4: mma order
+    assert not rows.fits(quantize(w, "int4", group_size=128, symmetric=True), m_tile=12)   # tiles of whole 8-row blocks
     in_mma_order = with_mma_order(quantize(w, "int8"))   # as the decode matmul wants int8
     assert in_mma_order.mma_order and not rows.fits(in_mma_order)   # quantized_matmul permutes x first:
     assert rows.fits(permuted_like_mma_order(jnp.zeros((1, 256)), in_mma_order)[1])
     assert rows.fits(quantize(w, "int8")) and rows.fits(quantize(w, "fp8"))
     assert rows.fits(quantize(w, "int4", group_size=128, symmetric=False))
     with pytest.raises(ValueError, match="does not take"):
-        rows.rows_matmul(jnp.zeros((4, 256), jnp.bfloat16), like_gguf(w, "Q4_K"), interpret=True)
+        rows.rows_matmul(jnp.zeros((4, 256), jnp.bfloat16), quantize(w, "int4", group_size=128, symmetric=True),
+                         m_tile=12, interpret=True)
 
 
 def test_tiles_of_256_rows_where_they_take_fewer_waves_and_fit():
@@ -87,4 +103,14 @@ def test_native_llama_8b_shapes(k, n, m, m_tile, out_dtype):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("k,n,m", [(4096, 6144, 129), (14336, 4096, 600)])
 def test_native_per_channel_8_bit(fmt, k, n, m):
-    assert _error(m, k, n, fmt=fmt, symmetric=True, group_size=None, m_tile=128, interpret=False, seed=m, out_dtype=jnp.bfloat16) < 6e-3
+    assert _error(m, k, n, fmt=fmt, zeros="sym", group_size=None, m_tile=128, interpret=False, seed=m, out_dtype=jnp.bfloat16) < 6e-3
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("fmt,group_size,zeros", [
+    ("int4", 32, "sym"), ("int4", 32, "offsets"), ("int4", 32, "two_level"), ("int4", 64, "zp"), ("int8", 32, "sym"),
+    ("fp8", 128, "sym")])
+def test_native_grouped_formats(fmt, group_size, zeros):
+    assert _error(300, 14336, 4096, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=128, interpret=False,
+                  out_dtype=jnp.bfloat16) < 7e-3
