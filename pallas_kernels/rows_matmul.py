@@ -1,17 +1,20 @@
 """y = x @ W for quantized W at many rows (past a decode batch): a warp-specialized Mosaic GPU kernel.
 
-Takes int4 with groups of 128 in mma order (the engine's int4, AWQ, GPTQ) and per-channel int8 /
-fp8 (`fits`). Past DECODE_ROWS rows the fused kernel of quantized_matmul.py runs one warpgroup per
-block that converts a weight tile, waits for its wgmma, and holds an SM alone (its x tiles fill the
-shared memory): at 256-768 rows it ran 1.4-1.8x the bf16 dot (docs/perf_quant.md, session 37).
-Here a block has three warpgroups, as in jax's `hopper_mixed_type_matmul_mgpu.py`:
+Takes int4 in mma order and 8-bit codes (int8, fp8), per channel or in groups with integer zero
+points or float offsets, in one or two levels (`fits`): the engine's int4, AWQ, GPTQ, GGUF Q4_0 /
+Q4_1 / Q4_K / Q8_0, FP8 per channel or with block scales. Past DECODE_ROWS rows the fused kernel of
+quantized_matmul.py runs one warpgroup per block that converts a weight tile, waits for its wgmma,
+and holds an SM alone (its x tiles fill the shared memory): at 256-768 rows it ran 1.4-1.8x the
+bf16 dot (docs/perf_quant.md, session 37). Here a block has three warpgroups, as in jax's
+`hopper_mixed_type_matmul_mgpu.py`:
 - one issues the TMA loads of each 128-wide K step (128 weight rows, their group rows, and the
   m_tile x 128 activations) into a ring of `max_concurrent_steps` slots;
-- two compute warpgroups each take 64 of the weight rows and convert them to bf16 in registers:
-  int4 with the group's integer zero point subtracted in the conversion (`mma_tile_to_bf16`), then
-  times the group's scale rounded to bf16 (as dequantize-then-dot rounds the weight); 8-bit codes
-  exactly (`codes_as_bf16`), their channel scale applied to the f32 result at the end. Each
-  accumulates W_tile @ x_tile^T in one f32 accumulator [64, m_tile] across all of K.
+- two compute warpgroups each take 64 of the weight rows and convert them to bf16 in registers
+  (int4 by `mma_tile_to_bf16`, a group's integer zero point subtracted in the conversion; 8-bit
+  codes exactly by `codes_as_bf16`). Grouped weights are then multiplied by each group's scale
+  (and offset added) in bf16, rounded once, as dequantize-then-dot rounds them; a per-channel
+  scale multiplies the f32 result at the end. Each warpgroup accumulates W_tile @ x_tile^T in one
+  f32 accumulator [64, m_tile] across all of K.
 So one warpgroup converts while the other's wgmma runs, and the loads never wait for either.
 
 Grid: (M tiles, N / 128), M first, so one weight tile's M tiles run next to each other and all but
@@ -65,12 +68,13 @@ def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16) -> bool
 
 def pays(qw: QuantizedWeight, m: int) -> bool:
     """Whether quantized_matmul (prefill="auto") runs this kernel for a weight it takes, at m rows
-    past DECODE_ROWS (H100, the 8B's four projections, session 37, docs/perf_quant.md):
-    - int4: 0.6-1.2x the bf16 dot at 256-2,048 rows, where the fused kernel or dequantize + dot ran
-      0.8-1.8x;
-    - per-channel int8 / fp8 up to 1,024 rows: the four projections at 512 rows took fp8 384 /
-      int8 411 us against 460 / 537 for XLA's convert-fused GEMM, at 256 and 1,024 0-9% less; at
-      2,048 rows XLA's GEMM was as fast (fp8) or 5% faster (int8)."""
+    past DECODE_ROWS (H100, the 8B's projections, session 37, docs/perf_quant.md):
+    - int4, any groups: at every count measured (256-2,048 rows). Groups of 128 ran 0.6-1.2x the
+      bf16 dot where the fused kernel or dequantize + dot ran 0.8-1.8x; GGUF Q4_K and Q4_1
+      (groups of 32) 1.0-1.3x where they ran 1.4-2.1x, but on down at 256 rows (within 12%);
+    - 8-bit codes up to 1,024 rows: per-channel int8 / fp8 0-24% faster than XLA's convert-fused
+      GEMM there, Q8_0 and block FP8 faster than the fused kernel or dequantize + dot at 256-512
+      rows; at 2,048 rows those were as fast or up to 9% faster."""
     return qw.format == "int4" or m <= 1024
 
 

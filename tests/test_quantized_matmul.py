@@ -115,19 +115,26 @@ def _kernels_traced(qw, m, k=256):
 
 
 @pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 32, "two_level"), ("int8", 32, "sym"), ("int4", 64, "zp")])
-def test_many_rows_take_the_kernel_up_to_fused_max_rows_then_dequantize(fmt, group_size, zeros):
-    # Past a decode batch, weights the int4 rows kernel does not take run this module's kernel in
-    # M tiles of 128 rows while that measured faster than dequantizing the weight for XLA's dot
-    # (session 37); above fused_max_rows the dot takes over.
-    from pallas_kernels.quantized_matmul_rules import fused_max_rows
+def test_grouped_formats_take_the_rows_kernel_past_a_decode_batch(fmt, group_size, zeros):
+    # GGUF Q4_K, Q8_0 and int4 groups of 64 (session 37, pallas_kernels/rows_matmul.py `pays`): int4 at
+    # every row count, 8-bit codes up to 1,024 rows, then dequantize + dot (faster there)
     w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
     qw = like_gguf(w, "Q4_K") if zeros == "two_level" else quantize(w, fmt, group_size=group_size, symmetric=zeros == "sym")
+    for m in (DECODE_ROWS + 1, 1024):
+        assert _kernels_traced(qw, m) == (1, {f"rows_matmul_{fmt}"}), m
+    assert _kernels_traced(qw, 1025) == ((1, {"rows_matmul_int4"}) if fmt == "int4" else (0, set()))
+
+
+def test_weights_the_rows_kernel_does_not_take_run_the_fused_kernel_up_to_fused_max_rows():
+    # int4 in natural order (not the rows kernel's): this module's kernel in M tiles of 128 while that
+    # measured faster than dequantizing the weight for XLA's dot, the dot above
+    from pallas_kernels.quantized_matmul_rules import fused_max_rows
+    qw = with_mma_order(quantize(np.ones((256, 128), np.float32), "int4", group_size=32, symmetric=False), False)
     limit = fused_max_rows(qw)
     assert limit > DECODE_ROWS
     for m in (DECODE_ROWS + 1, limit):
-        count, names = _kernels_traced(qw, m)
-        assert count == 1 and not any(n.startswith("rows_") for n in names), (m, names)
-    assert _kernels_traced(qw, limit + 1)[0] == 0
+        assert _kernels_traced(qw, m) == (1, {"quantized_matmul_int4"}), m
+    assert _kernels_traced(qw, limit + 1) == (0, set())
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
