@@ -33,11 +33,12 @@ steps add the offsets to the tile; per-group steps run one more wgmma per group,
 with x, whose rows are the group's x row sums (exact in f32, and no division by a scale, which is
 0 for a constant group). `fold_zeros=False` leaves the term to XLA next to the kernel.
 
-Past DECODE_ROWS rows, int4 with groups of 128 (the engine's int4, AWQ, GPTQ) runs a warp-specialized
-kernel of its own (rows_matmul.py: 0.6-1.2x the bf16 dot at 256-2,048 rows on the 8B's shapes,
-where this kernel ran 0.8-1.8x), and so do per-channel int8 / fp8 up to 1,024 rows (`rows_matmul.pays`). Other grouped weights run this kernel in M tiles of 128 rows up
-to `fused_max_rows` (256-768 by format); above that, dequantize-to-bf16 + XLA dot measured faster
-(docs/perf_quant.md, session 37). `prefill=` forces any of the three.
+Past DECODE_ROWS rows a warp-specialized kernel of its own runs int4 (every grouping) and 8-bit codes
+up to 1,024 rows (rows_matmul.py, `rows_matmul.pays`; int4 g128 0.6-1.2x the bf16 dot at 256-2,048
+rows on the 8B's shapes, where this kernel ran 0.8-1.8x). Weights it does not take run this kernel
+in M tiles of 128 rows up to `fused_max_rows` (256-768 by format); above that, and for 8-bit codes
+past 1,024 rows, dequantize-to-bf16 + XLA dot (per-channel: XLA's convert-fused GEMM) measured
+faster (docs/perf_quant.md, session 37). `prefill=` forces any of the paths.
 
 Per-channel int8 / fp8 take a third path on the GPU, `backend="xla"`: y = (x @ convert(Wq)) * s.
 XLA fuses the int8/fp8 -> bf16 convert into its own (Triton) GEMM, which then streams the 1-byte
@@ -57,8 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import rows_matmul as rows_kernel
 from pallas_kernels import int8_mma_matmul as int8_mma
+from pallas_kernels import rows_matmul as rows_kernel
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import (QuantizedWeight, codes_as_bf16, dequantize, group_offsets,
@@ -378,7 +379,8 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
       out_dtype: dtype of y (default x.dtype).
       config: kernel tunables (default: `default_config(qw, M)`).
       prefill: for M > DECODE_ROWS: "rows" (the warp-specialized kernel of rows_matmul.py for the
-        weights it takes, `rows_matmul.fits`: int4 groups of 128, per-channel int8 / fp8), "auto"
+        weights it takes, `rows_matmul.fits`: int4 in mma order, 8-bit codes in groups or per
+        channel), "auto"
         (that kernel where it measured faster, `rows_matmul.pays`; other weights as "pallas" up to
         `fused_max_rows(qw)` rows and "xla" above: whichever measured faster, docs/perf_quant.md),
         "pallas" (this module's fused kernel, tile_m rows per tile) or "xla" (dequantize to bf16,
@@ -412,7 +414,8 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         # its own fusion: fused into XLA's GEMM, the permutation made it ~3x slower at 8 rows (H100)
         x = lax.optimization_barrier(x)
         k = x.shape[1]
-    if m > DECODE_ROWS and prefill in ("auto", "rows") and (backend == "pallas" or (backend_auto and backend == "xla")):
+    rows_backend = backend == "pallas" or (backend_auto and backend == "xla")   # not a forced "xla"
+    if m > DECODE_ROWS and prefill in ("auto", "rows") and rows_backend:
         m_tile = rows_kernel.m_tile_for(m, qw, out_dtype)
         if rows_kernel.fits(qw, m_tile, out_dtype) and (prefill == "rows" or rows_kernel.pays(qw, m)):
             return rows_kernel.rows_matmul(x, qw, m_tile=m_tile, out_dtype=out_dtype, interpret=interpret)
