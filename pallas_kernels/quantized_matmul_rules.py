@@ -95,8 +95,8 @@ def default_config(qw: QuantizedWeight, rows: int = 8) -> QuantMatmulConfig:
 
 def fused_max_rows(qw: QuantizedWeight) -> int:
     """The most activation rows for which `quantized_matmul` (prefill="auto") runs the fused kernel,
-    in M tiles of 128 rows past 128; above, dequantizing the weight to bf16 for XLA's dot measured
-    faster. The dequantize pass costs about the same at any row count (4096 x 28672: ~170 us), the
+    in M tiles of 128 rows past 128, on a weight that rows_matmul.py does not take (or not at this
+    count); above, dequantizing the weight to bf16 for XLA's dot measured faster. The dequantize pass costs about the same at any row count (4096 x 28672: ~170 us), the
     fused kernel grows with its M tiles. H100, the 8B's gate_up and down (docs/perf_quant.md,
     session 37), fused against dequantized, us:
     - int4 groups of 128, integer zero points: 256 rows 137 / 80 against 262 / 129; 768 rows 406 /

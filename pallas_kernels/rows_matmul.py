@@ -71,7 +71,8 @@ def pays(qw: QuantizedWeight, m: int) -> bool:
     past DECODE_ROWS (H100, the 8B's projections, session 37, docs/perf_quant.md):
     - int4, any groups: at every count measured (256-2,048 rows). Groups of 128 ran 0.6-1.2x the
       bf16 dot where the fused kernel or dequantize + dot ran 0.8-1.8x; GGUF Q4_K and Q4_1
-      (groups of 32) 1.0-1.3x where they ran 1.4-2.1x, but on down at 256 rows (within 12%);
+      (groups of 32) on gate_up 1.0-1.2x where they ran 1.4-2.1x (Q4_1 on down at 256 rows was
+      the one case 12% slower);
     - 8-bit codes up to 1,024 rows: per-channel int8 / fp8 0-24% faster than XLA's convert-fused
       GEMM there, Q8_0 and block FP8 faster than the fused kernel or dequantize + dot at 256-512
       rows; at 2,048 rows those were as fast or up to 9% faster."""
