@@ -28,9 +28,8 @@ from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import dequantize, quantize
 from atlasjax.weights_summary import weight_nbytes
 from pallas_kernels import rows_matmul as rows_kernel
-from pallas_kernels.quant_format import permuted_like_mma_order, with_float_offsets
+from pallas_kernels.quant_format import is_per_channel, with_float_offsets
 from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
-from pallas_kernels.quantized_matmul import is_per_channel as quantize_is_per_channel
 
 DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # (K, N)
 # (format, group size, zeros): "sym", "zp" (integer zero points: what int4 quantizes to at load) or
@@ -68,6 +67,13 @@ def rotated(fn):
     return jax.jit(lambda x, ws: [fn(x, w) for w in ws])
 
 
+def _quantized(w, fmt, g, zeros):
+    if zeros == "two_level":
+        return like_gguf(w, "Q4_K")
+    qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
+    return with_float_offsets(qw) if zeros == "offsets" else qw
+
+
 def bench_decode(k, n, m, results, configs, formats=FORMATS):
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
@@ -77,11 +83,7 @@ def bench_decode(k, n, m, results, configs, formats=FORMATS):
     bf16_ms = device_ms(rotated(lambda x, w: x @ w), x, ws) / copies
     row = {"K": k, "N": n, "M": m, "bf16_us": bf16_ms * 1e3, "bf16_bytes": w.nbytes}
     for fmt, g, zeros in formats:
-        if zeros == "two_level":
-            qw = like_gguf(w, "Q4_K")
-        else:
-            qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
-            qw = with_float_offsets(qw) if zeros == "offsets" else qw
+        qw = _quantized(w, fmt, g, zeros)
         copies = max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw)))
         qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)), np.float32)
@@ -124,23 +126,21 @@ def bench_prefill(k, n, m, results):
 SWEEP_SHAPES = [(4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)]   # gate_up, down, qkv, o_proj (K, N)
 SWEEP_FORMATS = [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym"), ("int8", None, "sym"),
                  ("int4", 32, "offsets"), ("int8", 32, "sym"), ("fp8", 128, "sym")]
-# Paths of the rows sweep: what the engine runs, and the grouped formats' alternatives past
-# DECODE_ROWS (the fused kernel on M tiles of 128 or 256 rows, with the group scales applied per
-# group's partial or folded into the tile, or the dequantized weight through XLA's dot).
 def _via(**kw):
     return lambda x, w: quantized_matmul(x, w, **kw)
 
 
 def _rows_kernel(m_tile, depth=4):
     def run(x, w):
-        if w.mma_order and w.format == "int8":   # as quantized_matmul runs it: x permuted alike
-            x, w = permuted_like_mma_order(jnp.pad(x, ((0, 0), (0, w.padded_shape[0] - x.shape[1]))), w)
         if not rows_kernel.fits(w, m_tile):
             raise NotImplementedError("rows_matmul does not take this weight")
         return rows_kernel.rows_matmul(x, w, m_tile=m_tile, max_concurrent_steps=depth)
     return run
 
 
+# Paths of the rows sweep: what the engine runs, and the alternatives past DECODE_ROWS (the fused
+# kernel on M tiles of 128 or 256 rows, with the group scales applied per group's partial or folded
+# into the tile; the warp-specialized rows kernel; the dequantized weight through XLA's dot).
 SWEEP_PATHS = {
     "engine": _via(),
     "fused_tm128": _via(backend="pallas", prefill="pallas"),
@@ -152,13 +152,6 @@ SWEEP_PATHS = {
     "rows_tm256": _rows_kernel(256),
     "rows_tm256_d2": _rows_kernel(256, 2),
 }
-
-
-def _quantized(w, fmt, g, zeros):
-    if zeros == "two_level":
-        return like_gguf(w, "Q4_K")
-    qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
-    return with_float_offsets(qw) if zeros == "offsets" else qw
 
 
 def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
@@ -180,11 +173,10 @@ def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
         row = {"K": k, "N": n, "M": m, "bf16_us": device_ms(rotated(lambda x, w: x @ w), x, ws, iterations=iters) / copies * 1e3}
         for name, copies_q in qws.items():
             ref = None
-            for path, kw in paths.items():
-                if quantize_is_per_channel(copies_q[0]) and not (path in ("engine", "fused_tm128") or path.startswith("rows")):
-                    continue   # the engine's path is XLA's convert-fused GEMM; only the kernel compares
+            for path, fn in paths.items():
+                if is_per_channel(copies_q[0]) and not (path in ("engine", "fused_tm128") or path.startswith("rows")):
+                    continue   # per channel there is no group scale to fold, nor a dequantize pass to compare
                 try:
-                    fn = kw
                     y = np.asarray(jax.jit(fn)(x, copies_q[0]), np.float32)
                     if ref is None:
                         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(copies_q[0])), np.float32)

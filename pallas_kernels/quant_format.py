@@ -74,6 +74,11 @@ class QuantizedWeight:
         return self.group_size * (self.num_groups // self.super_scales.shape[-2])
 
 
+def is_per_channel(qw: QuantizedWeight) -> bool:
+    """One scale per output channel over all of K (int8 / fp8 quantized at load), no offsets."""
+    return qw.format in ("int8", "fp8") and qw.num_groups == 1 and qw.zeros is None
+
+
 QWEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
 
 

@@ -62,8 +62,8 @@ from pallas_kernels import int8_mma_matmul as int8_mma
 from pallas_kernels import rows_matmul as rows_kernel
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
-from pallas_kernels.quant_format import (QuantizedWeight, codes_as_bf16, dequantize, group_offsets,
-                                         permuted_like_mma_order)
+from pallas_kernels.quant_format import (  # noqa: F401 (is_per_channel re-exported)
+    QuantizedWeight, codes_as_bf16, dequantize, group_offsets, is_per_channel, permuted_like_mma_order)
 from pallas_kernels.quantized_matmul_rules import (  # noqa: F401 (MAX_TILE_M, TILE_N re-exported)
     MAX_TILE_M, TILE_N, QuantMatmulConfig, _can_use_pallas, _folds_zeros, _prescales, _tile_k, _unroll,
     _xla_offsets, default_config, fused_max_rows)
@@ -439,11 +439,6 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         x_sums = xp.astype(jnp.float32).reshape(m_pad, k_pad // g, g).sum(-1)  # [M_pad, G]
         y = y + jnp.dot(x_sums, group_offsets(qw), precision=lax.Precision.HIGHEST)
     return y[:m, : qw.shape[1]].astype(out_dtype)
-
-
-def is_per_channel(qw: QuantizedWeight) -> bool:
-    """One scale per output channel over all of K (int8 / fp8 quantized at load), no offsets."""
-    return qw.format in ("int8", "fp8") and qw.num_groups == 1 and qw.zeros is None
 
 
 def xla_convert_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:

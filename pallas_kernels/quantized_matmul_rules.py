@@ -96,8 +96,9 @@ def default_config(qw: QuantizedWeight, rows: int = 8) -> QuantMatmulConfig:
 def fused_max_rows(qw: QuantizedWeight) -> int:
     """The most activation rows for which `quantized_matmul` (prefill="auto") runs the fused kernel,
     in M tiles of 128 rows past 128, on a weight that rows_matmul.py does not take (or not at this
-    count); above, dequantizing the weight to bf16 for XLA's dot measured faster. The dequantize pass costs about the same at any row count (4096 x 28672: ~170 us), the
-    fused kernel grows with its M tiles. H100, the 8B's gate_up and down (docs/perf_quant.md,
+    count); above, dequantizing the weight to bf16 for XLA's dot measured faster. The dequantize
+    pass costs about the same at any row count (4096 x 28672: ~170 us), the fused kernel grows with
+    its M tiles. H100, the 8B's gate_up and down (docs/perf_quant.md,
     session 37), fused against dequantized, us:
     - int4 groups of 128, integer zero points: 256 rows 137 / 80 against 262 / 129; 768 rows 406 /
       189 against 419 / 190 (qkv and o_proj 97 / 59 against 93 / 85); 1024 rows 534 / 248 against
@@ -107,7 +108,7 @@ def fused_max_rows(qw: QuantizedWeight) -> int:
     - FP8 with 128-wide block scales: 384 rows 264 / 127 against 298 / 141; 512 even;
     - Q8_0 (int8 groups of 32): 256 rows 272 / 89 against 271 / 134; 384 rows 424 / 120 against
       303 / 143.
-    Per-channel int8 / fp8 never take this path (XLA's convert-fused GEMM, faster at every count)."""
+    Per-channel int8 / fp8 never take this path (rows_matmul.py or XLA's convert-fused GEMM)."""
     if qw.format == "int4" and not qw.two_level:
         return 768 if qw.group_size >= 128 and (qw.zeros is None or qw.zero_point) else 512
     if qw.two_level or qw.format == "fp8":

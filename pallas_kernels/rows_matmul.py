@@ -33,17 +33,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm_tiling import elem_bits, interpret_params, num_sms, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
-from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16
+from pallas_kernels.quant_format import QuantizedWeight, codes_as_bf16, is_per_channel
 
 WG_ROWS = 64              # weight rows per compute warpgroup (the M of one wgmma)
 BLOCK_N = 2 * WG_ROWS     # weight rows (output columns) per block
 STEP_K = 128              # K per pipeline step (one int4 group)
 SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
-
-
-def _per_channel(qw: QuantizedWeight) -> bool:
-    return qw.format in ("int8", "fp8") and qw.num_groups == 1 and qw.zeros is None
 
 
 def _groups_per_step(qw: QuantizedWeight) -> int:
@@ -58,7 +54,7 @@ def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16) -> bool
     (after padding); and at least two pipeline steps in shared memory beside the output tiles."""
     k_pad, n_pad = qw.padded_shape
     codes = (qw.format == "int4" and qw.mma_order) or (qw.format in ("int8", "fp8") and not qw.mma_order)
-    groups = _per_channel(qw) or (qw.format != "fp8" or qw.zeros is None) and (
+    groups = is_per_channel(qw) or (qw.format != "fp8" or qw.zeros is None) and (
         (STEP_K % qw.group_size == 0 or qw.group_size % STEP_K == 0)
         and (not qw.two_level or qw.super_group % STEP_K == 0)
         and (qw.format == "int4" or qw.zeros is None))
@@ -113,7 +109,7 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
     m_pad = -(-m // m_tile) * m_tile
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
     depth = _depth(m_tile, qw, out_dtype.itemsize, max_concurrent_steps)   # >= 2 (`fits`)
-    per_channel = _per_channel(qw)
+    per_channel = is_per_channel(qw)
     gps = _groups_per_step(qw)                          # groups in a step (1: a step within a group)
     steps_per_group = max(1, qw.group_size // STEP_K)
     zero_point, offsets = qw.zero_point, qw.zeros is not None and not qw.zero_point
