@@ -130,11 +130,11 @@ def _via(**kw):
     return lambda x, w: quantized_matmul(x, w, **kw)
 
 
-def _rows_kernel(m_tile, depth=4):
+def _rows_kernel(m_tile, depth=4, k_splits=1):
     def run(x, w):
-        if not rows_kernel.fits(w, m_tile):
+        if not rows_kernel.fits(w, m_tile, k_splits=k_splits):
             raise NotImplementedError("rows_matmul does not take this weight")
-        return rows_kernel.rows_matmul(x, w, m_tile=m_tile, max_concurrent_steps=depth)
+        return rows_kernel.rows_matmul(x, w, m_tile=m_tile, k_splits=k_splits, max_concurrent_steps=depth)
     return run
 
 
@@ -147,8 +147,10 @@ SWEEP_PATHS = {
     "fused_prescaled_tm128": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True)),
     "fused_prescaled_tm256": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True, tile_m=256)),
     "xla_dequant_dot": _via(backend="xla"),
-    # pallas_kernels/rows_matmul.py: warp-specialized, M tiles of 128 / 256 rows
+    # pallas_kernels/rows_matmul.py: warp-specialized, M tiles of 128 / 256 rows, K unsplit or in 2 / 4
     "rows_tm128": _rows_kernel(128),
+    "rows_tm128_k2": _rows_kernel(128, k_splits=2),
+    "rows_tm128_k4": _rows_kernel(128, k_splits=4),
     "rows_tm256": _rows_kernel(256),
     "rows_tm256_d2": _rows_kernel(256, 2),
 }

@@ -416,9 +416,10 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         k = x.shape[1]
     rows_backend = backend == "pallas" or (backend_auto and backend == "xla")   # not a forced "xla"
     if m > DECODE_ROWS and prefill in ("auto", "rows") and rows_backend:
-        m_tile = rows_kernel.m_tile_for(m, qw, out_dtype)
-        if rows_kernel.fits(qw, m_tile, out_dtype) and (prefill == "rows" or rows_kernel.pays(qw, m)):
-            return rows_kernel.rows_matmul(x, qw, m_tile=m_tile, out_dtype=out_dtype, interpret=interpret)
+        m_tile, k_splits = rows_kernel.plan_for(m, qw, out_dtype)
+        if rows_kernel.fits(qw, m_tile, out_dtype, k_splits) and (prefill == "rows" or rows_kernel.pays(qw, m)):
+            return rows_kernel.rows_matmul(x, qw, m_tile=m_tile, k_splits=k_splits, out_dtype=out_dtype,
+                                           interpret=interpret)
     if prefill in ("auto", "rows"):
         prefill = "pallas" if m <= fused_max_rows(qw) else "xla"
     if backend == "int8_mma":

@@ -17,13 +17,17 @@ bf16 dot (docs/perf_quant.md, session 37). Here a block has three warpgroups, as
   f32 accumulator [64, m_tile] across all of K.
 So one warpgroup converts while the other's wgmma runs, and the loads never wait for either.
 
-Grid: (M tiles, N / 128), M first, so one weight tile's M tiles run next to each other and all but
-the first read it from L2. M tiles are 128 or 256 rows (`m_tile_for`). GPU interpret mode cannot
-feed wgmma from registers: there the converted tile is staged in shared memory.
+Grid: (M tiles, N / 128, K splits), M first, so one weight tile's M tiles run next to each other
+and all but the first read it from L2. M tiles are 128 or 256 rows, and K is split in 1, 2 or 4
+parts (`plan_for`): a narrow weight (down's N = 4096 at 256 rows: 64 blocks of 112 steps) would
+otherwise leave half the SMs idle. Split blocks store f32 partials, which XLA sums (into the
+consumer where it can). GPU interpret mode cannot feed wgmma from registers: there the converted
+tile is staged in shared memory.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,26 +44,39 @@ BLOCK_N = 2 * WG_ROWS     # weight rows (output columns) per block
 STEP_K = 128              # K per pipeline step (one int4 group)
 SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
+STEP_US = 0.75            # H100: a 128-row block's K step (int4 on the 8B's shapes, one wave, session 37)
+PARTIAL_BYTES_PER_US = 2.5e6   # H100: f32 split partials written, then read by XLA's sum
 
 
 def _groups_per_step(qw: QuantizedWeight) -> int:
     return max(1, STEP_K // qw.group_size)
 
 
-def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16) -> bool:
+def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16, k_splits: int = 1) -> bool:
     """Whether the kernel takes this weight at `m_tile` rows per tile: int4 in mma order or 8-bit
     codes in natural order (quantized_matmul permutes x for int8 in mma order first), per channel
     or in groups that tile a 128-wide step (32, 64, 128, 256, ...), with integer zero points, float
     offsets, two-level rows (super-groups of whole steps) or none; K a multiple of 128, N of 128
-    (after padding); and at least two pipeline steps in shared memory beside the output tiles."""
+    (after padding); each of `k_splits` parts of K whole steps, groups and super-groups; and at
+    least two pipeline steps in shared memory beside the output tiles (f32 when split)."""
     k_pad, n_pad = qw.padded_shape
     codes = (qw.format == "int4" and qw.mma_order) or (qw.format in ("int8", "fp8") and not qw.mma_order)
     groups = is_per_channel(qw) or (qw.format != "fp8" or qw.zeros is None) and (
         (STEP_K % qw.group_size == 0 or qw.group_size % STEP_K == 0)
         and (not qw.two_level or qw.super_group % STEP_K == 0)
         and (qw.format == "int4" or qw.zeros is None))
-    return (codes and groups and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0 and m_tile % 8 == 0
-            and 8 <= m_tile <= 256 and _depth(m_tile, qw, jnp.dtype(out_dtype).itemsize) >= 2)
+    steps = k_pad // STEP_K
+    whole = _steps_per_unit(qw)
+    splits = k_splits >= 1 and steps % k_splits == 0 and (steps // k_splits) % whole == 0
+    out_bytes = 4 if k_splits > 1 else jnp.dtype(out_dtype).itemsize
+    return (codes and groups and splits and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0 and m_tile % 8 == 0
+            and 8 <= m_tile <= 256 and _depth(m_tile, qw, out_bytes) >= 2)
+
+
+def _steps_per_unit(qw: QuantizedWeight) -> int:
+    """Steps a K split part must be a multiple of: a group over several steps, a super-group."""
+    group = 1 if is_per_channel(qw) else max(1, qw.group_size // STEP_K)
+    return math.lcm(group, qw.super_group // STEP_K if qw.two_level else 1)
 
 
 def pays(qw: QuantizedWeight, m: int) -> bool:
@@ -75,17 +92,31 @@ def pays(qw: QuantizedWeight, m: int) -> bool:
     return qw.format == "int4" or m <= 1024
 
 
-def m_tile_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> int:
-    """Rows per M tile: 256 where it takes fewer waves of blocks, weighted by a 256-row block's
-    ~1.7x the time of a 128-row one, and fits; else 128. H100, int4 on the 8B's four projections at
-    256-2,048 rows, session 37 (docs/perf_quant.md): this picks the faster tile in all 16 cases."""
+def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, int]:
+    """(rows per M tile, K splits) for m rows, from a wave model of the H100 (session 37-38,
+    docs/perf_quant.md): one block per SM, a block's K step ~STEP_US (a 256-row block ~1.7x), and
+    split partials written and read as f32 at ~PARTIAL_BYTES_PER_US. 128-row tiles and fewer splits
+    win ties, and a split must save a tenth. It picked the faster tile in all 16 int4 cases of
+    session 37; it splits K at 129-256 rows on N = 4096 (down, o_proj), where 64 blocks left half
+    the SMs idle."""
     n_blocks = qw.padded_shape[1] // BLOCK_N
+    steps = qw.padded_shape[0] // STEP_K
 
-    def waves(tile):
-        return -(-(-(-m // tile) * n_blocks) // num_sms())
-    if m <= 128 or _depth(256, qw, jnp.dtype(out_dtype).itemsize) < 2:
-        return 128
-    return 256 if 1.7 * waves(256) < waves(128) else 128
+    def cost(tile, splits):   # us
+        m_pad = -(-m // tile) * tile
+        waves = -(-(m_pad // tile) * n_blocks * splits // num_sms())
+        partials = splits * m_pad * qw.padded_shape[1] * 8 if splits > 1 else 0
+        return waves * (steps // splits) * STEP_US * (1.7 if tile == 256 else 1.0) + partials / PARTIAL_BYTES_PER_US
+    tile = min([128] + ([256] if m > 128 and fits(qw, 256, out_dtype) else []), key=lambda t: cost(t, 1))
+    split = min((s for s in (2, 4) if fits(qw, 128, out_dtype, s)), key=lambda s: cost(128, s), default=None)
+    if split is not None and cost(128, split) < 0.9 * cost(tile, 1):
+        return 128, split
+    return tile, 1
+
+
+def m_tile_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> int:
+    """Rows per M tile of `plan_for`."""
+    return plan_for(m, qw, out_dtype)[0]
 
 
 def _depth(m_tile: int, qw: QuantizedWeight, out_bytes: int, want: int = 4) -> int:
@@ -96,19 +127,23 @@ def _depth(m_tile: int, qw: QuantizedWeight, out_bytes: int, want: int = 4) -> i
     return min(want, (SMEM_BUDGET - fixed) // per_step)
 
 
-@functools.partial(jax.jit, static_argnames=("m_tile", "max_concurrent_steps", "out_dtype", "interpret"))
-def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_concurrent_steps: int = 4,
-                out_dtype=jnp.bfloat16, interpret=False) -> jax.Array:
-    """x [M, K] -> y [M, N] in out_dtype (`fits(qw, m_tile, out_dtype)` must hold), f32 accumulation."""
+@functools.partial(jax.jit, static_argnames=("m_tile", "k_splits", "max_concurrent_steps", "out_dtype", "interpret"))
+def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, k_splits: int = 1,
+                max_concurrent_steps: int = 4, out_dtype=jnp.bfloat16, interpret=False) -> jax.Array:
+    """x [M, K] -> y [M, N] in out_dtype (`fits(qw, m_tile, out_dtype, k_splits)` must hold), f32
+    accumulation; with K split, each part's f32 partial summed after the kernel."""
     m, k = x.shape
     k_pad, n_pad = qw.padded_shape
     out_dtype = jnp.dtype(out_dtype)
-    if k != qw.shape[0] or not fits(qw, m_tile, out_dtype):
+    if k != qw.shape[0] or not fits(qw, m_tile, out_dtype, k_splits):
         raise ValueError(f"rows_matmul does not take x {x.shape} with this weight ({qw.shape}, "
-                         f"{qw.format}, groups of {qw.group_size}) at m_tile {m_tile} ({out_dtype} out)")
+                         f"{qw.format}, groups of {qw.group_size}) at m_tile {m_tile}, {k_splits} K "
+                         f"split(s) ({out_dtype} out)")
     m_pad = -(-m // m_tile) * m_tile
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
-    depth = _depth(m_tile, qw, out_dtype.itemsize, max_concurrent_steps)   # >= 2 (`fits`)
+    store_dtype = jnp.dtype(jnp.float32) if k_splits > 1 else out_dtype
+    split_steps = k_pad // STEP_K // k_splits
+    depth = min(split_steps, _depth(m_tile, qw, store_dtype.itemsize, max_concurrent_steps))   # >= 1
     per_channel = is_per_channel(qw)
     gps = _groups_per_step(qw)                          # groups in a step (1: a step within a group)
     steps_per_group = max(1, qw.group_size // STEP_K)
@@ -126,6 +161,9 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
         out_gmem, out_smem, *a_smem = refs[len(names):]
         wg = lax.axis_index("wg")
         m_idx, n_idx = lax.axis_index("m"), lax.axis_index("n")
+        part = lax.axis_index("k")
+        first = part * split_steps   # this block's first K step (a multiple of its group and super-group steps)
+        out_part = out_gmem.at[part] if k_splits > 1 else out_gmem
         cols = pl.ds(n_idx * BLOCK_N, BLOCK_N)
         mine = pl.ds(wg * WG_ROWS, WG_ROWS)
 
@@ -137,9 +175,9 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
                 y = acc_ref[...]
                 if per_channel:
                     y = y * lax.broadcast_in_dim(scale, y.shape, [0])
-                out_smem.at[wg].T[...] = plgpu.layout_cast(y.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                out_smem.at[wg].T[...] = plgpu.layout_cast(y.astype(store_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(m_idx * m_tile, m_tile),
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_part.at[pl.ds(m_idx * m_tile, m_tile),
                                                                      pl.ds(n_idx * BLOCK_N + wg * WG_ROWS, WG_ROWS)])
                 plgpu.wait_smem_to_gmem(0)
 
@@ -187,22 +225,32 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, max_con
         in_specs = [plgpu.BlockSpec((BLOCK_N, STEP_K), lambda k: (0, k),
                                     transforms=swizzled(STEP_K * w_bits, w_bits, "weight")),
                     plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, k), transforms=swizzled(STEP_K * 16, 16, "x"))]
-        operands = [w_gmem.at[cols], x_gmem.at[pl.ds(m_idx * m_tile, m_tile)]]
-        operands += [row_gmem[name].at[:, cols] for name in names]
+        ks = pl.ds(first * STEP_K, split_steps * STEP_K)   # this block's part of K, and of its group rows:
+        operands = [w_gmem.at[cols, ks], x_gmem.at[pl.ds(m_idx * m_tile, m_tile), ks]]
+        for name in names:
+            if per_channel:
+                rows_of_part = slice(None)
+            elif name in ("s", "z"):
+                rows_of_part = pl.ds(first * gps // steps_per_group, split_steps * gps // steps_per_group)
+            else:
+                rows_of_part = pl.ds(first // steps_per_super, split_steps // steps_per_super)
+            operands.append(row_gmem[name].at[rows_of_part, cols])
         plgpu.emit_pipeline_warp_specialized(
-            step, grid=(k_pad // STEP_K,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs + row_specs,
+            step, grid=(split_steps,), memory_registers=MEMORY_REGISTERS, in_specs=in_specs + row_specs,
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=depth, compute_context=compute_context,
         )(*operands)
 
-    scratch = [plgpu.SMEM((2, m_tile, WG_ROWS), out_dtype)]
+    scratch = [plgpu.SMEM((2, m_tile, WG_ROWS), store_dtype)]
     if staged:
         scratch.append(plgpu.SMEM((2, WG_ROWS, STEP_K), jnp.bfloat16, transforms=swizzled(STEP_K * 16, 16, "a")))
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((m_pad, n_pad), out_dtype), grid=(m_pad // m_tile, n_pad // BLOCK_N),
-        grid_names=("m", "n"), num_threads=3, thread_name="wg", scratch_types=scratch,
+        kernel, out_type=jax.ShapeDtypeStruct((k_splits,) * (k_splits > 1) + (m_pad, n_pad), store_dtype),
+        grid=(m_pad // m_tile, n_pad // BLOCK_N, k_splits), grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", scratch_types=scratch,
         interpret=interpret_params(interpret), kernel_name=f"rows_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     arrays = {"s": qw.scales, "z": qw.zeros, "ss": qw.super_scales, "sz": qw.super_zeros}
     y = call(qw.qweight, xp, *(arrays[name] for name in names))
+    if k_splits > 1:
+        y = y.sum(0).astype(out_dtype)
     return y[:m, :qw.shape[1]]

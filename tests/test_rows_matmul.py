@@ -24,14 +24,14 @@ def _weight(k, n, fmt, group_size, zeros, rng):
 
 
 def _error(m, k, n, *, fmt="int4", zeros="zp", group_size=128, m_tile=64, seed=0, interpret=True,
-           out_dtype=jnp.float32):
+           out_dtype=jnp.float32, k_splits=1):
     rng = np.random.default_rng(seed)
     qw = _weight(k, n, fmt, group_size, zeros, rng)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw), precision=jax.lax.Precision.HIGHEST))
     if qw.mma_order and fmt == "int8":   # as quantized_matmul runs it: x permuted like the weight's K
         x, qw = permuted_like_mma_order(x, qw)
-    y = rows.rows_matmul(x, qw, m_tile=m_tile, interpret=interpret, out_dtype=out_dtype)
+    y = rows.rows_matmul(x, qw, m_tile=m_tile, interpret=interpret, out_dtype=out_dtype, k_splits=k_splits)
     assert y.shape == (m, n) and y.dtype == out_dtype
     return float(np.linalg.norm(np.asarray(y, np.float32) - ref) / np.linalg.norm(ref))
 
@@ -61,6 +61,15 @@ def test_interpret_grouped_formats(fmt, group_size, zeros):
     assert _error(40, 512, 128, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=40) < 5e-3
 
 
+@pytest.mark.parametrize("fmt,group_size,zeros,k,k_splits", [
+    ("int4", 128, "zp", 512, 2), ("int4", 128, "zp", 512, 4), ("int4", 256, "zp", 1024, 2),
+    ("int4", 32, "two_level", 512, 2), ("fp8", None, "sym", 512, 2), ("int8", 32, "sym", 512, 4)])
+def test_interpret_k_split(fmt, group_size, zeros, k, k_splits):
+    # each part of K from its own weight columns and group rows, the f32 partials summed after
+    assert _error(20, k, 256, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=24, out_dtype=jnp.bfloat16,
+                  k_splits=k_splits) < 6e-3
+
+
 def test_what_it_does_not_take_is_refused():
     w = np.ones((256, 128), np.float32)
     assert not rows.fits(with_mma_order(quantize(w, "int4", group_size=32, symmetric=True), False))   # int4: mma order
@@ -70,6 +79,9 @@ def test_what_it_does_not_take_is_refused():
     assert rows.fits(permuted_like_mma_order(jnp.zeros((1, 256)), in_mma_order)[1])
     assert rows.fits(quantize(w, "int8")) and rows.fits(quantize(w, "fp8"))
     assert rows.fits(quantize(w, "int4", group_size=128, symmetric=False))
+    assert not rows.fits(quantize(w, "int4", group_size=128), k_splits=3)   # K splits of whole steps
+    assert not rows.fits(quantize(w, "int4", group_size=256), k_splits=2)   # and whole groups
+    assert not rows.fits(like_gguf(np.ones((256, 128), np.float32), "Q4_K"), k_splits=2)   # and super-groups
     with pytest.raises(ValueError, match="does not take"):
         rows.rows_matmul(jnp.zeros((4, 256), jnp.bfloat16), quantize(w, "int4", group_size=128, symmetric=True),
                          m_tile=12, interpret=True)
@@ -89,6 +101,19 @@ def test_tiles_of_256_rows_where_they_take_fewer_waves_and_fit():
     assert rows.fits(qw, 256) and not rows.fits(qw, 256, jnp.float32) and rows.fits(qw, 128, jnp.float32)
 
 
+def test_k_split_where_the_n_blocks_leave_sms_idle(monkeypatch):
+    # down and o_proj (N = 4096: 32 blocks of 128) at 129-256 rows run 64 blocks on 132 SMs; qkv's 96
+    # and gate_up's 448 do not gain enough to pay for the f32 partials, nor does anything at 512 rows
+    monkeypatch.setattr(rows, "num_sms", lambda: 132)
+
+    def int4(k, n):
+        return quantize(np.ones((k, n), np.float32), "int4", group_size=128, symmetric=True)
+    down, o_proj, qkv, gate_up = int4(14336, 4096), int4(4096, 4096), int4(4096, 6144), int4(4096, 28672)
+    assert [rows.plan_for(m, down) for m in (129, 256, 512, 1024)] == [(128, 2), (128, 2), (128, 1), (256, 1)]
+    assert rows.plan_for(200, o_proj) == (128, 2)
+    assert rows.plan_for(256, qkv) == (128, 1) and rows.plan_for(256, gate_up) == (256, 1)
+
+
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672), (14336, 4096)])
@@ -96,6 +121,15 @@ def test_tiles_of_256_rows_where_they_take_fewer_waves_and_fit():
                                                 (700, 256, jnp.bfloat16)])
 def test_native_llama_8b_shapes(k, n, m, m_tile, out_dtype):
     assert _error(m, k, n, m_tile=m_tile, interpret=False, seed=m, out_dtype=out_dtype) < 6e-3
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym")])
+@pytest.mark.parametrize("k_splits", [2, 4])
+def test_native_k_split(fmt, group_size, zeros, k_splits):
+    assert _error(256, 14336, 4096, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=128, interpret=False,
+                  out_dtype=jnp.bfloat16, k_splits=k_splits) < 7e-3
 
 
 @pytest.mark.gpu
