@@ -97,8 +97,9 @@ def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, 
     docs/perf_quant.md): one block per SM, a block's K step ~STEP_US (a 256-row block ~1.7x), and
     split partials written and read as f32 at ~PARTIAL_BYTES_PER_US. 128-row tiles and fewer splits
     win ties, and a split must save a tenth. It picked the faster tile in all 16 int4 cases of
-    session 37; it splits K at 129-256 rows on N = 4096 (down, o_proj), where 64 blocks left half
-    the SMs idle."""
+    session 37. On the 8B it splits K at 129-256 rows only: in two on N = 4096 (down, o_proj: 64
+    blocks left half the SMs idle; 1.6-1.9x the bf16 dot -> 0.96-1.24x, session 38), in four on
+    N = 1024 (a GGUF layout's separate k and v: ~29 -> ~11 us in the step)."""
     n_blocks = qw.padded_shape[1] // BLOCK_N
     steps = qw.padded_shape[0] // STEP_K
 
@@ -112,11 +113,6 @@ def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, 
     if split is not None and cost(128, split) < 0.9 * cost(tile, 1):
         return 128, split
     return tile, 1
-
-
-def m_tile_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> int:
-    """Rows per M tile of `plan_for`."""
-    return plan_for(m, qw, out_dtype)[0]
 
 
 def _depth(m_tile: int, qw: QuantizedWeight, out_bytes: int, want: int = 4) -> int:

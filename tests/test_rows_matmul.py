@@ -94,9 +94,9 @@ def test_tiles_of_256_rows_where_they_take_fewer_waves_and_fit():
     picks = {(256, 28672): 256, (256, 4096): 128, (512, 4096): 128, (512, 6144): 256, (1024, 6144): 128,
              (1024, 4096): 256, (2048, 14336): 256}
     if rows.num_sms() == 132:
-        assert {(m, n): rows.m_tile_for(m, int4(n)) for m, n in picks} == picks
-    assert rows.m_tile_for(2048, int4(28672), jnp.float32) == 128   # f32 tiles of 256 rows do not fit beside the ring
-    assert rows.m_tile_for(2048, quantize(np.ones((128, 28672), np.float32), "fp8")) == 128   # nor 8-bit weights'
+        assert {(m, n): rows.plan_for(m, int4(n))[0] for m, n in picks} == picks
+    assert rows.plan_for(2048, int4(28672), jnp.float32)[0] == 128   # f32 tiles of 256 rows do not fit beside the ring
+    assert rows.plan_for(2048, quantize(np.ones((128, 28672), np.float32), "fp8"))[0] == 128   # nor 8-bit weights'
     qw = int4(128)
     assert rows.fits(qw, 256) and not rows.fits(qw, 256, jnp.float32) and rows.fits(qw, 128, jnp.float32)
 
@@ -109,6 +109,7 @@ def test_k_split_where_the_n_blocks_leave_sms_idle(monkeypatch):
     def int4(k, n):
         return quantize(np.ones((k, n), np.float32), "int4", group_size=128, symmetric=True)
     down, o_proj, qkv, gate_up = int4(14336, 4096), int4(4096, 4096), int4(4096, 6144), int4(4096, 28672)
+    assert rows.plan_for(256, int4(4096, 1024)) == (128, 4)   # a GGUF layout's own k or v: 16 blocks unsplit
     assert [rows.plan_for(m, down) for m in (129, 256, 512, 1024)] == [(128, 2), (128, 2), (128, 1), (256, 1)]
     assert rows.plan_for(200, o_proj) == (128, 2)
     assert rows.plan_for(256, qkv) == (128, 1) and rows.plan_for(256, gate_up) == (256, 1)
