@@ -126,6 +126,14 @@ def bench_prefill(k, n, m, results):
 SWEEP_SHAPES = [(4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)]   # gate_up, down, qkv, o_proj (K, N)
 SWEEP_FORMATS = [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym"), ("int8", None, "sym"),
                  ("int4", 32, "offsets"), ("int8", 32, "sym"), ("fp8", 128, "sym")]
+def _sweep_shape(spec: str) -> tuple[int, int]:
+    """An index into SWEEP_SHAPES, or K x N given as e.g. "8192x2048"."""
+    if "x" in spec:
+        k, n = spec.split("x")
+        return int(k), int(n)
+    return SWEEP_SHAPES[int(spec)]
+
+
 def _via(**kw):
     return lambda x, w: quantized_matmul(x, w, **kw)
 
@@ -201,7 +209,8 @@ def main():
                         "instead of the decode and prefill tables, each format's paths at each count "
                         "on the 8B's projection shapes (--formats picks from "
                         + ",".join(_name(*f) for f in SWEEP_FORMATS) + ")")
-    parser.add_argument("--shapes", default="0,1,2,3", help="--sweep-rows: which of gate_up, down, qkv, o_proj (indices)")
+    parser.add_argument("--shapes", default="0,1,2,3", help="--sweep-rows: which of gate_up, down, qkv, o_proj (indices), or any K x N "
+                        "(e.g. 8192x2048)")
     parser.add_argument("--paths", help="--sweep-rows: comma-separated paths (default all: " + ",".join(SWEEP_PATHS) + ")")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -222,7 +231,7 @@ def main():
         rows = [int(r) for r in args.sweep_rows.split(",")]
         sweep = SWEEP_FORMATS if not args.formats else [f for f in SWEEP_FORMATS if _name(*f) in keep]
         paths = SWEEP_PATHS if not args.paths else {p: SWEEP_PATHS[p] for p in args.paths.split(",")}
-        for k, n in [SWEEP_SHAPES[int(i)] for i in args.shapes.split(",")]:
+        for k, n in [_sweep_shape(s) for s in args.shapes.split(",")]:
             for row in bench_rows(k, n, rows, results, sweep, paths):
                 for key, v in row.items():
                     if isinstance(v, dict):

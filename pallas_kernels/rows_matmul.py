@@ -139,7 +139,8 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, k_split
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
     store_dtype = jnp.dtype(jnp.float32) if k_splits > 1 else out_dtype
     split_steps = k_pad // STEP_K // k_splits
-    depth = min(split_steps, _depth(m_tile, qw, store_dtype.itemsize, max_concurrent_steps))   # >= 1
+    # at most the part's steps: a pipeline asked for more steps in flight than it has can hang
+    depth = min(split_steps, _depth(m_tile, qw, store_dtype.itemsize, max_concurrent_steps))
     per_channel = is_per_channel(qw)
     gps = _groups_per_step(qw)                          # groups in a step (1: a step within a group)
     steps_per_group = max(1, qw.group_size // STEP_K)
@@ -221,7 +222,7 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, k_split
         in_specs = [plgpu.BlockSpec((BLOCK_N, STEP_K), lambda k: (0, k),
                                     transforms=swizzled(STEP_K * w_bits, w_bits, "weight")),
                     plgpu.BlockSpec((m_tile, STEP_K), lambda k: (0, k), transforms=swizzled(STEP_K * 16, 16, "x"))]
-        ks = pl.ds(first * STEP_K, split_steps * STEP_K)   # this block's part of K, and of its group rows:
+        ks = pl.ds(first * STEP_K, split_steps * STEP_K)   # this block's part of K, then its part of each row operand
         operands = [w_gmem.at[cols, ks], x_gmem.at[pl.ds(m_idx * m_tile, m_tile), ks]]
         for name in names:
             if per_channel:
@@ -241,7 +242,8 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, k_split
         scratch.append(plgpu.SMEM((2, WG_ROWS, STEP_K), jnp.bfloat16, transforms=swizzled(STEP_K * 16, 16, "a")))
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((k_splits,) * (k_splits > 1) + (m_pad, n_pad), store_dtype),
-        grid=(m_pad // m_tile, n_pad // BLOCK_N, k_splits), grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", scratch_types=scratch,
+        grid=(m_pad // m_tile, n_pad // BLOCK_N, k_splits), grid_names=("m", "n", "k"), num_threads=3,
+        thread_name="wg", scratch_types=scratch,
         interpret=interpret_params(interpret), kernel_name=f"rows_matmul_{qw.format}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
