@@ -35,7 +35,8 @@ with x, whose rows are the group's x row sums (exact in f32, and no division by 
 
 Past DECODE_ROWS rows a warp-specialized kernel of its own runs int4 (every grouping) and 8-bit codes
 up to 1,024 rows (rows_matmul.py, `rows_matmul.pays`; int4 g128 0.6-1.2x the bf16 dot at 256-2,048
-rows on the 8B's shapes, where this kernel ran 0.8-1.8x). Weights it does not take run this kernel
+rows on the 8B's shapes, where this kernel ran 0.8-1.8x), with its tile and K split from
+`rows_matmul.plan_for`. Weights it does not take run this kernel
 in M tiles of 128 rows up to `fused_max_rows` (256-768 by format); above that, and for 8-bit codes
 past 1,024 rows, dequantize-to-bf16 + XLA dot (per-channel: XLA's convert-fused GEMM) measured
 faster (docs/perf_quant.md, session 37). `prefill=` forces any of the paths.
