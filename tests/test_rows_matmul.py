@@ -103,7 +103,7 @@ def test_tiles_of_256_rows_where_they_take_fewer_waves_and_fit():
 
 def test_k_split_where_the_n_blocks_leave_sms_idle(monkeypatch):
     # down and o_proj (N = 4096: 32 blocks of 128) at 129-256 rows run 64 blocks on 132 SMs; qkv's 96
-    # and gate_up's 448 do not gain enough to pay for the f32 partials, nor does anything at 512 rows
+    # and gate_up's 448 do not gain enough to pay for the f32 partials, nor do the 8B's weights at 512 rows
     monkeypatch.setattr(rows, "num_sms", lambda: 132)
 
     def int4(k, n):
