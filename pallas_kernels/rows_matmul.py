@@ -44,8 +44,10 @@ BLOCK_N = 2 * WG_ROWS     # weight rows (output columns) per block
 STEP_K = 128              # K per pipeline step (one int4 group)
 SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
-STEP_US = 0.75            # H100: a 128-row block's K step (int4 on the 8B's shapes, one wave, session 37)
-PARTIAL_BYTES_PER_US = 2.5e6   # H100: f32 split partials written, then read by XLA's sum
+# The H100 wave model of `plan_for`, fitted to 36 measured (shape, rows, split) cases (session 38)
+STEP_US = 0.8             # a 128-row block's K step
+BLOCK_US = 4.0            # a block's fixed cost: ring fill, epilogue, the wave's ramp and tail
+PARTIAL_BYTES_PER_US = 5e6     # f32 split partials written, then read by XLA's sum (mostly in L2)
 
 
 def _groups_per_step(qw: QuantizedWeight) -> int:
@@ -93,13 +95,15 @@ def pays(qw: QuantizedWeight, m: int) -> bool:
 
 
 def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, int]:
-    """(rows per M tile, K splits) for m rows, from a wave model of the H100 (session 37-38,
-    docs/perf_quant.md): one block per SM, a block's K step ~STEP_US (a 256-row block ~1.7x), and
-    split partials written and read as f32 at ~PARTIAL_BYTES_PER_US. 128-row tiles and fewer splits
-    win ties, and a split must save a tenth. It picked the faster tile in all 16 int4 cases of
-    session 37. On the 8B it splits K at 129-256 rows only: in two on N = 4096 (down, o_proj: 64
-    blocks left half the SMs idle; 1.6-1.9x the bf16 dot -> 0.96-1.24x, session 38), in four on
-    N = 1024 (a GGUF layout's separate k and v: ~29 -> ~11 us in the step)."""
+    """(rows per M tile, K splits) for m rows, from a wave model of the H100 (sessions 37-38,
+    docs/perf_quant.md): one block per SM; a wave of blocks costs BLOCK_US plus STEP_US per K step
+    (a 256-row block's step ~1.7x); split partials are written and read as f32 at
+    ~PARTIAL_BYTES_PER_US. 128-row tiles and fewer splits win ties, and a split must save a tenth.
+    It picks the fastest split in all 36 measured cases (int4, Q4_K, fp8, int8; 8B, 1B, Qwen3-8B
+    and k/v shapes; 200-512 rows) and the faster tile where session 37's differed by over 1%. On
+    the 8B it splits K at 129-256 rows only: in two on N = 4096 (down, o_proj: 64 blocks left half
+    the SMs idle; 1.6-1.9x the bf16 dot -> 0.96-1.24x), in four on N = 1024 (a GGUF layout's
+    separate k and v: ~29 -> ~11 us in the step)."""
     n_blocks = qw.padded_shape[1] // BLOCK_N
     steps = qw.padded_shape[0] // STEP_K
 
@@ -107,7 +111,8 @@ def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, 
         m_pad = -(-m // tile) * tile
         waves = -(-(m_pad // tile) * n_blocks * splits // num_sms())
         partials = splits * m_pad * qw.padded_shape[1] * 8 if splits > 1 else 0
-        return waves * (steps // splits) * STEP_US * (1.7 if tile == 256 else 1.0) + partials / PARTIAL_BYTES_PER_US
+        step_us = STEP_US * (1.7 if tile == 256 else 1.0)
+        return waves * ((steps // splits) * step_us + BLOCK_US) + partials / PARTIAL_BYTES_PER_US
     tile = min([128] + ([256] if m > 128 and fits(qw, 256, out_dtype) else []), key=lambda t: cost(t, 1))
     split = min((s for s in (2, 4) if fits(qw, 128, out_dtype, s)), key=lambda s: cost(128, s), default=None)
     if split is not None and cost(128, split) < 0.9 * cost(tile, 1):
