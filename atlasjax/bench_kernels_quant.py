@@ -67,7 +67,9 @@ def rotated(fn):
     return jax.jit(lambda x, ws: [fn(x, w) for w in ws])
 
 
-def _quantized(w, fmt, g, zeros):
+def quantized_as(w, fmt, g, zeros):
+    """w quantized as the engine holds each benchmarked format: zeros "sym", "zp" (integer zero
+    points), "offsets" (float offsets, GGUF Q4_1) or "two_level" (GGUF Q4_K as it loads)."""
     if zeros == "two_level":
         return like_gguf(w, "Q4_K")
     qw = quantize(w, fmt, group_size=g, symmetric=zeros == "sym")
@@ -83,7 +85,7 @@ def bench_decode(k, n, m, results, configs, formats=FORMATS):
     bf16_ms = device_ms(rotated(lambda x, w: x @ w), x, ws) / copies
     row = {"K": k, "N": n, "M": m, "bf16_us": bf16_ms * 1e3, "bf16_bytes": w.nbytes}
     for fmt, g, zeros in formats:
-        qw = _quantized(w, fmt, g, zeros)
+        qw = quantized_as(w, fmt, g, zeros)
         copies = max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw)))
         qws = [jax.tree.map(jnp.copy, qw) for _ in range(copies)]
         ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw)), np.float32)
@@ -126,6 +128,8 @@ def bench_prefill(k, n, m, results):
 SWEEP_SHAPES = [(4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)]   # gate_up, down, qkv, o_proj (K, N)
 SWEEP_FORMATS = [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym"), ("int8", None, "sym"),
                  ("int4", 32, "offsets"), ("int8", 32, "sym"), ("fp8", 128, "sym")]
+
+
 def _sweep_shape(spec: str) -> tuple[int, int]:
     """An index into SWEEP_SHAPES, or K x N given as e.g. "8192x2048"."""
     if "x" in spec:
@@ -138,12 +142,8 @@ def _via(**kw):
     return lambda x, w: quantized_matmul(x, w, **kw)
 
 
-def _rows_kernel(m_tile, depth=4, k_splits=1):
-    def run(x, w):
-        if not rows_kernel.fits(w, m_tile, k_splits=k_splits):
-            raise NotImplementedError("rows_matmul does not take this weight")
-        return rows_kernel.rows_matmul(x, w, m_tile=m_tile, k_splits=k_splits, max_concurrent_steps=depth)
-    return run
+def _rows_kernel(m_tile, depth=4, k_splits=1):   # a weight it does not take raises, recorded as the path's error
+    return lambda x, w: rows_kernel.rows_matmul(x, w, m_tile=m_tile, k_splits=k_splits, max_concurrent_steps=depth)
 
 
 # Paths of the rows sweep: what the engine runs, and the alternatives past DECODE_ROWS (the fused
@@ -174,7 +174,7 @@ def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
     ws = [w + i for i in range(copies)]
     qws = {}
     for fmt, g, zeros in formats:
-        qw = _quantized(w, fmt, g, zeros)
+        qw = quantized_as(w, fmt, g, zeros)
         qws[_name(fmt, g, zeros)] = [jax.tree.map(jnp.copy, qw)
                                      for _ in range(max(2, -(-MIN_ROTATION_BYTES // weight_nbytes(qw))))]
     for m in rows:

@@ -70,9 +70,13 @@ def fits(qw: QuantizedWeight, m_tile: int = 128, out_dtype=jnp.bfloat16, k_split
     steps = k_pad // STEP_K
     whole = _steps_per_unit(qw)
     splits = k_splits >= 1 and steps % k_splits == 0 and (steps // k_splits) % whole == 0
-    out_bytes = 4 if k_splits > 1 else jnp.dtype(out_dtype).itemsize
     return (codes and groups and splits and k_pad % STEP_K == 0 and n_pad % BLOCK_N == 0 and m_tile % 8 == 0
-            and 8 <= m_tile <= 256 and _depth(m_tile, qw, out_bytes) >= 2)
+            and 8 <= m_tile <= 256 and _depth(m_tile, qw, _store_dtype(out_dtype, k_splits).itemsize) >= 2)
+
+
+def _store_dtype(out_dtype, k_splits: int) -> jnp.dtype:
+    """What a block stores: y itself, or an f32 partial when K is split."""
+    return jnp.dtype(jnp.float32 if k_splits > 1 else out_dtype)
 
 
 def _steps_per_unit(qw: QuantizedWeight) -> int:
@@ -142,7 +146,7 @@ def rows_matmul(x: jax.Array, qw: QuantizedWeight, *, m_tile: int = 128, k_split
                          f"split(s) ({out_dtype} out)")
     m_pad = -(-m // m_tile) * m_tile
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, k_pad - k)))
-    store_dtype = jnp.dtype(jnp.float32) if k_splits > 1 else out_dtype
+    store_dtype = _store_dtype(out_dtype, k_splits)
     split_steps = k_pad // STEP_K // k_splits
     # at most the part's steps: a pipeline asked for more steps in flight than it has can hang
     depth = min(split_steps, _depth(m_tile, qw, store_dtype.itemsize, max_concurrent_steps))

@@ -6,27 +6,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from atlasjax.bench_kernels_quant import quantized_as
 from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import quantize
 from pallas_kernels import rows_matmul as rows
-from pallas_kernels.quant_format import dequantize, permuted_like_mma_order, with_float_offsets, with_mma_order
+from pallas_kernels.quant_format import dequantize, permuted_like_mma_order, with_mma_order
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
 
 
-def _weight(k, n, fmt, group_size, zeros, rng):
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    if zeros == "two_level":   # GGUF Q4_K as it loads
-        return like_gguf(w, "Q4_K")
-    qw = quantize(w, fmt, group_size=group_size, symmetric=zeros == "sym")
-    return with_float_offsets(qw) if zeros == "offsets" else qw
-
-
 def _error(m, k, n, *, fmt="int4", zeros="zp", group_size=128, m_tile=64, seed=0, interpret=True,
            out_dtype=jnp.float32, k_splits=1):
     rng = np.random.default_rng(seed)
-    qw = _weight(k, n, fmt, group_size, zeros, rng)
+    qw = quantized_as(rng.standard_normal((k, n)).astype(np.float32), fmt, group_size, zeros)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(qw), precision=jax.lax.Precision.HIGHEST))
     if qw.mma_order and fmt == "int8":   # as quantized_matmul runs it: x permuted like the weight's K
