@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import time
 
@@ -143,7 +144,24 @@ def _via(**kw):
 
 
 def _rows_kernel(m_tile, depth=4, k_splits=1):   # a weight it does not take raises, recorded as the path's error
-    return lambda x, w: rows_kernel.rows_matmul(x, w, m_tile=m_tile, k_splits=k_splits, max_concurrent_steps=depth)
+    """m_tile None: one M tile holding every row (rounded up to 8)."""
+    return lambda x, w: rows_kernel.rows_matmul(x, w, m_tile=m_tile or -(-x.shape[0] // 8) * 8,
+                                                k_splits=k_splits, max_concurrent_steps=depth)
+
+
+ROWS_PATH = re.compile(r"rows_tm(\d+|all)(?:_k(\d+))?(?:_d(\d+))?")
+
+
+def _sweep_path(name: str):
+    """A path of SWEEP_PATHS, or any rows kernel config named rows_tm<T|all>[_k<splits>][_d<depth>]
+    (e.g. rows_tmall_k4: one M tile of every row, K in four parts)."""
+    if name in SWEEP_PATHS:
+        return SWEEP_PATHS[name]
+    match = ROWS_PATH.fullmatch(name)
+    if match is None:
+        raise ValueError(f"unknown path {name!r}: one of {', '.join(SWEEP_PATHS)} or rows_tm<T|all>[_k<S>][_d<D>]")
+    tile, splits, depth = match.groups()
+    return _rows_kernel(None if tile == "all" else int(tile), int(depth or 4), int(splits or 1))
 
 
 # Paths of the rows sweep: what the engine runs, and the alternatives past DECODE_ROWS (the fused
@@ -211,7 +229,8 @@ def main():
                         + ",".join(_name(*f) for f in SWEEP_FORMATS) + ")")
     parser.add_argument("--shapes", default="0,1,2,3", help="--sweep-rows: which of gate_up, down, qkv, o_proj (indices), or any K x N "
                         "(e.g. 8192x2048)")
-    parser.add_argument("--paths", help="--sweep-rows: comma-separated paths (default all: " + ",".join(SWEEP_PATHS) + ")")
+    parser.add_argument("--paths", help="--sweep-rows: comma-separated paths (default all: " + ",".join(SWEEP_PATHS)
+                        + "; or any rows_tm<T|all>[_k<splits>][_d<depth>])")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     formats = FORMATS
@@ -230,7 +249,10 @@ def main():
     if args.sweep_rows:
         rows = [int(r) for r in args.sweep_rows.split(",")]
         sweep = SWEEP_FORMATS if not args.formats else [f for f in SWEEP_FORMATS if _name(*f) in keep]
-        paths = SWEEP_PATHS if not args.paths else {p: SWEEP_PATHS[p] for p in args.paths.split(",")}
+        try:
+            paths = SWEEP_PATHS if not args.paths else {p: _sweep_path(p) for p in args.paths.split(",")}
+        except ValueError as e:
+            parser.error(str(e))
         for k, n in [_sweep_shape(s) for s in args.shapes.split(",")]:
             for row in bench_rows(k, n, rows, results, sweep, paths):
                 for key, v in row.items():
