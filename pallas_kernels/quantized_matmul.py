@@ -33,11 +33,12 @@ steps add the offsets to the tile; per-group steps run one more wgmma per group,
 with x, whose rows are the group's x row sums (exact in f32, and no division by a scale, which is
 0 for a constant group). `fold_zeros=False` leaves the term to XLA next to the kernel.
 
-Past DECODE_ROWS rows a warp-specialized kernel of its own runs int4 (every grouping) and 8-bit codes
-up to 1,024 rows (rows_matmul.py, `rows_matmul.pays`; int4 g128 0.6-1.2x the bf16 dot at 256-2,048
-rows on the 8B's shapes, where this kernel ran 0.8-1.8x), with its tile and K split from
-`rows_matmul.plan_for`. Weights it does not take run this kernel
-in M tiles of 128 rows up to `fused_max_rows` (256-768 by format); above that, and for 8-bit codes
+Past 32 rows a warp-specialized kernel of its own runs int4 (every grouping) and 8-bit codes up to
+1,024 rows (rows_matmul.py, `rows_matmul.pays`; int4 g128 0.6-1.2x the bf16 dot at 256-2,048 rows
+on the 8B's shapes, where this kernel ran 0.8-1.8x; at 64-128 rows this kernel was 1.1-1.6x
+slower), with its tile and K split from `rows_matmul.plan_for`. Weights it does not take run this
+kernel as one M tile up to DECODE_ROWS and in M tiles of 128 rows past that up to
+`fused_max_rows` (256-768 by format); above that, and for 8-bit codes
 past 1,024 rows, dequantize-to-bf16 + XLA dot (per-channel: XLA's convert-fused GEMM) measured
 faster (docs/perf_quant.md, session 37). `prefill=` forces any of the paths.
 
@@ -379,15 +380,15 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
       interpret: False, True or plgpu.InterpretGPUParams(): run the kernel in interpret mode.
       out_dtype: dtype of y (default x.dtype).
       config: kernel tunables (default: `default_config(qw, M)`).
-      prefill: for M > DECODE_ROWS: "rows" (the warp-specialized kernel of rows_matmul.py for the
-        weights it takes, `rows_matmul.fits`: int4 in mma order, 8-bit codes in groups or per
-        channel), "auto"
-        (that kernel where it measured faster, `rows_matmul.pays`; other weights as "pallas" up to
-        `fused_max_rows(qw)` rows and "xla" above: whichever measured faster, docs/perf_quant.md),
-        "pallas" (this module's fused kernel, tile_m rows per tile) or "xla" (dequantize to bf16,
-        then an XLA dot; per-channel int8 / fp8: XLA's convert-fused GEMM). Weights whose layout
-        the kernel cannot stream (int4 groups of 32 without prescale, K not a multiple of a step)
-        also take the "xla" path.
+      prefill: past `rows_matmul.MIN_ROWS` (32) rows: "rows" (the warp-specialized kernel of
+        rows_matmul.py for the weights it takes, `rows_matmul.fits`: int4 in mma order, 8-bit
+        codes in groups or per channel), "auto" (that kernel where it measured faster,
+        `rows_matmul.pays`; other weights as "pallas" up to `fused_max_rows(qw)` rows and "xla"
+        above: whichever measured faster, docs/perf_quant.md), "pallas" (this module's fused
+        kernel, one M tile up to DECODE_ROWS rows, tile_m rows per tile past that) or "xla" (past
+        DECODE_ROWS: dequantize to bf16, then an XLA dot; per-channel int8 / fp8: XLA's
+        convert-fused GEMM). Weights whose layout the kernel cannot stream (int4 groups of 32
+        without prescale, K not a multiple of a step) also take the "xla" path.
     Returns:
       y: [M, N] in out_dtype.
     """
@@ -416,7 +417,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         x = lax.optimization_barrier(x)
         k = x.shape[1]
     rows_backend = backend == "pallas" or (backend_auto and backend == "xla")   # not a forced "xla"
-    if m > DECODE_ROWS and prefill in ("auto", "rows") and rows_backend:
+    if m > rows_kernel.MIN_ROWS and prefill in ("auto", "rows") and rows_backend:
         m_tile, k_splits = rows_kernel.plan_for(m, qw, out_dtype)
         if rows_kernel.fits(qw, m_tile, out_dtype, k_splits) and (prefill == "rows" or rows_kernel.pays(qw, m)):
             return rows_kernel.rows_matmul(x, qw, m_tile=m_tile, k_splits=k_splits, out_dtype=out_dtype,

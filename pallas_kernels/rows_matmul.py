@@ -1,12 +1,12 @@
-"""y = x @ W for quantized W at many rows (past a decode batch): a warp-specialized Mosaic GPU kernel.
+"""y = x @ W for quantized W at more than MIN_ROWS (32) rows: a warp-specialized Mosaic GPU kernel.
 
 Takes int4 in mma order and 8-bit codes (int8, fp8), per channel or in groups with integer zero
 points or float offsets, in one or two levels (`fits`): the engine's int4, AWQ, GPTQ, GGUF Q4_0 /
-Q4_1 / Q4_K / Q8_0, FP8 per channel or with block scales. Past DECODE_ROWS rows the fused kernel of
-quantized_matmul.py runs one warpgroup per block that converts a weight tile, waits for its wgmma,
-and holds an SM alone (its x tiles fill the shared memory): at 256-768 rows it ran 1.4-1.8x the
-bf16 dot (docs/perf_quant.md, session 37). Here a block has three warpgroups, as in jax's
-`hopper_mixed_type_matmul_mgpu.py`:
+Q4_1 / Q4_K / Q8_0, FP8 per channel or with block scales. The fused kernel of quantized_matmul.py
+runs one warpgroup per block that converts a weight tile, waits for its wgmma, and holds an SM
+alone (its x tiles fill the shared memory): at 256-768 rows it ran 1.4-1.8x the bf16 dot, and at
+64-128 rows 1.1-1.6x this kernel (docs/perf_quant.md, sessions 37 and 39). Here a block has three
+warpgroups, as in jax's `hopper_mixed_type_matmul_mgpu.py`:
 - one issues the TMA loads of each 128-wide K step (128 weight rows, their group rows, and the
   m_tile x 128 activations) into a ring of `max_concurrent_steps` slots;
 - two compute warpgroups each take 64 of the weight rows and convert them to bf16 in registers
@@ -18,9 +18,9 @@ bf16 dot (docs/perf_quant.md, session 37). Here a block has three warpgroups, as
 So one warpgroup converts while the other's wgmma runs, and the loads never wait for either.
 
 Grid: (M tiles, N / 128, K splits), M first, so one weight tile's M tiles run next to each other
-and all but the first read it from L2. M tiles are 128 or 256 rows, and K is split in 1, 2 or 4
-parts (`plan_for`): a narrow weight (down's N = 4096 at 256 rows: 64 blocks of 112 steps) would
-otherwise leave half the SMs idle. Split blocks store f32 partials, which XLA sums (into the
+and all but the first read it from L2. Up to 128 rows one M tile holds every row; past that M
+tiles are 128 or 256 rows. K is split in 1, 2 or 4 parts (`plan_for`): a narrow weight (down's
+N = 4096: 32 blocks of 112 steps per M tile) would otherwise leave SMs idle. Split blocks store f32 partials, which XLA sums (into the
 consumer where it can). GPU interpret mode cannot feed wgmma from registers: there the converted
 tile is staged in shared memory.
 """
@@ -45,6 +45,7 @@ STEP_K = 128              # K per pipeline step (one int4 group)
 SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
 # The H100 wave model of `plan_for`, fitted to 36 measured (shape, rows, split) cases (session 38)
+MIN_ROWS = 32             # up to this many rows the fused kernel (or the decode matmul) runs instead (`pays`)
 STEP_US = 0.8             # a 128-row block's K step
 BLOCK_US = 4.0            # a block's fixed cost: ring fill, epilogue, the wave's ramp and tail
 PARTIAL_BYTES_PER_US = 5e6     # f32 split partials written, then read by XLA's sum (mostly in L2)
@@ -87,27 +88,33 @@ def _steps_per_unit(qw: QuantizedWeight) -> int:
 
 def pays(qw: QuantizedWeight, m: int) -> bool:
     """Whether quantized_matmul (prefill="auto") runs this kernel for a weight it takes, at m rows
-    past DECODE_ROWS (H100, the 8B's projections, session 37, docs/perf_quant.md):
-    - int4, any groups: at every count measured (256-2,048 rows). Groups of 128 ran 0.6-1.2x the
-      bf16 dot where the fused kernel or dequantize + dot ran 0.8-1.8x; GGUF Q4_K and Q4_1
-      (groups of 32) on gate_up 1.0-1.2x where they ran 1.4-2.1x (Q4_1 on down at 256 rows was
-      the one case 12% slower);
+    (H100, the 8B's projections, docs/perf_quant.md):
+    - not up to MIN_ROWS: at 32 rows the fused kernel ran int4 gate_up, down and o_proj 3-17%
+      faster (31.1 / 16.7 / 7.8 us against 34.9 / 19.5 / 8.2), and a decode step's per-channel
+      qkv, o_proj and down take the decode matmul there (session 39);
+    - at 64-128 rows, on every 8B projection and format measured (session 39): int4 g128, Q4_K,
+      fp8 and int8 per channel 0.55-0.98x what ran before (gate_up at 128 rows: int4 78.1 -> 52.2
+      us, Q4_K 96.6 -> 59.8; down: int8 58.9 -> 35.9), fp8 gate_up tied with XLA's GEMM;
+    - int4, any groups: at every count measured past that (256-2,048 rows). Groups of 128 ran
+      0.6-1.2x the bf16 dot where the fused kernel or dequantize + dot ran 0.8-1.8x; GGUF Q4_K and
+      Q4_1 (groups of 32) on gate_up 1.0-1.2x where they ran 1.4-2.1x (session 37);
     - 8-bit codes up to 1,024 rows: per-channel int8 / fp8 0-24% faster than XLA's convert-fused
       GEMM there, Q8_0 and block FP8 faster than the fused kernel or dequantize + dot at 256-512
-      rows; at 2,048 rows those were as fast or up to 9% faster."""
-    return qw.format == "int4" or m <= 1024
+      rows; at 2,048 rows those were as fast or up to 9% faster (session 37)."""
+    return m > MIN_ROWS and (qw.format == "int4" or m <= 1024)
 
 
 def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, int]:
-    """(rows per M tile, K splits) for m rows, from a wave model of the H100 (sessions 37-38,
-    docs/perf_quant.md): one block per SM; a wave of blocks costs BLOCK_US plus STEP_US per K step
-    (a 256-row block's step ~1.7x); split partials are written and read as f32 at
-    ~PARTIAL_BYTES_PER_US. 128-row tiles and fewer splits win ties, and a split must save a tenth.
-    It picks the fastest split in all 36 measured cases (int4, Q4_K, fp8, int8; 8B, 1B, Qwen3-8B
-    and k/v shapes; 200-512 rows) and the faster tile where session 37's differed by over 1%. On
-    the 8B it splits K at 129-256 rows only: in two on N = 4096 (down, o_proj: 64 blocks left half
-    the SMs idle; 1.6-1.9x the bf16 dot -> 0.96-1.24x), in four on N = 1024 (a GGUF layout's
-    separate k and v: ~29 -> ~11 us in the step)."""
+    """(rows per M tile, K splits) for m rows, from a wave model of the H100 (sessions 37-39,
+    docs/perf_quant.md): one block per SM; a wave of blocks costs BLOCK_US plus a K step's time per
+    step (STEP_US at 128 rows, 1.7x at 256, half of it plus a share per row below 128); split
+    partials are written and read as f32 at ~PARTIAL_BYTES_PER_US. Up to 128 rows one M tile holds
+    them all; past that 128-row tiles and fewer splits win ties, and a split must save a tenth.
+    It picks the fastest split in all 84 measured cases (int4, Q4_K, fp8, int8; 8B, 1B, Qwen3-8B
+    and k/v shapes; 32-512 rows) and the faster tile where session 37's differed by over 1%. On
+    the 8B it splits down and o_proj at 33-256 rows: in four up to 128 rows (one M tile of 32
+    blocks), in two past that (64 blocks left half the SMs idle; 1.6-1.9x the bf16 dot -> 0.96-1.24x);
+    a GGUF layout's separate k and v (N = 1024) in four (~29 -> ~11 us in the step at 256 rows)."""
     n_blocks = qw.padded_shape[1] // BLOCK_N
     steps = qw.padded_shape[0] // STEP_K
 
@@ -115,12 +122,13 @@ def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, 
         m_pad = -(-m // tile) * tile
         waves = -(-(m_pad // tile) * n_blocks * splits // num_sms())
         partials = splits * m_pad * qw.padded_shape[1] * 8 if splits > 1 else 0
-        step_us = STEP_US * (1.7 if tile == 256 else 1.0)
+        step_us = STEP_US * (1.7 if tile > 128 else 0.5 + tile / 256)
         return waves * ((steps // splits) * step_us + BLOCK_US) + partials / PARTIAL_BYTES_PER_US
-    tile = min([128] + ([256] if m > 128 and fits(qw, 256, out_dtype) else []), key=lambda t: cost(t, 1))
-    split = min((s for s in (2, 4) if fits(qw, 128, out_dtype, s)), key=lambda s: cost(128, s), default=None)
-    if split is not None and cost(128, split) < 0.9 * cost(tile, 1):
-        return 128, split
+    tiles = [-(-m // 8) * 8] if m <= 128 else [128] + ([256] if fits(qw, 256, out_dtype) else [])
+    tile = min(tiles, key=lambda t: cost(t, 1))
+    split = min((s for s in (2, 4) if fits(qw, tiles[0], out_dtype, s)), key=lambda s: cost(tiles[0], s), default=None)
+    if split is not None and cost(tiles[0], split) < 0.9 * cost(tile, 1):
+        return tiles[0], split
     return tile, 1
 
 

@@ -15,6 +15,7 @@ from atlasjax.gguf_blocks import like_gguf
 from atlasjax.quantization import quantize
 from pallas_kernels.quant_format import with_float_offsets, with_mma_order
 from pallas_kernels.quantized_matmul import DECODE_ROWS, QuantMatmulConfig, quantized_matmul, quantized_matmul_reference
+from pallas_kernels.rows_matmul import MIN_ROWS
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the native Mosaic GPU kernel)")
@@ -115,12 +116,13 @@ def _kernels_traced(qw, m, k=256):
 
 
 @pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 32, "two_level"), ("int8", 32, "sym"), ("int4", 64, "zp")])
-def test_grouped_formats_take_the_rows_kernel_past_a_decode_batch(fmt, group_size, zeros):
-    # GGUF Q4_K, Q8_0 and int4 groups of 64 (session 37, pallas_kernels/rows_matmul.py `pays`): int4 at
-    # every row count, 8-bit codes up to 1,024 rows, then dequantize + dot (faster there)
+def test_grouped_formats_take_the_rows_kernel_past_32_rows(fmt, group_size, zeros):
+    # GGUF Q4_K, Q8_0 and int4 groups of 64 (sessions 37 and 39, pallas_kernels/rows_matmul.py `pays`):
+    # int4 at every row count past 32, 8-bit codes up to 1,024 rows, then dequantize + dot (faster there)
     w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
     qw = like_gguf(w, "Q4_K") if zeros == "two_level" else quantize(w, fmt, group_size=group_size, symmetric=zeros == "sym")
-    for m in (DECODE_ROWS + 1, 1024):
+    assert _kernels_traced(qw, MIN_ROWS) == (1, {f"quantized_matmul_{fmt}"})   # few rows: the fused kernel
+    for m in (MIN_ROWS + 1, DECODE_ROWS, DECODE_ROWS + 1, 1024):
         assert _kernels_traced(qw, m) == (1, {f"rows_matmul_{fmt}"}), m
     assert _kernels_traced(qw, 1025) == ((1, {"rows_matmul_int4"}) if fmt == "int4" else (0, set()))
 
@@ -138,19 +140,22 @@ def test_weights_the_rows_kernel_does_not_take_run_the_fused_kernel_up_to_fused_
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_int4_groups_of_128_take_the_rows_kernel_at_any_row_count_past_a_decode_batch(symmetric):
-    # 0.6-1.2x the bf16 dot at 256-2,048 rows on the H100 (pallas_kernels/rows_matmul.py)
+def test_int4_groups_of_128_take_the_rows_kernel_at_any_row_count_past_32(symmetric):
+    # 0.6-1.2x the bf16 dot at 256-2,048 rows on the H100, and 0.55-0.8x the fused kernel at 64-128
+    # (pallas_kernels/rows_matmul.py `pays`)
     qw = quantize(np.ones((256, 128), np.float32), "int4", group_size=128, symmetric=symmetric)
-    assert "rows_matmul_int4" not in _kernels_traced(qw, DECODE_ROWS)[1]   # a decode batch: the decode path
-    for m in (DECODE_ROWS + 1, 2048, 8192):
+    assert "rows_matmul_int4" not in _kernels_traced(qw, MIN_ROWS)[1]   # a small decode batch: the fused kernel
+    for m in (MIN_ROWS + 1, DECODE_ROWS, DECODE_ROWS + 1, 2048, 8192):
         assert _kernels_traced(qw, m) == (1, {"rows_matmul_int4"}), m
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_per_channel_8_bit_takes_the_rows_kernel_up_to_1024_rows(fmt):
-    # 0-24% faster than XLA's convert-fused GEMM at 129-1,024 rows on the H100, not at 2,048 (session 37)
+def test_per_channel_8_bit_takes_the_rows_kernel_from_33_to_1024_rows(fmt):
+    # 0-24% faster than XLA's convert-fused GEMM at 129-1,024 rows on the H100, not at 2,048 (session
+    # 37); at 64-128 rows as fast (fp8 gate_up) to 1.6x faster (int8 down, session 39)
     qw = quantize(np.ones((256, 128), np.float32), fmt)
-    for m in (DECODE_ROWS + 1, 1024):
+    assert not any(n.startswith("rows_") for n in _kernels_traced(qw, MIN_ROWS)[1])
+    for m in (MIN_ROWS + 1, DECODE_ROWS, DECODE_ROWS + 1, 1024):
         assert _kernels_traced(qw, m) == (1, {f"rows_matmul_{fmt}"}), m
     assert not any(n.startswith("rows_") for n in _kernels_traced(qw, 1025)[1])
 
@@ -260,8 +265,13 @@ def test_prescaled_int4_g32_takes_the_kernel():
 
 
 def test_interpret_batched_decode_rows():
-    # A decode batch of 17..DECODE_ROWS rows takes the kernel (one M tile), not dequantize + dot.
-    _check("int4", 128, "sym", 40, 256, 64, interpret=True)
+    # A decode batch of 17..MIN_ROWS rows takes the fused kernel as one M tile, MIN_ROWS + 1 to
+    # DECODE_ROWS the rows kernel as one M tile (K split in four here), not dequantize + dot.
+    qw = quantize(np.ones((512, 64), np.float32), "int4", group_size=128, symmetric=True)
+    assert _kernels_traced(qw, 24, k=512) == (1, {"quantized_matmul_int4"})
+    assert _kernels_traced(qw, 40, k=512) == (1, {"rows_matmul_int4"})
+    _check("int4", 128, "sym", 24, 256, 64, interpret=True, prefill="auto")
+    _check("int4", 128, "sym", 40, 512, 64, interpret=True, prefill="auto")
 
 
 def test_interpret_prefill_xla_path():

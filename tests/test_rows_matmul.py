@@ -117,6 +117,19 @@ def test_k_split_where_the_n_blocks_leave_sms_idle(llama_8b, monkeypatch):
     assert rows.plan_for(256, small) == (128, 4) and rows.plan_for(512, small) == (128, 2)
 
 
+def test_a_decode_batch_is_one_m_tile_with_k_split_where_blocks_are_few(llama_8b, monkeypatch):
+    # 33-128 rows (session 39, the fastest measured on the H100 at 32-128 rows): one M tile of
+    # every row (padded to 8); down and o_proj (32 blocks) in four parts of K; gate_up's 224 blocks
+    # are two waves already
+    monkeypatch.setattr(rows, "num_sms", lambda: 132)
+    for m in (33, 64, 96, 128):
+        tile = -(-m // 8) * 8
+        assert rows.plan_for(m, llama_8b["down"]) == (tile, 4), m
+        assert rows.plan_for(m, llama_8b["o_proj"]) == (tile, 4), m
+        assert rows.plan_for(m, llama_8b["gate_up"]) == (tile, 1), m
+    assert not rows.pays(llama_8b["down"], rows.MIN_ROWS) and rows.pays(llama_8b["down"], rows.MIN_ROWS + 1)
+
+
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672), (14336, 4096)])
@@ -133,6 +146,17 @@ def test_native_llama_8b_shapes(k, n, m, m_tile, out_dtype):
 def test_native_k_split(fmt, group_size, zeros, k_splits):
     assert _error(256, 14336, 4096, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=128, interpret=False,
                   out_dtype=jnp.bfloat16, k_splits=k_splits) < 7e-3
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("fmt,group_size,zeros", [("int4", 128, "zp"), ("int4", 32, "two_level"), ("fp8", None, "sym"),
+                                                  ("int8", None, "sym")])
+@pytest.mark.parametrize("m,k_splits", [(33, 4), (64, 2), (100, 1)])
+def test_native_decode_batch_as_one_m_tile(fmt, group_size, zeros, m, k_splits):
+    # a decode batch of 33-128 rows: one M tile of every row padded to 8 (session 39)
+    assert _error(m, 14336, 4096, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=-(-m // 8) * 8,
+                  interpret=False, seed=m, out_dtype=jnp.bfloat16, k_splits=k_splits) < 7e-3
 
 
 @pytest.mark.gpu
