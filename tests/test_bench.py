@@ -205,6 +205,22 @@ def test_kernels_mode(tmp_path):
     assert "needs a GPU" in rep["results"]["attention"]["skipped"]
 
 
+def test_kernel_sweep_names_any_rows_kernel_config(monkeypatch):
+    # bench_kernels_quant --paths: the fixed paths, and rows_tm<T|all>[_k<S>][_d<D>] for any tile,
+    # K split and depth; an unknown name is an error naming what it takes
+    import jax.numpy as jnp
+    from atlasjax import bench_kernels_quant as bkq
+    from pallas_kernels import rows_matmul
+    calls = []
+    monkeypatch.setattr(rows_matmul, "rows_matmul", lambda x, w, **kw: calls.append(kw))
+    bkq._sweep_path("rows_tmall_k4_d6")(jnp.zeros((40, 8)), None)   # all: one M tile of every row
+    bkq._sweep_path("rows_tm128")(jnp.zeros((300, 8)), None)
+    assert calls == [dict(m_tile=40, k_splits=4, max_concurrent_steps=6), dict(m_tile=128, k_splits=1, max_concurrent_steps=4)]
+    assert bkq._sweep_path("engine") is bkq.SWEEP_PATHS["engine"]
+    with pytest.raises(ValueError, match=re.escape("rows_tm<T|all>")):
+        bkq._sweep_path("rows_tm")
+
+
 @pytest.mark.skipif(not HAS_SERVING, reason="serving not available")
 def test_serve_mode_against_atlasjax_server(tmp_path, server):
     proc = server["proc"]
