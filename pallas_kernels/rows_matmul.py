@@ -20,9 +20,9 @@ So one warpgroup converts while the other's wgmma runs, and the loads never wait
 Grid: (M tiles, N / 128, K splits), M first, so one weight tile's M tiles run next to each other
 and all but the first read it from L2. Up to 128 rows one M tile holds every row; past that M
 tiles are 128 or 256 rows. K is split in 1, 2 or 4 parts (`plan_for`): a narrow weight (down's
-N = 4096: 32 blocks of 112 steps per M tile) would otherwise leave SMs idle. Split blocks store f32 partials, which XLA sums (into the
-consumer where it can). GPU interpret mode cannot feed wgmma from registers: there the converted
-tile is staged in shared memory.
+N = 4096: 32 blocks of 112 steps per M tile) would otherwise leave SMs idle. Split blocks store
+f32 partials, which XLA sums (into the consumer where it can). GPU interpret mode cannot feed
+wgmma from registers: there the converted tile is staged in shared memory.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ BLOCK_N = 2 * WG_ROWS     # weight rows (output columns) per block
 STEP_K = 128              # K per pipeline step (one int4 group)
 SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
-# The H100 wave model of `plan_for`, fitted to 36 measured (shape, rows, split) cases (session 38)
 MIN_ROWS = 32             # up to this many rows the fused kernel (or the decode matmul) runs instead (`pays`)
+# The H100 wave model of `plan_for`, fitted to 84 measured (shape, rows, split) cases (sessions 38-39)
 STEP_US = 0.8             # a 128-row block's K step
 BLOCK_US = 4.0            # a block's fixed cost: ring fill, epilogue, the wave's ramp and tail
 PARTIAL_BYTES_PER_US = 5e6     # f32 split partials written, then read by XLA's sum (mostly in L2)
@@ -93,8 +93,9 @@ def pays(qw: QuantizedWeight, m: int) -> bool:
       faster (31.1 / 16.7 / 7.8 us against 34.9 / 19.5 / 8.2), and a decode step's per-channel
       qkv, o_proj and down take the decode matmul there (session 39);
     - at 64-128 rows, on every 8B projection and format measured (session 39): int4 g128, Q4_K,
-      fp8 and int8 per channel 0.55-0.98x what ran before (gate_up at 128 rows: int4 78.1 -> 52.2
-      us, Q4_K 96.6 -> 59.8; down: int8 58.9 -> 35.9), fp8 gate_up tied with XLA's GEMM;
+      fp8 and int8 per channel 0.61-0.99x the time of what ran before (gate_up at 128 rows: int4
+      78.1 -> 52.2 us, Q4_K 96.6 -> 59.8; down: int8 58.9 -> 35.9); fp8 gate_up tied with XLA's
+      GEMM;
     - int4, any groups: at every count measured past that (256-2,048 rows). Groups of 128 ran
       0.6-1.2x the bf16 dot where the fused kernel or dequantize + dot ran 0.8-1.8x; GGUF Q4_K and
       Q4_1 (groups of 32) on gate_up 1.0-1.2x where they ran 1.4-2.1x (session 37);
