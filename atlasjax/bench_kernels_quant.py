@@ -164,9 +164,10 @@ def _sweep_path(name: str):
     return _rows_kernel(None if tile == "all" else int(tile), int(depth or 4), int(splits or 1))
 
 
-# Paths of the rows sweep: what the engine runs, and the alternatives past DECODE_ROWS (the fused
-# kernel on M tiles of 128 or 256 rows, with the group scales applied per group's partial or folded
-# into the tile; the warp-specialized rows kernel; the dequantized weight through XLA's dot).
+# Paths of the rows sweep: what the engine runs, and the alternatives (the fused kernel on M tiles
+# of 128 or 256 rows, with the group scales applied per group's partial or folded into the tile; the
+# warp-specialized rows kernel; the dequantized weight through XLA's dot, which for per-channel
+# int8 / fp8 is XLA's convert-fused GEMM: what they ran before the rows kernel took them).
 SWEEP_PATHS = {
     "engine": _via(),
     "fused_tm128": _via(backend="pallas", prefill="pallas"),
@@ -202,8 +203,8 @@ def bench_rows(k, n, rows, results, formats=SWEEP_FORMATS, paths=SWEEP_PATHS):
         for name, copies_q in qws.items():
             ref = None
             for path, fn in paths.items():
-                if is_per_channel(copies_q[0]) and not (path in ("engine", "fused_tm128") or path.startswith("rows")):
-                    continue   # per channel there is no group scale to fold, nor a dequantize pass to compare
+                if is_per_channel(copies_q[0]) and path.startswith("fused_prescaled"):
+                    continue   # per channel there is no group scale to fold into the tile
                 try:
                     y = np.asarray(jax.jit(fn)(x, copies_q[0]), np.float32)
                     if ref is None:
