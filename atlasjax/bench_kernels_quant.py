@@ -144,8 +144,8 @@ def _via(**kw):
 
 
 def _rows_kernel(m_tile, depth=4, k_splits=1):   # a weight it does not take raises, recorded as the path's error
-    """m_tile None: one M tile holding every row (rounded up to 8)."""
-    return lambda x, w: rows_kernel.rows_matmul(x, w, m_tile=m_tile or -(-x.shape[0] // 8) * 8,
+    """m_tile None: one M tile holding every row (`rows_matmul.one_tile`)."""
+    return lambda x, w: rows_kernel.rows_matmul(x, w, m_tile=m_tile or rows_kernel.one_tile(x.shape[0]),
                                                 k_splits=k_splits, max_concurrent_steps=depth)
 
 

@@ -113,10 +113,10 @@ def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, 
     them all; past that 128-row tiles and fewer splits win ties, and a split must save a tenth.
     It picks the fastest split (within 1%) in all 109 measured cases (int4, Q4_K, fp8, int8; 8B,
     1B, Qwen3-8B and k/v shapes; 32-512 rows) and the faster tile where session 37's differed by
-    over 1%. On
-    the 8B it splits down and o_proj at 33-256 rows: in four up to 128 rows (one M tile of 32
-    blocks), in two past that (64 blocks left half the SMs idle; 1.6-1.9x the bf16 dot -> 0.96-1.24x);
-    a GGUF layout's separate k and v (N = 1024) in four (~29 -> ~11 us in the step at 256 rows)."""
+    over 1%. On the 8B it splits down and o_proj at 33-256 rows: in four up to 128 rows (one M
+    tile of 32 blocks), in two past that (64 blocks left half the SMs idle; 1.6-1.9x the bf16 dot
+    -> 0.96-1.24x); a GGUF layout's separate k and v (N = 1024) in four (~29 -> ~11 us in the step
+    at 256 rows)."""
     n_blocks = qw.padded_shape[1] // BLOCK_N
     steps = qw.padded_shape[0] // STEP_K
 
@@ -126,12 +126,18 @@ def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, 
         partials = splits * m_pad * qw.padded_shape[1] * 8 if splits > 1 else 0
         step_us = STEP_US * (1.7 if tile > 128 else 0.5 + tile / 256)
         return waves * ((steps // splits) * step_us + BLOCK_US) + partials / PARTIAL_BYTES_PER_US
-    tiles = [-(-m // 8) * 8] if m <= 128 else [128] + ([256] if fits(qw, 256, out_dtype) else [])
+    tiles = [one_tile(m)] if m <= 128 else [128] + ([256] if fits(qw, 256, out_dtype) else [])
     tile = min(tiles, key=lambda t: cost(t, 1))
-    split = min((s for s in (2, 4) if fits(qw, tiles[0], out_dtype, s)), key=lambda s: cost(tiles[0], s), default=None)
-    if split is not None and cost(tiles[0], split) < 0.9 * cost(tile, 1):
-        return tiles[0], split
+    split_tile = tiles[0]   # a split runs the smaller tile
+    split = min((s for s in (2, 4) if fits(qw, split_tile, out_dtype, s)), key=lambda s: cost(split_tile, s), default=None)
+    if split is not None and cost(split_tile, split) < 0.9 * cost(tile, 1):
+        return split_tile, split
     return tile, 1
+
+
+def one_tile(m: int) -> int:
+    """Rows of one M tile that holds all m rows (a multiple of 8, the wgmma N step)."""
+    return -(-m // 8) * 8
 
 
 def _depth(m_tile: int, qw: QuantizedWeight, out_bytes: int, want: int = 4) -> int:
