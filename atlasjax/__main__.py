@@ -34,12 +34,27 @@ def add_scheduler_steps_arg(g) -> None:
                         "(small models, bs=1); tokens then stream in bursts of up to K")
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
+
+
+def add_decode_batch_sizes_arg(g) -> None:
+    g.add_argument("--decode-batch-sizes", type=_sizes, default=None, metavar="N[,N...]",
+                   help="row counts the decode step is compiled for; a step runs the smallest that holds its "
+                        "requests (default: 8, 16, 32, ... below --max-num-seqs, then --max-num-seqs). "
+                        "Give --max-num-seqs alone to run every step at full size")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model directory, .gguf file or saved atlasjax checkpoint (default: embedded SmolLM2-135M)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-num-seqs", type=int, default=16)
+    add_decode_batch_sizes_arg(g)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
@@ -61,7 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                decode_batch_sizes=args.decode_batch_sizes, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,

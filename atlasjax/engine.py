@@ -63,8 +63,8 @@ class _Launched:
 
 @dataclasses.dataclass
 class _HostOutput:
-    """A step's outputs on the host: [num_steps, prefill rows then decode rows (num_slots each)]; the
-    prefill rows have one token, in iteration 0."""
+    """A step's outputs on the host: [num_steps, prefill rows (num_slots) then decode rows (the decode's
+    bucket)]; the prefill rows have one token, in iteration 0."""
     tokens: np.ndarray
     logprob: np.ndarray | None
     top_vals: np.ndarray | None
@@ -111,6 +111,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=self.num_slots,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
+                                  decode_buckets=config.decode_buckets(self.num_slots),
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
                                   own_params=given is None or params is not given.params)
         del params
@@ -257,7 +258,7 @@ class LLMEngine:
         decode_out = self._run_decode(sched, num_steps) if sched.decodes else None
         s = self.num_slots
         rows = {c.request: i for i, c in enumerate(sched.prefills) if c.completes_prompt}
-        rows.update((req, s + req.slot) for req in sched.decodes)
+        rows.update((req, s + r) for r, req in enumerate(sched.decodes))   # _run_decode's row order
         for req in rows:
             req.num_pending_tokens += sched.steps.get(req, 1)
         self.scheduler.dispatched(sched)
@@ -304,27 +305,30 @@ class LLMEngine:
         return self.runner.prefill(b, f, ints, with_prompt_logprobs=any(record_lp)), record_lp
 
     def _run_decode(self, sched: SchedulerOutput, num_steps: int):
-        s = self.num_slots
-        tokens = np.zeros(s, np.int32)
-        page_table = np.zeros((s, self.runner.pages_per_seq), np.int32)
-        seq_lens = np.zeros(s, np.int32)
-        rows = [None] * s
-        row_steps = np.ones(s, np.int32)
+        """Row r of the step runs sched.decodes[r]; the rows are the smallest decode bucket that holds them."""
+        n = self.runner.decode_rows_for(len(sched.decodes))
+        tokens = np.zeros(n, np.int32)
+        page_table = np.zeros((n, self.runner.pages_per_seq), np.int32)
+        seq_lens = np.zeros(n, np.int32)
+        slots = np.full(n, self.num_slots, np.int32)   # padding rows: out of range, nothing is counted
+        rows = [None] * n
+        row_steps = np.ones(n, np.int32)
         prev = self._in_flight
-        for req in sched.decodes:
+        for r, req in enumerate(sched.decodes):
             if req.num_pending_tokens:    # its last token is still on the device: gather it there
-                tokens[req.slot] = -1 - prev.sample_rows[req]
+                tokens[r] = -1 - prev.sample_rows[req]
             else:
-                tokens[req.slot] = req.all_token_ids[-1]
-            page_table[req.slot, :len(req.pages)] = req.pages
-            seq_lens[req.slot] = req.num_total_tokens
-            rows[req.slot] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
-            row_steps[req.slot] = sched.steps.get(req, 1)
-        f, ints = pack_rows(rows, s)
+                tokens[r] = req.all_token_ids[-1]
+            page_table[r, :len(req.pages)] = req.pages
+            seq_lens[r] = req.num_total_tokens
+            slots[r] = req.slot
+            rows[r] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
+            row_steps[r] = sched.steps.get(req, 1)
+        f, ints = pack_rows(rows, n)
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
         return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens, plan_rows(rows),
-                                  row_steps if num_steps > 1 else None, num_steps)
+                                  row_steps if num_steps > 1 else None, num_steps, slots)
 
     # ---- results
     def _arrays_to_read(self, step: _Launched) -> list[jax.Array]:
@@ -349,18 +353,21 @@ class LLMEngine:
         self.stats.read_wait_seconds += time.perf_counter() - t0
         n = step.num_steps
 
-        def steps_axis(x, dtype, tail=()):   # -> [n, s, *tail]: single-step outputs are iteration 0
+        def steps_axis(x, rows, dtype, tail=()):   # -> [n, rows, *tail]: single-step outputs are iteration 0
             if x is None:
-                return np.zeros((n, s, *tail), dtype)
-            x = x.reshape(-1, s, *tail)
-            return x if len(x) == n else np.concatenate([x, np.zeros((n - len(x), s, *tail), dtype)])
+                return np.zeros((n, rows, *tail), dtype)
+            x = x.reshape(-1, rows, *tail)
+            return x if len(x) == n else np.concatenate([x, np.zeros((n - len(x), rows, *tail), dtype)])
 
         parts = [(None, None) if g is None else g for g in got]
-        host = _HostOutput(np.concatenate([steps_axis(p[0], np.int32) for p in parts], axis=1), None, None, None,
-                           prompt)
+        # the prefill part always spans s rows (decode rows follow it); the decode part its bucket's rows
+        widths = (s, 0 if got[1] is None else got[1][0].shape[-1])
+        host = _HostOutput(np.concatenate([steps_axis(p[0], w, np.int32) for p, w in zip(parts, widths)], axis=1),
+                           None, None, None, prompt)
         if step.with_logprobs:
             host.logprob, host.top_vals, host.top_ids = (
-                np.concatenate([steps_axis(None if p[1] is None else p[1][j], dt, tail) for p in parts], axis=1)
+                np.concatenate([steps_axis(None if p[1] is None else p[1][j], w, dt, tail)
+                                for p, w in zip(parts, widths)], axis=1)
                 for j, dt, tail in ((0, np.float32, ()), (1, np.float32, (k,)), (2, np.int32, (k,))))
         return host
 

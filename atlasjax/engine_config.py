@@ -14,6 +14,9 @@ class EngineConfig:
     model: str | None = None                 # HF dir, .gguf, saved atlasjax checkpoint; None = embedded default
     dtype: str = "auto"                      # auto: bfloat16 on GPU, float32 elsewhere
     max_num_seqs: int = 16
+    decode_batch_sizes: tuple[int, ...] | None = None   # row counts the decode step is compiled for: a step
+                                             # runs the smallest that holds its requests (None: 8, 16, 32, ...
+                                             # below max_num_seqs, then max_num_seqs itself)
     max_model_len: int | None = None         # default: min(model's max positions, 4096)
     page_size: int = 16
     num_pages: int | None = None             # default: sized from free device memory
@@ -40,6 +43,10 @@ class EngineConfig:
                      "num_scheduler_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.decode_batch_sizes is not None and (
+                not isinstance(self.decode_batch_sizes, tuple) or not self.decode_batch_sizes
+                or any(not isinstance(b, int) or b < 1 for b in self.decode_batch_sizes)):
+            bad(f"decode_batch_sizes must be a non-empty tuple of positive integers, got {self.decode_batch_sizes!r}")
         if self.page_size & (self.page_size - 1):
             bad(f"page_size must be a power of two, got {self.page_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -61,6 +68,19 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")
+
+    def decode_buckets(self, num_slots: int) -> tuple[int, ...]:
+        """Row counts the decode step is compiled for, ascending, the largest `num_slots` (the engine's
+        slots: max_num_seqs, at least 8 on GPU). A decode of n requests runs the smallest bucket >= n,
+        so a lightly loaded engine does not pay for every slot's rows in its matmuls and sampling."""
+        if self.decode_batch_sizes is None:
+            sizes, b = [], 8
+            while b < num_slots:
+                sizes.append(b)
+                b *= 2
+        else:
+            sizes = [b for b in self.decode_batch_sizes if b < num_slots]
+        return tuple(sorted(set(sizes))) + (num_slots,)
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Padded token counts the prefill step is compiled for: powers of two up to the budget."""

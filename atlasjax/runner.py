@@ -46,13 +46,14 @@ class StepOutput:
     top_vals: jax.Array      # [rows, MAX_LOGPROBS]
     top_ids: jax.Array
     prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
-    # A multi-step decode (`_multi_decode_step`): tokens, logprob, top_vals and top_ids gain a leading
-    # [num_steps] axis, and last_tokens [rows] is each row's final token (what the next step gathers).
+    # Decode steps: [max_num_seqs] each row's newest token, zero past the step's rows (a multi-step decode's
+    # tokens, logprob, top_vals and top_ids gain a leading [num_steps] axis; this is its final token). A
+    # later step gathers from it, so that step compiles the same whatever this one's row count.
     last_tokens: jax.Array | None = None
 
     @property
     def gather_tokens(self) -> jax.Array:
-        """[rows]: the token a later step continues from (negative `tokens` entries index these)."""
+        """[max_num_seqs]: the tokens a later step continues from (negative `tokens` entries index these)."""
         return self.tokens if self.last_tokens is None else self.last_tokens
 
 
@@ -87,33 +88,46 @@ def unpack_host(packed: jax.Array, layout: tuple) -> list[jax.Array]:
 
 
 def _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens):
-    # [S] tokens at position seq_lens - 1 of each slot. A token -1 - r stands for row r of the previous
-    # step's sampled tokens (its prefill's [S], then its decode's [S]), still on the device: the host
-    # schedules this step before reading those back.
+    # [R] tokens at position seq_lens - 1 of each row. A token -1 - r stands for row r of the previous
+    # step's sampled tokens (its prefill's [S], then its decode's, padded to [S]), still on the device: the
+    # host schedules this step before reading those back.
     prev = jnp.concatenate([prev_prefill_tokens, prev_decode_tokens])
     return jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
 
 
-def _decode_once(model: Transformer, plan, params, kv, counts, prompt_mask, tokens, page_table, seq_lens, st):
-    """One decode iteration: seq_lens == 0 marks an inactive slot (no K/V write, no count)."""
+def _slot_rows(state_rows, slots):
+    """Per-slot state [max_num_seqs, ...] at a step's rows (padding rows, slot max_num_seqs: the last slot's)."""
+    return state_rows[jnp.minimum(slots, state_rows.shape[0] - 1)]
+
+
+def _padded_to_slots(tokens, num_slots: int):
+    return jnp.pad(tokens, (0, num_slots - tokens.shape[0]))
+
+
+def _decode_once(model: Transformer, plan, params, kv, counts, prompt_mask, tokens, page_table, seq_lens, slots,
+                 st):
+    """One decode iteration over the step's rows: row r continues the request in slot slots[r];
+    seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range)."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens)
     hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
-    rows = jnp.arange(tokens.shape[0])
-    new_tokens, lp, tv, ti = sampling.sample(logits, counts, prompt_mask, st, plan)
-    counts = counts.at[rows, new_tokens].add((seq_lens > 0).astype(jnp.int32))
+    # the greedy plans never read the penalty state, and XLA drops these gathers from them
+    new_tokens, lp, tv, ti = sampling.sample(logits, _slot_rows(counts, slots), _slot_rows(prompt_mask, slots), st,
+                                             plan)
+    counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
     return kv, counts, StepOutput(new_tokens, lp, tv, ti)
 
 
 def _decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
                  prev_prefill_tokens, prev_decode_tokens):
-    tokens, page_table, seq_lens, f, i = unpack_host(packed, layout)
+    tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     kv, counts, out = _decode_once(model, plan, params, state.kv, state.counts, state.prompt_mask, tokens,
-                                   page_table, seq_lens, sampling.SamplingTensors(f, i))
+                                   page_table, seq_lens, slots, sampling.SamplingTensors(f, i))
+    out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
     return DeviceState(kv, counts, state.prompt_mask), out
 
 
@@ -122,7 +136,7 @@ def _multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_step
     """`num_steps` decode iterations in one launch (a `lax.scan`, so the host issues the step once for
     all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
     after them it is inactive (no K/V write), and its later outputs repeat its last token."""
-    tokens, page_table, seq_lens, f, i, row_steps = unpack_host(packed, layout)
+    tokens, page_table, seq_lens, slots, f, i, row_steps = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
 
     def body(carry, j):
@@ -131,12 +145,13 @@ def _multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_step
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
         kv, counts, out = _decode_once(model, plan, params, kv, counts, state.prompt_mask, tokens, page_table,
-                                       jnp.where(active, seq_lens + j, 0), st)
+                                       jnp.where(active, seq_lens + j, 0), slots, st)
         tokens = jnp.where(active, out.tokens, tokens)
         return (kv, counts, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
     (kv, counts, tokens), outs = jax.lax.scan(body, (state.kv, state.counts, tokens), jnp.arange(num_steps))
-    return DeviceState(kv, counts, state.prompt_mask), StepOutput(*outs, last_tokens=tokens)
+    return DeviceState(kv, counts, state.prompt_mask), StepOutput(
+        *outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
 
 
 PREFILL_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
@@ -152,10 +167,10 @@ def _prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params
                              query_start=query_start, num_seqs=num_seqs)
     hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
-    safe_slots = jnp.where(commit, slot_ids, 0)
-    new_tokens, lp, tv, ti = sampling.sample(logits, state.counts[safe_slots], state.prompt_mask[safe_slots], st)
-    drop = state.counts.shape[0]   # out-of-range slot: scatter dropped
-    counts = state.counts.at[jnp.where(commit, slot_ids, drop), new_tokens].add(1, mode="drop")
+    slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
+    new_tokens, lp, tv, ti = sampling.sample(logits, _slot_rows(state.counts, slots),
+                                             _slot_rows(state.prompt_mask, slots), st)
+    counts = state.counts.at[slots, new_tokens].add(1, mode="drop")
     out = StepOutput(new_tokens, lp, tv, ti)
     if with_prompt_logprobs:
         all_logits = model.apply({"params": params}, hidden, method=Transformer.logits)
@@ -179,9 +194,10 @@ class ModelRunner:
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
     def __init__(self, cfg, params, *, dtype, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_model_len: int, prefill_buckets: tuple[int, ...], attn_backend: str = "auto", plan=None,
-                 own_params: bool = False):
-        """plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
+                 max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
+                 attn_backend: str = "auto", plan=None, own_params: bool = False):
+        """decode_buckets: row counts the decode step compiles for (max_num_seqs is always one).
+        plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
         self.cfg = cfg
         self.dtype = dtype
@@ -197,6 +213,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.prefill_buckets = tuple(sorted(prefill_buckets))
+        self.decode_buckets = tuple(sorted({b for b in decode_buckets if b < max_num_seqs} | {max_num_seqs}))
         vocab = cfg.vocab_size
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
@@ -279,15 +296,23 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest prefill bucket {self.prefill_buckets[-1]}")
 
+    def decode_rows_for(self, num_requests: int) -> int:
+        """Rows of the decode step that runs `num_requests` (the smallest decode bucket that holds them)."""
+        for b in self.decode_buckets:
+            if num_requests <= b:
+                return b
+        raise ValueError(f"{num_requests} decodes exceed the engine's {self.max_num_seqs} slots")
+
     # ---- steps (all asynchronous: they return device arrays). Each `_*_call` packs the host inputs,
     # compiles its shape once and returns (compiled step, args); warmup compiles through the same path.
     def _decode_call(self, host_inputs, prev, plan, num_steps=1):
         packed, layout = pack_host(host_inputs)
         args = (self.params, self.state, self._host(packed), *prev)
+        rows = host_inputs[0].shape[0]
         if num_steps == 1:
-            key, fn = ("decode", self.max_num_seqs, plan), functools.partial(_decode_step, self.model, plan, layout)
+            key, fn = ("decode", rows, plan), functools.partial(_decode_step, self.model, plan, layout)
         else:
-            key = ("decode", self.max_num_seqs, plan, num_steps)
+            key = ("decode", rows, plan, num_steps)
             fn = functools.partial(_multi_decode_step, self.model, plan, num_steps, layout)
         return self._compile(key, fn, (1,), *args), args
 
@@ -305,13 +330,17 @@ class ModelRunner:
         return self._compile(("admit", self.max_model_len), functools.partial(_admit, layout), (0,), *args), args
 
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
-               plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1) -> StepOutput:
-        """prev_tokens: the previous step's sampled tokens (prefill, decode; device arrays or None) that
-        negative entries of `tokens` point into (see _decode_step).
+               plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1,
+               slots=None) -> StepOutput:
+        """One decode over rows [R] (R a decode bucket): row r continues the request in slot slots[r]
+        (default: slot r); padding rows have seq_lens 0 and slot max_num_seqs.
+        prev_tokens: the previous step's gather_tokens (prefill, decode; device arrays or None) that
+        negative entries of `tokens` point into (see _gather_prev).
         num_steps > 1: that many decode iterations in one launch, row r running the first row_steps[r]
         (`_multi_decode_step`; outputs gain a leading [num_steps] axis)."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
-        host = (tokens, page_table, seq_lens, f, i)
+        slots = np.arange(len(tokens), dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
+        host = (tokens, page_table, seq_lens, slots, f, i)
         if num_steps > 1:
             host += (np.asarray(row_steps, np.int32),)
         step, args = self._decode_call(host, prev, plan, num_steps)
@@ -331,12 +360,15 @@ class ModelRunner:
         """Compile every step shape serving can use (decode, each prefill bucket, admit) without running
         them; with num_steps > 1 also the multi-step decodes."""
         s, p = self.max_num_seqs, self.pages_per_seq
-        f, i = sampling.pack_rows([], s)
         z = functools.partial(np.zeros, dtype=np.int32)
-        for plan in sampling.SamplingPlan.variants():
-            self._decode_call((z(s), z((s, p)), z(s), f, i), (self._no_prev_tokens,) * 2, plan)
-            if num_steps > 1:
-                self._decode_call((z(s), z((s, p)), z(s), f, i, z(s)), (self._no_prev_tokens,) * 2, plan, num_steps)
+        for rows in self.decode_buckets:
+            f, i = sampling.pack_rows([], rows)
+            host = (z(rows), z((rows, p)), z(rows), z(rows), f, i)
+            for plan in sampling.SamplingPlan.variants():
+                self._decode_call(host, (self._no_prev_tokens,) * 2, plan)
+                if num_steps > 1:
+                    self._decode_call(host + (z(rows),), (self._no_prev_tokens,) * 2, plan, num_steps)
+        f, i = sampling.pack_rows([], s)
         for t in self.prefill_buckets:
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),

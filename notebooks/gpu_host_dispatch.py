@@ -39,14 +39,14 @@ for _ in range(12):
     engine.step()
 
 r, s = engine.runner, engine.num_slots
-key = next(k for k in r._compiled if k[0] == "decode" and k[2].greedy and not k[2].logprobs)
+key = next(k for k in r._compiled if k[0] == "decode" and k[1] == s and k[2].greedy and not k[2].logprobs)
 step_fn = r._compiled[key]
 pt = np.zeros((s, r.pages_per_seq), np.int32)
 pt[:, :9] = np.arange(9 * s).reshape(s, 9)
 lens = np.zeros(s, np.int32)
 lens[0] = 140
 f, i = pack_rows([(SamplingParams(temperature=0), 0, 0, ())], s)
-host_packed = pack_host((np.ones(s, np.int32), pt, lens, f, i))[0]
+host_packed = pack_host((np.ones(s, np.int32), pt, lens, np.arange(s, dtype=np.int32), f, i))[0]
 packed = jnp.asarray(host_packed)
 z = jnp.zeros((s,), jnp.int32)
 

@@ -176,7 +176,7 @@ if SCHED_STEPS > 1:   # the floor below dispatches the one-step executable
 # is not separable here; instead, dispatch the compiled decode back to back with device inputs (the floor).
 r = engine.runner
 s = engine.num_slots
-step_fn = next(v for k, v in r._compiled.items() if k[0] == "decode" and k[2].greedy and not k[2].logprobs)
+step_fn = next(v for k, v in r._compiled.items() if k[0] == "decode" and k[1] == s and k[2].greedy and not k[2].logprobs)
 pt = np.zeros((s, r.pages_per_seq), np.int32)
 pt[:, :9] = np.arange(9 * s).reshape(s, 9)
 lens = np.zeros(s, np.int32)
@@ -186,7 +186,7 @@ from atlasjax.sampling import pack_rows  # noqa: E402
 f, i = pack_rows([(SamplingParams(temperature=0), 0, 0, ())] * BS, s)
 from atlasjax.runner import pack_host  # noqa: E402
 
-packed = r._on_mesh(jnp.asarray(pack_host((np.ones(s, np.int32), pt, lens, f, i))[0]))   # replicated under TP
+packed = r._on_mesh(jnp.asarray(pack_host((np.ones(s, np.int32), pt, lens, np.arange(s, dtype=np.int32), f, i))[0]))   # replicated under TP
 z = r._on_mesh(jnp.zeros((s,), jnp.int32))
 
 
@@ -198,7 +198,7 @@ def floor_steps(n):
 
 jax.block_until_ready(floor_steps(3))
 # Host cost of the runner alone: decode calls with numpy inputs (as the engine makes them), not waited on.
-plan_key = next(k[2] for k in r._compiled if k[0] == "decode" and k[2].greedy and not k[2].logprobs)
+plan_key = next(k[2] for k in r._compiled if k[0] == "decode" and k[1] == s and k[2].greedy and not k[2].logprobs)
 host = [np.ones(s, np.int32), pt, lens]
 outs = []
 t = time.perf_counter()

@@ -140,9 +140,9 @@ def test_decode_takes_its_tokens_from_the_device(tiny):
         engine.async_scheduling = False
     first = engine.step()                          # decode dispatched with the pending token, then prefill read back
     assert [d.new_token_ids for d in first] == [x.output_token_ids] and x.num_pending_tokens == 1
-    assert host_tokens[0][x.slot] == -1            # row 0 of the previous step's prefill tokens
+    assert host_tokens[0][0] == -1                 # x's decode row 0 <- row 0 of the previous step's prefill tokens
     engine.step()
-    assert host_tokens[1][x.slot] == -1 - (engine.config.max_num_seqs + x.slot)   # its decode row
+    assert host_tokens[1][0] == -1 - engine.config.max_num_seqs   # <- its row 0 of the previous decode
     while engine.has_unfinished():
         engine.step()
     assert len(x.output_token_ids) == 6 and len(host_tokens) == 5   # the 6th token is the last: no 6th decode

@@ -8,7 +8,8 @@ import sys
 
 from atlasjax.bench.gguf_layouts import LAYOUTS as GGUF_LAYOUTS
 from atlasjax.bench.presets import PRESETS, progress
-from atlasjax.__main__ import add_attention_backend_arg, add_scheduler_steps_arg, add_weight_format_args
+from atlasjax.__main__ import (add_attention_backend_arg, add_decode_batch_sizes_arg, add_scheduler_steps_arg,
+                               add_weight_format_args)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("engine (unset: the mode's default, then EngineConfig's)")
     e.add_argument("--max-num-seqs", type=int, default=None)
+    add_decode_batch_sizes_arg(e)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--num-pages", type=int, default=None)

@@ -1,0 +1,76 @@
+"""Decode batch buckets: a decode step runs the smallest compiled row count that holds its requests,
+row r continuing the request in whatever slot it holds; results match the full-size step's.
+
+The `tiny` bench preset (random weights, word tokenizer "w{i}") and the mixed workload of
+test_async_scheduling (greedy, seeded sampling with filters and penalties, logprobs, stop strings,
+n=2, staggered arrivals).
+"""
+import pytest
+
+from atlasjax import EngineConfigError, SamplingParams
+from atlasjax.engine import LLMEngine
+from atlasjax.engine_config import EngineConfig
+from tests.test_async_scheduling import _mixed_workload, _run, tiny  # noqa: F401 (tiny: a fixture)
+
+
+def _engine(loaded, **kw):
+    args = dict(max_num_seqs=16, max_model_len=80, page_size=8, max_num_batched_tokens=64)
+    return LLMEngine(EngineConfig(**{**args, **kw}), loaded=loaded)
+
+
+def _record_decodes(engine):
+    """[(rows, slots of the live rows)] per decode the engine dispatches."""
+    seen, decode = [], engine.runner.decode
+
+    def record(tokens, page_table, seq_lens, *args):
+        slots = args[-1]
+        seen.append((len(tokens), sorted(int(s) for s, n in zip(slots, seq_lens) if n > 0)))
+        return decode(tokens, page_table, seq_lens, *args)
+    engine.runner.decode = record
+    return seen
+
+
+def test_default_buckets_are_powers_of_two_from_8_then_every_slot():
+    assert EngineConfig().decode_buckets(16) == (8, 16)
+    assert EngineConfig().decode_buckets(100) == (8, 16, 32, 64, 100)
+    assert EngineConfig().decode_buckets(8) == (8,)
+    assert EngineConfig().decode_buckets(3) == (3,)
+    assert EngineConfig(decode_batch_sizes=(12, 4, 64)).decode_buckets(16) == (4, 12, 16)
+    assert EngineConfig(decode_batch_sizes=(16,)).decode_buckets(16) == (16,)
+
+
+@pytest.mark.parametrize("sizes", [(), (0, 8), [8], (8, "16")])
+def test_bad_decode_batch_sizes_are_refused(sizes):
+    with pytest.raises(EngineConfigError, match="decode_batch_sizes"):
+        EngineConfig(decode_batch_sizes=sizes)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(async_scheduling=False), dict(num_scheduler_steps=3)],
+                         ids=["async", "sync", "multi_step"])
+def test_small_buckets_give_the_full_size_results(tiny, mode):  # noqa: F811
+    """As the batch drains, decodes move to the 8-row step while requests still hold slots 8-15:
+    tokens, text, logprobs and penalties (per-slot counts gathered by row) match 16-row steps."""
+    work = _mixed_workload(n=24, seed=3)
+    full = _engine(tiny, decode_batch_sizes=(16,), **mode)
+    bucketed = _engine(tiny, **mode)
+    assert bucketed.runner.decode_buckets == (8, 16) and full.runner.decode_buckets == (16,)
+    seen = _record_decodes(bucketed)
+    want, _ = _run(full, work)
+    got, _ = _run(bucketed, work)
+    assert got == want
+    assert {rows for rows, _ in seen} == {8, 16}
+    assert any(rows == 8 and max(slots) >= 8 for rows, slots in seen), "no 8-row step ran a slot past 7"
+    assert all(len(slots) <= rows for rows, slots in seen)
+    for engine in (full, bucketed):
+        assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_a_lone_request_runs_the_smallest_step(tiny):  # noqa: F811
+    engine = _engine(tiny, max_num_seqs=64)
+    seen = _record_decodes(engine)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.requests["a"][0].output_token_ids) == 6
+    assert seen and all(rows == 8 for rows, _ in seen)
+    assert ("decode", 64) not in {k[:2] for k in engine.runner._compiled}   # the 64-row step never compiled
