@@ -11,9 +11,12 @@ a silent recompile.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import logging
+import os
+import threading
 import time
 
 import flax.struct
@@ -232,6 +235,7 @@ class ModelRunner:
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self._compiled: dict = {}
+        self._compile_lock = threading.Lock()   # warmup compiles in threads
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""
@@ -252,16 +256,16 @@ class ModelRunner:
         compiled = jax.jit(fn, donate_argnums=donate).lower(*self._on_mesh(args)).compile(
             compiler_options=self._compiler_options)
         dt = time.perf_counter() - t0
-        self.num_compiles += 1
-        self.compile_seconds += dt
-        # One structured (JSON) line per compile, so logs can be counted and grepped.
-        shape = [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
-        log.info("compile %s", json.dumps({"step": key[0], "shape": shape, "seconds": round(dt, 3),
-                                           "num_compiles": self.num_compiles}))
-        if self.plan is not None:
-            compiled = functools.partial(self._call_on_mesh, compiled)
-        self._compiled[key] = compiled
-        return compiled
+        with self._compile_lock:
+            self.num_compiles += 1
+            self.compile_seconds += dt
+            # One structured (JSON) line per compile, so logs can be counted and grepped.
+            shape = [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
+            log.info("compile %s", json.dumps({"step": key[0], "shape": shape, "seconds": round(dt, 3),
+                                               "num_compiles": self.num_compiles}))
+            if self.plan is not None:
+                compiled = functools.partial(self._call_on_mesh, compiled)
+            return self._compiled.setdefault(key, compiled)
 
     def _on_mesh(self, tree):
         """Tensor parallel: host inputs (and arrays on one device) become replicated over the mesh;
@@ -356,25 +360,32 @@ class ModelRunner:
         self.state, out = step(*args)
         return out
 
-    def warmup(self, num_steps: int = 1) -> None:
-        """Compile every step shape serving can use (decode, each prefill bucket, admit) without running
-        them; with num_steps > 1 also the multi-step decodes."""
+    def warmup(self, num_steps: int = 1, threads: int | None = None) -> None:
+        """Compile every step shape serving can use (decode buckets x sampling plans, each prefill bucket,
+        admit) without running them; with num_steps > 1 also the multi-step decodes. The compiles run
+        in `threads` threads (default: up to 8, one per CPU core), since XLA compiles outside the GIL."""
         s, p = self.max_num_seqs, self.pages_per_seq
         z = functools.partial(np.zeros, dtype=np.int32)
+        calls = []
         for rows in self.decode_buckets:
             f, i = sampling.pack_rows([], rows)
             host = (z(rows), z((rows, p)), z(rows), z(rows), f, i)
             for plan in sampling.SamplingPlan.variants():
-                self._decode_call(host, (self._no_prev_tokens,) * 2, plan)
+                calls.append(functools.partial(self._decode_call, host, (self._no_prev_tokens,) * 2, plan))
                 if num_steps > 1:
-                    self._decode_call(host + (z(rows),), (self._no_prev_tokens,) * 2, plan, num_steps)
+                    calls.append(functools.partial(self._decode_call, host + (z(rows),), (self._no_prev_tokens,) * 2,
+                                                   plan, num_steps))
         f, i = sampling.pack_rows([], s)
         for t in self.prefill_buckets:
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),
                          commit=np.zeros(s, bool), next_tokens=z(t))
-            self._prefill_call([batch[n] for n in PREFILL_INPUTS] + [f, i], False)
-        self._admit_call(0, z(self.max_model_len), 0, 0)
+            calls.append(functools.partial(self._prefill_call, [batch[n] for n in PREFILL_INPUTS] + [f, i], False))
+        calls.append(functools.partial(self._admit_call, 0, z(self.max_model_len), 0, 0))
+        threads = threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
+            for done in [pool.submit(call) for call in calls]:
+                done.result()     # the first compile error, if any, raised here
 
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)

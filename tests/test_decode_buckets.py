@@ -14,7 +14,10 @@ from tests.test_async_scheduling import _mixed_workload, _run, tiny  # noqa: F40
 
 
 def _engine(loaded, **kw):
+    # pages for every slot's longest sequence, so that on a GPU the two engines of a test both fit
+    # (the default sizes the pool from free device memory)
     args = dict(max_num_seqs=16, max_model_len=80, page_size=8, max_num_batched_tokens=64)
+    args["num_pages"] = kw.get("max_num_seqs", 16) * 10 + 1
     return LLMEngine(EngineConfig(**{**args, **kw}), loaded=loaded)
 
 
@@ -74,3 +77,17 @@ def test_a_lone_request_runs_the_smallest_step(tiny):  # noqa: F811
     assert len(engine.requests["a"][0].output_token_ids) == 6
     assert seen and all(rows == 8 for rows, _ in seen)
     assert ("decode", 64) not in {k[:2] for k in engine.runner._compiled}   # the 64-row step never compiled
+
+
+def test_warmup_compiles_every_bucket_in_threads(tiny):  # noqa: F811
+    engine = _engine(tiny, max_num_seqs=32, decode_batch_sizes=(8,), num_scheduler_steps=2)
+    engine.runner.warmup(2, threads=3)
+    decodes = sorted((k[1], len(k)) for k in engine.runner._compiled if k[0] == "decode")
+    # 3 sampling plans, one step and two per launch, at 8 and 32 rows
+    assert decodes == [(8, 3)] * 3 + [(8, 4)] * 3 + [(32, 3)] * 3 + [(32, 4)] * 3
+    assert engine.runner.num_compiles == len(engine.runner._compiled)
+    n = engine.runner.num_compiles
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.runner.num_compiles == n      # serving compiles nothing more
