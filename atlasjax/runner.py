@@ -362,8 +362,12 @@ class ModelRunner:
 
     def warmup(self, num_steps: int = 1, threads: int | None = None) -> None:
         """Compile every step shape serving can use (decode buckets x sampling plans, each prefill bucket,
-        admit) without running them; with num_steps > 1 also the multi-step decodes. The compiles run
-        in `threads` threads (default: up to 8, one per CPU core), since XLA compiles outside the GIL."""
+        admit) without running them; with num_steps > 1 also the multi-step decodes.
+
+        The compiles run in `threads` threads (XLA compiles outside the GIL). Default:
+        $ATLASJAX_COMPILE_THREADS, else one on GPU and up to 8 elsewhere. On a GPU each compile's
+        autotuner takes device memory (~1 GB at 8B shapes) beside the KV pool, which is sized to leave
+        room for one: 8 at once ran out of memory with the default pool (session 40)."""
         s, p = self.max_num_seqs, self.pages_per_seq
         z = functools.partial(np.zeros, dtype=np.int32)
         calls = []
@@ -382,7 +386,8 @@ class ModelRunner:
                          commit=np.zeros(s, bool), next_tokens=z(t))
             calls.append(functools.partial(self._prefill_call, [batch[n] for n in PREFILL_INPUTS] + [f, i], False))
         calls.append(functools.partial(self._admit_call, 0, z(self.max_model_len), 0, 0))
-        threads = threads or min(8, os.cpu_count() or 1)
+        threads = threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or (
+            1 if jax.default_backend() == "gpu" else min(8, os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
             for done in [pool.submit(call) for call in calls]:
                 done.result()     # the first compile error, if any, raised here
