@@ -48,6 +48,13 @@ def add_decode_batch_sizes_arg(g) -> None:
                         "Give --max-num-seqs alone to run every step at full size")
 
 
+def add_memory_utilization_arg(g) -> None:
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85, metavar="F",
+                   help="without --num-pages: the fraction of free device memory (after the weights and a "
+                        "reserve for activations) the KV pool takes (default 0.85); the rest is left for "
+                        "compiling and running the steps")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -58,6 +65,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
+    add_memory_utilization_arg(g)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-async-scheduling", action="store_true",
@@ -79,6 +87,7 @@ def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 decode_batch_sizes=args.decode_batch_sizes, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,

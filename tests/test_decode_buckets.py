@@ -91,3 +91,20 @@ def test_warmup_compiles_every_bucket_in_threads(tiny):  # noqa: F811
     while engine.has_unfinished():
         engine.step()
     assert engine.runner.num_compiles == n      # serving compiles nothing more
+
+
+def test_engine_and_bench_flags_reach_the_config():
+    import argparse
+
+    from atlasjax.__main__ import add_engine_args, engine_kwargs
+    from atlasjax.bench.__main__ import build_parser
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--decode-batch-sizes", "8,32", "--gpu-memory-utilization", "0.5"]))
+    assert kw["decode_batch_sizes"] == (8, 32) and kw["gpu_memory_utilization"] == 0.5
+    assert EngineConfig(**kw).decode_buckets(64) == (8, 32, 64)
+    assert engine_kwargs(p.parse_args([]))["decode_batch_sizes"] is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--decode-batch-sizes", "8,many"])
+    args = build_parser().parse_args(["latency", "--preset", "tiny", "--decode-batch-sizes", "16"])
+    assert args.decode_batch_sizes == (16,)

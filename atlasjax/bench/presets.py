@@ -126,6 +126,7 @@ def build_engine(args, **overrides):
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               decode_batch_sizes=getattr(args, "decode_batch_sizes", None), max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
               enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
               async_scheduling=not getattr(args, "no_async_scheduling", False),
               num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
