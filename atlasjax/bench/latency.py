@@ -162,7 +162,8 @@ def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[s
         decode_host_s=summarize([s - w for s, w in zip(steps, waits)]),
         e2e_latency_s=summarize([it["e2e"] for it in iters]),
         output_tokens_per_s=summarize([it["num_output_tokens"] / it["e2e"] for it in iters]),
-        num_decode_steps=len(steps), num_compiles_while_timed=runner.num_compiles - compiles_before,
+        num_decode_steps=len(steps), decode_rows=runner.decode_rows_for(bs),
+        num_compiles_while_timed=runner.num_compiles - compiles_before,
         num_compiles=runner.num_compiles, compile_seconds=runner.compile_seconds)
     roof = _roofline(engine, args, results, ceilings)
     report = dict(mode="latency", settings=_settings(engine, args), results=results, roofline=roof)
@@ -211,7 +212,7 @@ def _table(args, r, label: str) -> str:
                        ("output tok/s (end to end)", r["output_tokens_per_s"], "tok/s", 1)],
                       cols=("median", "p10", "p90", "mean"))
     title = (f"latency: {label}, batch {args.batch_size}, {args.input_len} in / {args.output_len} out, "
-             f"{args.num_iters} iterations ({r['num_decode_steps']} decode steps)")
+             f"{args.num_iters} iterations ({r['num_decode_steps']} decode steps; decode rows {r['decode_rows']})")
     return table(title, ["figure", "median", "p10", "p90", "mean", "unit"], rows)
 
 
