@@ -43,7 +43,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def add_decode_batch_sizes_arg(g) -> None:
     g.add_argument("--decode-batch-sizes", type=_sizes, default=None, metavar="N[,N...]",
-                   help="row counts the decode step is compiled for; a step runs the smallest that holds its "
+                   help="row counts the decode step is compiled for (at least 8 on GPU, where one row takes "
+                        "XLA's slower matrix-vector path); a step runs the smallest that holds its "
                         "requests (default: 8, 16, 32, ... below --max-num-seqs, then --max-num-seqs). "
                         "Give --max-num-seqs alone to run every step at full size")
 

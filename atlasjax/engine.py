@@ -102,7 +102,8 @@ class LLMEngine:
                                    num_scheduler_steps=config.num_scheduler_steps)
         # Rows of the fixed-shape steps: at least 8 on GPU, where XLA runs a one-row matmul as a much
         # slower matrix-vector kernel (8B bs=1 step on an H100: 7.8 ms with 1 row, 6.0 ms with 8).
-        self.num_slots = max(config.max_num_seqs, 8 if jax.default_backend() == "gpu" else 1)
+        min_rows = 8 if jax.default_backend() == "gpu" else 1
+        self.num_slots = max(config.max_num_seqs, min_rows)
         # The runner holds the params from here on (in its execution layout: `runner.checkpoint_params()`
         # gives them back as loaded); a tree this engine loaded or sharded itself is handed over whole.
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
@@ -111,7 +112,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=self.num_slots,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
-                                  decode_buckets=config.decode_buckets(self.num_slots),
+                                  decode_buckets=tuple(max(b, min_rows) for b in config.decode_buckets(self.num_slots)),
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
                                   own_params=given is None or params is not given.params)
         del params
