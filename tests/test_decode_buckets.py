@@ -108,3 +108,17 @@ def test_engine_and_bench_flags_reach_the_config():
         p.parse_args(["--decode-batch-sizes", "8,many"])
     args = build_parser().parse_args(["latency", "--preset", "tiny", "--decode-batch-sizes", "16"])
     assert args.decode_batch_sizes == (16,)
+
+
+def test_preemption_under_small_buckets_gives_the_full_size_results(tiny):  # noqa: F811
+    """A KV pool of 4 full-length sequences: decodes preempt and recompute, at whatever bucket."""
+    work = _mixed_workload(n=20, seed=5)
+    full = _engine(tiny, decode_batch_sizes=(16,), num_pages=41)
+    bucketed = _engine(tiny, num_pages=41)
+    want, _ = _run(full, work)
+    got, _ = _run(bucketed, work)
+    assert got == want
+    assert bucketed.scheduler.num_preemptions > 0
+    assert bucketed.scheduler.num_preemptions == full.scheduler.num_preemptions
+    for engine in (full, bucketed):
+        assert engine.pool.num_free_pages == engine.pool.num_pages

@@ -206,3 +206,14 @@ def test_multi_step_decoding_under_tp_equals_single_device(case):
     _assert_same(_run(llm, prompts), reference, f"{name} TP=2, 4 steps per launch")
     assert any(k[0] == "decode" and len(k) == 4 for k in llm.engine.runner._compiled)
     assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages
+
+
+def test_decode_buckets_under_tp_equal_single_device(case):
+    """Smaller decode buckets (rows gathered from their slots) on a mesh: the long prompt's chunked
+    prefill leaves the other two decoding in a 2-row step first."""
+    name, path, prompts, reference = case
+    llm = LLM(path, tensor_parallel_size=2, decode_batch_sizes=(1, 2), **ENGINE)
+    _assert_same(_run(llm, prompts), reference, f"{name} TP=2, decode buckets (1, 2, 4)")
+    rows = {k[1] for k in llm.engine.runner._compiled if k[0] == "decode"}
+    assert rows & {1, 2}, f"no small decode bucket ran: {rows}"
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages
