@@ -367,7 +367,7 @@ class ModelRunner:
         The compiles run in `threads` threads (XLA compiles outside the GIL). Default:
         $ATLASJAX_COMPILE_THREADS, else one on GPU and up to 8 elsewhere. On a GPU each compile's
         autotuner takes device memory (~1 GB at 8B shapes) beside the KV pool, which is sized to leave
-        room for one: 8 at once ran out of memory with the default pool (session 40)."""
+        room for one; compiles that run out of device memory in threads are compiled again one at a time."""
         s, p = self.max_num_seqs, self.pages_per_seq
         z = functools.partial(np.zeros, dtype=np.int32)
         calls = []
@@ -389,8 +389,20 @@ class ModelRunner:
         threads = threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or (
             1 if jax.default_backend() == "gpu" else min(8, os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
-            for done in [pool.submit(call) for call in calls]:
-                done.result()     # the first compile error, if any, raised here
+            futures = [pool.submit(call) for call in calls]
+        retry = []
+        for call, done in zip(calls, futures):
+            error = done.exception()
+            if error is None:
+                continue
+            if threads == 1 or "RESOURCE_EXHAUSTED" not in str(error):
+                raise error
+            retry.append(call)   # concurrent autotuners ran out of device memory: again, one at a time
+        if retry:
+            log.warning("warmup: %d of %d compiles ran out of device memory in %d threads; compiling them one "
+                        "at a time", len(retry), len(calls), threads)
+        for call in retry:
+            call()
 
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)

@@ -122,3 +122,25 @@ def test_preemption_under_small_buckets_gives_the_full_size_results(tiny):  # no
     assert bucketed.scheduler.num_preemptions == full.scheduler.num_preemptions
     for engine in (full, bucketed):
         assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_warmup_compiles_again_alone_what_ran_out_of_memory_in_threads(tiny, monkeypatch):  # noqa: F811
+    engine = _engine(tiny, max_num_seqs=8)
+    runner, compile_ = engine.runner, engine.runner._compile
+    failed = []
+
+    def out_of_memory_once(key, *args):
+        if key[0] == "decode" and not failed:
+            failed.append(key)
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1018.00MiB")
+        return compile_(key, *args)
+    monkeypatch.setattr(runner, "_compile", out_of_memory_once)
+    runner.warmup(1, threads=2)
+    assert failed and failed[0] in runner._compiled     # compiled on the second, lone try
+
+    def broken(key, *args):
+        raise ValueError("a lowering bug")
+    monkeypatch.setattr(runner, "_compile", broken)
+    runner._compiled.clear()
+    with pytest.raises(ValueError, match="lowering bug"):
+        runner.warmup(1, threads=2)
