@@ -112,7 +112,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=self.num_slots,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
-                                  decode_buckets=tuple(max(b, min_rows) for b in config.decode_buckets(self.num_slots)),
+                                  decode_buckets=config.decode_buckets(self.num_slots, min_rows),
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
                                   own_params=given is None or params is not given.params)
         del params

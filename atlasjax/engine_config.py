@@ -69,18 +69,19 @@ class EngineConfig:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")
 
-    def decode_buckets(self, num_slots: int) -> tuple[int, ...]:
+    def decode_buckets(self, num_slots: int, min_rows: int = 1) -> tuple[int, ...]:
         """Row counts the decode step is compiled for, ascending, the largest `num_slots` (the engine's
-        slots: max_num_seqs, at least 8 on GPU). A decode of n requests runs the smallest bucket >= n,
-        so a lightly loaded engine does not pay for every slot's rows in its matmuls and sampling."""
+        slots: max_num_seqs, at least 8 on GPU), none below `min_rows`. A decode of n requests runs the
+        smallest bucket >= n, so a lightly loaded engine does not pay for every slot's rows in its
+        matmuls and sampling."""
         if self.decode_batch_sizes is None:
             sizes, b = [], 8
             while b < num_slots:
                 sizes.append(b)
                 b *= 2
         else:
-            sizes = [b for b in self.decode_batch_sizes if b < num_slots]
-        return tuple(sorted(set(sizes))) + (num_slots,)
+            sizes = self.decode_batch_sizes
+        return tuple(sorted({max(b, min_rows) for b in sizes if b < num_slots} | {num_slots}))
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Padded token counts the prefill step is compiled for: powers of two up to the budget."""

@@ -199,7 +199,8 @@ class ModelRunner:
     def __init__(self, cfg, params, *, dtype, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
                  attn_backend: str = "auto", plan=None, own_params: bool = False):
-        """decode_buckets: row counts the decode step compiles for (max_num_seqs is always one).
+        """decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
+        (`EngineConfig.decode_buckets`; default: max_num_seqs alone).
         plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
         self.cfg = cfg
@@ -216,7 +217,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.prefill_buckets = tuple(sorted(prefill_buckets))
-        self.decode_buckets = tuple(sorted({b for b in decode_buckets if b < max_num_seqs} | {max_num_seqs}))
+        self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
         vocab = cfg.vocab_size
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)

@@ -23,6 +23,15 @@ def hf_model_factory(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """The `tiny` bench preset (random weights, word tokenizer "w{i}"): stop strings, fast compiles."""
+    import jax.numpy as jnp
+
+    from atlasjax.bench.presets import load_preset
+    return load_preset("tiny", jnp.float32)
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The embedded SmolLM2 GGUF (downloaded once into the user cache by atlasjax itself)."""

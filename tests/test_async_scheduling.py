@@ -12,14 +12,6 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    import jax.numpy as jnp
-
-    from atlasjax.bench.presets import load_preset
-    return load_preset("tiny", jnp.float32)
-
-
 def _engine(loaded, **kw):
     args = dict(max_num_seqs=4, max_model_len=80, page_size=8, max_num_batched_tokens=64)
     return LLMEngine(EngineConfig(**{**args, **kw}), loaded=loaded)

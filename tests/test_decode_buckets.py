@@ -10,7 +10,7 @@ import pytest
 from atlasjax import EngineConfigError, SamplingParams
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
-from tests.test_async_scheduling import _mixed_workload, _run, tiny  # noqa: F401 (tiny: a fixture)
+from tests.test_async_scheduling import _mixed_workload, _run
 
 
 def _engine(loaded, **kw):
@@ -50,7 +50,7 @@ def test_bad_decode_batch_sizes_are_refused(sizes):
 
 @pytest.mark.parametrize("mode", [dict(), dict(async_scheduling=False), dict(num_scheduler_steps=3)],
                          ids=["async", "sync", "multi_step"])
-def test_small_buckets_give_the_full_size_results(tiny, mode):  # noqa: F811
+def test_small_buckets_give_the_full_size_results(tiny, mode):
     """As the batch drains, decodes move to the 8-row step while requests still hold slots 8-15:
     tokens, text, logprobs and penalties (per-slot counts gathered by row) match 16-row steps."""
     work = _mixed_workload(n=24, seed=3)
@@ -68,7 +68,7 @@ def test_small_buckets_give_the_full_size_results(tiny, mode):  # noqa: F811
         assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
-def test_a_lone_request_runs_the_smallest_step(tiny):  # noqa: F811
+def test_a_lone_request_runs_the_smallest_step(tiny):
     engine = _engine(tiny, max_num_seqs=64)
     seen = _record_decodes(engine)
     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6))
@@ -79,7 +79,7 @@ def test_a_lone_request_runs_the_smallest_step(tiny):  # noqa: F811
     assert ("decode", 64) not in {k[:2] for k in engine.runner._compiled}   # the 64-row step never compiled
 
 
-def test_warmup_compiles_every_bucket_in_threads(tiny):  # noqa: F811
+def test_warmup_compiles_every_bucket_in_threads(tiny):
     engine = _engine(tiny, max_num_seqs=32, decode_batch_sizes=(8,), num_scheduler_steps=2)
     engine.runner.warmup(2, threads=3)
     decodes = sorted((k[1], len(k)) for k in engine.runner._compiled if k[0] == "decode")
@@ -110,7 +110,7 @@ def test_engine_and_bench_flags_reach_the_config():
     assert args.decode_batch_sizes == (16,)
 
 
-def test_preemption_under_small_buckets_gives_the_full_size_results(tiny):  # noqa: F811
+def test_preemption_under_small_buckets_gives_the_full_size_results(tiny):
     """A KV pool of 4 full-length sequences: decodes preempt and recompute, at whatever bucket."""
     work = _mixed_workload(n=20, seed=5)
     full = _engine(tiny, decode_batch_sizes=(16,), num_pages=41)
@@ -124,7 +124,7 @@ def test_preemption_under_small_buckets_gives_the_full_size_results(tiny):  # no
         assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
-def test_warmup_compiles_again_alone_what_ran_out_of_memory_in_threads(tiny, monkeypatch):  # noqa: F811
+def test_warmup_compiles_again_alone_what_ran_out_of_memory_in_threads(tiny, monkeypatch):
     engine = _engine(tiny, max_num_seqs=8)
     runner, compile_ = engine.runner, engine.runner._compile
     failed = []
