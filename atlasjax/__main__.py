@@ -165,15 +165,19 @@ def _start_distributed(args) -> bool:
     return True
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m atlasjax", description="atlasjax: JAX LLM inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every compile")
+    # -v also after the command (`serve -v`); SUPPRESS keeps a given top-level -v
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log every compile")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("generate", "complete one or more prompts"), ("chat", "one chat turn with the model")):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, parents=[verbose])
         p.add_argument("prompt", nargs="+")
         add_engine_args(p)
         _add_sampling_args(p)
-    p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server", parents=[verbose])
     add_engine_args(p)
     try:
         from serving.cli import add_server_args
@@ -181,11 +185,14 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     p = sub.add_parser("save", help="load a model once (quantizing it with --quantization) and write it as an "
-                                    "atlasjax checkpoint that later runs load directly")
+                                    "atlasjax checkpoint that later runs load directly", parents=[verbose])
     p.add_argument("output", help="directory to write (created; an existing checkpoint there is replaced)")
     add_engine_args(p)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every compile")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from atlasjax.errors import AtlasJaxError

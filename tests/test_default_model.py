@@ -44,3 +44,10 @@ def test_cli_reports_an_unsupported_model(tmp_path):
     assert r.returncode == 2
     assert "unsupported model architecture" in r.stderr and "LlamaForCausalLM" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_verbose_flag_goes_before_or_after_the_command():
+    from atlasjax.__main__ import build_parser
+    for argv in (["-v", "serve"], ["serve", "-v"], ["generate", "hi", "--verbose"], ["save", "out", "-v"]):
+        assert build_parser().parse_args(argv).verbose, argv
+    assert not build_parser().parse_args(["serve"]).verbose
