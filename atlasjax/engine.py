@@ -138,7 +138,10 @@ class LLMEngine:
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             reserve = 4 * self.config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)  # logits, sampling, activations
-            return max(1, int((free - reserve) * self.config.gpu_memory_utilization) // bytes_per_page)
+            pages = max(1, int((free - reserve) * self.config.gpu_memory_utilization) // bytes_per_page)
+            log.info("KV pool: %d pages of %d tokens, %.2f GiB (device memory: %.2f GiB free of %.2f before it)",
+                     pages, ps, pages * bytes_per_page / 2**30, free / 2**30, stats["bytes_limit"] / 2**30)
+            return pages
         # No device memory statistics (CPU): room for every slot at full length, at most 2 GiB.
         want = self.config.max_num_seqs * -(-self.max_model_len // ps)
         return max(1, min(want, (2 << 30) // bytes_per_page))

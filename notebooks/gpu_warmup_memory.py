@@ -11,12 +11,16 @@ import json
 import os
 import time
 
-import jax
-import jax.numpy as jnp
+import logging
 
+import jax
+
+import atlasjax.model_source
 from atlasjax.bench.presets import load_preset
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
 KEYS = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_free_block_bytes", "largest_alloc_size",
         "bytes_reserved", "pool_bytes")
@@ -37,19 +41,24 @@ def phase(name, t0):
 t = time.perf_counter()
 phase("start", t)
 quant = os.environ.get("QUANT") or None
-loaded = load_preset(os.environ.get("PRESET", "llama-3.1-8b"), jnp.bfloat16, quant, 0)
-jax.block_until_ready(loaded.params)
-phase("weights", t)
+
+
+def load_for_engine(config, dtype):   # as atlasjax.bench.preset_server: the engine owns what it loads
+    loaded = load_preset(os.environ.get("PRESET", "llama-3.1-8b"), dtype, quant, 0)
+    phase("weights", t)
+    return loaded
+
+
+atlasjax.model_source.load_for_engine = load_for_engine
 kw = dict(max_num_seqs=int(os.environ.get("SLOTS", "64")), quantization=quant,
           gpu_memory_utilization=float(os.environ.get("UTIL", "0.85")))
 if os.environ.get("PAGES"):
     kw["num_pages"] = int(os.environ["PAGES"])
-t = time.perf_counter()
-engine = LLMEngine(EngineConfig(**kw), loaded=loaded)
+engine = LLMEngine(EngineConfig(**kw))
 jax.block_until_ready(engine.runner.state)
 report["num_pages"] = engine.pool.num_pages
 report["kv_pool_gib"] = round(sum(x.nbytes for x in jax.tree.leaves(engine.runner.state.kv)) / 2**30, 3)
-phase("engine", t)
+phase("engine", t)   # since the start (weights included)
 t = time.perf_counter()
 try:
     engine.runner.warmup(threads=int(os.environ.get("THREADS", "1")))
