@@ -92,7 +92,8 @@ def engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+                compile_at_start=getattr(args, "command", None) == "serve")   # every process of a multi-host server, too
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -72,6 +72,23 @@ class _HostOutput:
     prompt: tuple | None
 
 
+def kv_pool_pages(stats: dict, bytes_per_page: int, reserve: int, utilization: float) -> int:
+    """Pages of a KV pool for device allocator `stats` (`Device.memory_stats()`): `utilization` of the
+    free memory less `reserve`, and no more than the largest free block less `reserve`, since each of
+    the pool's arrays needs one free block and the reserve is wanted in one piece too."""
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = int((free - reserve) * utilization)
+    if stats.get("largest_free_block_bytes"):
+        budget = min(budget, stats["largest_free_block_bytes"] - reserve)
+    return max(1, budget // bytes_per_page)
+
+
+def _device_bytes(x) -> int:
+    """Bytes of one device's share of array x."""
+    shards = getattr(x, "addressable_shards", None)
+    return shards[0].data.nbytes if shards else getattr(x, "nbytes", 0)
+
+
 def resolve_dtype(name: str):
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -90,16 +107,8 @@ class LLMEngine:
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
-        num_pages = distributed.broadcast_int(config.num_pages or self._auto_num_pages())   # all hosts agree
-        pages_per_seq = -(-self.max_model_len // config.page_size)
-        if num_pages < pages_per_seq:
-            raise EngineConfigError(
-                f"the KV pool ({num_pages} pages of {config.page_size} tokens) cannot hold one sequence of "
-                f"max_model_len={self.max_model_len} ({pages_per_seq} pages): lower max_model_len or add pages")
-        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   num_scheduler_steps=config.num_scheduler_steps)
+        if config.num_pages:
+            self._check_num_pages(config.num_pages)   # before any device work
         # Rows of the fixed-shape steps: at least 8 on GPU, where XLA runs a one-row matmul as a much
         # slower matrix-vector kernel (8B bs=1 step on an H100: 7.8 ms with 1 row, 6.0 ms with 8).
         min_rows = 8 if jax.default_backend() == "gpu" else 1
@@ -109,13 +118,24 @@ class LLMEngine:
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
         log.info("%s: %s", self.loaded.source, self.weights_summary)
-        self.runner = ModelRunner(cfg, params, dtype=self.dtype, num_pages=num_pages,
-                                  page_size=config.page_size, max_num_seqs=self.num_slots,
+        self.runner = ModelRunner(cfg, params, dtype=self.dtype, page_size=config.page_size, max_num_seqs=self.num_slots,
                                   max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
                                   decode_buckets=config.decode_buckets(self.num_slots, min_rows),
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
                                   own_params=given is None or params is not given.params)
         del params
+        # The KV pool is sized from the memory left once the params are in their execution layout.
+        num_pages = distributed.broadcast_int(config.num_pages or self._auto_num_pages())   # all hosts agree
+        self._check_num_pages(num_pages)
+        if config.compile_at_start:
+            t0 = time.perf_counter()
+            self.runner.warmup(config.num_scheduler_steps, num_pages=num_pages)
+            log.info("compiled %d step shapes in %.1f s", self.runner.num_compiles, time.perf_counter() - t0)
+        self.runner.allocate(num_pages)
+        self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   num_scheduler_steps=config.num_scheduler_steps)
         self._channel = None
         if distributed.is_multiprocess():   # process 0 drives; the others replay its steps (`follow`)
             self._channel = distributed.StepChannel()
@@ -129,18 +149,35 @@ class LLMEngine:
         self._async_scheduling = config.async_scheduling
         self._in_flight: _Launched | None = None     # async: the step dispatched by the previous step() call
 
+    def _check_num_pages(self, num_pages: int) -> None:
+        pages_per_seq = -(-self.max_model_len // self.config.page_size)
+        if num_pages < pages_per_seq:
+            raise EngineConfigError(
+                f"the KV pool ({num_pages} pages of {self.config.page_size} tokens) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} ({pages_per_seq} pages): lower max_model_len or add pages")
+
     def _auto_num_pages(self) -> int:
+        """Pages for `gpu_memory_utilization` of the free device memory, less a reserve for the steps'
+        buffers and their compiles. The pool's arrays (one per layer for K, one for V) must each find
+        one free block of the device allocator: after a load that quantized or fused weights, the
+        memory its temporaries left is split into holes, so the pool also keeps to the largest free
+        block, and leaves the reserve in one piece."""
         cfg, ps = self.model_config, self.config.page_size
         plan = self.loaded.plan   # under tensor parallelism each device holds its KV heads' share of a page
         kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
         bytes_per_page = 2 * cfg.num_layers * kv_heads * ps * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+        jax.block_until_ready(self.runner.params)   # the load's temporaries are freed once its work has run
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            reserve = 4 * self.config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)  # logits, sampling, activations
-            pages = max(1, int((free - reserve) * self.config.gpu_memory_utilization) // bytes_per_page)
-            log.info("KV pool: %d pages of %d tokens, %.2f GiB (device memory: %.2f GiB free of %.2f before it)",
-                     pages, ps, pages * bytes_per_page / 2**30, free / 2**30, stats["bytes_limit"] / 2**30)
+            # logits and sampling, activations, and XLA's GEMM autotuner: while compiling a step it
+            # allocates copies of a GEMM's operands (the LM head's weight, 1 GB at 8B shapes)
+            reserve = (4 * self.config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)
+                       + max(_device_bytes(x) for x in jax.tree.leaves(self.runner.params)))
+            pages = kv_pool_pages(stats, bytes_per_page, reserve, self.config.gpu_memory_utilization)
+            log.info("KV pool: %d pages of %d tokens, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
+                     "the largest free block %.2f GiB)", pages, ps, pages * bytes_per_page / 2**30, free / 2**30,
+                     stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
             return pages
         # No device memory statistics (CPU): room for every slot at full length, at most 2 GiB.
         want = self.config.max_num_seqs * -(-self.max_model_len // ps)

@@ -26,6 +26,9 @@ class EngineConfig:
     async_scheduling: bool = True            # schedule step N+1 while step N runs (False: one step at a time)
     num_scheduler_steps: int = 1             # decode iterations per launch when a step has only decodes (the
                                              # host issues the step once for them; outputs arrive in bursts)
+    compile_at_start: bool = False           # compile every step shape serving uses while the engine starts,
+                                             # before the KV pool is allocated (compiles then run in threads
+                                             # with the pool's memory free); what `serve` does
     seed: int = 0
     attention_backend: str = "auto"          # auto | pallas | reference | interpret (Pallas kernels in
                                              # Mosaic GPU interpret mode: slow, for checking them on a CPU)
@@ -59,6 +62,8 @@ class EngineConfig:
             bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if not isinstance(self.compile_at_start, bool):
+            bad(f"compile_at_start must be True or False, got {self.compile_at_start!r}")
         if not isinstance(self.async_scheduling, bool):
             bad(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.quantization not in (None, "int8", "fp8", "int4"):

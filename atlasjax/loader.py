@@ -244,12 +244,16 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
-def random_params(cfg: ModelConfig, dtype, seed: int = 0, plan=None) -> dict:
+def random_params(cfg: ModelConfig, dtype, seed: int = 0, plan=None, each=None) -> dict:
     """Random weights built directly on the device (benchmarks / presets); with a TensorParallel
     `plan`, built directly sharded over its mesh (each device makes only its shard). One small jit
-    per distinct shape (a single jit over all leaves compiles for minutes on a GPU)."""
+    per distinct shape (a single jit over all leaves compiles for minutes on a GPU).
+    each: fn(path, leaf) applied to each leaf as it is made (a quantizer: `leaf_quantizer`), so the
+    full-precision tree never exists whole and its freed leaves do not leave the memory in holes."""
     model_shapes = nn.unbox(abstract_params(cfg, dtype))
-    leaves, treedef = jax.tree_util.tree_flatten(model_shapes)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(model_shapes)
+    paths = [tuple(str(getattr(k, "key", k)) for k in path) for path, _ in paths_leaves]
+    leaves = [leaf for _, leaf in paths_leaves]
     shapes = [leaf.shape for leaf in leaves]
     shardings = [None] * len(leaves)
     if plan is not None:
@@ -260,7 +264,10 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0, plan=None) -> dict:
         shapes = [plan.global_shape(n, s) for n, s in zip(names, shapes)]
         shardings = [NamedSharding(plan.mesh, plan.spec(n)) for n in names]
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = [_random_leaf(k, shape, leaf.dtype, sharding) for k, shape, leaf, sharding in zip(keys, shapes, leaves, shardings)]
+    out = []
+    for path, key, shape, leaf, sharding in zip(paths, keys, shapes, leaves, shardings):
+        x = _random_leaf(key, shape, leaf.dtype, sharding)
+        out.append(x if each is None else jax.block_until_ready(each(path, x)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

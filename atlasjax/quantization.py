@@ -379,9 +379,17 @@ def quantize_params(
         Tied embeddings are never quantized: a tied model has no lm_head leaf, so this is a no-op
         there. The embedding table is never quantized.
     """
+    return map_params(params, leaf_quantizer(format, include=include, group_size=group_size, symmetric=symmetric,
+                                             quantize_lm_head=quantize_lm_head))
+
+
+def leaf_quantizer(format: str, *, include: Callable[[tuple[str, ...], Any], bool] = is_projection_kernel,
+                   group_size: int | None = None, symmetric: bool | None = None,
+                   quantize_lm_head: bool = False) -> Callable[[tuple[str, ...], Any], Any]:
+    """`quantize_params` for one leaf: fn(path, leaf) -> the leaf, quantized if selected (same args)."""
     include = quantization_predicate(quantize_lm_head, include)
-    return map_params(params, lambda path, leaf: quantize(leaf, format, group_size=group_size, symmetric=symmetric)
-                      if include(path, leaf) else leaf)
+    return lambda path, leaf: (quantize(leaf, format, group_size=group_size, symmetric=symmetric)
+                               if include(path, leaf) else leaf)
 
 
 def map_params(params: Mapping[str, Any], fn: Callable[[tuple[str, ...], Any], Any]) -> dict[str, Any]:

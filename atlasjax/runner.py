@@ -196,10 +196,12 @@ def _admit(layout, state: DeviceState, packed):
 class ModelRunner:
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
-    def __init__(self, cfg, params, *, dtype, num_pages: int, page_size: int, max_num_seqs: int,
+    def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int,
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
                  attn_backend: str = "auto", plan=None, own_params: bool = False):
-        """decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
+        """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
+        from the device memory left once the params are in their execution layout.
+        decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
         (`EngineConfig.decode_buckets`; default: max_num_seqs alone).
         plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
@@ -212,16 +214,14 @@ class ModelRunner:
         # Executed with fused q/k/v and gate/up projections (models/fused.py).
         self.params = fuse_projections(params, *(() if plan is None else (plan.mesh, TP_AXIS)), in_place=own_params)
         self.page_size = page_size
-        self.num_pages = num_pages
+        self.num_pages = 0
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.prefill_buckets = tuple(sorted(prefill_buckets))
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
-        vocab = cfg.vocab_size
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
-            kv = init_kv_cache(cfg, num_pages, page_size, dtype)
         else:
             # Every device runs the same model code on its shard (inside shard_map); the KV pools are
             # split over KV heads; host inputs and the per-slot sampling state are replicated.
@@ -229,14 +229,37 @@ class ModelRunner:
             local = Transformer(cfg, attn_backend=attn_backend, dtype=dtype, parallel=plan.parallel)
             logical = fuse_logical_axes(logical_axes(cfg, dtype), self.params)
             self.model = ShardedModel(local, plan, plan.param_specs(self.params, logical))
-            kv = jax.jit(functools.partial(init_kv_cache, cfg, num_pages, page_size, dtype, plan.num_kv_heads),
-                         out_shardings=plan.kv_sharding)()
-        self.state = DeviceState(kv=kv, **self._on_mesh(dict(counts=jnp.zeros((max_num_seqs, vocab), jnp.int32),
-                                                             prompt_mask=jnp.zeros((max_num_seqs, vocab), bool))))
+        self.state: DeviceState | None = None
+        self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self._compiled: dict = {}
         self._compile_lock = threading.Lock()   # warmup compiles in threads
+
+    def allocate(self, num_pages: int) -> None:
+        """The device state: a KV pool of `num_pages` pages and the per-slot penalty state."""
+        cfg, dtype, plan = self.cfg, self.dtype, self.plan
+        if plan is None:
+            kv = init_kv_cache(cfg, num_pages, self.page_size, dtype)
+        else:
+            kv = jax.jit(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, dtype, plan.num_kv_heads),
+                         out_shardings=plan.kv_sharding)()
+        shape = (self.max_num_seqs, cfg.vocab_size)
+        self.state = DeviceState(kv=kv, **self._on_mesh(dict(counts=jnp.zeros(shape, jnp.int32),
+                                                             prompt_mask=jnp.zeros(shape, bool))))
+        self.num_pages = num_pages
+
+    def _state_shapes(self, num_pages: int) -> DeviceState:
+        """What `allocate(num_pages)` makes, as shapes (with their shardings under TP): steps compile
+        against it before the pool exists."""
+        cfg, plan = self.cfg, self.plan
+        heads = () if plan is None else (plan.num_kv_heads,)
+        kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.dtype, *heads))
+        shape = (self.max_num_seqs, cfg.vocab_size)
+        spec = functools.partial(jax.ShapeDtypeStruct, sharding=None if plan is None else plan.replicated)
+        if plan is not None:
+            kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
+        return DeviceState(kv=kv, counts=spec(shape, jnp.int32), prompt_mask=spec(shape, jnp.bool_))
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""
@@ -274,8 +297,8 @@ class ModelRunner:
         if self.plan is None:
             return tree
         leaves, treedef = jax.tree.flatten(tree)
-        host = [i for i, x in enumerate(leaves)
-                if not (isinstance(x, jax.Array) and x.sharding.device_set == self._mesh_devices)]
+        host = [i for i, x in enumerate(leaves) if not isinstance(x, jax.ShapeDtypeStruct)
+                and not (isinstance(x, jax.Array) and x.sharding.device_set == self._mesh_devices)]
         for i, x in zip(host, jax.device_put([leaves[i] for i in host], self.plan.replicated)):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
@@ -312,7 +335,7 @@ class ModelRunner:
     # compiles its shape once and returns (compiled step, args); warmup compiles through the same path.
     def _decode_call(self, host_inputs, prev, plan, num_steps=1):
         packed, layout = pack_host(host_inputs)
-        args = (self.params, self.state, self._host(packed), *prev)
+        args = (self.params, self._state_arg, self._host(packed), *prev)
         rows = host_inputs[0].shape[0]
         if num_steps == 1:
             key, fn = ("decode", rows, plan), functools.partial(_decode_step, self.model, plan, layout)
@@ -323,7 +346,7 @@ class ModelRunner:
 
     def _prefill_call(self, host_inputs, with_prompt_logprobs):
         packed, layout = pack_host(host_inputs)
-        args = (self.params, self.state, self._host(packed))
+        args = (self.params, self._state_arg, self._host(packed))
         t = host_inputs[0].shape[0]
         return self._compile(("prefill", t, with_prompt_logprobs),
                              functools.partial(_prefill_step, self.model, with_prompt_logprobs, layout), (1,),
@@ -331,7 +354,7 @@ class ModelRunner:
 
     def _admit_call(self, slot, tokens, prompt_len, total_len):
         packed, layout = pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len)))
-        args = (self.state, self._host(packed))
+        args = (self._state_arg, self._host(packed))
         return self._compile(("admit", self.max_model_len), functools.partial(_admit, layout), (0,), *args), args
 
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
@@ -361,14 +384,33 @@ class ModelRunner:
         self.state, out = step(*args)
         return out
 
-    def warmup(self, num_steps: int = 1, threads: int | None = None) -> None:
+    def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None) -> None:
         """Compile every step shape serving can use (decode buckets x sampling plans, each prefill bucket,
-        admit) without running them; with num_steps > 1 also the multi-step decodes.
+        admit) without running them; with num_steps > 1 also the multi-step decodes. Before `allocate`,
+        give the pool's `num_pages`: the steps then compile against its shapes, with the device memory
+        the pool will take still free.
 
         The compiles run in `threads` threads (XLA compiles outside the GIL). Default:
-        $ATLASJAX_COMPILE_THREADS, else one on GPU and up to 8 elsewhere. On a GPU each compile's
-        autotuner takes device memory (~1 GB at 8B shapes) beside the KV pool, which is sized to leave
-        room for one; compiles that run out of device memory in threads are compiled again one at a time."""
+        $ATLASJAX_COMPILE_THREADS, else up to 8, or one on a GPU once the pool is allocated: each
+        compile's autotuner takes device memory (~1 GB at 8B shapes) beside the pool, which leaves room
+        for one. Compiles that run out of device memory in threads are compiled again one at a time."""
+        before_pool = self.state is None
+        if before_pool:
+            if num_pages is None:
+                raise ValueError("warmup before allocate() needs the pool's num_pages")
+            self._state_shapes_now = self._state_shapes(num_pages)
+        try:
+            self._warmup(num_steps, threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or (
+                1 if jax.default_backend() == "gpu" and not before_pool else min(8, os.cpu_count() or 1)))
+        finally:
+            self._state_shapes_now = None
+
+    @property
+    def _state_arg(self):
+        """The device state a step is called (or, before `allocate`, compiled) with."""
+        return self._state_shapes_now if self.state is None else self.state
+
+    def _warmup(self, num_steps: int, threads: int) -> None:
         s, p = self.max_num_seqs, self.pages_per_seq
         z = functools.partial(np.zeros, dtype=np.int32)
         calls = []
@@ -387,8 +429,6 @@ class ModelRunner:
                          commit=np.zeros(s, bool), next_tokens=z(t))
             calls.append(functools.partial(self._prefill_call, [batch[n] for n in PREFILL_INPUTS] + [f, i], False))
         calls.append(functools.partial(self._admit_call, 0, z(self.max_model_len), 0, 0))
-        threads = threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or (
-            1 if jax.default_backend() == "gpu" else min(8, os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
             futures = [pool.submit(call) for call in calls]
         retry = []

@@ -2,8 +2,8 @@
 
 atlasjax/__main__.py adds the engine flags and calls `add_server_args` and `serve`. Startup:
 bind the socket (so a busy port fails before the model loads, and --port 0 picks a free one),
-build AsyncLLM, send one tiny request through it (compiles the smallest prefill bucket and the
-decode step), then start uvicorn on that socket and log "atlasjax: ready on http://HOST:PORT".
+build AsyncLLM (its engine compiles every step shape before it allocates the KV pool), send one
+tiny request through it, then start uvicorn on that socket and log "atlasjax: ready on http://HOST:PORT".
 A signal makes uvicorn stop accepting and wait for in-flight responses (up to
 --graceful-timeout seconds, after which they are cancelled and their requests aborted); then
 the engine is drained and shut down and serve() returns 0.
@@ -57,11 +57,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def warm_up(llm) -> None:
-    """Precompile every step shape (decode, multi-step decode, all prefill buckets), then one tiny
-    greedy request end to end."""
+    """One tiny greedy request end to end. Every step shape was compiled as the engine started
+    (`EngineConfig.compile_at_start`, set by `engine_kwargs` for serve); an engine built without it
+    compiles them here."""
     from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
-    # compiles only; the engine thread is idle now
-    await asyncio.to_thread(llm.engine.runner.warmup, llm.engine.config.num_scheduler_steps)
+    if not llm.engine.config.compile_at_start:   # compiles only; the engine thread is idle now
+        await asyncio.to_thread(llm.engine.runner.warmup, llm.engine.config.num_scheduler_steps)
     ids = (llm.tokenizer.encode("Hello", add_special_tokens=False) if llm.tokenizer else [])[:4] or [0]
     async for _ in llm.generate(ids, SamplingParams(max_tokens=2, temperature=0.0), "atlasjax-warmup"):
         pass

@@ -146,6 +146,23 @@ def test_gguf_layouts_follow_llama_cpp():
         main(["latency", "--quantization", "gguf-q4_k_m", "--num-iters", "1"])
 
 
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_quantized_preset_is_the_random_preset_quantized(quantization):
+    """Presets quantize each weight as it is made (no full-precision tree in device memory at once);
+    the weights are those of quantizing the whole random tree, so figures stay comparable."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from atlasjax.bench.presets import load_preset
+    from atlasjax.loader import random_params
+    from atlasjax.quantization import quantize_params
+    got = load_preset("tiny", jnp.float32, quantization, seed=3, quantize_lm_head=True).params
+    want = quantize_params(random_params(PRESETS["tiny"], jnp.float32, 3), quantization, quantize_lm_head=True)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
 def test_preset_server_lays_out_a_gguf_preset(monkeypatch):
     # `python -m atlasjax.bench.preset_server --quantization gguf-q4_0`: the preset is laid out as
     # the file type loads; the server's own --quantization (int8 / fp8 / int4) is not told

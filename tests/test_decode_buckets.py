@@ -124,6 +124,40 @@ def test_preemption_under_small_buckets_gives_the_full_size_results(tiny):
         assert engine.pool.num_free_pages == engine.pool.num_pages
 
 
+def test_compile_at_start_compiles_before_the_pool_and_serves_the_same(tiny, monkeypatch):
+    """A server's engine compiles every step shape before it allocates the KV pool (the compiles then
+    have the pool's memory); the pool comes after, and serving compiles nothing more."""
+    import jax
+    from atlasjax.runner import ModelRunner
+    allocate, order = ModelRunner.allocate, []
+
+    def record_allocate(runner, num_pages):
+        order.append(("allocate", runner.num_compiles))
+        allocate(runner, num_pages)
+    monkeypatch.setattr(ModelRunner, "allocate", record_allocate)
+    work = _mixed_workload(n=12, seed=7)
+    want, _ = _run(_engine(tiny), work)
+    engine = _engine(tiny, compile_at_start=True, num_scheduler_steps=2)
+    n = engine.runner.num_compiles
+    assert order[-1] == ("allocate", n) and n == len(engine.runner._compiled)
+    assert sorted(k[1] for k in engine.runner._compiled if k[0] == "decode") == [8] * 6 + [16] * 6
+    shapes = engine.runner._state_shapes(engine.runner.num_pages)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype),
+                                                                               engine.runner.state)
+    before = set(engine.runner._compiled)
+    got, _ = _run(engine, work)
+    assert got == want
+    # serving compiles nothing more, but the prefills that return prompt logprobs (when first asked for)
+    assert all(key[0] == "prefill" and key[2] for key in set(engine.runner._compiled) - before)
+
+
+def test_warmup_before_the_pool_needs_its_size(tiny):
+    engine = _engine(tiny)
+    engine.runner.state = None
+    with pytest.raises(ValueError, match="num_pages"):
+        engine.runner.warmup()
+
+
 def test_warmup_compiles_again_alone_what_ran_out_of_memory_in_threads(tiny, monkeypatch):
     engine = _engine(tiny, max_num_seqs=8)
     runner, compile_ = engine.runner, engine.runner._compile

@@ -173,3 +173,17 @@ def test_every_compile_is_logged_as_one_structured_line(model_dir, caplog):
     assert len(lines) == engine.runner.num_compiles == len(engine.config.prefill_buckets()) + num_decode + 1
     first = json.loads(lines[0].split(" ", 1)[1])
     assert first["step"] == "decode" and first["seconds"] > 0 and first["num_compiles"] == 1
+
+
+def test_kv_pool_keeps_to_the_largest_free_block():
+    """After a load that quantized weights the free memory is in holes: the pool's per-layer arrays
+    each need one free block, and the reserve (the autotuner's copy of a GEMM operand) one more."""
+    from atlasjax.engine import kv_pool_pages
+    gib, page = 1 << 30, 1 << 20
+    whole = dict(bytes_limit=60 * gib, bytes_in_use=6 * gib, largest_free_block_bytes=54 * gib)
+    holed = dict(whole, largest_free_block_bytes=41 * gib)
+    reserve = 2 * gib
+    assert kv_pool_pages(whole, page, reserve, 0.85) * page == int(52 * gib * 0.85) // page * page
+    assert kv_pool_pages(holed, page, reserve, 0.85) * page == 39 * gib     # 41 GiB block less the reserve
+    assert kv_pool_pages(dict(bytes_limit=60 * gib, bytes_in_use=6 * gib), page, reserve, 0.5) * page == 26 * gib
+    assert kv_pool_pages(dict(holed, largest_free_block_bytes=gib), page, reserve, 0.85) == 1   # never below one

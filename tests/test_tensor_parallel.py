@@ -217,3 +217,13 @@ def test_decode_buckets_under_tp_equal_single_device(case):
     rows = {k[1] for k in llm.engine.runner._compiled if k[0] == "decode"}
     assert rows & {1, 2}, f"no small decode bucket ran: {rows}"
     assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages
+
+
+def test_compile_at_start_under_tp_equal_single_device(case):
+    """Steps compiled against the sharded pool's shapes before it exists, as a TP server starts."""
+    name, path, prompts, reference = case
+    llm = LLM(path, tensor_parallel_size=2, decode_batch_sizes=(2,), compile_at_start=True, **ENGINE)
+    before = set(llm.engine.runner._compiled)
+    _assert_same(_run(llm, prompts), reference, f"{name} TP=2, compiled at start")
+    # nothing more compiles but the prefills that return prompt logprobs (compiled when first asked for)
+    assert all(key[0] == "prefill" and key[2] for key in set(llm.engine.runner._compiled) - before)
