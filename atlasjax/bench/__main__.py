@@ -34,6 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
     add_scheduler_steps_arg(e)
     add_attention_backend_arg(e)
+    e.add_argument("--compile-at-start", action="store_true",
+                   help="compile every step shape as the engine starts, before the KV pool, as a server does")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     p.add_argument("--compare", default=None, choices=["hf"],
                    help="also run Hugging Face transformers on the same shapes and print the ratio")

@@ -133,7 +133,8 @@ def build_engine(args, **overrides):
               async_scheduling=not getattr(args, "no_async_scheduling", False),
               num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+              compile_at_start=getattr(args, "compile_at_start", False) or None)
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}     # unset flags: EngineConfig's defaults
     loaded = None
