@@ -93,7 +93,8 @@ def engine_kwargs(args) -> dict:
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
-                compile_at_start=getattr(args, "command", None) == "serve")   # every process of a multi-host server, too
+                # a server compiles at start (every process of a multi-host one, too)
+                compile_at_start=getattr(args, "command", None) == "serve")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

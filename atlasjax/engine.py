@@ -118,8 +118,9 @@ class LLMEngine:
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
         log.info("%s: %s", self.loaded.source, self.weights_summary)
-        self.runner = ModelRunner(cfg, params, dtype=self.dtype, page_size=config.page_size, max_num_seqs=self.num_slots,
-                                  max_model_len=self.max_model_len, prefill_buckets=config.prefill_buckets(),
+        self.runner = ModelRunner(cfg, params, dtype=self.dtype, page_size=config.page_size,
+                                  max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
+                                  prefill_buckets=config.prefill_buckets(),
                                   decode_buckets=config.decode_buckets(self.num_slots, min_rows),
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
                                   own_params=given is None or params is not given.params)

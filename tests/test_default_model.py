@@ -51,3 +51,9 @@ def test_verbose_flag_goes_before_or_after_the_command():
     for argv in (["-v", "serve"], ["serve", "-v"], ["generate", "hi", "--verbose"], ["save", "out", "-v"]):
         assert build_parser().parse_args(argv).verbose, argv
     assert not build_parser().parse_args(["serve"]).verbose
+
+
+def test_only_the_server_compiles_every_shape_at_start():
+    from atlasjax.__main__ import build_parser, engine_kwargs
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["compile_at_start"]
+    assert not engine_kwargs(build_parser().parse_args(["generate", "hi"]))["compile_at_start"]
