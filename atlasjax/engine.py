@@ -36,6 +36,7 @@ import numpy as np
 from atlasjax import distributed, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError
+from atlasjax.kv_budget import auto_num_pages
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request
@@ -70,23 +71,6 @@ class _HostOutput:
     top_vals: np.ndarray | None
     top_ids: np.ndarray | None
     prompt: tuple | None
-
-
-def kv_pool_pages(stats: dict, bytes_per_page: int, reserve: int, utilization: float) -> int:
-    """Pages of a KV pool for device allocator `stats` (`Device.memory_stats()`): `utilization` of the
-    free memory less `reserve`, and no more than the largest free block less `reserve`, since each of
-    the pool's arrays needs one free block and the reserve is wanted in one piece too."""
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    budget = int((free - reserve) * utilization)
-    if stats.get("largest_free_block_bytes"):
-        budget = min(budget, stats["largest_free_block_bytes"] - reserve)
-    return max(1, budget // bytes_per_page)
-
-
-def _device_bytes(x) -> int:
-    """Bytes of one device's share of array x."""
-    shards = getattr(x, "addressable_shards", None)
-    return shards[0].data.nbytes if shards else getattr(x, "nbytes", 0)
 
 
 def resolve_dtype(name: str):
@@ -126,7 +110,9 @@ class LLMEngine:
                                   own_params=given is None or params is not given.params)
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
-        num_pages = distributed.broadcast_int(config.num_pages or self._auto_num_pages())   # all hosts agree
+        num_pages = distributed.broadcast_int(   # all hosts agree
+            config.num_pages or auto_num_pages(config, cfg, self.dtype, self.max_model_len, self.runner.params,
+                                               self.loaded.plan))
         self._check_num_pages(num_pages)
         if config.compile_at_start:
             t0 = time.perf_counter()
@@ -156,33 +142,6 @@ class LLMEngine:
             raise EngineConfigError(
                 f"the KV pool ({num_pages} pages of {self.config.page_size} tokens) cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} ({pages_per_seq} pages): lower max_model_len or add pages")
-
-    def _auto_num_pages(self) -> int:
-        """Pages for `gpu_memory_utilization` of the free device memory, less a reserve for the steps'
-        buffers and their compiles. The pool's arrays (one per layer for K, one for V) must each find
-        one free block of the device allocator: after a load that quantized or fused weights, the
-        memory its temporaries left is split into holes, so the pool also keeps to the largest free
-        block, and leaves the reserve in one piece."""
-        cfg, ps = self.model_config, self.config.page_size
-        plan = self.loaded.plan   # under tensor parallelism each device holds its KV heads' share of a page
-        kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
-        bytes_per_page = 2 * cfg.num_layers * kv_heads * ps * cfg.head_dim * jnp.dtype(self.dtype).itemsize
-        jax.block_until_ready(self.runner.params)   # the load's temporaries are freed once its work has run
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            # logits and sampling, activations, and XLA's GEMM autotuner: while compiling a step it
-            # allocates copies of a GEMM's operands (the LM head's weight, 1 GB at 8B shapes)
-            reserve = (4 * self.config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)
-                       + max(_device_bytes(x) for x in jax.tree.leaves(self.runner.params)))
-            pages = kv_pool_pages(stats, bytes_per_page, reserve, self.config.gpu_memory_utilization)
-            log.info("KV pool: %d pages of %d tokens, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
-                     "the largest free block %.2f GiB)", pages, ps, pages * bytes_per_page / 2**30, free / 2**30,
-                     stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
-            return pages
-        # No device memory statistics (CPU): room for every slot at full length, at most 2 GiB.
-        want = self.config.max_num_seqs * -(-self.max_model_len // ps)
-        return max(1, min(want, (2 << 30) // bytes_per_page))
 
     # ---- multi-host (atlasjax/distributed.py)
     def follow(self) -> None:

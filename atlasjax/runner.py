@@ -237,29 +237,30 @@ class ModelRunner:
         self._compile_lock = threading.Lock()   # warmup compiles in threads
 
     def allocate(self, num_pages: int) -> None:
-        """The device state: a KV pool of `num_pages` pages and the per-slot penalty state."""
-        cfg, dtype, plan = self.cfg, self.dtype, self.plan
-        if plan is None:
-            kv = init_kv_cache(cfg, num_pages, self.page_size, dtype)
-        else:
-            kv = jax.jit(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, dtype, plan.num_kv_heads),
-                         out_shardings=plan.kv_sharding)()
-        shape = (self.max_num_seqs, cfg.vocab_size)
-        self.state = DeviceState(kv=kv, **self._on_mesh(dict(counts=jnp.zeros(shape, jnp.int32),
-                                                             prompt_mask=jnp.zeros(shape, bool))))
+        """The device state: a KV pool of `num_pages` pages and the per-slot penalty state, zeroed (under
+        TP made directly in its shardings, each device only its share)."""
+        shapes = self._state_shapes(num_pages)
+
+        def zeros():
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        self.state = zeros() if self.plan is None else jax.jit(
+            zeros, out_shardings=jax.tree.map(lambda x: x.sharding, shapes))()
         self.num_pages = num_pages
 
     def _state_shapes(self, num_pages: int) -> DeviceState:
-        """What `allocate(num_pages)` makes, as shapes (with their shardings under TP): steps compile
-        against it before the pool exists."""
+        """What `allocate(num_pages)` makes, as shapes (with their shardings under TP): the KV pool
+        split over KV heads, the per-slot state replicated. Steps compile against it before the pool
+        exists."""
         cfg, plan = self.cfg, self.plan
         heads = () if plan is None else (plan.num_kv_heads,)
         kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.dtype, *heads))
         shape = (self.max_num_seqs, cfg.vocab_size)
-        spec = functools.partial(jax.ShapeDtypeStruct, sharding=None if plan is None else plan.replicated)
-        if plan is not None:
-            kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
-        return DeviceState(kv=kv, counts=spec(shape, jnp.int32), prompt_mask=spec(shape, jnp.bool_))
+        if plan is None:
+            return DeviceState(kv=kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32),
+                               prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_))
+        kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
+        return DeviceState(kv=kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, sharding=plan.replicated),
+                           prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=plan.replicated))
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""

@@ -57,12 +57,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def warm_up(llm) -> None:
-    """One tiny greedy request end to end. Every step shape was compiled as the engine started
-    (`EngineConfig.compile_at_start`, set by `engine_kwargs` for serve); an engine built without it
-    compiles them here."""
+    """One tiny greedy request end to end (every step shape compiled as the engine started:
+    `engine_kwargs` sets `compile_at_start` for serve)."""
     from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
-    if not llm.engine.config.compile_at_start:   # compiles only; the engine thread is idle now
-        await asyncio.to_thread(llm.engine.runner.warmup, llm.engine.config.num_scheduler_steps)
     ids = (llm.tokenizer.encode("Hello", add_special_tokens=False) if llm.tokenizer else [])[:4] or [0]
     async for _ in llm.generate(ids, SamplingParams(max_tokens=2, temperature=0.0), "atlasjax-warmup"):
         pass

@@ -178,7 +178,7 @@ def test_every_compile_is_logged_as_one_structured_line(model_dir, caplog):
 def test_kv_pool_keeps_to_the_largest_free_block():
     """After a load that quantized weights the free memory is in holes: the pool's per-layer arrays
     each need one free block, and the reserve (the autotuner's copy of a GEMM operand) one more."""
-    from atlasjax.engine import kv_pool_pages
+    from atlasjax.kv_budget import kv_pool_pages
     gib, page = 1 << 30, 1 << 20
     whole = dict(bytes_limit=60 * gib, bytes_in_use=6 * gib, largest_free_block_bytes=54 * gib)
     holed = dict(whole, largest_free_block_bytes=41 * gib)

@@ -81,25 +81,25 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
     from atlasjax.loader import LoadedModel, random_params  # noqa: PLC0415
     from atlasjax.model_source import shard_loaded  # noqa: PLC0415
     from atlasjax.step_options import use_process_flags  # noqa: PLC0415
+    if quantize_lm_head and not quantization:
+        from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+        raise EngineConfigError("quantize_lm_head=True needs quantization (int8, fp8 or int4)")
     use_process_flags(tensor_parallel_size)   # before the weights start the jax backend
     cfg = PRESETS[name]
     plan = None
     if tensor_parallel_size > 1 and not quantization:
         from atlasjax.sharding import TensorParallel, make_mesh  # noqa: PLC0415
         plan = TensorParallel(make_mesh(tensor_parallel_size), cfg)
-    if quantization and quantization not in GGUF_LAYOUTS:   # each weight quantized as it is made
+    if quantization in GGUF_LAYOUTS:   # as a llama.cpp file of that type loads, its LM head included
+        from atlasjax.bench.gguf_layouts import quantize_like_gguf  # noqa: PLC0415
+        params = quantize_like_gguf(random_params(cfg, dtype, seed, plan), quantization, cfg.num_layers)
+    elif quantization:   # each weight quantized as it is made
         from atlasjax.quantization import leaf_quantizer, warn_if_tied_lm_head  # noqa: PLC0415
         params = random_params(cfg, dtype, seed, plan,
                                each=leaf_quantizer(quantization, quantize_lm_head=quantize_lm_head))
         warn_if_tied_lm_head(cfg, quantize_lm_head)
     else:
         params = random_params(cfg, dtype, seed, plan)
-    if quantization in GGUF_LAYOUTS:   # as a llama.cpp file of that type loads, its LM head included
-        from atlasjax.bench.gguf_layouts import quantize_like_gguf  # noqa: PLC0415
-        params = quantize_like_gguf(params, quantization, cfg.num_layers)
-    elif quantize_lm_head and not quantization:
-        from atlasjax.errors import EngineConfigError  # noqa: PLC0415
-        raise EngineConfigError("quantize_lm_head=True needs quantization (int8, fp8 or int4)")
     loaded = LoadedModel(cfg, params, tokenizer=synthetic_tokenizer(cfg), source=f"preset:{name}", plan=plan)
     return shard_loaded(loaded, tensor_parallel_size, dtype)   # quantized presets: split after quantizing
 

@@ -1,0 +1,56 @@
+"""How many KV pages the engine's pool gets when `num_pages` is not given.
+
+On a GPU: `gpu_memory_utilization` of the free device memory, less a reserve for the steps' buffers
+and their compiles, and within the allocator's largest free block. The pool's arrays (one per layer
+for K, one for V) must each find one free block: after a load that quantized or fused weights, the
+memory its temporaries left is split into holes. Without device memory statistics (CPU): room for
+every slot at full length, at most 2 GiB.
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("atlasjax.engine")
+
+
+def kv_pool_pages(stats: dict, bytes_per_page: int, reserve: int, utilization: float) -> int:
+    """Pages of a KV pool for device allocator `stats` (`Device.memory_stats()`): `utilization` of the
+    free memory less `reserve`, and no more than the largest free block less `reserve`, since each of
+    the pool's arrays needs one free block and the reserve is wanted in one piece too."""
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = int((free - reserve) * utilization)
+    if stats.get("largest_free_block_bytes"):
+        budget = min(budget, stats["largest_free_block_bytes"] - reserve)
+    return max(1, budget // bytes_per_page)
+
+
+def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan=None) -> int:
+    """Pages for an engine of `config` (EngineConfig) whose `params` are in their execution layout;
+    under tensor parallelism (`plan`) each device holds its KV heads' share of a page."""
+    cfg, ps = model_config, config.page_size
+    kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
+    bytes_per_page = 2 * cfg.num_layers * kv_heads * ps * cfg.head_dim * jnp.dtype(dtype).itemsize
+    jax.block_until_ready(params)   # the load's temporaries are freed once its work has run
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        want = config.max_num_seqs * -(-max_model_len // ps)
+        return max(1, min(want, (2 << 30) // bytes_per_page))
+    # logits and sampling, activations, and XLA's GEMM autotuner: while compiling a step it allocates
+    # copies of a GEMM's operands (the LM head's weight, 1 GB at 8B shapes)
+    reserve = (4 * config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)
+               + max(_device_bytes(x) for x in jax.tree.leaves(params)))
+    pages = kv_pool_pages(stats, bytes_per_page, reserve, config.gpu_memory_utilization)
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    log.info("KV pool: %d pages of %d tokens, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
+             "the largest free block %.2f GiB)", pages, ps, pages * bytes_per_page / 2**30, free / 2**30,
+             stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
+    return pages
+
+
+def _device_bytes(x) -> int:
+    """Bytes of one device's share of array x."""
+    shards = getattr(x, "addressable_shards", None)
+    return shards[0].data.nbytes if shards else getattr(x, "nbytes", 0)
