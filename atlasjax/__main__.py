@@ -28,10 +28,11 @@ def add_weight_format_args(g, layouts: tuple[str, ...] = ()) -> None:
 
 
 def add_scheduler_steps_arg(g) -> None:
-    g.add_argument("--num-scheduler-steps", type=int, default=1, metavar="K",
-                   help="decode iterations per launch when a step has only decodes (default 1): the host "
-                        "issues one step for K tokens per sequence, which speeds up host-bound decoding "
-                        "(small models, bs=1); tokens then stream in bursts of up to K")
+    g.add_argument("--num-scheduler-steps", type=int, default=None, metavar="K",
+                   help="decode iterations per launch when a step has only decodes (default: 4 on GPU, 1 "
+                        "elsewhere): the host issues one step for K tokens per sequence, which speeds up "
+                        "host-bound decoding (small or quantized models, small batches); tokens then stream "
+                        "in bursts of up to K. 1: one token per step")
 
 
 def _sizes(text: str) -> tuple[int, ...]:

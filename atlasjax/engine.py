@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax import distributed, metrics, weights_summary
-from atlasjax.engine_config import EngineConfig
+from atlasjax.engine_config import EngineConfig, resolve_scheduler_steps
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
 from atlasjax.outputs import Logprob, StreamDelta
@@ -83,7 +83,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
         from atlasjax.model_source import load_for_engine, shard_loaded  # noqa: PLC0415
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
-        self.config = config
+        self.config = config = dataclasses.replace(config, num_scheduler_steps=resolve_scheduler_steps(
+            config.num_scheduler_steps, jax.default_backend()))
         self.dtype = resolve_dtype(config.dtype)
         given = loaded
         self.loaded = shard_loaded(loaded or load_for_engine(config, self.dtype), config.tensor_parallel_size,

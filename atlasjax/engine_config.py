@@ -9,6 +9,17 @@ from atlasjax.errors import EngineConfigError
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret")
 
 
+# Decode iterations per launch on a GPU unless told: issuing a step costs the host 2-3 ms there (XLA's
+# launch of a ~400-kernel step), longer than a small or quantized model's step runs on the device.
+GPU_SCHEDULER_STEPS = 4
+
+
+def resolve_scheduler_steps(num_scheduler_steps: int | None, backend: str) -> int:
+    if num_scheduler_steps is not None:
+        return num_scheduler_steps
+    return GPU_SCHEDULER_STEPS if backend == "gpu" else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None                 # HF dir, .gguf, saved atlasjax checkpoint; None = embedded default
@@ -24,8 +35,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512        # token budget per step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
     async_scheduling: bool = True            # schedule step N+1 while step N runs (False: one step at a time)
-    num_scheduler_steps: int = 1             # decode iterations per launch when a step has only decodes (the
-                                             # host issues the step once for them; outputs arrive in bursts)
+    num_scheduler_steps: int | None = None   # decode iterations per launch when a step has only decodes (the
+                                             # host issues the step once for them; outputs arrive in bursts);
+                                             # None: `resolve_scheduler_steps` (4 on GPU, 1 elsewhere)
     compile_at_start: bool = False           # compile every step shape serving uses while the engine starts,
                                              # before the KV pool is allocated (compiles then run in threads
                                              # with the pool's memory free); what `serve` does
@@ -44,8 +56,9 @@ class EngineConfig:
             raise EngineConfigError(msg)
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens", "tensor_parallel_size",
                      "num_scheduler_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if (value is not None or name != "num_scheduler_steps") and (not isinstance(value, int) or value < 1):
+                bad(f"{name} must be a positive integer, got {value!r}")
         if self.decode_batch_sizes is not None and (
                 not isinstance(self.decode_batch_sizes, tuple) or not self.decode_batch_sizes
                 or any(not isinstance(b, int) or b < 1 for b in self.decode_batch_sizes)):

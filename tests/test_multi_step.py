@@ -138,7 +138,18 @@ def test_bad_num_scheduler_steps_is_a_clear_error(bad):
     from atlasjax.engine_config import EngineConfig
     with pytest.raises(EngineConfigError, match="num_scheduler_steps must be a positive integer"):
         EngineConfig(num_scheduler_steps=bad)
-    assert EngineConfig().num_scheduler_steps == 1
+    assert EngineConfig().num_scheduler_steps is None    # unset: the engine picks by platform
+
+
+def test_unset_num_scheduler_steps_is_four_on_gpu_and_one_elsewhere(model_dir):
+    # Issuing a step costs a GPU host 2-3 ms (XLA's launch of every kernel), more than a small or
+    # quantized model's step runs: there the default launches 4 decode iterations at once.
+    from atlasjax.engine_config import resolve_scheduler_steps
+    assert [resolve_scheduler_steps(None, b) for b in ("gpu", "cpu", "tpu")] == [4, 1, 1]
+    assert resolve_scheduler_steps(2, "gpu") == resolve_scheduler_steps(2, "cpu") == 2   # a given K is kept
+    llm = LLM(model_dir, **ENGINE)
+    # the engine records what it runs (the bench reports engine.config), on this CPU one step per launch
+    assert llm.engine.config.num_scheduler_steps == llm.engine.scheduler.num_scheduler_steps == 1
 
 
 def test_parallel_sampling_and_prefix_cache_hits_match_one_step_per_launch(model_dir):
