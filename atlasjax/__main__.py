@@ -78,6 +78,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over (multi-host: all devices of all processes)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compilation-cache", default=None, metavar="DIR|off",
+                   help="jax's persistent compilation cache, so a restart loads the compiled steps instead of "
+                        "compiling them (default: $ATLASJAX_COMPILATION_CACHE, else ~/.cache/atlasjax/jax on "
+                        "GPU and none elsewhere; off: none)")
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
     d.add_argument("--coordinator-address", default=None, help="host:port of process 0's coordinator")
@@ -156,10 +160,17 @@ def _run_save(args) -> None:
 
 def _start_distributed(args) -> bool:
     """Multi-host: initialize jax.distributed; on processes other than 0, build the engine and
-    follow process 0's steps (returns True when done). Single process: nothing (returns False)."""
-    from atlasjax import distributed
+    follow process 0's steps (returns True when done). Single process: nothing (returns False).
+    Either way, the compilation cache is switched on here."""
+    import jax
+
+    from atlasjax import compile_cache, distributed
+    from atlasjax.step_options import use_process_flags
+    use_process_flags(args.tensor_parallel_size)   # XLA flags, before the backend starts
     distributed.initialize(distributed.DistributedConfig.from_env(args.coordinator_address, args.num_processes,
                                                                   args.process_id))
+    # after jax.distributed (which must come before the backend starts), before the first compile
+    compile_cache.enable(compile_cache.resolve(args.compilation_cache, jax.default_backend()))
     if not distributed.is_multiprocess() or distributed.is_leader():
         return False
     from atlasjax.engine import LLMEngine

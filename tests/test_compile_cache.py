@@ -1,0 +1,43 @@
+"""The persistent compilation cache of `python -m atlasjax`: where it lives, and a second run
+loading the first run's executables instead of compiling them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from atlasjax import compile_cache
+
+
+def test_where_the_cache_lives(monkeypatch, tmp_path):
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    want = str(tmp_path / "atlasjax" / "jax")
+    assert compile_cache.resolve(None, "gpu") == want
+    assert compile_cache.resolve(None, "cpu") is None          # by default only on GPU
+    assert compile_cache.resolve("/x/y", "cpu") == "/x/y"      # asked for: any backend
+    assert compile_cache.resolve("off", "gpu") is None
+    monkeypatch.setenv(compile_cache.ENV, "/from/env")
+    assert compile_cache.resolve(None, "cpu") == "/from/env"
+    assert compile_cache.resolve("/flag", "gpu") == "/flag"     # the flag wins
+    monkeypatch.setenv(compile_cache.ENV, "OFF")
+    assert compile_cache.resolve(None, "gpu") is None
+
+
+def _files(d) -> set[str]:
+    return {os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs}
+
+
+def test_a_second_run_loads_what_the_first_compiled(default_model_path, tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}   # cache even quick CPU compiles
+    cmd = [sys.executable, "-m", "atlasjax", "generate", "The capital of France is", "--max-tokens", "6",
+           "--model", default_model_path, "--max-num-seqs", "1", "--compilation-cache", str(cache)]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr
+    written = _files(cache)
+    assert written, "the first run wrote no executables"
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout and "Paris" in second.stdout
+    assert _files(cache) == written        # every compile of the second run was a cache hit
