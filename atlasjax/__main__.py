@@ -79,9 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="devices to split the model over (multi-host: all devices of all processes)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--compilation-cache", default=None, metavar="DIR|off",
-                   help="jax's persistent compilation cache, so a restart loads the compiled steps instead of "
-                        "compiling them (default: $ATLASJAX_COMPILATION_CACHE, else ~/.cache/atlasjax/jax on "
-                        "GPU and none elsewhere; off: none)")
+                   help="a directory for jax's persistent compilation cache, so a later run loads the "
+                        "compiled steps instead of compiling them (default: $ATLASJAX_COMPILATION_CACHE, else "
+                        "none). A server's threaded warm-up does not hit it yet (docs/serving.md)")
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
     d.add_argument("--coordinator-address", default=None, help="host:port of process 0's coordinator")
@@ -161,16 +161,11 @@ def _run_save(args) -> None:
 def _start_distributed(args) -> bool:
     """Multi-host: initialize jax.distributed; on processes other than 0, build the engine and
     follow process 0's steps (returns True when done). Single process: nothing (returns False).
-    Either way, the compilation cache is switched on here."""
-    import jax
-
+    Either way, the compilation cache (when asked for) is switched on here."""
     from atlasjax import compile_cache, distributed
-    from atlasjax.step_options import use_process_flags
-    use_process_flags(args.tensor_parallel_size)   # XLA flags, before the backend starts
     distributed.initialize(distributed.DistributedConfig.from_env(args.coordinator_address, args.num_processes,
                                                                   args.process_id))
-    # after jax.distributed (which must come before the backend starts), before the first compile
-    compile_cache.enable(compile_cache.resolve(args.compilation_cache, jax.default_backend()))
+    compile_cache.enable(compile_cache.resolve(args.compilation_cache))   # before the first compile
     if not distributed.is_multiprocess() or distributed.is_leader():
         return False
     from atlasjax.engine import LLMEngine

@@ -7,9 +7,9 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# tests that run the CLI in this process must not switch jax's persistent compilation cache on for
-# the rest of the session (tests/test_compile_cache.py turns it on in its own processes)
-os.environ.setdefault("ATLASJAX_COMPILATION_CACHE", "off")
+# a user's cache setting must not reach the tests that run the CLI in this process (it would stay on
+# for the rest of the session); tests/test_compile_cache.py turns it on in its own processes
+os.environ["ATLASJAX_COMPILATION_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")

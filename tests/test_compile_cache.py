@@ -9,19 +9,17 @@ import sys
 from atlasjax import compile_cache
 
 
-def test_where_the_cache_lives(monkeypatch, tmp_path):
+def test_the_cache_is_opt_in(monkeypatch):
     monkeypatch.delenv(compile_cache.ENV, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    want = str(tmp_path / "atlasjax" / "jax")
-    assert compile_cache.resolve(None, "gpu") == want
-    assert compile_cache.resolve(None, "cpu") is None          # by default only on GPU
-    assert compile_cache.resolve("/x/y", "cpu") == "/x/y"      # asked for: any backend
-    assert compile_cache.resolve("off", "gpu") is None
+    assert compile_cache.resolve(None) is None
+    assert compile_cache.resolve("~/c") == os.path.expanduser("~/c")
+    assert compile_cache.resolve("off") is None
     monkeypatch.setenv(compile_cache.ENV, "/from/env")
-    assert compile_cache.resolve(None, "cpu") == "/from/env"
-    assert compile_cache.resolve("/flag", "gpu") == "/flag"     # the flag wins
-    monkeypatch.setenv(compile_cache.ENV, "OFF")
-    assert compile_cache.resolve(None, "gpu") is None
+    assert compile_cache.resolve(None) == "/from/env"
+    assert compile_cache.resolve("/flag") == "/flag"         # the flag wins
+    assert compile_cache.resolve("OFF") is None
+    monkeypatch.setenv(compile_cache.ENV, "off")
+    assert compile_cache.resolve(None) is None
 
 
 def _files(d) -> set[str]:
