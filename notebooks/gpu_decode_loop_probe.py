@@ -32,8 +32,8 @@ QUANT = os.environ.get("QUANT") or None
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")
 NUM_PAGES = 80
 
-engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=1, max_model_len=1024, page_size=16,
-                                num_pages=NUM_PAGES, max_num_batched_tokens=512),
+engine = LLMEngine(EngineConfig(num_scheduler_steps=1, dtype="bfloat16", max_num_seqs=1, max_model_len=1024,
+                                page_size=16, num_pages=NUM_PAGES, max_num_batched_tokens=512),
                    load_preset(PRESET, jnp.bfloat16, QUANT, 0, 1))
 engine.add_request("r0", list(range(1, 129)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
 for _ in range(6):

@@ -30,7 +30,7 @@ def copy_bw():
     return 2 * x.nbytes * n / (time.perf_counter() - t) / 1e9
 
 def engine(cfg, params, **kw):
-    ec = EngineConfig(dtype="bfloat16", page_size=16, max_model_len=2048, **kw)
+    ec = EngineConfig(num_scheduler_steps=1, dtype="bfloat16", page_size=16, max_model_len=2048, **kw)
     return LLMEngine(ec, loaded=LoadedModel(cfg, params, None, "random"))
 
 def decode_time(eng, bs, ctx=129, iters=30):

@@ -42,7 +42,8 @@ def parse_args():
 def make_engine(loaded, args, bs: int) -> LLMEngine:
     max_len = args.input_len + args.output_len
     pages = -(-max_len // 16)
-    return LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=bs, max_model_len=max_len, page_size=16,
+    return LLMEngine(EngineConfig(num_scheduler_steps=1, dtype=args.dtype, max_num_seqs=bs, max_model_len=max_len,
+                                  page_size=16,
                                   num_pages=bs * pages + 1, max_num_batched_tokens=max(16, min(bs * args.input_len, 4096)),
                                   attention_backend=args.attention_backend), loaded=loaded)
 

@@ -9,7 +9,8 @@ from atlasjax.sampling import pack_rows
 from models.transformer import Transformer
 from models.attention import AttentionMetadata
 def eng_for(cfg, params, be="pallas"):
-    return LLMEngine(EngineConfig(dtype="bfloat16", page_size=16, max_model_len=2048, max_num_seqs=1,
+    return LLMEngine(EngineConfig(num_scheduler_steps=1, dtype="bfloat16", page_size=16, max_model_len=2048,
+                                  max_num_seqs=1,
                                   num_pages=160, attention_backend=be), loaded=LoadedModel(cfg, params, None, "r"))
 def timeit(fn, n=30):
     for _ in range(3): out = fn()

@@ -56,8 +56,8 @@ def log(key, value):
 def make_engine(tp, seqs):
     dtype = "bfloat16" if MODE == "bf16" else "float32"
     loaded = load_preset(PRESET, jnp.dtype(dtype), QUANT, 0, tp, quantize_lm_head=QUANT is not None)
-    cfg = EngineConfig(dtype=dtype, max_num_seqs=seqs, max_model_len=1024, num_pages=seqs * 16 + 8, page_size=16,
-                       max_num_batched_tokens=512, tensor_parallel_size=tp)
+    cfg = EngineConfig(num_scheduler_steps=1, dtype=dtype, max_num_seqs=seqs, max_model_len=1024,
+                       num_pages=seqs * 16 + 8, page_size=16, max_num_batched_tokens=512, tensor_parallel_size=tp)
     return LLMEngine(cfg, loaded)
 
 

@@ -53,8 +53,8 @@ def run():
     from atlasjax.engine_config import EngineConfig
     from atlasjax.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=1024, page_size=16, num_pages=136,
-                                    max_num_batched_tokens=512, tensor_parallel_size=TP),
+    engine = LLMEngine(EngineConfig(num_scheduler_steps=1, dtype="bfloat16", max_num_seqs=8, max_model_len=1024,
+                                    page_size=16, num_pages=136, max_num_batched_tokens=512, tensor_parallel_size=TP),
                        load_preset(PRESET, jnp.bfloat16, None, 0, TP))
     if not distributed.is_leader():
         engine.follow()
