@@ -98,10 +98,24 @@ class AsyncLLM:
             self._wake.notify()
 
     def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items) -> None:
+        """(request id, delta or error) pairs to their streams: one wake-up per event loop, not one per
+        item (each wake-up is a write to the loop's socket, and a GIL hand-over)."""
+        puts: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                loop, queue = target
+                puts.setdefault(loop, []).append((request_id, queue, item))
+        for loop, batch in puts.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:      # that event loop was closed: nobody will read these streams
+                for request_id, _, _ in batch:
+                    self._streams.pop(request_id, None)
+                    self.engine.abort(request_id)   # frees its pages (this runs on the engine thread)
 
     def _loop(self) -> None:
         engine = self.engine
@@ -119,13 +133,12 @@ class AsyncLLM:
                     engine.stats.refresh(engine)   # gauges stay true after aborts with no step
                 if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
                     return
-                for delta in engine.step():
-                    self._deliver(delta.request_id, delta)
+                if deltas := engine.step():
+                    self._deliver_all([(d.request_id, d) for d in deltas])
         except BaseException as e:  # noqa: BLE001 (report to every waiter, then stop)
             log.exception("engine thread failed")
             self._error = e
-            for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"engine failure: {e!r}"))
+            self._deliver_all([(rid, RuntimeError(f"engine failure: {e!r}")) for rid in list(self._streams)])
 
     def _handle(self, cmd) -> None:
         kind, request_id = cmd[0], cmd[1]
@@ -138,3 +151,8 @@ class AsyncLLM:
             self.engine.abort(request_id)
         elif kind == "release":
             self.engine.release(request_id)
+
+
+def _put_all(batch) -> None:
+    for _, queue, item in batch:
+        queue.put_nowait(item)

@@ -1,0 +1,69 @@
+"""AsyncLLM's delivery of deltas to asyncio streams: grouped per event loop, and a closed loop's
+streams aborted instead of taking the engine thread down."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from atlasjax import LLM, SamplingParams
+from atlasjax.async_llm import AsyncLLM
+from atlasjax.engine import LLMEngine
+from atlasjax.engine_config import EngineConfig
+from tests.test_engine import _assert_idle
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["w5 w6 w7", "w9 w1", "w3 w3 w3 w4", "w11"]
+
+
+def _engine(tiny):
+    return LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=64, page_size=8, num_pages=65,
+                                  max_num_batched_tokens=64), loaded=tiny)
+
+
+async def _texts(llm: AsyncLLM, prompts) -> list[str]:
+    async def one(p):
+        return "".join([d.new_text async for d in llm.generate(p, PARAMS)])
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _wait_idle(engine, timeout=30.0):
+    end = time.monotonic() + timeout
+    while (engine.has_unfinished() or engine.pool.num_free_pages != engine.pool.num_pages) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def test_streams_on_two_event_loops_get_their_own_deltas(tiny):
+    want = [o.outputs[0].text for o in LLM.from_engine(_engine(tiny)).generate(PROMPTS, PARAMS)]
+    llm = AsyncLLM(engine=_engine(tiny))
+    got = {}
+
+    def run(name, prompts):   # each thread runs its own event loop against the one engine thread
+        got[name] = asyncio.run(_texts(llm, prompts))
+    threads = [threading.Thread(target=run, args=(i, PROMPTS[i::2])) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        llm.shutdown()
+    assert got[0] == want[0::2] and got[1] == want[1::2]
+
+
+def test_a_closed_event_loop_aborts_its_streams_and_the_engine_serves_on(tiny):
+    engine = _engine(tiny)
+    llm = AsyncLLM(engine=engine)
+    try:
+        loop = asyncio.new_event_loop()
+        stream = llm.generate("w5 w6 w7", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        first = loop.run_until_complete(stream.__anext__())   # the request is running ...
+        assert first.new_token_ids
+        loop.close()                                          # ... and nobody will read it again
+        _wait_idle(engine)
+        assert llm.is_healthy                                 # the engine thread is still up
+        _assert_idle(engine)                                  # the orphaned request was aborted
+        assert asyncio.run(_texts(llm, PROMPTS[:2])) == \
+            [o.outputs[0].text for o in LLM.from_engine(_engine(tiny)).generate(PROMPTS[:2], PARAMS)]
+    finally:
+        llm.shutdown()
