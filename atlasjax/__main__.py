@@ -57,6 +57,13 @@ def add_memory_utilization_arg(g) -> None:
                         "compiling and running the steps")
 
 
+def add_compilation_cache_arg(g) -> None:
+    g.add_argument("--compilation-cache", default=None, metavar="DIR|off",
+                   help="a directory for jax's persistent compilation cache, so a later run loads the "
+                        "compiled steps instead of compiling them (default: $ATLASJAX_COMPILATION_CACHE, else "
+                        "none). A server's threaded warm-up does not hit it yet (docs/serving.md)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -78,10 +85,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over (multi-host: all devices of all processes)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--compilation-cache", default=None, metavar="DIR|off",
-                   help="a directory for jax's persistent compilation cache, so a later run loads the "
-                        "compiled steps instead of compiling them (default: $ATLASJAX_COMPILATION_CACHE, else "
-                        "none). A server's threaded warm-up does not hit it yet (docs/serving.md)")
+    add_compilation_cache_arg(g)
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
     d.add_argument("--coordinator-address", default=None, help="host:port of process 0's coordinator")

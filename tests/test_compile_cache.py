@@ -39,3 +39,17 @@ def test_a_second_run_loads_what_the_first_compiled(default_model_path, tmp_path
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout and "Paris" in second.stdout
     assert _files(cache) == written        # every compile of the second run was a cache hit
+
+
+def test_a_second_bench_run_loads_what_the_first_compiled(tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    cmd = [sys.executable, "-m", "atlasjax.bench", "latency", "--preset", "tiny", "--batch-size", "2",
+           "--input-len", "8", "--output-len", "4", "--num-iters", "1", "--compilation-cache", str(cache)]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr
+    written = _files(cache)
+    assert written, "the first run wrote no executables"
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert _files(cache) == written

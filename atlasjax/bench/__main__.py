@@ -8,8 +8,8 @@ import sys
 
 from atlasjax.bench.gguf_layouts import LAYOUTS as GGUF_LAYOUTS
 from atlasjax.bench.presets import PRESETS, progress
-from atlasjax.__main__ import (add_attention_backend_arg, add_decode_batch_sizes_arg, add_memory_utilization_arg,
-                               add_scheduler_steps_arg, add_weight_format_args)
+from atlasjax.__main__ import (add_attention_backend_arg, add_compilation_cache_arg, add_decode_batch_sizes_arg,
+                               add_memory_utilization_arg, add_scheduler_steps_arg, add_weight_format_args)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--compile-at-start", action="store_true",
                    help="compile every step shape as the engine starts, before the KV pool, as a server does")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
+    add_compilation_cache_arg(e)
     p.add_argument("--compare", default=None, choices=["hf"],
                    help="also run Hugging Face transformers on the same shapes and print the ratio")
 
@@ -102,6 +103,8 @@ def main(argv=None) -> int:
     hf = _hf_comparison(args) if getattr(args, "compare", None) == "hf" else None
     from atlasjax.step_options import use_process_flags  # noqa: PLC0415
     use_process_flags(getattr(args, "tensor_parallel_size", 1))   # before measuring starts the backend
+    from atlasjax import compile_cache  # noqa: PLC0415
+    compile_cache.enable(compile_cache.resolve(getattr(args, "compilation_cache", None)))   # before any compile
     from atlasjax.bench.roofline import measure_ceilings  # noqa: PLC0415
     progress("measuring device ceilings (copy bandwidth, matmul rate)")
     ceilings = measure_ceilings()
