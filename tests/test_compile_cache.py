@@ -26,30 +26,27 @@ def _files(d) -> set[str]:
     return {os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs}
 
 
-def test_a_second_run_loads_what_the_first_compiled(default_model_path, tmp_path):
-    cache = tmp_path / "cache"
+def _run_twice(cmd, cache):
+    """Run `cmd` with the cache twice; assert the first wrote entries and the second none (all hits)."""
     env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}   # cache even quick CPU compiles
-    cmd = [sys.executable, "-m", "atlasjax", "generate", "The capital of France is", "--max-tokens", "6",
-           "--model", default_model_path, "--max-num-seqs", "1", "--compilation-cache", str(cache)]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert first.returncode == 0, first.stderr
-    written = _files(cache)
-    assert written, "the first run wrote no executables"
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert second.returncode == 0, second.stderr
+    runs, written = [], []
+    for _ in range(2):
+        runs.append(subprocess.run([*cmd, "--compilation-cache", str(cache)], capture_output=True, text=True,
+                                   env=env, timeout=600))
+        assert runs[-1].returncode == 0, runs[-1].stderr
+        written.append(_files(cache))
+    assert written[0], "the first run wrote no executables"
+    assert written[1] == written[0]        # every compile of the second run was a cache hit
+    return runs
+
+
+def test_a_second_run_loads_what_the_first_compiled(default_model_path, tmp_path):
+    first, second = _run_twice([sys.executable, "-m", "atlasjax", "generate", "The capital of France is",
+                                "--max-tokens", "6", "--model", default_model_path, "--max-num-seqs", "1"],
+                               tmp_path / "cache")
     assert second.stdout == first.stdout and "Paris" in second.stdout
-    assert _files(cache) == written        # every compile of the second run was a cache hit
 
 
 def test_a_second_bench_run_loads_what_the_first_compiled(tmp_path):
-    cache = tmp_path / "cache"
-    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    cmd = [sys.executable, "-m", "atlasjax.bench", "latency", "--preset", "tiny", "--batch-size", "2",
-           "--input-len", "8", "--output-len", "4", "--num-iters", "1", "--compilation-cache", str(cache)]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert first.returncode == 0, first.stderr
-    written = _files(cache)
-    assert written, "the first run wrote no executables"
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert second.returncode == 0, second.stderr
-    assert _files(cache) == written
+    _run_twice([sys.executable, "-m", "atlasjax.bench", "latency", "--preset", "tiny", "--batch-size", "2",
+                "--input-len", "8", "--output-len", "4", "--num-iters", "1"], tmp_path / "cache")
