@@ -164,12 +164,10 @@ def _run_save(args) -> None:
 
 def _start_distributed(args) -> bool:
     """Multi-host: initialize jax.distributed; on processes other than 0, build the engine and
-    follow process 0's steps (returns True when done). Single process: nothing (returns False).
-    Either way, the compilation cache (when asked for) is switched on here."""
-    from atlasjax import compile_cache, distributed
+    follow process 0's steps (returns True when done). Single process: nothing (returns False)."""
+    from atlasjax import distributed
     distributed.initialize(distributed.DistributedConfig.from_env(args.coordinator_address, args.num_processes,
                                                                   args.process_id))
-    compile_cache.enable(compile_cache.resolve(args.compilation_cache))   # before the first compile
     if not distributed.is_multiprocess() or distributed.is_leader():
         return False
     from atlasjax.engine import LLMEngine
@@ -208,7 +206,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from atlasjax import compile_cache
     from atlasjax.errors import AtlasJaxError
+    compile_cache.enable(compile_cache.resolve(args.compilation_cache))   # before the first compile
     try:
         if _start_distributed(args):
             return 0   # a follower process: it replayed process 0's steps until process 0 finished

@@ -97,10 +97,7 @@ class AsyncLLM:
             self._inbox.append(cmd)
             self._wake.notify()
 
-    def _deliver(self, request_id: str, item) -> None:
-        self._deliver_all([(request_id, item)])
-
-    def _deliver_all(self, items) -> None:
+    def _deliver(self, items) -> None:
         """(request id, delta or error) pairs to their streams: one wake-up per event loop, not one per
         item (each wake-up is a write to the loop's socket, and a GIL hand-over)."""
         puts: dict[asyncio.AbstractEventLoop, list] = {}
@@ -134,11 +131,11 @@ class AsyncLLM:
                 if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
                     return
                 if deltas := engine.step():
-                    self._deliver_all([(d.request_id, d) for d in deltas])
+                    self._deliver([(d.request_id, d) for d in deltas])
         except BaseException as e:  # noqa: BLE001 (report to every waiter, then stop)
             log.exception("engine thread failed")
             self._error = e
-            self._deliver_all([(rid, RuntimeError(f"engine failure: {e!r}")) for rid in list(self._streams)])
+            self._deliver([(rid, RuntimeError(f"engine failure: {e!r}")) for rid in list(self._streams)])
 
     def _handle(self, cmd) -> None:
         kind, request_id = cmd[0], cmd[1]
@@ -146,7 +143,7 @@ class AsyncLLM:
             try:
                 self.engine.add_request(request_id, cmd[2], cmd[3])
             except AtlasJaxError as e:
-                self._deliver(request_id, e)
+                self._deliver([(request_id, e)])
         elif kind == "abort":
             self.engine.abort(request_id)
         elif kind == "release":

@@ -57,7 +57,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "page_size", "max_num_batched_tokens", "tensor_parallel_size",
                      "num_scheduler_steps"):
             value = getattr(self, name)
-            if (value is not None or name != "num_scheduler_steps") and (not isinstance(value, int) or value < 1):
+            if value is None and name == "num_scheduler_steps":   # unset: resolved by platform
+                continue
+            if not isinstance(value, int) or value < 1:
                 bad(f"{name} must be a positive integer, got {value!r}")
         if self.decode_batch_sizes is not None and (
                 not isinstance(self.decode_batch_sizes, tuple) or not self.decode_batch_sizes
