@@ -19,6 +19,7 @@ import time
 
 PRESET, QUANT = os.environ.get("PRESET", "tiny"), os.environ.get("QUANT")
 STARTS, PORT = int(os.environ.get("STARTS", "2")), os.environ.get("PORT", "8000")
+TAG = os.environ.get("TAG", "")   # prefix of the result and log files
 
 
 def cache_files(path: str) -> tuple[int, int]:
@@ -27,8 +28,9 @@ def cache_files(path: str) -> tuple[int, int]:
 
 
 def start(i: int, cache: str, work: str) -> dict:
-    log_path = os.path.join(os.environ.get("OUT") or work, f"server{i}.log")
-    env = dict(os.environ, JAX_DEBUG_LOG_MODULES="jax._src.compiler")   # the cache's hit / miss lines
+    log_path = os.path.join(os.environ.get("OUT") or work, f"{TAG}server{i}.log")
+    # the cache's hit / miss lines (add jax._src.cache_key for the hash of each part of a key)
+    env = dict(os.environ, JAX_DEBUG_LOG_MODULES=os.environ.get("JAX_DEBUG_LOG_MODULES", "jax._src.compiler"))
     cmd = [sys.executable, "-m", "atlasjax.bench.preset_server", "--preset", PRESET, "--port", PORT, "-v",
            "--max-num-seqs", "64", "--compilation-cache", cache, *(["--quantization", QUANT] if QUANT else []),
            *sys.argv[1:]]
@@ -68,7 +70,7 @@ def main() -> None:
         runs.append(start(i, cache, work))
         print(json.dumps(runs[-1]), flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "serve_restart.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"{TAG}serve_restart.json"), "w") as f:
             json.dump(dict(preset=PRESET, quantization=QUANT, server_flags=sys.argv[1:], starts=runs), f, indent=1)
 
 
