@@ -5,10 +5,6 @@ and their compiles, and within the allocator's largest free block. The pool's ar
 for K, one for V) must each find one free block: after a load that quantized or fused weights, the
 memory its temporaries left is split into holes. Without device memory statistics (CPU): room for
 every slot at full length, at most 2 GiB.
-
-The GPU count is rounded down to a few significant bits (`stable_page_count`): the largest free block
-after a load varies a little from one start to the next, and the pool's shape is part of every step
-program, so an exact count would give every restart new programs and miss the compilation cache.
 """
 from __future__ import annotations
 
@@ -46,20 +42,12 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
     # copies of a GEMM's operands (the LM head's weight, 1 GB at 8B shapes)
     reserve = (4 * config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)
                + max(_device_bytes(x) for x in jax.tree.leaves(params)))
-    exact = kv_pool_pages(stats, bytes_per_page, reserve, config.gpu_memory_utilization)
-    pages = stable_page_count(exact)
+    pages = kv_pool_pages(stats, bytes_per_page, reserve, config.gpu_memory_utilization)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    log.info("KV pool: %d pages of %d tokens, %.2f GiB (%d fit; device memory before it: %.2f GiB free of %.2f, "
-             "the largest free block %.2f GiB)", pages, ps, pages * bytes_per_page / 2**30, exact, free / 2**30,
+    log.info("KV pool: %d pages of %d tokens, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
+             "the largest free block %.2f GiB)", pages, ps, pages * bytes_per_page / 2**30, free / 2**30,
              stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
     return pages
-
-
-def stable_page_count(pages: int, significant_bits: int = 6) -> int:
-    """`pages` rounded down to its leading `significant_bits` bits (at most 1/32 less, ~1/64 typically),
-    so that start-to-start jitter in free memory seldom changes the pool's shape."""
-    step = 1 << max(0, pages.bit_length() - significant_bits)
-    return max(1, pages // step * step)
 
 
 def _device_bytes(x) -> int:
