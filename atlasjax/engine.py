@@ -108,7 +108,8 @@ class LLMEngine:
                                   prefill_buckets=config.prefill_buckets(),
                                   decode_buckets=config.decode_buckets(self.num_slots, min_rows),
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
-                                  own_params=given is None or params is not given.params)
+                                  own_params=given is None or params is not given.params,
+                                  prompt_logprobs_tokens=config.prompt_logprobs_tokens)
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
         num_pages = distributed.broadcast_int(   # all hosts agree
@@ -123,7 +124,8 @@ class LLMEngine:
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   num_scheduler_steps=config.num_scheduler_steps)
+                                   num_scheduler_steps=config.num_scheduler_steps,
+                                   prompt_logprobs_tokens=config.prompt_logprobs_tokens)
         self._channel = None
         if distributed.is_multiprocess():   # process 0 drives; the others replay its steps (`follow`)
             self._channel = distributed.StepChannel()
@@ -273,7 +275,9 @@ class LLMEngine:
     def _run_prefill(self, sched: SchedulerOutput):
         ps, s = self.pool.page_size, self.num_slots
         total = sum(c.num_tokens for c in sched.prefills)
-        t = self.runner.bucket_for(total)
+        # decided now: a preemption before a chunk is read back must not drop its rows
+        record_lp = [c.request.records_prompt_logprobs for c in sched.prefills]
+        t = self.runner.bucket_for(total, with_prompt_logprobs=any(record_lp))
         b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
                  slot_mapping=np.full(t, self.pool.num_pages * ps, np.int32),
                  page_table=np.zeros((s, self.runner.pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
@@ -281,7 +285,6 @@ class LLMEngine:
                  sample_rows=np.zeros(s, np.int32), slot_ids=np.zeros(s, np.int32), commit=np.zeros(s, bool),
                  next_tokens=np.full(t, -1, np.int32))
         rows, row = [None] * s, 0
-        record_lp = []
         for i, c in enumerate(sched.prefills):
             req, n = c.request, c.num_tokens
             assert not req.num_pending_tokens, "a prefilling request has no token on the device"
@@ -298,8 +301,6 @@ class LLMEngine:
             b["commit"][i] = c.completes_prompt
             nxt = ids[c.start + 1:c.start + n + 1]
             b["next_tokens"][row:row + len(nxt)] = nxt
-            # decided now: a preemption before this chunk is read back must not drop its rows
-            record_lp.append(req.records_prompt_logprobs)
             rows[i] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
             row += n
             b["query_start"][i + 1:] = row
@@ -451,18 +452,18 @@ class LLMEngine:
         return self.tokenizer.decode([int(tid)], skip_special_tokens=False) if self.tokenizer else None
 
     def _record_prompt_logprobs(self, req: Request, c, prompt_out, row: int) -> None:
+        """Append the logprobs of the prompt tokens that chunk c's rows (from `row`) predict, those not recorded
+        yet: a request preempted mid-prompt prefills its prompt again from a position already recorded (or
+        earlier), and chunks are read back in order, so each position is recorded once and in order."""
         chosen, vals, ids = prompt_out
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]
+        assert len(req.prompt_logprobs) > c.start, "a prompt-logprob chunk left a gap"
         k = req.params.prompt_logprobs
-        n_prompt = len(req.prompt_token_ids)
-        for j in range(c.num_tokens):
-            pos = c.start + j + 1          # the prompt token this row predicts
-            if pos >= n_prompt:
-                break
-            tok = req.prompt_token_ids[pos]
-            req.prompt_logprobs.append(self._logprob_dict(tok, float(chosen[row + j]), vals[row + j],
-                                                          ids[row + j], k))
+        for pos in range(len(req.prompt_logprobs), min(c.start + c.num_tokens + 1, len(req.prompt_token_ids))):
+            r = row + pos - 1 - c.start      # the row that predicts prompt token pos
+            req.prompt_logprobs.append(self._logprob_dict(req.prompt_token_ids[pos], float(chosen[r]), vals[r],
+                                                          ids[r], k))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (its pages are already free)."""

@@ -13,6 +13,11 @@ ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret")
 # launch of a ~400-kernel step), longer than a small or quantized model's step runs on the device.
 GPU_SCHEDULER_STEPS = 4
 
+# Prefill steps that record prompt logprobs run one token count, this or the budget if smaller: the logits of
+# every row ([tokens, vocab] f32 and their log_softmax) stay small next to the KV pool, and the step is one
+# shape that the warm-up compiles. Such a request's prompt prefills in chunks of at most this many tokens.
+PROMPT_LOGPROBS_TOKENS = 512
+
 
 def resolve_scheduler_steps(num_scheduler_steps: int | None, backend: str) -> int:
     if num_scheduler_steps is not None:
@@ -110,3 +115,9 @@ class EngineConfig:
             buckets.append(b)
             b *= 2
         return tuple(buckets) + (self.max_num_batched_tokens,)
+
+    @property
+    def prompt_logprobs_tokens(self) -> int:
+        """Padded token count of every prefill step that records prompt logprobs (one of the prefill
+        buckets), and the most prefill tokens such a step takes."""
+        return min(PROMPT_LOGPROBS_TOKENS, self.max_num_batched_tokens)

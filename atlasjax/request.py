@@ -65,9 +65,10 @@ class Request:
 
     @property
     def records_prompt_logprobs(self) -> bool:
-        """Its prefill must compute logprobs at every prompt position (asked for, and not already
-        recorded before a preemption): such a request takes no prefix-cache hits."""
-        return self.params.prompt_logprobs is not None and self.num_preemptions == 0
+        """Its prefill must compute logprobs at every prompt position (asked for, and not all recorded yet:
+        a request preempted before that computes its prompt again): it takes no prefix-cache hits past the
+        positions recorded (`Scheduler._cacheable`)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs or ()) < len(self.prompt_token_ids)
 
     @property
     def is_prefilling(self) -> bool:

@@ -198,11 +198,14 @@ class ModelRunner:
 
     def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int,
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
-                 attn_backend: str = "auto", plan=None, own_params: bool = False):
+                 attn_backend: str = "auto", plan=None, own_params: bool = False,
+                 prompt_logprobs_tokens: int | None = None):
         """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
         from the device memory left once the params are in their execution layout.
         decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
         (`EngineConfig.decode_buckets`; default: max_num_seqs alone).
+        prompt_logprobs_tokens: the one token count of prefills that return prompt logprobs
+        (`EngineConfig.prompt_logprobs_tokens`; default: the largest prefill bucket).
         plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
         self.cfg = cfg
@@ -219,6 +222,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.pages_per_seq = -(-max_model_len // page_size)
         self.prefill_buckets = tuple(sorted(prefill_buckets))
+        self.prompt_logprobs_tokens = prompt_logprobs_tokens or self.prefill_buckets[-1]
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
@@ -319,7 +323,14 @@ class ModelRunner:
         # params and device state are on the mesh already (and large): only the host inputs move
         return compiled(*(a if a is self.params or a is self.state else self._on_mesh(a) for a in args))
 
-    def bucket_for(self, num_tokens: int) -> int:
+    def bucket_for(self, num_tokens: int, with_prompt_logprobs: bool = False) -> int:
+        """Tokens of the prefill step that runs `num_tokens`: the smallest prefill bucket that holds them,
+        or with prompt logprobs always `prompt_logprobs_tokens` (one shape, compiled by the warm-up)."""
+        if with_prompt_logprobs:
+            if num_tokens > self.prompt_logprobs_tokens:
+                raise ValueError(f"{num_tokens} tokens exceed the {self.prompt_logprobs_tokens} of a prefill with "
+                                 "prompt logprobs")
+            return self.prompt_logprobs_tokens
         for b in self.prefill_buckets:
             if num_tokens <= b:
                 return b
@@ -387,9 +398,9 @@ class ModelRunner:
 
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None) -> None:
         """Compile every step shape serving can use (decode buckets x sampling plans, each prefill bucket,
-        admit) without running them; with num_steps > 1 also the multi-step decodes. Before `allocate`,
-        give the pool's `num_pages`: the steps then compile against its shapes, with the device memory
-        the pool will take still free.
+        the one prefill with prompt logprobs, admit) without running them; with num_steps > 1 also the
+        multi-step decodes. Before `allocate`, give the pool's `num_pages`: the steps then compile against
+        its shapes, with the device memory the pool will take still free.
 
         The compiles run in `threads` threads (XLA compiles outside the GIL). Default:
         $ATLASJAX_COMPILE_THREADS, else up to 8, or one on a GPU once the pool is allocated: each
@@ -424,11 +435,13 @@ class ModelRunner:
                     calls.append(functools.partial(self._decode_call, host + (z(rows),), (self._no_prev_tokens,) * 2,
                                                    plan, num_steps))
         f, i = sampling.pack_rows([], s)
-        for t in self.prefill_buckets:
+        prefills = [(t, False) for t in self.prefill_buckets] + [(self.prompt_logprobs_tokens, True)]
+        for t, with_prompt_logprobs in prefills:
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),
                          commit=np.zeros(s, bool), next_tokens=z(t))
-            calls.append(functools.partial(self._prefill_call, [batch[n] for n in PREFILL_INPUTS] + [f, i], False))
+            calls.append(functools.partial(self._prefill_call, [batch[n] for n in PREFILL_INPUTS] + [f, i],
+                                           with_prompt_logprobs))
         calls.append(functools.partial(self._admit_call, 0, z(self.max_model_len), 0, 0))
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
             futures = [pool.submit(call) for call in calls]

@@ -17,6 +17,10 @@ may have *pending* tokens (sampled on the device, value unknown; up to K with mu
 `dispatched(out)` and `completed(out)`; a request that finishes while a dispatched step still
 writes its pages keeps them until that step completes. Its slot is free at once: the next
 request's admit step (which resets the slot's penalty row) runs after that step on the device.
+
+Prompt logprobs: a step with a chunk that records them (`Request.records_prompt_logprobs`) takes at most
+`prompt_logprobs_tokens` prefill tokens in all (`EngineConfig.prompt_logprobs_tokens`: the one token count
+such a step runs); other chunks of the step share that cap, or wait for a later step.
 """
 from __future__ import annotations
 
@@ -63,11 +67,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_seqs: int | None = None, num_scheduler_steps: int = 1):
+                 max_prefill_seqs: int | None = None, num_scheduler_steps: int = 1,
+                 prompt_logprobs_tokens: int | None = None):
         self.pool = pool
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prefill tokens of a step with a prompt-logprob chunk (None: no cap beyond the budget)
+        self.prompt_logprobs_tokens = prompt_logprobs_tokens or max_num_batched_tokens
         self.max_prefill_seqs = max_prefill_seqs or max_num_seqs
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -90,7 +97,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue                              # preempted earlier in this loop
             if req.is_prefilling:
-                num = min(req.num_total_tokens - req.num_computed_tokens, budget)
+                num = min(req.num_total_tokens - req.num_computed_tokens, self._room(req, budget, prefills))
                 if num <= 0 or len(prefills) >= self.max_prefill_seqs:
                     continue
                 if self._reserve(req, req.num_computed_tokens + num, preempted):
@@ -139,18 +146,19 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break                                # preempted with a token still on the device: next step
+            room = self._room(req, budget, prefills)
+            if room <= 0:
+                break                                # the step's prompt-logprob cap is full: next step
             if not req.pages:
                 keys = self.pool.extend_keys(req.page_keys, req.all_token_ids)
                 # Leave at least one token to compute (its logits give the next token), starting on a page boundary.
-                # Prompt logprobs need every prompt position computed: no cache hits (as in vLLM); the
-                # request's pages are still registered for others.
-                hits = [] if req.records_prompt_logprobs else self.pool.lookup(keys[:(req.num_tokens - 1) // ps])
+                hits = self.pool.lookup(keys[:(self._cacheable(req) - 1) // ps])
                 req.pages = hits
                 req.num_registered_pages = len(hits)
                 req.num_computed_tokens = len(hits) * ps
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = req.num_computed_tokens
-            num = min(req.num_tokens - req.num_computed_tokens, budget)
+            num = min(req.num_tokens - req.num_computed_tokens, room)
             if not self._allocate_for(req, req.num_computed_tokens + num):
                 self.pool.free(req.pages)            # give back the cache hits; retry next step
                 req.pages, req.num_computed_tokens, req.num_registered_pages = [], 0, 0
@@ -162,6 +170,22 @@ class Scheduler:
             admitted.append(req)
             prefills.append(PrefillChunk(req, req.num_computed_tokens, num))
             budget -= num
+
+    @staticmethod
+    def _cacheable(req: Request) -> int:
+        """Leading tokens whose K/V req may take from the prefix cache: prompt logprobs need every position
+        not recorded yet computed (on first admission all of them, as in vLLM; after a preemption mid-prompt,
+        those past what was recorded). Its pages are still registered for others."""
+        if req.records_prompt_logprobs:
+            return min(req.num_tokens, len(req.prompt_logprobs or [None]))
+        return req.num_tokens
+
+    def _room(self, req: Request, budget: int, prefills: list[PrefillChunk]) -> int:
+        """Tokens req's chunk may take: the step's budget left, and with a chunk that records prompt logprobs
+        in the step (req's own or one scheduled already) what is left of prompt_logprobs_tokens."""
+        if req.records_prompt_logprobs or any(c.request.records_prompt_logprobs for c in prefills):
+            return min(budget, self.prompt_logprobs_tokens - sum(c.num_tokens for c in prefills))
+        return budget
 
     def _reserve(self, req: Request, num_tokens: int, preempted: list[Request]) -> bool:
         """Pages for `num_tokens` of req, preempting the newest running requests if needed."""

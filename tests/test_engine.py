@@ -168,9 +168,9 @@ def test_every_compile_is_logged_as_one_structured_line(model_dir, caplog):
     engine = _engine(model_dir)
     engine.runner.warmup()
     lines = [r.getMessage() for r in caplog.records if r.name == "atlasjax.compile"]
-    # decode: one per sampling plan; prefill: one per bucket; admit: one
+    # decode: one per sampling plan; prefill: one per bucket and one with prompt logprobs; admit: one
     num_decode = len(SamplingPlan.variants())
-    assert len(lines) == engine.runner.num_compiles == len(engine.config.prefill_buckets()) + num_decode + 1
+    assert len(lines) == engine.runner.num_compiles == len(engine.config.prefill_buckets()) + 1 + num_decode + 1
     first = json.loads(lines[0].split(" ", 1)[1])
     assert first["step"] == "decode" and first["seconds"] > 0 and first["num_compiles"] == 1
 

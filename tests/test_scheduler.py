@@ -202,3 +202,27 @@ def test_multi_step_only_when_nothing_waits_for_a_free_slot():
     b.output_token_ids.append(1)
     out = s.schedule()
     assert not out.prefills and out.steps and len(s.waiting) == 1
+
+
+def test_a_step_with_a_prompt_logprob_chunk_keeps_to_the_cap_while_others_decode():
+    s = Scheduler(PagePool(64, 4, False), max_num_seqs=4, max_num_batched_tokens=32, prompt_logprobs_tokens=8)
+    d = _decoding(s, "d", 3, max_tokens=100)
+    lp = Request("lp", list(range(100, 130)), SamplingParams(max_tokens=2, prompt_logprobs=1), 0, 2)
+    plain = _req("plain", 25)
+    s.add(lp)
+    s.add(plain)
+    lp_chunks, prefill_tokens = [], []
+    while plain.is_prefilling or lp.is_prefilling:
+        out = s.schedule()
+        assert d in out.decodes                              # the decode runs in every step
+        total = sum(c.num_tokens for c in out.prefills)
+        if any(c.request is lp for c in out.prefills):
+            assert total <= 8
+        lp_chunks += [(c.start, c.num_tokens) for c in out.prefills if c.request is lp]
+        prefill_tokens.append(total)
+        _dispatch(s, out)
+        _complete(s, out)
+    # lp's prompt in chunks of at most 8, each position once and in order
+    assert [start for start, _ in lp_chunks] == [sum(n for _, n in lp_chunks[:i]) for i in range(len(lp_chunks))]
+    assert sum(n for _, n in lp_chunks) == 30 and max(n for _, n in lp_chunks) <= 8 and len(lp_chunks) > 1
+    assert max(prefill_tokens) > 8                           # without a prompt-logprob chunk, the budget applies
