@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -193,6 +194,14 @@ def _admit(layout, state: DeviceState, packed):
     return state.replace(counts=state.counts.at[slot].set(counts), prompt_mask=state.prompt_mask.at[slot].set(mask))
 
 
+class StepSpec(NamedTuple):
+    """One step program: its compile key, the function, the donated argument positions and the arguments."""
+    key: tuple
+    fn: Callable
+    donate: tuple[int, ...]
+    args: tuple[Any, ...]
+
+
 class ModelRunner:
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
@@ -278,19 +287,27 @@ class ModelRunner:
         return self.plan.gather(params, logical_axes(cfg, self.dtype))
 
     # ---- compilation
-    def _compile(self, key, fn, donate, *args):
-        if key in self._compiled:
-            return self._compiled[key]
+    def _compile(self, spec: StepSpec):
+        """The compiled step of `spec`: lowered and compiled once per key."""
+        if spec.key in self._compiled:
+            return self._compiled[spec.key]
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*self._on_mesh(args)).compile(
-            compiler_options=self._compiler_options)
+        return self._compile_lowered(spec.key, self._lower(spec), time.perf_counter() - t0)
+
+    def _lower(self, spec: StepSpec):
+        return jax.jit(spec.fn, donate_argnums=spec.donate).lower(*self._on_mesh(spec.args))
+
+    def _compile_lowered(self, key, lowered, lower_seconds: float):
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=self._compiler_options)
         dt = time.perf_counter() - t0
         with self._compile_lock:
             self.num_compiles += 1
-            self.compile_seconds += dt
+            self.compile_seconds += lower_seconds + dt
             # One structured (JSON) line per compile, so logs can be counted and grepped.
             shape = [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
-            log.info("compile %s", json.dumps({"step": key[0], "shape": shape, "seconds": round(dt, 3),
+            log.info("compile %s", json.dumps({"step": key[0], "shape": shape, "seconds": round(lower_seconds + dt, 3),
+                                               "lower_seconds": round(lower_seconds, 3),
                                                "num_compiles": self.num_compiles}))
             if self.plan is not None:
                 compiled = functools.partial(self._call_on_mesh, compiled)
@@ -343,31 +360,32 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_requests} decodes exceed the engine's {self.max_num_seqs} slots")
 
-    # ---- steps (all asynchronous: they return device arrays). Each `_*_call` packs the host inputs,
-    # compiles its shape once and returns (compiled step, args); warmup compiles through the same path.
-    def _decode_call(self, host_inputs, prev, plan, num_steps=1):
+    # ---- steps (all asynchronous: they return device arrays). Each `_*_spec` packs the host inputs and
+    # names its step (StepSpec); `_compile` compiles each key once, and warmup compiles the same specs.
+    def _decode_spec(self, host_inputs, prev, plan, num_steps=1) -> StepSpec:
         packed, layout = pack_host(host_inputs)
         args = (self.params, self._state_arg, self._host(packed), *prev)
         rows = host_inputs[0].shape[0]
         if num_steps == 1:
-            key, fn = ("decode", rows, plan), functools.partial(_decode_step, self.model, plan, layout)
-        else:
-            key = ("decode", rows, plan, num_steps)
-            fn = functools.partial(_multi_decode_step, self.model, plan, num_steps, layout)
-        return self._compile(key, fn, (1,), *args), args
+            return StepSpec(("decode", rows, plan), functools.partial(_decode_step, self.model, plan, layout),
+                            (1,), args)
+        return StepSpec(("decode", rows, plan, num_steps),
+                        functools.partial(_multi_decode_step, self.model, plan, num_steps, layout), (1,), args)
 
-    def _prefill_call(self, host_inputs, with_prompt_logprobs):
+    def _prefill_spec(self, host_inputs, with_prompt_logprobs) -> StepSpec:
         packed, layout = pack_host(host_inputs)
-        args = (self.params, self._state_arg, self._host(packed))
         t = host_inputs[0].shape[0]
-        return self._compile(("prefill", t, with_prompt_logprobs),
-                             functools.partial(_prefill_step, self.model, with_prompt_logprobs, layout), (1,),
-                             *args), args
+        return StepSpec(("prefill", t, with_prompt_logprobs),
+                        functools.partial(_prefill_step, self.model, with_prompt_logprobs, layout), (1,),
+                        (self.params, self._state_arg, self._host(packed)))
 
-    def _admit_call(self, slot, tokens, prompt_len, total_len):
+    def _admit_spec(self, slot, tokens, prompt_len, total_len) -> StepSpec:
         packed, layout = pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len)))
-        args = (self._state_arg, self._host(packed))
-        return self._compile(("admit", self.max_model_len), functools.partial(_admit, layout), (0,), *args), args
+        return StepSpec(("admit", self.max_model_len), functools.partial(_admit, layout), (0,),
+                        (self._state_arg, self._host(packed)))
+
+    def _run(self, spec: StepSpec):
+        return self._compile(spec)(*spec.args)
 
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
                plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1,
@@ -383,8 +401,7 @@ class ModelRunner:
         host = (tokens, page_table, seq_lens, slots, f, i)
         if num_steps > 1:
             host += (np.asarray(row_steps, np.int32),)
-        step, args = self._decode_call(host, prev, plan, num_steps)
-        self.state, out = step(*args)
+        self.state, out = self._run(self._decode_spec(host, prev, plan, num_steps))
         return out
 
     @functools.cached_property
@@ -392,8 +409,8 @@ class ModelRunner:
         return self._on_mesh(jnp.zeros((self.max_num_seqs,), jnp.int32))
 
     def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
-        step, args = self._prefill_call([batch[n] for n in PREFILL_INPUTS] + [f, i], with_prompt_logprobs)
-        self.state, out = step(*args)
+        self.state, out = self._run(self._prefill_spec([batch[n] for n in PREFILL_INPUTS] + [f, i],
+                                                       with_prompt_logprobs))
         return out
 
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None) -> None:
@@ -425,43 +442,49 @@ class ModelRunner:
     def _warmup(self, num_steps: int, threads: int) -> None:
         s, p = self.max_num_seqs, self.pages_per_seq
         z = functools.partial(np.zeros, dtype=np.int32)
-        calls = []
+        specs = []
         for rows in self.decode_buckets:
             f, i = sampling.pack_rows([], rows)
             host = (z(rows), z((rows, p)), z(rows), z(rows), f, i)
             for plan in sampling.SamplingPlan.variants():
-                calls.append(functools.partial(self._decode_call, host, (self._no_prev_tokens,) * 2, plan))
+                specs.append(self._decode_spec(host, (self._no_prev_tokens,) * 2, plan))
                 if num_steps > 1:
-                    calls.append(functools.partial(self._decode_call, host + (z(rows),), (self._no_prev_tokens,) * 2,
-                                                   plan, num_steps))
+                    specs.append(self._decode_spec(host + (z(rows),), (self._no_prev_tokens,) * 2, plan, num_steps))
         f, i = sampling.pack_rows([], s)
         prefills = [(t, False) for t in self.prefill_buckets] + [(self.prompt_logprobs_tokens, True)]
         for t, with_prompt_logprobs in prefills:
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),
                          commit=np.zeros(s, bool), next_tokens=z(t))
-            calls.append(functools.partial(self._prefill_call, [batch[n] for n in PREFILL_INPUTS] + [f, i],
-                                           with_prompt_logprobs))
-        calls.append(functools.partial(self._admit_call, 0, z(self.max_model_len), 0, 0))
+            specs.append(self._prefill_spec([batch[n] for n in PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
+        specs.append(self._admit_spec(0, z(self.max_model_len), 0, 0))
+        specs = [spec for spec in specs if spec.key not in self._compiled]
+        # Lowered here, one at a time, and compiled (outside the GIL) in the threads. Programs lowered in
+        # concurrent threads came out different from one start to the next on a GPU (session 43), so a
+        # restart missed every entry of the compilation cache.
+        jobs = []
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
-            futures = [pool.submit(call) for call in calls]
+            for spec in specs:
+                t0 = time.perf_counter()
+                lowered = self._lower(spec)
+                lower_seconds = time.perf_counter() - t0
+                jobs.append((spec.key, lowered, pool.submit(self._compile_lowered, spec.key, lowered, lower_seconds)))
         retry = []
-        for call, done in zip(calls, futures):
+        for key, lowered, done in jobs:
             error = done.exception()
             if error is None:
                 continue
             if threads == 1 or "RESOURCE_EXHAUSTED" not in str(error):
                 raise error
-            retry.append(call)   # concurrent autotuners ran out of device memory: again, one at a time
+            retry.append((key, lowered))   # concurrent autotuners ran out of device memory: again, one at a time
         if retry:
             log.warning("warmup: %d of %d compiles ran out of device memory in %d threads; compiling them one "
-                        "at a time", len(retry), len(calls), threads)
-        for call in retry:
-            call()
+                        "at a time", len(retry), len(jobs), threads)
+        for key, lowered in retry:
+            self._compile_lowered(key, lowered, 0.0)
 
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)
         n = min(len(token_ids), self.max_model_len)
         buf[:n] = token_ids[:n]
-        step, args = self._admit_call(slot, buf, prompt_len, n)
-        self.state = step(*args)
+        self.state = self._run(self._admit_spec(slot, buf, prompt_len, n))

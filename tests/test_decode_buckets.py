@@ -158,7 +158,7 @@ def test_warmup_before_the_pool_needs_its_size(tiny):
 
 def test_warmup_compiles_again_alone_what_ran_out_of_memory_in_threads(tiny, monkeypatch):
     engine = _engine(tiny, max_num_seqs=8)
-    runner, compile_ = engine.runner, engine.runner._compile
+    runner, compile_ = engine.runner, engine.runner._compile_lowered
     failed = []
 
     def out_of_memory_once(key, *args):
@@ -166,13 +166,38 @@ def test_warmup_compiles_again_alone_what_ran_out_of_memory_in_threads(tiny, mon
             failed.append(key)
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1018.00MiB")
         return compile_(key, *args)
-    monkeypatch.setattr(runner, "_compile", out_of_memory_once)
+    monkeypatch.setattr(runner, "_compile_lowered", out_of_memory_once)
     runner.warmup(1, threads=2)
     assert failed and failed[0] in runner._compiled     # compiled on the second, lone try
 
     def broken(key, *args):
-        raise ValueError("a lowering bug")
-    monkeypatch.setattr(runner, "_compile", broken)
+        raise ValueError("a compiler bug")
+    monkeypatch.setattr(runner, "_compile_lowered", broken)
     runner._compiled.clear()
-    with pytest.raises(ValueError, match="lowering bug"):
+    with pytest.raises(ValueError, match="compiler bug"):
         runner.warmup(1, threads=2)
+
+
+def test_warmup_lowers_in_one_thread_and_compiles_in_many(tiny, monkeypatch):
+    """Programs lowered in concurrent threads differed from one start to the next on a GPU, which
+    missed the compilation cache on every restart (session 43): the warm-up lowers each step in the
+    calling thread, in a fixed order, and only the XLA compiles run in its threads."""
+    import threading
+    engine = _engine(tiny, max_num_seqs=8)
+    runner = engine.runner
+    lower, compile_ = runner._lower, runner._compile_lowered
+    lowered_in, compiled_in = [], set()
+
+    def record_lower(spec):
+        lowered_in.append((threading.current_thread().name, spec.key))
+        return lower(spec)
+
+    def record_compile(key, *args):
+        compiled_in.add(threading.current_thread().name)
+        return compile_(key, *args)
+    monkeypatch.setattr(runner, "_lower", record_lower)
+    monkeypatch.setattr(runner, "_compile_lowered", record_compile)
+    runner.warmup(1, threads=2)
+    assert {name for name, _ in lowered_in} == {threading.current_thread().name}
+    assert compiled_in and all(name.startswith("atlasjax-compile") for name in compiled_in)
+    assert len(lowered_in) == runner.num_compiles == len(runner._compiled)
