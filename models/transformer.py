@@ -8,7 +8,7 @@ Family differences are config flags (qkv bias for qwen2, per-head q/k RMSNorm fo
 family files (llama.py, qwen2.py, qwen3.py) own checkpoint naming. Projections come either as
 checkpoints name them or fused (qkv_proj, gate_up_proj: models/fused.py); the runner fuses. Layers are unrolled (one
 param subtree and one KV page pool per layer) so each layer's pool is a separate donated buffer
-that kernels read directly. Each layer runs as a call of one jitted function (`_layer_call`), so jax
+that kernels read directly. Each layer runs as a call of one jitted function (`_layer_caller`), so jax
 traces and lowers a layer once per step program, not once per layer; XLA inlines the calls.
 """
 from __future__ import annotations
@@ -113,12 +113,12 @@ class Transformer(nn.Module):
         # A decode step's RoPE tables, once for all layers, for attention kernels that rotate q and k
         rope = rope_tables(positions, rope_inv_freq(self.cfg)) if meta.is_decode and rope_in_kernel() else None
         new_caches = []
-        as_calls = layer_calls() and not self.is_initializing()
+        call_layer = _layer_caller() if layer_calls() and not self.is_initializing() else None
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                if as_calls:
-                    x, kv = _layer_call(layer.clone(parent=None, name=None), _switches(),
-                                        self.variables["params"][layer.name], x, positions, kv_caches[i], meta, rope)
+                if call_layer:
+                    x, kv = call_layer(layer.clone(parent=None, name=None), self.variables["params"][layer.name],
+                                       x, positions, kv_caches[i], meta, rope)
                 else:
                     x, kv = layer(x, positions, kv_caches[i], meta, rope)
             new_caches.append(kv)
@@ -140,24 +140,19 @@ class Transformer(nn.Module):
 
 
 def layer_calls() -> bool:
-    """Whether layers run as calls of one jitted function (`_layer_call`); `ATLASJAX_LAYER_CALLS=off`
+    """Whether layers run as calls of one jitted function (`_layer_caller`); `ATLASJAX_LAYER_CALLS=off`
     traces every layer inline, for A/B measurements of start-up and step time."""
     return os.environ.get("ATLASJAX_LAYER_CALLS", "").lower() not in ("off", "0", "false")
 
 
-def _switches() -> tuple:
-    """The environment's kernel switches (ATLASJAX_*), which the layer reads while it is traced: part of
-    `_layer_call`'s cache key, so a changed switch traces the layer afresh."""
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("ATLASJAX_")))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _layer_call(layer: DecoderLayer, switches: tuple, params, x, positions, kv, meta, rope):
-    """One decoder layer as a jitted function: every layer of a step program with the same module
-    config and param shapes shares one trace and one lowered function (a step program's lowering on a
-    GPU went from ~4 s to ... at 8B shapes)."""
-    del switches
-    return layer.apply({"params": params}, x, positions, kv, meta, rope)
+def _layer_caller():
+    """One jitted function for the layers of one trace: the layers of a step program with the same
+    module config and param shapes share one trace and one lowered function. Made afresh for every
+    trace (a new function, so jax's trace cache cannot hand it an old trace): a step traced later
+    sees the kernel routing of its own time (environment switches, patched rules)."""
+    def call_layer(layer: DecoderLayer, params, x, positions, kv, meta, rope):
+        return layer.apply({"params": params}, x, positions, kv, meta, rope)
+    return jax.jit(call_layer, static_argnums=0)
 
 
 def init_kv_cache(cfg, num_pages: int, page_size: int, dtype, num_kv_heads: int | None = None) -> KVCache:
