@@ -1,0 +1,99 @@
+"""Each distinct Mosaic GPU kernel of this package lowered once per process.
+
+jax lowers a Pallas kernel to its Mosaic GPU module anew in every program that calls it. A server's
+warm-up lowers ~32 step programs that share the same layer kernels, and one kernel took ~0.75 s to
+lower at 8B shapes on an H100: 88% of the ~4.3 s that lowering one decode program took (session 43,
+notebooks/gpu_lower_profile.py), which kept a restart from the compilation cache at ~100 s.
+
+`install()` wraps jax's `lower_jaxpr_to_module` (internal: `jax._src.pallas.mosaic_gpu.lowering`) in
+a memo keyed on everything the module is made from: the kernel's source and printed jaxpr, the grid,
+block, cluster, axis names, operand shapes, compiler params and constants. A kernel whose key differs
+in any of these lowers afresh; kernels defined outside this package always do. Each program still
+serializes the module into its own custom call, as jax does. Installed only when jax's function has
+the parameters this was written against (jax 0.11); `ATLASJAX_KERNEL_LOWERING_MEMO=off` leaves jax alone.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import threading
+
+import numpy as np
+
+log = logging.getLogger("atlasjax.kernels")
+
+PARAMETERS = ("jax_mesh", "axis_names", "grid", "block", "cluster", "in_shapes", "out_shapes", "jaxpr", "params",
+              "consts", "outer_traceback")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_lock = threading.Lock()
+_installed = False
+
+
+def enabled() -> bool:
+    return os.environ.get("ATLASJAX_KERNEL_LOWERING_MEMO", "").lower() not in ("off", "0", "false")
+
+
+def install() -> bool:
+    """Memoize jax's Mosaic GPU kernel lowering for this package's kernels; True when in place."""
+    global _installed
+    if not enabled():
+        return False
+    with _lock:
+        if _installed:
+            return True
+        try:
+            from jax._src.pallas.mosaic_gpu import lowering  # noqa: PLC0415
+        except ImportError:
+            return False
+        if tuple(inspect.signature(lowering.lower_jaxpr_to_module).parameters) != PARAMETERS:
+            log.info("kernel lowering memo not installed: jax's lower_jaxpr_to_module changed its parameters")
+            return False
+        lowering.lower_jaxpr_to_module = memoize(lowering.lower_jaxpr_to_module)
+        _installed = True
+        return True
+
+
+def memoize(lower):
+    """`lower` (jax's lower_jaxpr_to_module) with a memo for this package's kernels; the wrapper's
+    `stats` counts hits and misses."""
+    memo = {}
+    stats = {"hits": 0, "misses": 0}
+
+    @functools.wraps(lower)
+    def memoized(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts=(),
+                 outer_traceback=None):
+        args = (jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts)
+        key = kernel_key(*args)
+        if key is None:
+            return lower(*args, outer_traceback=outer_traceback)
+        with _lock:
+            result = memo.get(key)
+        if result is not None:
+            stats["hits"] += 1
+            return result
+        result = lower(*args, outer_traceback=outer_traceback)
+        stats["misses"] += 1
+        with _lock:
+            return memo.setdefault(key, result)
+
+    memoized.stats = stats
+    return memoized
+
+
+def kernel_key(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts):
+    """What a kernel's Mosaic GPU module is made from, or None for a kernel defined outside this package."""
+    debug = getattr(jaxpr, "debug_info", None)
+    source = getattr(debug, "func_src_info", None) or ""
+    if _PACKAGE_DIR not in source:
+        return None
+    constants = hashlib.sha256()
+    for c in consts:
+        c = np.asarray(c)
+        constants.update(repr((c.shape, c.dtype)).encode())
+        constants.update(c.tobytes())
+    layout = repr((jax_mesh, axis_names, tuple(grid), tuple(block), tuple(cluster), tuple(in_shapes),
+                   tuple(out_shapes), params))
+    return source, str(jaxpr), layout, constants.hexdigest()
