@@ -1,4 +1,4 @@
-"""Each distinct Mosaic GPU kernel of this package lowered once per process.
+"""Each distinct Mosaic GPU kernel lowered once per process (opt-in: `ATLASJAX_KERNEL_LOWERING_MEMO=on`).
 
 jax lowers a Pallas kernel to its Mosaic GPU module anew in every program that calls it. A server's
 warm-up lowers ~32 step programs that share the same layer kernels, and one kernel took ~0.75 s to
@@ -8,9 +8,12 @@ notebooks/gpu_lower_profile.py), which kept a restart from the compilation cache
 `install()` wraps jax's `lower_jaxpr_to_module` (internal: `jax._src.pallas.mosaic_gpu.lowering`) in
 a memo keyed on everything the module is made from: the kernel's source and printed jaxpr, the grid,
 block, cluster, axis names, operand shapes, compiler params and constants. A kernel whose key differs
-in any of these lowers afresh; kernels defined outside this package always do. Each program still
-serializes the module into its own custom call, as jax does. Installed only when jax's function has
-the parameters this was written against (jax 0.11); `ATLASJAX_KERNEL_LOWERING_MEMO=off` leaves jax alone.
+in any of these lowers afresh. Each program still serializes the module into its own custom call, as
+jax does. Installed only when jax's function has the parameters this was written against (jax 0.11).
+
+Off by default until measured on a GPU: its first version keyed only kernels whose source lay in this
+package, but `plgpu.kernel` hands jax a wrapper defined in jax itself, so on the H100 it never hit
+(session 43); this version, which keys every kernel, has not run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -27,17 +30,16 @@ log = logging.getLogger("atlasjax.kernels")
 
 PARAMETERS = ("jax_mesh", "axis_names", "grid", "block", "cluster", "in_shapes", "out_shapes", "jaxpr", "params",
               "consts", "outer_traceback")
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
 _installed = False
 
 
 def enabled() -> bool:
-    return os.environ.get("ATLASJAX_KERNEL_LOWERING_MEMO", "").lower() not in ("off", "0", "false")
+    return os.environ.get("ATLASJAX_KERNEL_LOWERING_MEMO", "").lower() in ("on", "1", "true")
 
 
 def install() -> bool:
-    """Memoize jax's Mosaic GPU kernel lowering for this package's kernels; True when in place."""
+    """Memoize jax's Mosaic GPU kernel lowering when enabled; True when in place."""
     global _installed
     if not enabled():
         return False
@@ -57,8 +59,8 @@ def install() -> bool:
 
 
 def memoize(lower):
-    """`lower` (jax's lower_jaxpr_to_module) with a memo for this package's kernels; the wrapper's
-    `stats` counts hits and misses."""
+    """`lower` (jax's lower_jaxpr_to_module) with a memo; the wrapper's `stats` counts hits and misses.
+    A kernel whose key cannot be made (an unprintable jaxpr) is lowered as jax would."""
     memo = {}
     stats = {"hits": 0, "misses": 0}
 
@@ -66,8 +68,9 @@ def memoize(lower):
     def memoized(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts=(),
                  outer_traceback=None):
         args = (jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts)
-        key = kernel_key(*args)
-        if key is None:
+        try:
+            key = kernel_key(*args)
+        except Exception:  # noqa: BLE001  (the memo must never stop a lowering)
             return lower(*args, outer_traceback=outer_traceback)
         with _lock:
             result = memo.get(key)
@@ -84,11 +87,8 @@ def memoize(lower):
 
 
 def kernel_key(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params, consts):
-    """What a kernel's Mosaic GPU module is made from, or None for a kernel defined outside this package."""
-    debug = getattr(jaxpr, "debug_info", None)
-    source = getattr(debug, "func_src_info", None) or ""
-    if _PACKAGE_DIR not in source:
-        return None
+    """What a kernel's Mosaic GPU module is made from."""
+    source = getattr(getattr(jaxpr, "debug_info", None), "func_src_info", None) or ""
     constants = hashlib.sha256()
     for c in consts:
         c = np.asarray(c)

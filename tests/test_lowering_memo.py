@@ -1,6 +1,6 @@
-"""The kernel lowering memo (pallas_kernels/lowering_memo.py): a kernel of this package is lowered once
-per process for every program that calls it with the same shapes and parameters, and afresh when
-anything it is made from differs. jax's lowering is stood in for here; on a GPU the memo wraps jax's."""
+"""The kernel lowering memo (pallas_kernels/lowering_memo.py, opt-in): a kernel is lowered once per
+process for every program that calls it with the same shapes and parameters, and afresh when anything
+it is made from differs. jax's lowering is stood in for here; on a GPU the memo wraps jax's."""
 import dataclasses
 import os
 import types
@@ -11,7 +11,7 @@ import pytest
 import pallas_kernels
 from pallas_kernels import lowering_memo
 
-OURS = os.path.join(os.path.dirname(pallas_kernels.__file__), "decode_matmul.py")
+OURS = os.path.join(os.path.dirname(pallas_kernels.__file__), "decode_matmul.py")   # a kernel's source
 
 
 @dataclasses.dataclass
@@ -64,18 +64,59 @@ def test_anything_the_module_is_made_from_lowers_afresh(change):
     assert other is not first and len(calls) == 2
 
 
-def test_kernels_from_elsewhere_are_never_memoized():
+def test_a_kernel_without_a_key_is_lowered_as_jax_would():
+    class Unprintable(FakeJaxpr):
+        def __str__(self):
+            raise TypeError("no printer for this")
     lower, calls = _counting_lower()
     memoized = lowering_memo.memoize(lower)
-    theirs = FakeJaxpr("{ lambda ; a. let b = dot a }", "kernel at /site-packages/someone/kernels.py:3")
-    memoized(*_args(theirs))
-    memoized(*_args(theirs))
+    memoized(*_args(Unprintable("")))
+    memoized(*_args(Unprintable("")))
     assert len(calls) == 2 and memoized.stats == {"hits": 0, "misses": 0}
 
 
-def test_installed_on_the_jax_it_was_written_against():
+def test_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv("ATLASJAX_KERNEL_LOWERING_MEMO", raising=False)
+    assert not lowering_memo.enabled() and not lowering_memo.install()
+
+
+def test_installed_on_the_jax_it_was_written_against(monkeypatch):
     """Fails when a jax upgrade changes the function the memo wraps: then it would silently stop
     working (and a restarted server would lower every kernel again)."""
     from jax._src.pallas.mosaic_gpu import lowering
+    monkeypatch.setenv("ATLASJAX_KERNEL_LOWERING_MEMO", "on")
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_module", lowering.lower_jaxpr_to_module)  # undone after
+    monkeypatch.setattr(lowering_memo, "_installed", False)
     assert lowering_memo.install()
     assert hasattr(lowering.lower_jaxpr_to_module, "stats")
+
+
+def _traced_kernel(n: int):
+    """The kernel jaxpr and mesh jax hands to Mosaic GPU lowering for a decode matmul [8, 256] x [256, n],
+    from a fresh trace (traced on this CPU: the lowering itself needs a GPU)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.decode_matmul import decode_matmul
+    x, w = jnp.ones((8, 256), jnp.bfloat16), jnp.ones((256, n), jnp.bfloat16)
+    closed = jax.make_jaxpr(lambda x, w: decode_matmul(x, w, interpret=False))(x, w)
+
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "mpmd_map":
+                return eqn
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (list, tuple)) else [value]:
+                    inner = getattr(inner, "jaxpr", inner)
+                    if hasattr(inner, "eqns") and (found := find(inner)):
+                        return found
+    eqn = find(closed.jaxpr)
+    [mesh], [kernel] = eqn.params["meshes"], eqn.params["jaxprs"]
+    return lowering_memo.kernel_key(None, mesh.grid_names, mesh.grid, (128, 1, 1), mesh.cluster,
+                                    [v.aval for v in eqn.invars], eqn.params["out_avals"], kernel,
+                                    eqn.params["compiler_params"], ())
+
+
+def test_a_real_kernel_keys_alike_in_every_trace_and_apart_at_other_shapes():
+    """What makes the memo hit: the same kernel traced for two programs gives the same key."""
+    assert _traced_kernel(256) == _traced_kernel(256)
+    assert _traced_kernel(256) != _traced_kernel(384)
