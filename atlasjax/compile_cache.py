@@ -4,12 +4,12 @@ With a cache directory a second run loads its step executables (and XLA's GEMM a
 from disk instead of compiling them. jax keys each entry on the program, its compile options, the
 devices and the jax version, so a changed model shape, flag or upgrade compiles afresh.
 
-Off unless asked for (session 42, one H100): compiles that run one at a time hit on the next run
-(`bench latency`, `generate`), but a server's warm-up compiles in threads and its entries were
-missed on restart (every shape compiled again), so the cache only took disk space there. An XLA
-CPU executable is also built for the host's instruction set, which a cache shared between machines
-would not check. The library (`LLM`, `LLMEngine`) leaves jax's configuration alone; `enable(path)`
-opts a notebook in.
+Off unless asked for. On one H100 (sessions 42-43) compiles that run one at a time hit on the next
+run (`bench latency`, `generate`), and since the server's warm-up lowers its programs in one thread
+(runner.py) a restarted server loads every step executable too. Entries take disk space (238 MB for
+an int4 8B server), and an XLA CPU executable is built for the host's instruction set, which a cache
+shared between machines would not check. The library (`LLM`, `LLMEngine`) leaves jax's configuration
+alone; `enable(path)` opts a notebook in.
 """
 from __future__ import annotations
 
