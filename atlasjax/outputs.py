@@ -51,3 +51,4 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # on a sequence's first delta, when asked

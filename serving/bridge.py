@@ -44,8 +44,11 @@ class Completion:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: StreamDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.new_text
         self.token_ids += delta.new_token_ids
         self.logprobs += delta.new_logprobs or []

@@ -159,8 +159,9 @@ async def completions(request: Request):
         raise invalid("'suffix' is not supported", param="suffix")
     stream = f.bool("stream")
     include_usage = _include_usage(f, stream)
+    # echo + logprobs: the prompt's own logprobs too (what evaluation harnesses score a text by)
     params = sampling_params(f, n=n, max_tokens=f.int("max_tokens", 16, lo=1), logprobs=logprobs,
-                             max_model_len=state.max_model_len)
+                             max_model_len=state.max_model_len, prompt_logprobs=logprobs if echo else None)
     prompt_ids = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
     for ids in prompt_ids:
         state.check_prompt(ids, params, "prompt")
@@ -182,7 +183,7 @@ async def completions(request: Request):
             text, lp = c.text, None
             if logprobs is not None:
                 builder = CompletionLogprobs()
-                lp = builder.prompt(echoes[j][1]) if echoes[j] else None
+                lp = builder.prompt(echoes[j][1], echoes[j][2], c.prompt_logprobs) if echoes[j] else None
                 lp = CompletionLogprobs.merge(lp, builder.generated(c.token_ids, c.logprobs))
             if echoes[j]:
                 text = echoes[j][0] + text
@@ -191,12 +192,12 @@ async def completions(request: Request):
     return JSONResponse({**head, "choices": choices, "usage": usage(num_prompt_tokens, num_generated)})
 
 
-def _echo(state: ServerState, prompt, ids: list[int]) -> tuple[str, list[str]]:
-    """(prompt text, per-token texts) echoed before a completion."""
+def _echo(state: ServerState, prompt, ids: list[int]) -> tuple[str, list[str], list[int]]:
+    """(prompt text, per-token texts, token ids) echoed before a completion."""
     tok = state.tokenizer
     text = prompt if isinstance(prompt, str) else (tok.decode(ids) if tok else "")
     token_texts = [tok.decode([t], skip_special_tokens=False) if tok else f"token_id:{t}" for t in ids]
-    return text, token_texts
+    return text, token_texts, ids
 
 
 async def _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
@@ -204,17 +205,24 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
     extra = {"usage": None} if include_usage else {}
     builders: dict[int, CompletionLogprobs] = {}
     num_generated = 0
+
+    def echo_event(j, index, entries=None):
+        echo = echoes[j]
+        lp = builders.setdefault(index, CompletionLogprobs()).prompt(echo[1], echo[2], entries) \
+            if logprobs is not None else None
+        return sse({**head, "choices": [{"index": index, "text": echo[0], "logprobs": lp, "finish_reason": None}],
+                    **extra})
     async with contextlib.aclosing(deltas):
-        for j, echo in enumerate(echoes):
-            for i in range(n if echo else 0):
-                builder = builders[j * n + i] = CompletionLogprobs()
-                lp = builder.prompt(echo[1]) if logprobs is not None else None
-                yield sse({**head, "choices": [{"index": j * n + i, "text": echo[0], "logprobs": lp,
-                                                "finish_reason": None}], **extra})
+        if logprobs is None:     # with logprobs, each echo waits for its prompt's logprobs (on the first delta)
+            for j, echo in enumerate(echoes):
+                for i in range(n if echo else 0):
+                    yield echo_event(j, j * n + i)
         try:
             async for j, delta in with_first(first, deltas):
                 num_generated += len(delta.new_token_ids)
                 index = j * n + delta.index
+                if logprobs is not None and echoes[j] and index not in builders:
+                    yield echo_event(j, index, delta.prompt_logprobs)
                 if not (delta.new_text or delta.finished or (logprobs is not None and delta.new_token_ids)):
                     continue
                 lp = None

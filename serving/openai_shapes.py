@@ -50,11 +50,18 @@ class CompletionLogprobs:
     def __init__(self, text_offset: int = 0):
         self.offset = text_offset
 
-    def prompt(self, token_texts: list[str]) -> dict:
-        """Echoed prompt tokens: their logprobs are not computed (null)."""
+    def prompt(self, token_texts: list[str], token_ids: list[int] | None = None,
+               entries: list[dict[int, Logprob] | None] | None = None) -> dict:
+        """Echoed prompt tokens with their logprobs (`RequestOutput.prompt_logprobs` entries; the first
+        token has none, null); all null without entries."""
         out = self._empty()
-        for text in token_texts:
-            self._push(out, text, None, None)
+        for i, text in enumerate(token_texts):
+            entry = entries[i] if entries and i < len(entries) else None
+            if entry is None:
+                self._push(out, text, None, None)
+            else:
+                top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()}
+                self._push(out, text, finite(entry[token_ids[i]].logprob), top)
         return out
 
     def generated(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict:

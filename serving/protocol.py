@@ -116,10 +116,10 @@ def check_model(f: Fields, served_model_name: str) -> str:
 
 
 def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, logprobs: int | None = None,
-                    stop_field: str = "stop", n: int = 1) -> SamplingParams:
+                    stop_field: str = "stop", n: int = 1, prompt_logprobs: int | None = None) -> SamplingParams:
     """The sampling fields OpenAI and vLLM clients send (absent ones keep OpenAI's defaults)."""
     kwargs = dict(
-        n=n, max_tokens=max_tokens, logprobs=logprobs,
+        n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         temperature=f.float("temperature", 1.0),
         top_p=f.float("top_p", 1.0),
         top_k=f.int("top_k", 0, lo=-1, hi=INT32_MAX),

@@ -139,17 +139,32 @@ def test_chat_logprobs_match_llm(client, llm):
 
 
 def test_completion_legacy_logprobs_with_echo(client, llm):
+    """echo + logprobs scores the prompt too (what evaluation harnesses read): each prompt token but the
+    first gets the logprob the model gives it, as `LLM.generate(prompt_logprobs=)` computes, streamed
+    or not."""
+    from atlasjax import SamplingParams
     prompt = "The quick brown fox"
-    num_prompt = len(llm.tokenizer.encode(prompt))
+    ids = llm.tokenizer.encode(prompt)
+    num_prompt = len(ids)
+    ref = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2))[0]
+    want = [None] + [entry[t].logprob for t, entry in zip(ids[1:], ref.prompt_logprobs[1:])]
     r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
                                   echo=True)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == num_prompt + 4
-    assert lp.token_logprobs[:num_prompt] == [None] * num_prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:num_prompt] == pytest.approx(want[1:], abs=1e-4)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])          # top 2, plus the token if not in them
     assert all(isinstance(x, float) for x in lp.token_logprobs[num_prompt:])
-    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[num_prompt:])
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert r.choices[0].text.startswith(prompt)
+    assert r.choices[0].text == prompt + ref.outputs[0].text
+
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                            logprobs=2, echo=True, stream=True))
+    streamed = [x for c in chunks for x in (c.choices[0].logprobs.token_logprobs if c.choices else [])]
+    assert streamed == lp.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
 def test_32_concurrent_streams_get_their_own_outputs(server, llm):
