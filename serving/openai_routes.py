@@ -159,9 +159,12 @@ async def completions(request: Request):
         raise invalid("'suffix' is not supported", param="suffix")
     stream = f.bool("stream")
     include_usage = _include_usage(f, stream)
-    # echo + logprobs: the prompt's own logprobs too (what evaluation harnesses score a text by)
+    # echo + logprobs: the prompt's own logprobs too (what evaluation harnesses score a text by); vLLM's
+    # `prompt_logprobs` field asks for them in its own shape
+    vllm_prompt_logprobs = f.int("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    asked = [k for k in (logprobs if echo else None, vllm_prompt_logprobs) if k is not None]
     params = sampling_params(f, n=n, max_tokens=f.int("max_tokens", 16, lo=1), logprobs=logprobs,
-                             max_model_len=state.max_model_len, prompt_logprobs=logprobs if echo else None)
+                             max_model_len=state.max_model_len, prompt_logprobs=max(asked) if asked else None)
     prompt_ids = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
     for ids in prompt_ids:
         state.check_prompt(ids, params, "prompt")
@@ -174,7 +177,7 @@ async def completions(request: Request):
     if stream:
         first = await first_delta(request, deltas)
         events = _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
-                                    include_usage)
+                                    include_usage, vllm_prompt_logprobs is not None)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await until_disconnect(request, collect(deltas, len(jobs), n))
     choices = []
@@ -183,11 +186,14 @@ async def completions(request: Request):
             text, lp = c.text, None
             if logprobs is not None:
                 builder = CompletionLogprobs()
-                lp = builder.prompt(echoes[j][1], echoes[j][2], c.prompt_logprobs) if echoes[j] else None
+                lp = builder.prompt(echoes[j][1], echoes[j][2], c.prompt_logprobs, logprobs) if echoes[j] else None
                 lp = CompletionLogprobs.merge(lp, builder.generated(c.token_ids, c.logprobs))
             if echoes[j]:
                 text = echoes[j][0] + text
-            choices.append({"index": j * n + i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            choice = {"index": j * n + i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if vllm_prompt_logprobs is not None:
+                choice["prompt_logprobs"] = CompletionLogprobs.vllm_prompt_logprobs(c.prompt_logprobs)
+            choices.append(choice)
     num_generated = sum(len(c.token_ids) for job_completions in results for c in job_completions)
     return JSONResponse({**head, "choices": choices, "usage": usage(num_prompt_tokens, num_generated)})
 
@@ -201,14 +207,14 @@ def _echo(state: ServerState, prompt, ids: list[int]) -> tuple[str, list[str], l
 
 
 async def _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
-                             include_usage):
+                             include_usage, with_prompt_logprobs):
     extra = {"usage": None} if include_usage else {}
     builders: dict[int, CompletionLogprobs] = {}
     num_generated = 0
 
     def echo_event(j, index, entries=None):
         echo = echoes[j]
-        lp = builders.setdefault(index, CompletionLogprobs()).prompt(echo[1], echo[2], entries) \
+        lp = builders.setdefault(index, CompletionLogprobs()).prompt(echo[1], echo[2], entries, logprobs) \
             if logprobs is not None else None
         return sse({**head, "choices": [{"index": index, "text": echo[0], "logprobs": lp, "finish_reason": None}],
                     **extra})
@@ -223,15 +229,19 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
                 index = j * n + delta.index
                 if logprobs is not None and echoes[j] and index not in builders:
                     yield echo_event(j, index, delta.prompt_logprobs)
-                if not (delta.new_text or delta.finished or (logprobs is not None and delta.new_token_ids)):
+                first_of_choice = with_prompt_logprobs and delta.prompt_logprobs is not None
+                if not (delta.new_text or delta.finished or first_of_choice
+                        or (logprobs is not None and delta.new_token_ids)):
                     continue
                 lp = None
                 if logprobs is not None:
                     builder = builders.setdefault(index, CompletionLogprobs())
                     lp = builder.generated(delta.new_token_ids, delta.new_logprobs or [])
-                yield sse({**head, "choices": [{"index": index, "text": delta.new_text, "logprobs": lp,
-                                                "finish_reason": delta.finish_reason if delta.finished else None}],
-                           **extra})
+                choice = {"index": index, "text": delta.new_text, "logprobs": lp,
+                          "finish_reason": delta.finish_reason if delta.finished else None}
+                if first_of_choice:
+                    choice["prompt_logprobs"] = CompletionLogprobs.vllm_prompt_logprobs(delta.prompt_logprobs)
+                yield sse({**head, "choices": [choice], **extra})
         except APIError as e:
             yield _sse_error(e, request)
             return

@@ -51,17 +51,19 @@ class CompletionLogprobs:
         self.offset = text_offset
 
     def prompt(self, token_texts: list[str], token_ids: list[int] | None = None,
-               entries: list[dict[int, Logprob] | None] | None = None) -> dict:
+               entries: list[dict[int, Logprob] | None] | None = None, k: int = 0) -> dict:
         """Echoed prompt tokens with their logprobs (`RequestOutput.prompt_logprobs` entries; the first
-        token has none, null); all null without entries."""
+        token has none, null) and the top k; all null without entries."""
         out = self._empty()
         for i, text in enumerate(token_texts):
             entry = entries[i] if entries and i < len(entries) else None
             if entry is None:
                 self._push(out, text, None, None)
             else:
-                top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()}
-                self._push(out, text, finite(entry[token_ids[i]].logprob), top)
+                chosen = token_ids[i]
+                top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()
+                       if t == chosen or (lp.rank or k + 1) <= k}
+                self._push(out, text, finite(entry[chosen].logprob), top)
         return out
 
     def generated(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict:
@@ -82,6 +84,16 @@ class CompletionLogprobs:
         out["top_logprobs"].append(top)
         out["text_offset"].append(self.offset)
         self.offset += len(text)
+
+    @staticmethod
+    def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+        """vLLM's `prompt_logprobs` of a choice: per prompt token null (the first) or
+        {token id: {logprob, rank, decoded_token}}."""
+        if entries is None:
+            return None
+        return [None if entry is None else {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                                                     "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+                for entry in entries]
 
     @staticmethod
     def merge(a: dict | None, b: dict) -> dict:

@@ -25,7 +25,7 @@ SCHEMAS = {
     "CompletionRequest": _obj(["prompt"], model=STR, prompt={"oneOf": [
         STR, {"type": "array", "items": STR}, {"type": "array", "items": INT},
         {"type": "array", "items": {"type": "array", "items": INT}}]}, max_tokens=INT, logprobs=INT, echo=BOOL,
-        **SAMPLING),
+        prompt_logprobs=INT, **SAMPLING),
     "ChatCompletionRequest": _obj(["messages"], model=STR, messages={"type": "array", "items": MESSAGE},
                                   max_tokens=INT, max_completion_tokens=INT, logprobs=BOOL, top_logprobs=INT,
                                   response_format={"type": "object", "properties": {"type": {"const": "text"}}},

@@ -7,6 +7,7 @@ streams must each get their own output; a client that drops mid-stream must give
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -165,6 +166,31 @@ def test_completion_legacy_logprobs_with_echo(client, llm):
     streamed = [x for c in chunks for x in (c.choices[0].logprobs.token_logprobs if c.choices else [])]
     assert streamed == lp.token_logprobs
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_completion_vllm_prompt_logprobs(server, llm):
+    """vLLM's `prompt_logprobs` field: each choice gets the prompt's logprobs in vLLM's shape (null for the
+    first token, then {token id: {logprob, rank, decoded_token}} with the token and the top k), in the
+    response or in a stream's first chunk of that choice."""
+    from atlasjax import SamplingParams
+    prompt = "The quick brown fox"
+    ids = llm.tokenizer.encode(prompt)
+    ref = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=3))[0]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 3}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=120).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for token, entry, want in zip(ids[1:], got[1:], ref.prompt_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(want[token].logprob, abs=1e-4)
+        assert 3 <= len(entry) <= 4 and {e["rank"] for e in entry.values()} >= {1, 2, 3}
+    assert "logprobs" not in r["choices"][0] or r["choices"][0]["logprobs"] is None   # not asked for
+
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=120) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    firsts = [e["choices"][0]["prompt_logprobs"] for e in events if "prompt_logprobs" in e["choices"][0]]
+    assert firsts == [got]
 
 
 def test_32_concurrent_streams_get_their_own_outputs(server, llm):
