@@ -168,6 +168,26 @@ def test_completion_legacy_logprobs_with_echo(client, llm):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
+def test_echoed_prompt_logprobs_for_several_prompts_and_choices(client):
+    """Two prompts, two choices each: every choice echoes its own prompt with that prompt's logprobs,
+    streamed or not."""
+    prompts = ["The quick brown fox", "Once upon a time there"]
+    kwargs = dict(model=MODEL_NAME, prompt=prompts, max_tokens=3, temperature=0, logprobs=1, echo=True, n=2)
+    r = client.completions.create(**kwargs)
+    by_index = {c.index: c for c in r.choices}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for index, choice in by_index.items():
+        assert choice.text.startswith(prompts[index // 2])
+        assert choice.logprobs.token_logprobs[0] is None
+        assert all(isinstance(x, float) for x in choice.logprobs.token_logprobs[1:])
+    assert by_index[0].logprobs.token_logprobs == by_index[1].logprobs.token_logprobs   # greedy: alike
+    streamed: dict[int, list] = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert streamed == {i: c.logprobs.token_logprobs for i, c in by_index.items()}
+
+
 def test_completion_vllm_prompt_logprobs(server, llm):
     """vLLM's `prompt_logprobs` field: each choice gets the prompt's logprobs in vLLM's shape (null for the
     first token, then {token id: {logprob, rank, decoded_token}} with the token and the top k), in the
