@@ -61,7 +61,7 @@ def add_compilation_cache_arg(g) -> None:
     g.add_argument("--compilation-cache", default=None, metavar="DIR|off",
                    help="a directory for jax's persistent compilation cache, so a later run loads the "
                         "compiled steps instead of compiling them (default: $ATLASJAX_COMPILATION_CACHE, else "
-                        "none). A server's threaded warm-up does not hit it yet (docs/serving.md)")
+                        "none). A restarted server loads its step executables from it too (docs/serving.md)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -291,11 +291,13 @@ class ModelRunner:
         """The compiled step of `spec`: lowered and compiled once per key."""
         if spec.key in self._compiled:
             return self._compiled[spec.key]
-        t0 = time.perf_counter()
-        return self._compile_lowered(spec.key, self._lower(spec), time.perf_counter() - t0)
+        return self._compile_lowered(spec.key, *self._lower(spec))
 
     def _lower(self, spec: StepSpec):
-        return jax.jit(spec.fn, donate_argnums=spec.donate).lower(*self._on_mesh(spec.args))
+        """(jax's Lowered of spec, the seconds lowering took)."""
+        t0 = time.perf_counter()
+        lowered = jax.jit(spec.fn, donate_argnums=spec.donate).lower(*self._on_mesh(spec.args))
+        return lowered, time.perf_counter() - t0
 
     def _compile_lowered(self, key, lowered, lower_seconds: float):
         t0 = time.perf_counter()
@@ -419,7 +421,8 @@ class ModelRunner:
         multi-step decodes. Before `allocate`, give the pool's `num_pages`: the steps then compile against
         its shapes, with the device memory the pool will take still free.
 
-        The compiles run in `threads` threads (XLA compiles outside the GIL). Default:
+        Each step is lowered in the calling thread; the XLA compiles run in `threads` threads (outside the
+        GIL). Default:
         $ATLASJAX_COMPILE_THREADS, else up to 8, or one on a GPU once the pool is allocated: each
         compile's autotuner takes device memory (~1 GB at 8B shapes) beside the pool, which leaves room
         for one. Compiles that run out of device memory in threads are compiled again one at a time."""
@@ -465,10 +468,8 @@ class ModelRunner:
         jobs = []
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
             for spec in specs:
-                t0 = time.perf_counter()
                 lowered = self._lower(spec)
-                lower_seconds = time.perf_counter() - t0
-                jobs.append((spec.key, lowered, pool.submit(self._compile_lowered, spec.key, lowered, lower_seconds)))
+                jobs.append((spec.key, lowered, pool.submit(self._compile_lowered, spec.key, *lowered)))
         retry = []
         for key, lowered, done in jobs:
             error = done.exception()
@@ -481,7 +482,7 @@ class ModelRunner:
             log.warning("warmup: %d of %d compiles ran out of device memory in %d threads; compiling them one "
                         "at a time", len(retry), len(jobs), threads)
         for key, lowered in retry:
-            self._compile_lowered(key, lowered, 0.0)
+            self._compile_lowered(key, *lowered)
 
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)

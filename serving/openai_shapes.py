@@ -26,6 +26,14 @@ def _token_text(lp: Logprob, token_id: int) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
 
 
+def _chosen_and_top(entry: dict[int, Logprob], token_id: int, k: int | None = None) -> tuple[float, dict]:
+    """A logprob entry's chosen token's logprob and its top map ({token text: logprob}): every token of the
+    entry, or with k the k best ranked and the chosen one."""
+    top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()
+           if k is None or t == token_id or (lp.rank or k + 1) <= k}
+    return finite(entry[token_id].logprob), top
+
+
 def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda item: item[1].rank)
     return ranked[:k]
@@ -60,18 +68,13 @@ class CompletionLogprobs:
             if entry is None:
                 self._push(out, text, None, None)
             else:
-                chosen = token_ids[i]
-                top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()
-                       if t == chosen or (lp.rank or k + 1) <= k}
-                self._push(out, text, finite(entry[chosen].logprob), top)
+                self._push(out, text, *_chosen_and_top(entry, token_ids[i], k))
         return out
 
     def generated(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict:
         out = self._empty()
         for token_id, entry in zip(token_ids, entries):
-            chosen = entry[token_id]
-            top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()}
-            self._push(out, _token_text(chosen, token_id), finite(chosen.logprob), top)
+            self._push(out, _token_text(entry[token_id], token_id), *_chosen_and_top(entry, token_id))
         return out
 
     @staticmethod
