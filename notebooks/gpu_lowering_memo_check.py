@@ -10,6 +10,7 @@ writes $OUT/lowering_memo_check.json when $OUT is set.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import time
@@ -28,7 +29,7 @@ PRESET, QUANT = os.environ.get("PRESET", "tiny"), os.environ.get("QUANT")
 memoized = lowering.lower_jaxpr_to_module
 assert hasattr(memoized, "stats"), "the memo is not installed"
 jax_lower = memoized.__wrapped__
-checked, mismatches = [], []
+checked, mismatches, diffs = [], [], []
 
 
 def text(result) -> str:
@@ -44,8 +45,12 @@ def checking(*args, **kwargs):
         source = args[7].debug_info.func_src_info
         checked.append(source)
         if not same:
-            mismatches.append(source)
-            print(f"MISMATCH {source}", flush=True)
+            again = text(jax_lower(*args, **kwargs))     # is jax's own lowering the same twice?
+            mismatches.append(dict(kernel=source, jax_same_twice=again == text(fresh)))
+            print(f"MISMATCH {mismatches[-1]}", flush=True)
+            if len(diffs) < 3:
+                diffs.append("".join(difflib.unified_diff(text(result).splitlines(True), text(fresh).splitlines(True),
+                                                          "memo", "fresh", n=1)))
     return result
 
 
@@ -72,3 +77,5 @@ print(json.dumps(summary, indent=1))
 if os.environ.get("OUT"):
     with open(os.path.join(os.environ["OUT"], "lowering_memo_check.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    with open(os.path.join(os.environ["OUT"], "lowering_memo_diffs.txt"), "w") as f:
+        f.write("\n\n".join(diffs))
