@@ -26,7 +26,7 @@ from atlasjax.engine import LLMEngine  # noqa: E402
 from atlasjax.engine_config import EngineConfig  # noqa: E402
 from atlasjax.runner import ModelRunner  # noqa: E402
 
-PRESET, QUANT = os.environ.get("PRESET", "tiny"), os.environ.get("QUANT")
+PRESET, QUANT = os.environ.get("PRESET", "tiny"), os.environ.get("QUANT", "none").replace("none", "") or None
 
 memoized = lowering.lower_jaxpr_to_module
 assert hasattr(memoized, "stats"), "the memo is not installed"
