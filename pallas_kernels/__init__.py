@@ -1,7 +1,7 @@
 """pallas_kernels: the Mosaic GPU kernels and their jnp references.
 
-With ATLASJAX_KERNEL_LOWERING_MEMO=on, importing the package memoizes Mosaic GPU kernel lowering
-(lowering_memo.py): a kernel shared by many step programs is lowered once per process."""
+Importing the package memoizes Mosaic GPU kernel lowering (lowering_memo.py; ATLASJAX_KERNEL_LOWERING_MEMO=off
+turns it off): a kernel shared by many step programs is lowered once per process."""
 from pallas_kernels import lowering_memo as _lowering_memo
 
 _lowering_memo.install()

@@ -1,4 +1,4 @@
-"""The kernel lowering memo (pallas_kernels/lowering_memo.py, opt-in): a kernel is lowered once per
+"""The kernel lowering memo (pallas_kernels/lowering_memo.py, on unless switched off): a kernel is lowered once per
 process for every program that calls it with the same shapes and parameters, and afresh when anything
 it is made from differs. jax's lowering is stood in for here; on a GPU the memo wraps jax's."""
 import dataclasses
@@ -75,9 +75,19 @@ def test_a_kernel_without_a_key_is_lowered_as_jax_would():
     assert len(calls) == 2 and memoized.stats == {"hits": 0, "misses": 0}
 
 
-def test_off_unless_asked_for(monkeypatch):
-    monkeypatch.delenv("ATLASJAX_KERNEL_LOWERING_MEMO", raising=False)
+@pytest.mark.parametrize("value", ["off", "0", "False", " OFF "])
+def test_switched_off_by_the_environment(monkeypatch, value):
+    monkeypatch.setenv("ATLASJAX_KERNEL_LOWERING_MEMO", value)
     assert not lowering_memo.enabled() and not lowering_memo.install()
+
+
+@pytest.mark.parametrize("value", [None, "on", "1", "true"])
+def test_on_by_default(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("ATLASJAX_KERNEL_LOWERING_MEMO", raising=False)
+    else:
+        monkeypatch.setenv("ATLASJAX_KERNEL_LOWERING_MEMO", value)
+    assert lowering_memo.enabled()
 
 
 def test_installed_on_the_jax_it_was_written_against(monkeypatch):
