@@ -57,11 +57,13 @@ def add_memory_utilization_arg(g) -> None:
                         "compiling and running the steps")
 
 
-def add_compilation_cache_arg(g) -> None:
+def add_compilation_cache_arg(g, default_on_gpu: bool = True) -> None:
+    default = "on a GPU ~/.cache/atlasjax/xla (at most 10 GiB), elsewhere none" if default_on_gpu else "none"
     g.add_argument("--compilation-cache", default=None, metavar="DIR|off",
                    help="a directory for jax's persistent compilation cache, so a later run loads the "
-                        "compiled steps instead of compiling them (default: $ATLASJAX_COMPILATION_CACHE, else "
-                        "none). A restarted server loads its step executables from it too (docs/serving.md)")
+                        f"compiled steps instead of compiling them (default: $ATLASJAX_COMPILATION_CACHE, else "
+                        f"{default}; off: none). A restarted server loads its step executables from it "
+                        "(docs/serving.md)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -208,7 +210,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from atlasjax import compile_cache
     from atlasjax.errors import AtlasJaxError
-    compile_cache.enable(compile_cache.resolve(args.compilation_cache))   # before the first compile
+    compile_cache.enable(compile_cache.resolve(args.compilation_cache, default_on_gpu=True))   # before the first compile
     try:
         if _start_distributed(args):
             return 0   # a follower process: it replayed process 0's steps until process 0 finished

@@ -1,5 +1,5 @@
-"""The persistent compilation cache of `python -m atlasjax`: where it lives, and a second run
-loading the first run's executables instead of compiling them."""
+"""The persistent compilation cache of `python -m atlasjax`: where it lives (on a GPU by default, elsewhere
+when asked for), and a second run loading the first run's executables instead of compiling them."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import sys
 from atlasjax import compile_cache
 
 
-def test_the_cache_is_opt_in(monkeypatch):
+def test_a_flag_or_the_environment_names_the_cache(monkeypatch):
     monkeypatch.delenv(compile_cache.ENV, raising=False)
     assert compile_cache.resolve(None) is None
     assert compile_cache.resolve("~/c") == os.path.expanduser("~/c")
@@ -20,6 +20,43 @@ def test_the_cache_is_opt_in(monkeypatch):
     assert compile_cache.resolve("OFF") is None
     monkeypatch.setenv(compile_cache.ENV, "off")
     assert compile_cache.resolve(None) is None
+
+
+def test_the_command_line_caches_by_default_on_a_gpu_only(monkeypatch, tmp_path):
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert compile_cache.gpu_expected()
+    assert compile_cache.resolve(None, default_on_gpu=True) == str(tmp_path / "atlasjax" / "xla")
+    assert compile_cache.resolve(None) is None                        # the bench keeps it opt-in
+    assert compile_cache.resolve("off", default_on_gpu=True) is None  # switched off
+    monkeypatch.setenv(compile_cache.ENV, "off")
+    assert compile_cache.resolve(None, default_on_gpu=True) is None
+    monkeypatch.delenv(compile_cache.ENV)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not compile_cache.gpu_expected()
+    assert compile_cache.resolve(None, default_on_gpu=True) is None
+    monkeypatch.setenv("JAX_PLATFORMS", "")                          # unset: a CUDA plugin decides
+    monkeypatch.setattr(compile_cache, "CUDA_PLUGINS", ("no_such_plugin_here",))
+    assert not compile_cache.gpu_expected()
+    monkeypatch.setattr(compile_cache, "CUDA_PLUGINS", ("json",))      # any importable module stands in
+    assert compile_cache.gpu_expected()
+
+
+def test_only_the_default_directory_is_capped(monkeypatch, tmp_path):
+    import jax
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    updates = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+    compile_cache.enable(compile_cache.default_dir())
+    assert updates == [("jax_compilation_cache_dir", compile_cache.default_dir()),
+                       ("jax_compilation_cache_max_size", compile_cache.DEFAULT_MAX_BYTES)]
+    updates.clear()
+    compile_cache.enable(str(tmp_path / "mine"))
+    assert updates == [("jax_compilation_cache_dir", str(tmp_path / "mine"))]
+    updates.clear()
+    compile_cache.enable(None)
+    assert updates == []
 
 
 def _files(d) -> set[str]:
