@@ -1,6 +1,10 @@
 """The warp-specialized kernel for many rows (pallas_kernels/rows_matmul.py: int4 groups of 128,
 per-channel int8 / fp8) against the jnp reference: in GPU interpret mode on small shapes here,
-natively (`gpu`) at Llama-3.1-8B's."""
+natively (`gpu`) at Llama-3.1-8B's.
+
+Mind the shapes of new interpret tests: on jax 0.11.2 GPU interpret mode never returned for int4 at
+K = N = 256 with m_tile 8, 16, 40 or 56 (two warpgroup threads left waiting at a barrier; 32 and 48
+returned in seconds; session 44), while the native kernel runs those tiles (m = 33 takes m_tile 40)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
