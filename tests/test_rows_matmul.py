@@ -2,9 +2,10 @@
 per-channel int8 / fp8) against the jnp reference: in GPU interpret mode on small shapes here,
 natively (`gpu`) at Llama-3.1-8B's.
 
-Mind the shapes of new interpret tests: on jax 0.11.2 GPU interpret mode never returned for int4 at
-K = N = 256 with m_tile 8, 16, 40 or 56 (two warpgroup threads left waiting at a barrier; 32 and 48
-returned in seconds; session 44), while the native kernel runs those tiles (m = 33 takes m_tile 40)."""
+Mind the shapes of new interpret tests: on jax 0.11.2 GPU interpret mode hung for int4 at K = N = 256
+with m_tile 16 and 40 (no return in 200 s and 10 min, two warpgroup threads waiting at a barrier), and
+8, 24, 56 and 72 did not return within 40 s, where 32 and 48 took ~4 s (session 44). The native
+kernel runs those tiles (m = 33 takes m_tile 40)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
