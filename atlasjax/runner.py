@@ -31,6 +31,7 @@ from atlasjax.step_options import step_compiler_options
 from models.attention import AttentionMetadata
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
 from models.transformer import Transformer, init_kv_cache
+from pallas_kernels import lowering_memo
 from pallas_kernels.kv_write import decode_slots
 
 log = logging.getLogger("atlasjax.compile")
@@ -465,7 +466,7 @@ class ModelRunner:
         # Lowered here, one at a time, and compiled (outside the GIL) in the threads. Programs lowered in
         # concurrent threads came out different from one start to the next on a GPU (session 43), so a
         # restart missed every entry of the compilation cache.
-        jobs = []
+        jobs, t0 = [], time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
             for spec in specs:
                 lowered = self._lower(spec)
@@ -483,6 +484,9 @@ class ModelRunner:
                         "at a time", len(retry), len(jobs), threads)
         for key, lowered in retry:
             self._compile_lowered(key, *lowered)
+        log.info("warmup %s", json.dumps({"programs": len(jobs), "seconds": round(time.perf_counter() - t0, 2),
+                                          "lower_seconds": round(sum(lowered[1] for _, lowered, _ in jobs), 2),
+                                          "kernel_lowering_memo": lowering_memo.stats()}))
 
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)

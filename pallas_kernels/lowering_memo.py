@@ -61,6 +61,15 @@ def install() -> bool:
         return True
 
 
+def stats() -> dict | None:
+    """The installed memo's hits and misses so far in this process; None when it is not installed."""
+    if not _installed:
+        return None
+    from jax._src.pallas.mosaic_gpu import lowering  # noqa: PLC0415
+    counts = getattr(lowering.lower_jaxpr_to_module, "stats", None)
+    return dict(counts) if counts is not None else None
+
+
 def memoize(lower):
     """`lower` (jax's lower_jaxpr_to_module) with a memo; the wrapper's `stats` counts hits and misses.
     A kernel whose key cannot be made (an unprintable jaxpr) is lowered as jax would."""

@@ -167,12 +167,17 @@ def test_every_compile_is_logged_as_one_structured_line(model_dir, caplog):
     caplog.set_level(logging.INFO, logger="atlasjax.compile")
     engine = _engine(model_dir)
     engine.runner.warmup()
-    lines = [r.getMessage() for r in caplog.records if r.name == "atlasjax.compile"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "atlasjax.compile"]
+    lines = [m for m in messages if m.startswith("compile ")]
     # decode: one per sampling plan; prefill: one per bucket and one with prompt logprobs; admit: one
     num_decode = len(SamplingPlan.variants())
     assert len(lines) == engine.runner.num_compiles == len(engine.config.prefill_buckets()) + 1 + num_decode + 1
     first = json.loads(lines[0].split(" ", 1)[1])
     assert first["step"] == "decode" and first["seconds"] > 0 and first["num_compiles"] == 1
+    # and one summary of the warm-up: its programs, time and the kernel lowering memo's hits and misses
+    [summary] = [json.loads(m.split(" ", 1)[1]) for m in messages if m.startswith("warmup ")]
+    assert summary["programs"] == len(lines) and summary["seconds"] >= summary["lower_seconds"] > 0
+    assert set(summary["kernel_lowering_memo"]) == {"hits", "misses"}   # installed here too; lowers nothing on CPU
 
 
 def test_kv_pool_keeps_to_the_largest_free_block():

@@ -97,8 +97,10 @@ def test_installed_on_the_jax_it_was_written_against(monkeypatch):
     monkeypatch.setenv("ATLASJAX_KERNEL_LOWERING_MEMO", "on")
     monkeypatch.setattr(lowering, "lower_jaxpr_to_module", lowering.lower_jaxpr_to_module)  # undone after
     monkeypatch.setattr(lowering_memo, "_installed", False)
+    assert lowering_memo.stats() is None
     assert lowering_memo.install()
     assert hasattr(lowering.lower_jaxpr_to_module, "stats")
+    assert lowering_memo.stats() == {"hits": 0, "misses": 0}     # what the warm-up's summary line reports
 
 
 def _traced_kernel(n: int):
