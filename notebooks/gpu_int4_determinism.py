@@ -6,7 +6,7 @@ the warp-specialized rows kernel past that, XLA's split sum) REPEATS times per s
 process and counts the distinct results; a count above 1 is a race or an order-dependent reduction.
 
 GPU: `JAX_PLATFORMS=cuda python notebooks/gpu_int4_determinism.py` (writes $OUT/int4_determinism.json)
-CPU: `SMALL=1 python notebooks/gpu_int4_determinism.py` (interpret mode, tiny shapes).
+CPU: `SMALL=1 python notebooks/gpu_int4_determinism.py` (interpret mode, tiny shapes, the fused kernel only).
 """
 import hashlib
 import json
@@ -23,7 +23,8 @@ REPEATS = int(os.environ.get("REPEATS", "30"))
 SMALL = bool(os.environ.get("SMALL"))
 # Llama-3.2-1B's projections (K, N): qkv, o_proj, gate_up, down
 SHAPES = [(256, 256)] if SMALL else [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]
-ROWS = [3, 40] if SMALL else [1, 4, 8, 33, 64, 100, 190, 256, 512]
+# SMALL: the fused kernel only; the rows kernel (past 32 rows) hung here in interpret mode (tests/test_rows_matmul.py)
+ROWS = [3, 32] if SMALL else [1, 4, 8, 33, 64, 100, 190, 256, 512]
 
 results = []
 rng = np.random.default_rng(0)

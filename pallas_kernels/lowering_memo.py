@@ -33,7 +33,7 @@ log = logging.getLogger("atlasjax.kernels")
 PARAMETERS = ("jax_mesh", "axis_names", "grid", "block", "cluster", "in_shapes", "out_shapes", "jaxpr", "params",
               "consts", "outer_traceback")
 _lock = threading.Lock()
-_installed = False
+_installed = None   # the memoized function once installed
 
 
 def enabled() -> bool:
@@ -56,18 +56,13 @@ def install() -> bool:
         if tuple(inspect.signature(lowering.lower_jaxpr_to_module).parameters) != PARAMETERS:
             log.info("kernel lowering memo not installed: jax's lower_jaxpr_to_module changed its parameters")
             return False
-        lowering.lower_jaxpr_to_module = memoize(lowering.lower_jaxpr_to_module)
-        _installed = True
+        _installed = lowering.lower_jaxpr_to_module = memoize(lowering.lower_jaxpr_to_module)
         return True
 
 
 def stats() -> dict | None:
     """The installed memo's hits and misses so far in this process; None when it is not installed."""
-    if not _installed:
-        return None
-    from jax._src.pallas.mosaic_gpu import lowering  # noqa: PLC0415
-    counts = getattr(lowering.lower_jaxpr_to_module, "stats", None)
-    return dict(counts) if counts is not None else None
+    return dict(_installed.stats) if _installed else None
 
 
 def memoize(lower):
