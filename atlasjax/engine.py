@@ -119,7 +119,8 @@ class LLMEngine:
         if config.compile_at_start:
             t0 = time.perf_counter()
             self.runner.warmup(config.num_scheduler_steps, num_pages=num_pages)
-            log.info("compiled %d step shapes in %.1f s", self.runner.num_compiles, time.perf_counter() - t0)
+            log.info("compiled %d step shapes and loaded %d from the program store in %.1f s",
+                     self.runner.num_compiles, self.runner.num_loaded, time.perf_counter() - t0)
         self.runner.allocate(num_pages)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import sampling
+from atlasjax import program_store, sampling
 from atlasjax.sharding import TP_AXIS
 from atlasjax.step_options import step_compiler_options
 from models.attention import AttentionMetadata
@@ -195,6 +195,11 @@ def _admit(layout, state: DeviceState, packed):
     return state.replace(counts=state.counts.at[slot].set(counts), prompt_mask=state.prompt_mask.at[slot].set(mask))
 
 
+def _shape_of(key: tuple) -> list:
+    """A step key's shape part, as a compile log line prints it."""
+    return [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
+
+
 class StepSpec(NamedTuple):
     """One step program: its compile key, the function, the donated argument positions and the arguments."""
     key: tuple
@@ -246,6 +251,7 @@ class ModelRunner:
         self.state: DeviceState | None = None
         self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
         self.num_compiles = 0
+        self.num_loaded = 0   # step programs loaded from the program store instead of compiled
         self.compile_seconds = 0.0
         self._compiled: dict = {}
         self._compile_lock = threading.Lock()   # warmup compiles in threads
@@ -289,10 +295,11 @@ class ModelRunner:
 
     # ---- compilation
     def _compile(self, spec: StepSpec):
-        """The compiled step of `spec`: lowered and compiled once per key."""
+        """The compiled step of `spec`: loaded from the program store, else lowered and compiled; once per key."""
         if spec.key in self._compiled:
             return self._compiled[spec.key]
-        return self._compile_lowered(spec.key, *self._lower(spec))
+        loaded = self._load_stored(spec)
+        return loaded if loaded is not None else self._compile_lowered(spec, *self._lower(spec))
 
     def _lower(self, spec: StepSpec):
         """(jax's Lowered of spec, the seconds lowering took)."""
@@ -300,21 +307,60 @@ class ModelRunner:
         lowered = jax.jit(spec.fn, donate_argnums=spec.donate).lower(*self._on_mesh(spec.args))
         return lowered, time.perf_counter() - t0
 
-    def _compile_lowered(self, key, lowered, lower_seconds: float):
+    def _compile_lowered(self, spec: StepSpec, lowered, lower_seconds: float):
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=self._compiler_options)
         dt = time.perf_counter() - t0
+        store_key = self._store_key(spec)
+        stored = store_key is not None and self._program_store.save(store_key, compiled)
         with self._compile_lock:
             self.num_compiles += 1
             self.compile_seconds += lower_seconds + dt
             # One structured (JSON) line per compile, so logs can be counted and grepped.
-            shape = [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
-            log.info("compile %s", json.dumps({"step": key[0], "shape": shape, "seconds": round(lower_seconds + dt, 3),
+            log.info("compile %s", json.dumps({"step": spec.key[0], "shape": _shape_of(spec.key),
+                                               "seconds": round(lower_seconds + dt, 3),
                                                "lower_seconds": round(lower_seconds, 3),
-                                               "num_compiles": self.num_compiles}))
-            if self.plan is not None:
-                compiled = functools.partial(self._call_on_mesh, compiled)
-            return self._compiled.setdefault(key, compiled)
+                                               "num_compiles": self.num_compiles, "stored": stored}))
+            return self._register(spec.key, compiled)
+
+    def _load_stored(self, spec: StepSpec):
+        """The compiled step of `spec` from the program store (atlasjax/program_store.py), or None."""
+        store_key = self._store_key(spec)
+        if store_key is None:
+            return None
+        t0 = time.perf_counter()
+        compiled = self._program_store.load(store_key, self._execution_devices)
+        if compiled is None:
+            return None
+        with self._compile_lock:
+            self.num_loaded += 1
+            log.info("load %s", json.dumps({"step": spec.key[0], "shape": _shape_of(spec.key),
+                                            "seconds": round(time.perf_counter() - t0, 3)}))
+            return self._register(spec.key, compiled)
+
+    def _register(self, key, compiled):
+        if self.plan is not None:
+            compiled = functools.partial(self._call_on_mesh, compiled)
+        return self._compiled.setdefault(key, compiled)
+
+    @functools.cached_property
+    def _program_store(self):
+        return program_store.from_jax_config()
+
+    def _store_key(self, spec: StepSpec) -> str | None:
+        """spec's key in the program store; None without a store (or a key)."""
+        if self._program_store is None:
+            return None
+        # host inputs keyed as they are (under TP `_on_mesh` replicates them, the same way every time)
+        return self._program_store.key(spec.key, spec.fn, spec.donate, spec.args, self._compiler_options)
+
+    @functools.cached_property
+    def _execution_devices(self) -> list:
+        """The devices a step program runs on, in the order it was compiled for."""
+        if self.plan is not None:
+            return list(self.plan.mesh.devices.flat)
+        leaf = jax.tree.leaves(self.params)[0]
+        return sorted(leaf.sharding.device_set, key=lambda d: d.id)
 
     def _on_mesh(self, tree):
         """Tensor parallel: host inputs (and arrays on one device) become replicated over the mesh;
@@ -463,28 +509,31 @@ class ModelRunner:
             specs.append(self._prefill_spec([batch[n] for n in PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
         specs.append(self._admit_spec(0, z(self.max_model_len), 0, 0))
         specs = [spec for spec in specs if spec.key not in self._compiled]
+        jobs, t0 = [], time.perf_counter()
+        loaded = [spec for spec in specs if self._load_stored(spec) is not None]
+        specs = [spec for spec in specs if spec.key not in self._compiled]
         # Lowered here, one at a time, and compiled (outside the GIL) in the threads. Programs lowered in
         # concurrent threads came out different from one start to the next on a GPU (session 43), so a
         # restart missed every entry of the compilation cache.
-        jobs, t0 = [], time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
             for spec in specs:
                 lowered = self._lower(spec)
-                jobs.append((spec.key, lowered, pool.submit(self._compile_lowered, spec.key, *lowered)))
+                jobs.append((spec, lowered, pool.submit(self._compile_lowered, spec, *lowered)))
         retry = []
-        for key, lowered, done in jobs:
+        for spec, lowered, done in jobs:
             error = done.exception()
             if error is None:
                 continue
             if threads == 1 or "RESOURCE_EXHAUSTED" not in str(error):
                 raise error
-            retry.append((key, lowered))   # concurrent autotuners ran out of device memory: again, one at a time
+            retry.append((spec, lowered))   # concurrent autotuners ran out of device memory: again, one at a time
         if retry:
             log.warning("warmup: %d of %d compiles ran out of device memory in %d threads; compiling them one "
                         "at a time", len(retry), len(jobs), threads)
-        for key, lowered in retry:
-            self._compile_lowered(key, *lowered)
-        log.info("warmup %s", json.dumps({"programs": len(jobs), "seconds": round(time.perf_counter() - t0, 2),
+        for spec, lowered in retry:
+            self._compile_lowered(spec, *lowered)
+        log.info("warmup %s", json.dumps({"programs": len(jobs) + len(loaded), "loaded": len(loaded),
+                                          "seconds": round(time.perf_counter() - t0, 2),
                                           "lower_seconds": round(sum(lowered[1] for _, lowered, _ in jobs), 2),
                                           "kernel_lowering_memo": lowering_memo.stats()}))
 

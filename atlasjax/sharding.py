@@ -282,6 +282,9 @@ class ShardedModel:
         self.plan = plan
         self.param_specs = {"params": param_specs}
 
+    def __repr__(self) -> str:   # what the program store keys a step on (atlasjax/program_store.py)
+        return f"ShardedModel({self.model!r}, {self.plan!r}, {self.param_specs!r})"
+
     def apply(self, variables, *args, method=None):
         mesh, kv_spec = self.plan.mesh, P(TP_AXIS)
         if method is None:   # forward: (tokens, positions, kv_caches, meta) -> (hidden, kv_caches)

@@ -7,7 +7,10 @@ logprobs in the order the engine streamed them (comparable with earlier sessions
 `per_request` takes them request by request, so it also compares runs with different STEPS
 (`num_scheduler_steps`: multi-step decodes stream several tokens per delta).
 
-  JAX_PLATFORMS=cuda [PRESET=llama-3.2-1b] [QUANT=int8] [TP=2] [STEPS=4] python notebooks/gpu_greedy_fingerprint.py
+  JAX_PLATFORMS=cuda [PRESET=llama-3.2-1b] [QUANT=int8] [TP=2] [STEPS=4] [CACHE=dir] python notebooks/gpu_greedy_fingerprint.py
+
+CACHE: jax's compilation cache (and the program store inside it) in that directory; the last line then
+says how many step programs were compiled and how many loaded from the store.
 """
 import hashlib
 import json
@@ -21,6 +24,9 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.sampling_params import SamplingParams
 
+from atlasjax import compile_cache
+
+compile_cache.enable(os.environ.get("CACHE") or None)
 PRESET = os.environ.get("PRESET", "llama-3.2-1b")
 QUANT = os.environ.get("QUANT") or None
 TP = int(os.environ.get("TP", "1"))
@@ -48,3 +54,4 @@ digest = hashlib.md5(json.dumps([tokens, logprobs]).encode()).hexdigest()
 per_request = hashlib.md5(json.dumps([tokens, [by_request[f"r{i}"] for i in range(4)]]).encode()).hexdigest()
 print("fingerprint", os.environ.get("XLA_FLAGS", ""), digest, "per_request", per_request, "steps", STEPS,
       "first tokens", tokens[0][:12], "logprob sum", round(float(np.sum(logprobs)), 3))
+print("programs", json.dumps({"compiled": engine.runner.num_compiles, "loaded": engine.runner.num_loaded}))

@@ -3,6 +3,8 @@ compilation cache and records, for each start, how long it took to be ready, wha
 cache answered, the KV pool it sized and what the cache directory holds afterwards.
 
 GPU: `PRESET=llama-3.1-8b QUANT=int4 STARTS=2 python notebooks/serve_restart.py [more server flags]`
+STORE_OFF_STARTS=2 (a comma list of start indexes) runs those starts with the program store switched off
+(ATLASJAX_PROGRAM_STORE=off): they lower every program and load only from jax's cache.
 CPU check: `PRESET=tiny STARTS=2 python notebooks/serve_restart.py`
 Writes $OUT/serve_restart.json and each start's log when $OUT is set. The last start also answers a
 short load (`bench serve`, 16 prompts), so executables loaded from the cache are shown to run.
@@ -20,6 +22,7 @@ import time
 PRESET, QUANT = os.environ.get("PRESET", "tiny"), os.environ.get("QUANT")
 STARTS, PORT = int(os.environ.get("STARTS", "2")), os.environ.get("PORT", "8000")
 TAG = os.environ.get("TAG", "")   # prefix of the result and log files
+STORE_OFF = {int(i) for i in os.environ.get("STORE_OFF_STARTS", "").split(",") if i.strip()}
 
 
 def cache_files(path: str) -> tuple[int, int]:
@@ -31,6 +34,8 @@ def start(i: int, cache: str, work: str) -> dict:
     log_path = os.path.join(os.environ.get("OUT") or work, f"{TAG}server{i}.log")
     # the cache's hit / miss lines (add jax._src.cache_key for the hash of each part of a key)
     env = dict(os.environ, JAX_DEBUG_LOG_MODULES=os.environ.get("JAX_DEBUG_LOG_MODULES", "jax._src.compiler"))
+    if i in STORE_OFF:
+        env["ATLASJAX_PROGRAM_STORE"] = "off"
     cmd = [sys.executable, "-m", "atlasjax.bench.preset_server", "--preset", PRESET, "--port", PORT, "-v",
            "--max-num-seqs", "64", "--compilation-cache", cache, *(["--quantization", QUANT] if QUANT else []),
            *sys.argv[1:]]
@@ -55,7 +60,12 @@ def start(i: int, cache: str, work: str) -> dict:
     text = open(log_path).read()
     files, size = cache_files(cache)
     pool = re.search(r"KV pool: .*", text)
-    return dict(start=i, ready_s=round(ready_s, 1), served_ok=served,
+    warmup = re.search(r"warmup (\{.*\})", text)
+    programs, programs_size = cache_files(os.path.join(cache, "programs"))
+    return dict(start=i, program_store=i not in STORE_OFF, ready_s=round(ready_s, 1), served_ok=served,
+                warmup=json.loads(warmup.group(1)) if warmup else None,
+                step_loads=len(re.findall(r"load \{", text)), programs=programs,
+                programs_mb=round(programs_size / 2**20, 1),
                 cache_hits=text.count("Persistent compilation cache hit"),
                 cache_misses=text.count("PERSISTENT COMPILATION CACHE MISS"),
                 step_compiles=len(re.findall(r"compile \{", text)), kv_pool=pool.group(0) if pool else None,
