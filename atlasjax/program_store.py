@@ -11,13 +11,21 @@ step on what the program is made from instead, all of it known before tracing:
   configuration; the devices; $XLA_FLAGS and every $ATLASJAX_* switch.
 Any change in these is a different key, and the program is lowered and compiled as before.
 
-It lives in the `programs` folder of jax's compilation cache directory, so it is on whenever that cache
+It lives in the `programs` folder of jax's compilation cache directory, so on a GPU it is on whenever that cache
 is (`python -m atlasjax` on a GPU by default, `--compilation-cache DIR`, `compile_cache.enable`), and is
 capped as that cache is, least recently used first. $ATLASJAX_PROGRAM_STORE=off switches it off. Not used
 by multi-host runs (each process would need the others' programs). An entry is an executable serialized by
 jax (`jax.experimental.serialize_executable`): loading one runs code from the cache directory, as jax's own
 cache does, so keep that directory as private as the code. An entry that cannot be read is removed and its
 program compiled again.
+
+It is used on GPUs. XLA CPU executables do not load together when two processes wrote them: XLA names
+the functions of a CPU executable per process, and loading programs of two writers into one process
+failed at their first run ("Function negate_power_fusion not found"). So on a CPU the store is off
+unless $ATLASJAX_PROGRAM_STORE=on (the tests, which restart from one writer), and a CPU process that
+has loaded a program writes none. The warm-up compiles what the store lacks before it loads the rest.
+GPU executables carry their own kernel modules: session 45 loaded programs of two writers together on
+an H100 and answered bit for bit.
 """
 from __future__ import annotations
 
@@ -43,9 +51,13 @@ PACKAGES = ("atlasjax", "models", "pallas_kernels")
 _UNKEYED_OPTIONS = ("cache", "log", "explain")
 
 
-def enabled() -> bool:
-    """On unless $ATLASJAX_PROGRAM_STORE is off, 0 or false."""
-    return os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false")
+def enabled(platform: str) -> bool:
+    """$ATLASJAX_PROGRAM_STORE: unset or auto, on a GPU only; on, on every platform (a CPU only where one
+    process wrote every entry, see above: the tests); off, 0 or false, never."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value in ("off", "0", "false"):
+        return False
+    return value in ("on", "1", "true") or platform != "cpu"
 
 
 def from_jax_config() -> ProgramStore | None:
@@ -56,17 +68,25 @@ def from_jax_config() -> ProgramStore | None:
 
 def store_in(cache_dir: str | None, max_bytes: int = -1) -> ProgramStore | None:
     """The store in `cache_dir`/programs; None without a directory, switched off, or multi-host."""
-    if not (enabled() and cache_dir) or jax.process_count() > 1:
+    platform = jax.default_backend()
+    if not (cache_dir and enabled(platform)) or jax.process_count() > 1:
         return None
-    return ProgramStore(Path(cache_dir) / "programs", max_bytes=max_bytes)
+    return ProgramStore(Path(cache_dir) / "programs", max_bytes=max_bytes, platform=platform)
 
 
 class ProgramStore:
     """Compiled programs in `directory`, one file per key; at most `max_bytes` (<= 0: no cap)."""
 
-    def __init__(self, directory, max_bytes: int = -1):
+    def __init__(self, directory, max_bytes: int = -1, platform: str = "gpu"):
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        # XLA CPU: a program compiled after the process loaded others can refer to code of those (it came
+        # back from the store missing functions, "Function ... not found"), so it is not written.
+        self.writes_after_loads = platform != "cpu"
+        self.num_loaded = 0
+
+    def has(self, key: str) -> bool:
+        return (self.directory / (key + SUFFIX)).is_file()
 
     def key(self, step: tuple, fn, donate: tuple, args: tuple, compiler_options: dict) -> str | None:
         """The key of the program `jax.jit(fn, donate_argnums=donate)` compiles for `args`; None when part
@@ -103,11 +123,15 @@ class ProgramStore:
             path.unlink(missing_ok=True)
             return None
         os.utime(path)   # recently used: evicted last
+        self.num_loaded += 1
         return compiled
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
         """Write `compiled` under `key` (atomically; a program jax cannot serialize is skipped). True when
         written."""
+        if self.num_loaded and not self.writes_after_loads:
+            log.info("program store: not storing a CPU program compiled after this process loaded others")
+            return False
         from jax.experimental import serialize_executable  # noqa: PLC0415
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)

@@ -338,6 +338,10 @@ class ModelRunner:
                                             "seconds": round(time.perf_counter() - t0, 3)}))
             return self._register(spec.key, compiled)
 
+    def _is_stored(self, spec: StepSpec) -> bool:
+        store_key = self._store_key(spec)
+        return store_key is not None and self._program_store.has(store_key)
+
     def _register(self, key, compiled):
         if self.plan is not None:
             compiled = functools.partial(self._call_on_mesh, compiled)
@@ -509,15 +513,29 @@ class ModelRunner:
             specs.append(self._prefill_spec([batch[n] for n in PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
         specs.append(self._admit_spec(0, z(self.max_model_len), 0, 0))
         specs = [spec for spec in specs if spec.key not in self._compiled]
-        jobs, t0 = [], time.perf_counter()
+        t0 = time.perf_counter()
         _ = self._program_store, self._execution_devices   # made here, not raced for in the threads
+        stored = [spec for spec in specs if self._is_stored(spec)]
+        stored_keys = {spec.key for spec in stored}
+        # What the store lacks compiles first: an XLA CPU executable compiled after this process loaded
+        # others can come back incomplete from the store (program_store.ProgramStore.save).
+        jobs = self._compile_all([spec for spec in specs if spec.key not in stored_keys], threads)
+        # Stored programs load in threads (0.5-1.2 s each at 8B shapes on an H100, mostly outside the GIL).
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
-            # Programs the store holds load in the threads (~0.5-1.2 s each at 8B shapes on an H100, mostly
-            # outside the GIL); the rest are lowered here, one at a time, and compiled in the threads.
-            # Programs lowered in concurrent threads came out different from one start to the next on a
-            # GPU (session 43), so a restart missed every entry of the compilation cache.
-            loaded = [spec for spec, found in zip(specs, pool.map(self._load_stored, specs)) if found is not None]
-            specs = [spec for spec in specs if spec.key not in self._compiled]
+            loaded = [spec for spec, found in zip(stored, pool.map(self._load_stored, stored)) if found is not None]
+        jobs += self._compile_all([spec for spec in stored if spec.key not in self._compiled], threads)   # unreadable
+        log.info("warmup %s", json.dumps({"programs": len(jobs) + len(loaded), "loaded": len(loaded),
+                                          "seconds": round(time.perf_counter() - t0, 2),
+                                          "lower_seconds": round(sum(lowered[1] for _, lowered in jobs), 2),
+                                          "kernel_lowering_memo": lowering_memo.stats()}))
+
+    def _compile_all(self, specs: list[StepSpec], threads: int) -> list:
+        """Lower each of `specs` here, one at a time, and compile them in `threads` threads (outside the
+        GIL): programs lowered in concurrent threads came out different from one start to the next on a
+        GPU (session 43), so a restart missed every entry of the compilation cache. Returns each spec with
+        its (Lowered, lowering seconds)."""
+        jobs = []
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
             for spec in specs:
                 lowered = self._lower(spec)
                 jobs.append((spec, lowered, pool.submit(self._compile_lowered, spec, *lowered)))
@@ -534,10 +552,7 @@ class ModelRunner:
                         "at a time", len(retry), len(jobs), threads)
         for spec, lowered in retry:
             self._compile_lowered(spec, *lowered)
-        log.info("warmup %s", json.dumps({"programs": len(jobs) + len(loaded), "loaded": len(loaded),
-                                          "seconds": round(time.perf_counter() - t0, 2),
-                                          "lower_seconds": round(sum(lowered[1] for _, lowered, _ in jobs), 2),
-                                          "kernel_lowering_memo": lowering_memo.stats()}))
+        return [(spec, lowered) for spec, lowered, _ in jobs]
 
     def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
         buf = np.zeros((self.max_model_len,), np.int32)

@@ -142,7 +142,8 @@ def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[s
         t = time.perf_counter()
         _iteration(engine, args, rng, f"warmup{i}")
         progress(f"warm-up {i + 1}/{args.num_warmup}: {time.perf_counter() - t:.1f}s "
-                 f"({runner.num_compiles} compiles, {runner.compile_seconds:.1f}s)")
+                 f"({runner.num_compiles} compiles, {runner.compile_seconds:.1f}s; "
+                 f"{runner.num_loaded} loaded from the program store)")
     compiles_before = runner.num_compiles
     iters = []
     for i in range(args.num_iters):
@@ -164,7 +165,8 @@ def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[s
         output_tokens_per_s=summarize([it["num_output_tokens"] / it["e2e"] for it in iters]),
         num_decode_steps=len(steps), decode_rows=runner.decode_rows_for(bs),
         num_compiles_while_timed=runner.num_compiles - compiles_before,
-        num_compiles=runner.num_compiles, compile_seconds=runner.compile_seconds)
+        num_compiles=runner.num_compiles, compile_seconds=runner.compile_seconds,
+        num_programs_loaded=runner.num_loaded)
     roof = _roofline(engine, args, results, ceilings)
     report = dict(mode="latency", settings=_settings(engine, args), results=results, roofline=roof)
     tables = [_table(args, results, _label(engine, args))]
