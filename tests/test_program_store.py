@@ -1,5 +1,9 @@
 """The program store (atlasjax/program_store.py): a restarted engine loads its compiled step programs
-instead of lowering and compiling them, answers the same, and a damaged entry is compiled again."""
+instead of lowering and compiling them, answers the same, and a damaged entry is compiled again.
+
+The store is for GPUs; these CPU tests switch it on ($ATLASJAX_PROGRAM_STORE=on) and restart from one
+writing process, the case XLA CPU executables load correctly in (see the module's docstring). Programs of
+two writing processes loaded together were checked on an H100 (notebooks/gpu_program_store_writers.sh)."""
 from __future__ import annotations
 
 import json
@@ -42,7 +46,8 @@ ENGINE_PROCESS = textwrap.dedent("""
 
 def _start(cache, tp: int = 1, **env) -> dict:
     run = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, str(cache), str(tp)], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "ATLASJAX_COMPILATION_CACHE": str(cache), **env})
+                         timeout=600, env={**os.environ, "ATLASJAX_COMPILATION_CACHE": str(cache),
+                                           program_store.ENV: "on", **env})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -76,11 +81,9 @@ def test_a_damaged_entry_is_dropped_and_compiled_again(tmp_path):
     second = _start(tmp_path)
     assert second["compiled"] == 2 and second["loaded"] == first["compiled"] - 2
     assert second["tokens"] == first["tokens"]
-    # On CPU the two are stored again by the next start (a CPU program compiled after loads is not written)
-    third = _start(tmp_path)
-    assert third["compiled"] + third["loaded"] == first["compiled"] and third["tokens"] == first["tokens"]
-    fourth = _start(tmp_path)
-    assert fourth["compiled"] == 0 and fourth["tokens"] == first["tokens"]
+    np.testing.assert_allclose(second["logprobs"], first["logprobs"], atol=1e-6)
+    # dropped; on a CPU not written again by a process that loaded programs
+    assert sorted((tmp_path / "programs").iterdir()) == entries[2:]
 
 
 def test_a_cpu_program_compiled_after_loads_is_not_written(tmp_path):
@@ -134,11 +137,17 @@ def test_the_least_recently_used_entries_go_past_the_cap(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"k1{program_store.SUFFIX}", f"k2{program_store.SUFFIX}"]
 
 
-def test_the_store_follows_the_compilation_cache(tmp_path, monkeypatch):
+def test_the_store_follows_the_compilation_cache_on_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv(program_store.ENV, raising=False)
+    assert not program_store.enabled("cpu") and program_store.enabled("gpu")
+    assert program_store.store_in(str(tmp_path)) is None               # this CPU: off unless asked for
+    monkeypatch.setenv(program_store.ENV, "on")
+    assert program_store.enabled("cpu")
     assert program_store.store_in(None) is None
     store = program_store.store_in(str(tmp_path), 123)
     assert store.directory == tmp_path / "programs" and store.max_bytes == 123
     monkeypatch.setenv(program_store.ENV, "off")
+    assert not program_store.enabled("gpu")
     assert program_store.store_in(str(tmp_path)) is None
     assert program_store.from_jax_config() is None
 
