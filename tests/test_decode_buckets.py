@@ -161,16 +161,16 @@ def test_warmup_compiles_again_alone_what_ran_out_of_memory_in_threads(tiny, mon
     runner, compile_ = engine.runner, engine.runner._compile_lowered
     failed = []
 
-    def out_of_memory_once(key, *args):
-        if key[0] == "decode" and not failed:
-            failed.append(key)
+    def out_of_memory_once(spec, *args):
+        if spec.key[0] == "decode" and not failed:
+            failed.append(spec.key)
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1018.00MiB")
-        return compile_(key, *args)
+        return compile_(spec, *args)
     monkeypatch.setattr(runner, "_compile_lowered", out_of_memory_once)
     runner.warmup(1, threads=2)
     assert failed and failed[0] in runner._compiled     # compiled on the second, lone try
 
-    def broken(key, *args):
+    def broken(spec, *args):
         raise ValueError("a compiler bug")
     monkeypatch.setattr(runner, "_compile_lowered", broken)
     runner._compiled.clear()
@@ -192,9 +192,9 @@ def test_warmup_lowers_in_one_thread_and_compiles_in_many(tiny, monkeypatch):
         lowered_in.append((threading.current_thread().name, spec.key))
         return lower(spec)
 
-    def record_compile(key, *args):
+    def record_compile(spec, *args):
         compiled_in.add(threading.current_thread().name)
-        return compile_(key, *args)
+        return compile_(spec, *args)
     monkeypatch.setattr(runner, "_lower", record_lower)
     monkeypatch.setattr(runner, "_compile_lowered", record_compile)
     runner.warmup(1, threads=2)
