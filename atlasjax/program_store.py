@@ -13,7 +13,7 @@ Any change in these is a different key, and the program is lowered and compiled 
 
 It lives in the `programs` folder of jax's compilation cache directory, so on a GPU it is on whenever that cache
 is (`python -m atlasjax` on a GPU by default, `--compilation-cache DIR`, `compile_cache.enable`), and is
-capped as that cache is, least recently used first. $ATLASJAX_PROGRAM_STORE=off switches it off. Not used
+capped as that cache is, least recently used first (not for a remote cache such as gs://...). $ATLASJAX_PROGRAM_STORE=off switches it off. Not used
 by multi-host runs (each process would need the others' programs). An entry is an executable serialized by
 jax (`jax.experimental.serialize_executable`): loading one runs code from the cache directory, as jax's own
 cache does, so keep that directory as private as the code. An entry that cannot be read is removed and its
@@ -67,9 +67,10 @@ def from_jax_config() -> ProgramStore | None:
 
 
 def store_in(cache_dir: str | None, max_bytes: int = -1) -> ProgramStore | None:
-    """The store in `cache_dir`/programs; None without a directory, switched off, or multi-host."""
+    """The store in `cache_dir`/programs; None without a local directory (jax's cache may also live in a
+    bucket, gs://...), switched off, or multi-host."""
     platform = jax.default_backend()
-    if not (cache_dir and enabled(platform)) or jax.process_count() > 1:
+    if not (cache_dir and enabled(platform)) or "://" in str(cache_dir) or jax.process_count() > 1:
         return None
     return ProgramStore(Path(cache_dir) / "programs", max_bytes=max_bytes, platform=platform)
 

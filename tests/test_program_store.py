@@ -144,6 +144,7 @@ def test_the_store_follows_the_compilation_cache_on_a_gpu(tmp_path, monkeypatch)
     monkeypatch.setenv(program_store.ENV, "on")
     assert program_store.enabled("cpu")
     assert program_store.store_in(None) is None
+    assert program_store.store_in("gs://bucket/cache") is None          # jax's cache can be remote; the store not
     store = program_store.store_in(str(tmp_path), 123)
     assert store.directory == tmp_path / "programs" and store.max_bytes == 123
     monkeypatch.setenv(program_store.ENV, "off")
