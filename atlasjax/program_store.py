@@ -11,10 +11,11 @@ step on what the program is made from instead, all of it known before tracing:
   configuration; the devices; $XLA_FLAGS and every $ATLASJAX_* switch.
 Any change in these is a different key, and the program is lowered and compiled as before.
 
-It lives in the `programs` folder of jax's compilation cache directory, so on a GPU it is on whenever that cache
-is (`python -m atlasjax` on a GPU by default, `--compilation-cache DIR`, `compile_cache.enable`), and is
-capped as that cache is, least recently used first (not for a remote cache such as gs://...). $ATLASJAX_PROGRAM_STORE=off switches it off. Not used
-by multi-host runs (each process would need the others' programs). An entry is an executable serialized by
+It lives in the `programs` folder of jax's compilation cache directory (a local one, not gs://...), so on
+a GPU it is on whenever that cache is (`python -m atlasjax` on a GPU by default, `--compilation-cache
+DIR`, `compile_cache.enable`), and is capped as that cache is, least recently used first.
+$ATLASJAX_PROGRAM_STORE=off switches it off. Not used by multi-host runs (each process would need the
+others' programs). An entry is an executable serialized by
 jax (`jax.experimental.serialize_executable`): loading one runs code from the cache directory, as jax's own
 cache does, so keep that directory as private as the code. An entry that cannot be read is removed and its
 program compiled again.
