@@ -37,6 +37,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -154,7 +155,14 @@ class ProgramStore:
         return True
 
     def _evict(self) -> None:
-        """Remove the least recently used entries past max_bytes."""
+        """Remove the least recently used entries past max_bytes, and partial writes over an hour old (a
+        process that stopped while writing)."""
+        for path in self.directory.glob("*.tmp"):
+            try:
+                if time.time() - path.stat().st_mtime > 3600:
+                    path.unlink(missing_ok=True)
+            except FileNotFoundError:
+                continue
         if self.max_bytes is None or self.max_bytes <= 0:
             return
         entries = []

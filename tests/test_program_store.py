@@ -133,8 +133,12 @@ def test_the_least_recently_used_entries_go_past_the_cap(tmp_path):
     for i in range(3):
         (tmp_path / f"k{i}{program_store.SUFFIX}").write_bytes(b"x" * 1000)
         os.utime(tmp_path / f"k{i}{program_store.SUFFIX}", (time.time() - 100 + i, time.time() - 100 + i))
+    (tmp_path / "stale.tmp").write_bytes(b"x")               # a write cut off by a stopped process
+    os.utime(tmp_path / "stale.tmp", (time.time() - 7200, time.time() - 7200))
+    (tmp_path / "fresh.tmp").write_bytes(b"x")               # another process writing now
     store._evict()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"k1{program_store.SUFFIX}", f"k2{program_store.SUFFIX}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.tmp", f"k1{program_store.SUFFIX}",
+                                                          f"k2{program_store.SUFFIX}"]
 
 
 def test_the_store_follows_the_compilation_cache_on_a_gpu(tmp_path, monkeypatch):
