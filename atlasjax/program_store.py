@@ -189,9 +189,8 @@ def describe(fn) -> str:
 
 def aval_of(x) -> tuple:
     """An argument leaf as the program sees it: shape, dtype, weak type and sharding."""
-    sharding = getattr(x, "sharding", None)
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        return (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), repr(sharding))
+        return (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)), repr(x.sharding))
     x = np.asarray(x)
     return (x.shape, str(x.dtype))
 

@@ -254,6 +254,7 @@ class ModelRunner:
         self.num_loaded = 0   # step programs loaded from the program store instead of compiled
         self.compile_seconds = 0.0
         self._compiled: dict = {}
+        self._store_keys: dict = {}   # step key -> its program store key
         self._compile_lock = threading.Lock()   # warmup compiles in threads
 
     def allocate(self, num_pages: int) -> None:
@@ -352,11 +353,15 @@ class ModelRunner:
         return program_store.from_jax_config()
 
     def _store_key(self, spec: StepSpec) -> str | None:
-        """spec's key in the program store; None without a store (or a key)."""
+        """spec's key in the program store, made once per step (it flattens the params); None without a
+        store (or a key)."""
         if self._program_store is None:
             return None
-        # host inputs keyed as they are (under TP `_on_mesh` replicates them, the same way every time)
-        return self._program_store.key(spec.key, spec.fn, spec.donate, spec.args, self._compiler_options)
+        if spec.key not in self._store_keys:
+            # host inputs keyed as they are (under TP `_on_mesh` replicates them, the same way every time)
+            self._store_keys[spec.key] = self._program_store.key(spec.key, spec.fn, spec.donate, spec.args,
+                                                                 self._compiler_options)
+        return self._store_keys[spec.key]
 
     @functools.cached_property
     def _execution_devices(self) -> list:
