@@ -40,11 +40,12 @@ from atlasjax.kv_budget import auto_num_pages
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request
-from atlasjax.runner import ModelRunner, StepOutput
+from atlasjax.runner import ModelRunner
 from atlasjax.sampling import pack_rows, plan_rows
 from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.step_options import use_process_flags
+from atlasjax.steps import StepOutput
 from atlasjax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("atlasjax.engine")

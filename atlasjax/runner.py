@@ -1,13 +1,10 @@
-"""The jitted steps: the only place (outside kernel entry points) where `jax.jit` appears.
-
-Device state (donated to every step, so it is updated in place and never copied):
-  kv:          per layer (k_pages, v_pages) [kv_heads, num_pages, page_size, head_dim]
-  counts:      [max_num_seqs, vocab] int32, generated-token counts per slot (penalties)
-  prompt_mask: [max_num_seqs, vocab] bool, tokens seen in the prompt per slot (repetition penalty)
+"""The runner: compiles the step programs (atlasjax/steps.py) per shape bucket and runs them; the only
+place (outside kernel entry points) where `jax.jit` appears.
 
 Steps are compiled ahead of time (`jit(...).lower(...).compile()`) per shape bucket, so every
 compile is explicit, logged and counted, and a shape outside the buckets is an error rather than
-a silent recompile.
+a silent recompile. Compiled programs are kept in the program store (atlasjax/program_store.py)
+when it is on, and a restart loads them instead.
 """
 from __future__ import annotations
 
@@ -20,179 +17,19 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import program_store, sampling
+from atlasjax import program_store, sampling, steps
 from atlasjax.sharding import TP_AXIS
 from atlasjax.step_options import step_compiler_options
-from models.attention import AttentionMetadata
+from atlasjax.steps import DeviceState, StepOutput
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
 from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import lowering_memo
-from pallas_kernels.kv_write import decode_slots
 
 log = logging.getLogger("atlasjax.compile")
-
-
-@flax.struct.dataclass
-class DeviceState:
-    kv: tuple
-    counts: jax.Array
-    prompt_mask: jax.Array
-
-
-@flax.struct.dataclass
-class StepOutput:
-    tokens: jax.Array        # [rows] int32
-    logprob: jax.Array       # [rows] f32 (chosen token, raw distribution)
-    top_vals: jax.Array      # [rows, MAX_LOGPROBS]
-    top_ids: jax.Array
-    prompt: tuple | None = None   # (chosen [T], top_vals [T, K], top_ids [T, K]) with prompt logprobs
-    # Decode steps: [max_num_seqs] each row's newest token, zero past the step's rows (a multi-step decode's
-    # tokens, logprob, top_vals and top_ids gain a leading [num_steps] axis; this is its final token). A
-    # later step gathers from it, so that step compiles the same whatever this one's row count.
-    last_tokens: jax.Array | None = None
-
-    @property
-    def gather_tokens(self) -> jax.Array:
-        """[max_num_seqs]: the tokens a later step continues from (negative `tokens` entries index these)."""
-        return self.tokens if self.last_tokens is None else self.last_tokens
-
-
-_PACK_ALIGN = 64   # int32 elements = 256 bytes: XLA may hand a slice of the packed buffer straight to a
-                   # kernel (the page table to attention), and GPU kernels require 256-byte aligned operands
-
-
-def pack_host(arrays) -> tuple[np.ndarray, tuple]:
-    """Several small host arrays (int32 / float32 / bool) as one flat int32 array, so a step's host
-    inputs cross to the device in one transfer; `unpack_host` (inside the step) undoes it."""
-    arrays = [np.asarray(a) for a in arrays]
-    layout = tuple((a.shape, a.dtype.name) for a in arrays)
-    flat = []
-    for a in arrays:
-        x = (a.astype(np.int32) if a.dtype == np.bool_ else np.ascontiguousarray(a)).view(np.int32).ravel()
-        flat += [x, np.zeros(-x.size % _PACK_ALIGN, np.int32)]
-    return np.concatenate(flat), layout
-
-
-def unpack_host(packed: jax.Array, layout: tuple) -> list[jax.Array]:
-    out, offset = [], 0
-    for shape, dtype in layout:
-        n = int(np.prod(shape))
-        x = packed[offset:offset + n].reshape(shape)
-        offset += n + -n % _PACK_ALIGN
-        if dtype == "float32":
-            x = jax.lax.bitcast_convert_type(x, jnp.float32)
-        elif dtype == "bool":
-            x = x != 0
-        out.append(x)
-    return out
-
-
-def _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens):
-    # [R] tokens at position seq_lens - 1 of each row. A token -1 - r stands for row r of the previous
-    # step's sampled tokens (its prefill's [S], then its decode's, padded to [S]), still on the device: the
-    # host schedules this step before reading those back.
-    prev = jnp.concatenate([prev_prefill_tokens, prev_decode_tokens])
-    return jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
-
-
-def _slot_rows(state_rows, slots):
-    """Per-slot state [max_num_seqs, ...] at a step's rows (padding rows, slot max_num_seqs: the last slot's)."""
-    return state_rows[jnp.minimum(slots, state_rows.shape[0] - 1)]
-
-
-def _padded_to_slots(tokens, num_slots: int):
-    return jnp.pad(tokens, (0, num_slots - tokens.shape[0]))
-
-
-def _decode_once(model: Transformer, plan, params, kv, counts, prompt_mask, tokens, page_table, seq_lens, slots,
-                 st):
-    """One decode iteration over the step's rows: row r continues the request in slot slots[r];
-    seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range)."""
-    _, num_pages, page_size, _ = kv[0][0].shape
-    positions = jnp.maximum(seq_lens - 1, 0)
-    slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
-    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens)
-    hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
-    logits = model.apply({"params": params}, hidden, method=Transformer.logits)
-    # the greedy plans never read the penalty state, and XLA drops these gathers from them
-    new_tokens, lp, tv, ti = sampling.sample(logits, _slot_rows(counts, slots), _slot_rows(prompt_mask, slots), st,
-                                             plan)
-    counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
-    return kv, counts, StepOutput(new_tokens, lp, tv, ti)
-
-
-def _decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
-                 prev_prefill_tokens, prev_decode_tokens):
-    tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
-    tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    kv, counts, out = _decode_once(model, plan, params, state.kv, state.counts, state.prompt_mask, tokens,
-                                   page_table, seq_lens, slots, sampling.SamplingTensors(f, i))
-    out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
-    return DeviceState(kv, counts, state.prompt_mask), out
-
-
-def _multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params,
-                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens):
-    """`num_steps` decode iterations in one launch (a `lax.scan`, so the host issues the step once for
-    all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
-    after them it is inactive (no K/V write), and its later outputs repeat its last token."""
-    tokens, page_table, seq_lens, slots, f, i, row_steps = unpack_host(packed, layout)
-    tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-
-    def body(carry, j):
-        kv, counts, tokens = carry
-        active = (seq_lens > 0) & (j < row_steps)
-        # the seeded draw and min_tokens follow the row's output index, as one step per launch would
-        st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
-        kv, counts, out = _decode_once(model, plan, params, kv, counts, state.prompt_mask, tokens, page_table,
-                                       jnp.where(active, seq_lens + j, 0), slots, st)
-        tokens = jnp.where(active, out.tokens, tokens)
-        return (kv, counts, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
-
-    (kv, counts, tokens), outs = jax.lax.scan(body, (state.kv, state.counts, tokens), jnp.arange(num_steps))
-    return DeviceState(kv, counts, state.prompt_mask), StepOutput(
-        *outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
-
-
-PREFILL_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
-                  "sample_rows", "slot_ids", "commit", "next_tokens")
-
-
-def _prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params, state: DeviceState, packed):
-    (tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, sample_rows, slot_ids, commit,
-     next_tokens, f, i) = unpack_host(packed, layout)
-    st = sampling.SamplingTensors(f, i)
-    # Packed chunks of up to S sequences: [T] tokens; logits only at each sequence's last row.
-    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
-                             query_start=query_start, num_seqs=num_seqs)
-    hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
-    logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
-    slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
-    new_tokens, lp, tv, ti = sampling.sample(logits, _slot_rows(state.counts, slots),
-                                             _slot_rows(state.prompt_mask, slots), st)
-    counts = state.counts.at[slots, new_tokens].add(1, mode="drop")
-    out = StepOutput(new_tokens, lp, tv, ti)
-    if with_prompt_logprobs:
-        all_logits = model.apply({"params": params}, hidden, method=Transformer.logits)
-        out = out.replace(prompt=sampling.prompt_logprobs(all_logits, next_tokens))
-    return DeviceState(kv, counts, state.prompt_mask), out
-
-
-def _admit(layout, state: DeviceState, packed):
-    slot, tokens, prompt_len, total_len = unpack_host(packed, layout)
-    # Reset a slot's penalty state for a (re)admitted request: prompt mask from tokens[:total_len]
-    # (prompt + earlier outputs after preemption), generated counts from tokens[prompt_len:total_len].
-    idx = jnp.arange(tokens.shape[0])
-    vocab = state.counts.shape[1]
-    in_seq = idx < total_len
-    mask = jnp.zeros((vocab,), bool).at[tokens].max(in_seq)
-    counts = jnp.zeros((vocab,), jnp.int32).at[tokens].add((in_seq & (idx >= prompt_len)).astype(jnp.int32))
-    return state.replace(counts=state.counts.at[slot].set(counts), prompt_mask=state.prompt_mask.at[slot].set(mask))
 
 
 def _shape_of(key: tuple) -> list:
@@ -421,25 +258,25 @@ class ModelRunner:
     # ---- steps (all asynchronous: they return device arrays). Each `_*_spec` packs the host inputs and
     # names its step (StepSpec); `_compile` compiles each key once, and warmup compiles the same specs.
     def _decode_spec(self, host_inputs, prev, plan, num_steps=1) -> StepSpec:
-        packed, layout = pack_host(host_inputs)
+        packed, layout = steps.pack_host(host_inputs)
         args = (self.params, self._state_arg, self._host(packed), *prev)
         rows = host_inputs[0].shape[0]
         if num_steps == 1:
-            return StepSpec(("decode", rows, plan), functools.partial(_decode_step, self.model, plan, layout),
+            return StepSpec(("decode", rows, plan), functools.partial(steps.decode_step, self.model, plan, layout),
                             (1,), args)
         return StepSpec(("decode", rows, plan, num_steps),
-                        functools.partial(_multi_decode_step, self.model, plan, num_steps, layout), (1,), args)
+                        functools.partial(steps.multi_decode_step, self.model, plan, num_steps, layout), (1,), args)
 
     def _prefill_spec(self, host_inputs, with_prompt_logprobs) -> StepSpec:
-        packed, layout = pack_host(host_inputs)
+        packed, layout = steps.pack_host(host_inputs)
         t = host_inputs[0].shape[0]
         return StepSpec(("prefill", t, with_prompt_logprobs),
-                        functools.partial(_prefill_step, self.model, with_prompt_logprobs, layout), (1,),
+                        functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (1,),
                         (self.params, self._state_arg, self._host(packed)))
 
     def _admit_spec(self, slot, tokens, prompt_len, total_len) -> StepSpec:
-        packed, layout = pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len)))
-        return StepSpec(("admit", self.max_model_len), functools.partial(_admit, layout), (0,),
+        packed, layout = steps.pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len)))
+        return StepSpec(("admit", self.max_model_len), functools.partial(steps.admit_step, layout), (0,),
                         (self._state_arg, self._host(packed)))
 
     def _run(self, spec: StepSpec):
@@ -453,7 +290,7 @@ class ModelRunner:
         prev_tokens: the previous step's gather_tokens (prefill, decode; device arrays or None) that
         negative entries of `tokens` point into (see _gather_prev).
         num_steps > 1: that many decode iterations in one launch, row r running the first row_steps[r]
-        (`_multi_decode_step`; outputs gain a leading [num_steps] axis)."""
+        (`steps.multi_decode_step`; outputs gain a leading [num_steps] axis)."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
         slots = np.arange(len(tokens), dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
         host = (tokens, page_table, seq_lens, slots, f, i)
@@ -467,7 +304,7 @@ class ModelRunner:
         return self._on_mesh(jnp.zeros((self.max_num_seqs,), jnp.int32))
 
     def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
-        self.state, out = self._run(self._prefill_spec([batch[n] for n in PREFILL_INPUTS] + [f, i],
+        self.state, out = self._run(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i],
                                                        with_prompt_logprobs))
         return out
 
@@ -515,7 +352,7 @@ class ModelRunner:
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),
                          commit=np.zeros(s, bool), next_tokens=z(t))
-            specs.append(self._prefill_spec([batch[n] for n in PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
+            specs.append(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
         specs.append(self._admit_spec(0, z(self.max_model_len), 0, 0))
         specs = [spec for spec in specs if spec.key not in self._compiled]
         t0 = time.perf_counter()

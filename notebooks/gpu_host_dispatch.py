@@ -22,7 +22,7 @@ import numpy as np
 from atlasjax.bench.presets import load_preset
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
-from atlasjax.runner import pack_host
+from atlasjax.steps import pack_host
 from atlasjax.sampling import pack_rows
 from atlasjax.sampling_params import SamplingParams
 

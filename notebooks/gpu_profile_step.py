@@ -184,7 +184,7 @@ lens[:BS] = 140
 from atlasjax.sampling import pack_rows  # noqa: E402
 
 f, i = pack_rows([(SamplingParams(temperature=0), 0, 0, ())] * BS, s)
-from atlasjax.runner import pack_host  # noqa: E402
+from atlasjax.steps import pack_host  # noqa: E402
 
 packed = r._on_mesh(jnp.asarray(pack_host((np.ones(s, np.int32), pt, lens, np.arange(s, dtype=np.int32), f, i))[0]))   # replicated under TP
 z = r._on_mesh(jnp.zeros((s,), jnp.int32))
