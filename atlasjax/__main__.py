@@ -168,8 +168,13 @@ def _start_distributed(args) -> bool:
     """Multi-host: initialize jax.distributed; on processes other than 0, build the engine and
     follow process 0's steps (returns True when done). Single process: nothing (returns False)."""
     from atlasjax import distributed
-    distributed.initialize(distributed.DistributedConfig.from_env(args.coordinator_address, args.num_processes,
-                                                                  args.process_id))
+    from atlasjax.errors import EngineConfigError
+    config = distributed.DistributedConfig.from_env(args.coordinator_address, args.num_processes, args.process_id)
+    if config is None:
+        return False   # one process (and no device touched yet: an engine process may own them)
+    if getattr(args, "engine_process", False):
+        raise EngineConfigError("--engine-process serves one host; leave it off for multi-host runs")
+    distributed.initialize(config)
     if not distributed.is_multiprocess() or distributed.is_leader():
         return False
     from atlasjax.engine import LLMEngine

@@ -23,47 +23,34 @@ from atlasjax.sampling_params import SamplingParams
 log = logging.getLogger("atlasjax.async")
 
 
-class AsyncLLM:
-    def __init__(self, model: str | None = None, *, max_waiting: int = 256, engine: LLMEngine | None = None,
-                 **engine_kwargs):
-        self.engine = engine or LLMEngine(EngineConfig(model=model, **engine_kwargs))
-        self.max_waiting = max_waiting
-        self._inbox: collections.deque = collections.deque()
-        self._wake = threading.Condition()
+class StreamingLLM:
+    """The asyncio side of an engine that runs elsewhere (a thread: AsyncLLM; a process:
+    atlasjax.engine_process.EngineProcessLLM): per-request queues fed by `_deliver`, and commands
+    ("add" / "abort" / "release") sent through `_submit`."""
+
+    def __init__(self):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
-        self._stopping = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="atlasjax-engine", daemon=True)
-        self._thread.start()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def stats(self):
-        return self.engine.stats
-
-    @property
-    def is_healthy(self) -> bool:
-        """False once the engine thread has died (the server then reports 503 on /health)."""
-        return self._error is None and self._thread.is_alive()
 
     @property
     def num_pending(self) -> int:
         return len(self._streams)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped serving (None while it runs)."""
+        return self._error
 
     # ---- public API
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """Stream the deltas of one request (all n completions interleaved, by .index)."""
         if self._error is not None:
-            raise RuntimeError(f"the engine thread failed: {self._error!r}")
+            raise RuntimeError(f"the engine failed: {self._error!r}")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        if self.engine.stats.num_waiting + len(self._inbox) >= self.max_waiting:
-            raise QueueFullError(f"{self.max_waiting} requests are already waiting")
+        self._check_capacity()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._submit(("add", request_id, prompt, params))
@@ -84,18 +71,16 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine thread; with drain, after the in-flight requests finish."""
-        with self._wake:
-            self._stopping = "drain" if drain else "now"
-            self._wake.notify()
-        self._thread.join(timeout)
+    # ---- for subclasses
+    def _check_capacity(self) -> None:
+        """Raise QueueFullError when no more requests may wait (or leave it to the engine's side)."""
 
-    # ---- engine thread
     def _submit(self, cmd) -> None:
-        with self._wake:
-            self._inbox.append(cmd)
-            self._wake.notify()
+        raise NotImplementedError
+
+    def _orphaned(self, request_id: str) -> None:
+        """Nobody will read this request's stream any more (its event loop closed): abort it."""
+        self._submit(("abort", request_id))
 
     def _deliver(self, items) -> None:
         """(request id, delta or error) pairs to their streams: one wake-up per event loop, not one per
@@ -112,7 +97,59 @@ class AsyncLLM:
             except RuntimeError:      # that event loop was closed: nobody will read these streams
                 for request_id, _, _ in batch:
                     self._streams.pop(request_id, None)
-                    self.engine.abort(request_id)   # frees its pages (this runs on the engine thread)
+                    self._orphaned(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._error = error
+        self._deliver([(rid, RuntimeError(f"engine failure: {error!r}")) for rid in list(self._streams)])
+
+
+class AsyncLLM(StreamingLLM):
+    def __init__(self, model: str | None = None, *, max_waiting: int = 256, engine: LLMEngine | None = None,
+                 **engine_kwargs):
+        super().__init__()
+        self.engine = engine or LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.max_waiting = max_waiting
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="atlasjax-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def stats(self):
+        """The engine's counters, its gauges read now (they change on abort even when no step runs)."""
+        self.engine.stats.refresh(self.engine)
+        return self.engine.stats
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine thread has died (the server then reports 503 on /health)."""
+        return self._error is None and self._thread.is_alive()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the engine thread; with drain, after the in-flight requests finish."""
+        with self._wake:
+            self._stopping = "drain" if drain else "now"
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ---- engine thread
+    def _check_capacity(self) -> None:
+        if self.engine.stats.num_waiting + len(self._inbox) >= self.max_waiting:
+            raise QueueFullError(f"{self.max_waiting} requests are already waiting")
+
+    def _submit(self, cmd) -> None:
+        with self._wake:
+            self._inbox.append(cmd)
+            self._wake.notify()
+
+    def _orphaned(self, request_id: str) -> None:
+        self.engine.abort(request_id)   # frees its pages (_deliver runs on the engine thread)
 
     def _loop(self) -> None:
         engine = self.engine
@@ -125,7 +162,7 @@ class AsyncLLM:
                     self._inbox.clear()
                     stopping = self._stopping
                 for cmd in commands:
-                    self._handle(cmd)
+                    self._deliver(apply_command(engine, cmd))
                 if commands:
                     engine.stats.refresh(engine)   # gauges stay true after aborts with no step
                 if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
@@ -134,20 +171,22 @@ class AsyncLLM:
                     self._deliver([(d.request_id, d) for d in deltas])
         except BaseException as e:  # noqa: BLE001 (report to every waiter, then stop)
             log.exception("engine thread failed")
-            self._error = e
-            self._deliver([(rid, RuntimeError(f"engine failure: {e!r}")) for rid in list(self._streams)])
+            self._fail_all(e)
 
-    def _handle(self, cmd) -> None:
-        kind, request_id = cmd[0], cmd[1]
-        if kind == "add":
-            try:
-                self.engine.add_request(request_id, cmd[2], cmd[3])
-            except AtlasJaxError as e:
-                self._deliver([(request_id, e)])
-        elif kind == "abort":
-            self.engine.abort(request_id)
-        elif kind == "release":
-            self.engine.release(request_id)
+
+def apply_command(engine: LLMEngine, cmd) -> list:
+    """Carry out one command on the engine's thread; returns (request id, error) pairs to deliver."""
+    kind, request_id = cmd[0], cmd[1]
+    if kind == "add":
+        try:
+            engine.add_request(request_id, cmd[2], cmd[3])
+        except AtlasJaxError as e:
+            return [(request_id, e)]
+    elif kind == "abort":
+        engine.abort(request_id)
+    elif kind == "release":
+        engine.release(request_id)
+    return []
 
 
 def _put_all(batch) -> None:

@@ -19,6 +19,7 @@ class EngineStats:
     num_waiting: int = 0
     pages_used: int = 0
     pages_free: int = 0
+    pages_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     last_step_seconds: float = 0.0
@@ -34,7 +35,7 @@ class EngineStats:
     def refresh(self, engine) -> None:
         s, pool = engine.scheduler, engine.pool
         self.num_running, self.num_waiting = len(s.running), len(s.waiting)
-        self.pages_used, self.pages_free = pool.num_used_pages, pool.num_free_pages
+        self.pages_used, self.pages_free, self.pages_total = pool.num_used_pages, pool.num_free_pages, pool.num_pages
         self.num_preemptions = s.num_preemptions
         self.prefix_cache_queries, self.prefix_cache_hits = pool.num_queried_pages, pool.num_hit_pages
 

@@ -56,13 +56,14 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     """Build the server app.
 
     Args:
-      engine: a running atlasjax.AsyncLLM (the caller owns it and shuts it down).
+      engine: a running atlasjax.AsyncLLM, or an EngineProcessLLM (atlasjax/engine_process.py); the
+        caller owns it and shuts it down.
       served_model_name: the only value accepted in requests' "model" field.
       api_key: when set, every route except /health and /openapi.json needs it.
       max_body_bytes: larger request bodies get 413.
       cors_origins: allowed browser origins; None or empty disables CORS.
     """
-    metrics = ServerMetrics(engine.engine)
+    metrics = ServerMetrics(engine)
     routes = openai_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []

@@ -2,7 +2,8 @@
 
 atlasjax/__main__.py adds the engine flags and calls `add_server_args` and `serve`. Startup:
 bind the socket (so a busy port fails before the model loads, and --port 0 picks a free one),
-build AsyncLLM (its engine compiles every step shape before it allocates the KV pool), send one
+build AsyncLLM, or with --engine-process an EngineProcessLLM (the engine in a child process:
+atlasjax/engine_process.py); the engine compiles every step shape before it allocates the KV pool. Send one
 tiny request through it, then start uvicorn on that socket and log "atlasjax: ready on http://HOST:PORT".
 A signal makes uvicorn stop accepting and wait for in-flight responses (up to
 --graceful-timeout seconds, after which they are cancelled and their requests aborted); then
@@ -21,6 +22,10 @@ from serving.app import DEFAULT_MAX_BODY_BYTES, create_app
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
+# With --engine-process: a picklable callable the engine's process runs before it builds the engine (a process
+# that patched the loader in itself, as atlasjax.bench.preset_server does, sets it to patch the child too)
+engine_process_setup = None
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
@@ -36,6 +41,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated origins allowed by CORS (default: CORS off)")
     g.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on shutdown")
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, so that HTTP work never holds up its steps "
+                        "(one host only)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -88,7 +96,13 @@ def serve(args) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    llm = AsyncLLM(max_waiting=args.max_waiting, **engine_kwargs(args))
+    if args.engine_process:
+        from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
+        from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415
+        llm = EngineProcessLLM(EngineConfig(**engine_kwargs(args)), max_waiting=args.max_waiting,
+                               setup=engine_process_setup)
+    else:
+        llm = AsyncLLM(max_waiting=args.max_waiting, **engine_kwargs(args))
     print(f"atlasjax: {llm.engine.weights_summary}", file=sys.stderr, flush=True)
     try:
         asyncio.run(warm_up(llm))

@@ -1,8 +1,9 @@
 """Prometheus metrics for one app: its own registry, HTTP/token/latency series, engine gauges.
 
 Request handlers feed the counters and histograms (through the bridge); engine state is read
-at scrape time by `EngineCollector`: pages and queue lengths live from the pool and scheduler
-(these change on abort even when no step runs), cumulative counters from `engine.stats`.
+at scrape time by `EngineCollector` from `llm.stats`: an in-process engine's gauges are read at
+that moment (they change on abort even when no step runs); an engine process's are those of its
+latest message (atlasjax/engine_process.py).
 """
 from __future__ import annotations
 
@@ -15,19 +16,17 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, llm):
+        self.llm = llm
 
     def collect(self):
-        engine, stats = self.engine, self.engine.stats
-        pool, scheduler = engine.pool, engine.scheduler
-        free = pool.num_free_pages
+        stats = self.llm.stats
         gauges = (
-            ("atlasjax_num_requests_running", "Sequences holding a batch slot", len(scheduler.running)),
-            ("atlasjax_num_requests_waiting", "Sequences waiting for a slot", len(scheduler.waiting)),
-            ("atlasjax_kv_pages_used", "KV cache pages in use", pool.num_pages - free),
-            ("atlasjax_kv_pages_free", "KV cache pages free (cached prefixes included)", free),
-            ("atlasjax_kv_pages_total", "KV cache pages in the pool", pool.num_pages),
+            ("atlasjax_num_requests_running", "Sequences holding a batch slot", stats.num_running),
+            ("atlasjax_num_requests_waiting", "Sequences waiting for a slot", stats.num_waiting),
+            ("atlasjax_kv_pages_used", "KV cache pages in use", stats.pages_total - stats.pages_free),
+            ("atlasjax_kv_pages_free", "KV cache pages free (cached prefixes included)", stats.pages_free),
+            ("atlasjax_kv_pages_total", "KV cache pages in the pool", stats.pages_total),
             ("atlasjax_prefix_cache_hit_rate", "Prefix cache hits / queries, in pages", stats.prefix_cache_hit_rate),
         )
         for name, doc, value in gauges:
@@ -44,7 +43,7 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, llm):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("atlasjax_http_requests", "HTTP requests by endpoint and status",
@@ -55,7 +54,7 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("atlasjax_inter_token_latency_seconds", "Time between tokens of one sequence",
                              buckets=ITL_BUCKETS, registry=r)
-        r.register(EngineCollector(engine))
+        r.register(EngineCollector(llm))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

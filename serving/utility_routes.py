@@ -20,11 +20,11 @@ OPEN_PATHS = {"/health", "/openapi.json"}
 
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
-    engine = state.llm.engine
-    failure = None if state.llm.is_healthy else (state.llm._error or "engine thread stopped")
+    stats = state.llm.stats
+    failure = None if state.llm.is_healthy else (state.llm.error or "the engine stopped")
     body = {"status": "ok" if failure is None else "error", "model": state.model_name,
-            "num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
-            "kv_pages_free": engine.pool.num_free_pages, "kv_pages_total": engine.pool.num_pages}
+            "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "kv_pages_free": stats.pages_free, "kv_pages_total": stats.pages_total}
     if failure is not None:
         body["error"] = repr(failure)
     return JSONResponse(body, status_code=200 if failure is None else 503)

@@ -81,6 +81,8 @@ class ServerProcess:
         env.pop("ATLASJAX_API_KEY", None)
         cmd = [sys.executable, "-m", "atlasjax", "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", "0",
                "--served-model-name", MODEL_NAME, *engine_flags(engine_kwargs), *extra_args]
+        if os.environ.get("ATLASJAX_TEST_ENGINE_PROCESS") == "1" and "--engine-process" not in cmd:
+            cmd.append("--engine-process")   # every server test against an engine process (run by hand)
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
