@@ -4,6 +4,9 @@ One thread owns the device and runs `LLMEngine.step()` whenever there is work. C
 asyncio loop submit requests through a thread-safe inbox and receive `StreamDelta`s through a
 per-request asyncio queue. Leaving the iterator early (client disconnect, cancellation) aborts
 the request, which frees its pages and slot at the engine's next iteration.
+
+`StreamingLLM` is the asyncio side alone; atlasjax/engine_process.py puts the same side in front
+of an engine in a child process.
 """
 from __future__ import annotations
 

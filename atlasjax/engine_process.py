@@ -81,10 +81,12 @@ class EngineProcessLLM(StreamingLLM):
             self._conn.send((config, max_waiting, setup, settings, logging.getLogger().level))
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
+            self._conn.close()
             raise RuntimeError(f"the engine process exited while starting (exit code {self._process.wait()})") \
                 from None
         if kind == "failed":
             self._process.wait()
+            self._conn.close()
             raise payload
         self.engine: EngineInfo = payload
         self._stopping = False

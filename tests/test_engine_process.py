@@ -1,9 +1,9 @@
 """The engine in a process of its own (atlasjax/engine_process.py, `serve --engine-process`).
 
-Through the Python API on the embedded default model: the same greedy text as the in-process engine,
-request errors raised to the caller with the engine still serving, a stream left early gives its
-pages back, a bad model fails the start with the engine's own error, and a child that dies fails
-its streams and reports unhealthy. Through a live server (the tiny Llama 3 of tests/server_util.py):
+Through the Python API on the embedded default model: the same greedy text as the in-process engine
+(also at TP=3), request errors raised to the caller with the engine still serving, a stream left
+early gives its pages back, a bad model fails the start with the engine's own error, and a child
+that dies fails its streams and reports unhealthy. Through a live server (the tiny Llama 3 of tests/server_util.py):
 the same completions as in-process, /health and /metrics from the child's stats, and a clean drain
 on SIGTERM.
 """
@@ -120,6 +120,16 @@ def test_a_dead_engine_process_fails_its_streams_and_reports_unhealthy():
         assert not llm.is_healthy
     finally:
         llm.shutdown(timeout=5)
+
+
+def test_a_tensor_parallel_engine_process_answers_as_one_device():
+    """The child sees the devices the server's process would (tests/conftest.py: 8 CPU devices)."""
+    want = [o.outputs[0].text for o in LLM(**ENGINE).generate(PROMPTS, GREEDY)]
+    llm = EngineProcessLLM(EngineConfig(tensor_parallel_size=3, **ENGINE))   # SmolLM2: 9 heads, 3 KV heads
+    try:
+        assert [asyncio.run(_text(llm, p)) for p in PROMPTS] == want
+    finally:
+        llm.shutdown(timeout=30)
 
 
 @pytest.fixture(scope="module")
