@@ -168,6 +168,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         max_tokens = self._check_length(len(token_ids), params)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         seqs = []
@@ -257,7 +260,7 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> _Launched:
         """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device)."""
         for req in sched.admitted:
-            self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids))
+            self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.logit_bias)
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
         # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)
         num_steps = self.config.num_scheduler_steps if sched.num_steps > 1 else 1

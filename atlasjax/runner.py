@@ -23,6 +23,7 @@ import numpy as np
 
 from atlasjax import program_store, sampling, steps
 from atlasjax.sharding import TP_AXIS
+from atlasjax.sampling_params import MAX_LOGIT_BIAS
 from atlasjax.step_options import step_compiler_options
 from atlasjax.steps import DeviceState, StepOutput
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
@@ -112,13 +113,14 @@ class ModelRunner:
         cfg, plan = self.cfg, self.plan
         heads = () if plan is None else (plan.num_kv_heads,)
         kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.dtype, *heads))
-        shape = (self.max_num_seqs, cfg.vocab_size)
-        if plan is None:
-            return DeviceState(kv=kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32),
-                               prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_))
-        kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
-        return DeviceState(kv=kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, sharding=plan.replicated),
-                           prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=plan.replicated))
+        shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
+        extra = {} if plan is None else dict(sharding=plan.replicated)
+        if plan is not None:
+            kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
+        return DeviceState(kv=kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
+                           prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
+                           bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),
+                           bias_vals=jax.ShapeDtypeStruct(bias, jnp.float32, **extra))
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""
@@ -274,8 +276,9 @@ class ModelRunner:
                         functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (1,),
                         (self.params, self._state_arg, self._host(packed)))
 
-    def _admit_spec(self, slot, tokens, prompt_len, total_len) -> StepSpec:
-        packed, layout = steps.pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len)))
+    def _admit_spec(self, slot, tokens, prompt_len, total_len, logit_bias=None) -> StepSpec:
+        packed, layout = steps.pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len),
+                                          *sampling.logit_bias_row(logit_bias)))
         return StepSpec(("admit", self.max_model_len), functools.partial(steps.admit_step, layout), (0,),
                         (self._state_arg, self._host(packed)))
 
@@ -396,8 +399,10 @@ class ModelRunner:
             self._compile_lowered(spec, *lowered)
         return [(spec, lowered) for spec, lowered, _ in jobs]
 
-    def admit(self, slot: int, token_ids: list[int], prompt_len: int) -> None:
+    def admit(self, slot: int, token_ids: list[int], prompt_len: int, logit_bias: dict[int, float] | None = None):
+        """Reset slot's sampling state for a request: its tokens so far (the first prompt_len of them its
+        prompt) and its logit bias."""
         buf = np.zeros((self.max_model_len,), np.int32)
         n = min(len(token_ids), self.max_model_len)
         buf[:n] = token_ids[:n]
-        self.state = self._run(self._admit_spec(slot, buf, prompt_len, n))
+        self.state = self._run(self._admit_spec(slot, buf, prompt_len, n, logit_bias))

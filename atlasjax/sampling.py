@@ -1,7 +1,7 @@
 """On-device sampling for a batch of rows, each with its own parameters (runs inside the jitted steps).
 
-Order per row: raw logprobs (reported) -> repetition / frequency / presence penalties ->
-min_tokens masking of stop ids -> greedy argmax, or temperature, top-k / top-p / min-p
+Order per row: raw logprobs (reported) -> repetition / frequency / presence penalties -> logit
+bias -> min_tokens masking of stop ids -> greedy argmax, or temperature, top-k / top-p / min-p
 filtering and a seeded Gumbel-max draw.
 
 There is no data-dependent branch (a `lax.cond` makes the GPU runtime copy its predicate to the
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from atlasjax.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 # column layout of the packed per-row parameter arrays (one host->device transfer each)
 F_TEMP, F_TOP_P, F_MIN_P, F_PRES, F_FREQ, F_REP = range(6)
@@ -48,7 +48,7 @@ def plan_rows(rows: list[tuple[SamplingParams, int, int, tuple[int, ...]] | None
         p, _, step, _ = row
         logprobs |= p.logprobs is not None
         greedy &= (p.temperature == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0
-                   and p.presence_penalty == 0 and step >= p.min_tokens)
+                   and p.presence_penalty == 0 and step >= p.min_tokens and not p.logit_bias)
     return SamplingPlan(True, logprobs) if greedy else FULL
 
 
@@ -118,10 +118,20 @@ def _no_logprobs(rows):
             jnp.zeros((rows, MAX_LOGPROBS), jnp.int32))
 
 
-def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan = FULL):
+def logit_bias_row(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Host side: one request's logit_bias as [MAX_LOGIT_BIAS] token ids and values (padding: token 0, +0)."""
+    ids, vals = np.zeros(MAX_LOGIT_BIAS, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
+    if bias:
+        ids[:len(bias)] = list(bias)
+        vals[:len(bias)] = list(bias.values())
+    return ids, vals
+
+
+def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan = FULL, bias=None):
     """logits: [rows, vocab] f32 -> (tokens [rows], chosen logprob [rows], top vals/ids [rows, K]).
 
-    Logprobs are zeros unless `plan.logprobs`."""
+    bias: (token ids, values), each [rows, MAX_LOGIT_BIAS], added to the logits (not with a greedy plan,
+    which no biased row gets). Logprobs are zeros unless `plan.logprobs`."""
     f, i = st.floats, st.ints
     rows, vocab = logits.shape
     if plan.greedy:
@@ -130,6 +140,8 @@ def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan 
         return (tokens, *lp)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = apply_penalties(logits, counts, prompt_mask, f)
+    if bias is not None:
+        logits = logits.at[jnp.arange(rows)[:, None], bias[0]].add(bias[1], mode="drop")
     # min_tokens: stop ids may not be chosen yet
     stop_ids = i[:, 5:]
     block = (i[:, I_STEP] < i[:, I_MIN_TOKENS])[:, None] & (stop_ids >= 0)

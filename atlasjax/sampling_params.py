@@ -7,6 +7,7 @@ from atlasjax.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20          # top-k logprobs computed on device (static shape)
 MAX_STOP_TOKEN_IDS = 16    # per-request stop ids masked on device while min_tokens is not reached
+MAX_LOGIT_BIAS = 300       # logit_bias entries per request (OpenAI's limit; kept per slot on device)
 
 
 @dataclasses.dataclass
@@ -29,6 +30,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling, in [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -38,6 +40,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self.logit_bias = parse_logit_bias(self.logit_bias)
 
     def _validate(self):
         def bad(msg):
@@ -77,3 +80,25 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def parse_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with int ids (JSON keys arrive as strings) and float biases, validated; None if empty."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(key, (bool, float)) or not 0 <= token < 2**31:
+            raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key!r}")
+        out[token] = out.get(token, 0.0) + float(value)
+    return out

@@ -5,6 +5,7 @@ Device state (donated to every step, so it is updated in place and never copied)
   kv:          per layer (k_pages, v_pages) [kv_heads, num_pages, page_size, head_dim]
   counts:      [max_num_seqs, vocab] int32, generated-token counts per slot (penalties)
   prompt_mask: [max_num_seqs, vocab] bool, tokens seen in the prompt per slot (repetition penalty)
+  bias_ids, bias_vals: [max_num_seqs, MAX_LOGIT_BIAS] int32 / f32, each slot's logit_bias (set at admit)
 
 A step's small host inputs cross to the device as one packed int32 array (`pack_host`).
 """
@@ -25,6 +26,8 @@ class DeviceState:
     kv: tuple
     counts: jax.Array
     prompt_mask: jax.Array
+    bias_ids: jax.Array
+    bias_vals: jax.Array
 
 
 @flax.struct.dataclass
@@ -92,19 +95,25 @@ def _padded_to_slots(tokens, num_slots: int):
     return jnp.pad(tokens, (0, num_slots - tokens.shape[0]))
 
 
-def _decode_once(model: Transformer, plan, params, kv, counts, prompt_mask, tokens, page_table, seq_lens, slots,
-                 st):
+def _sample_rows(state: DeviceState, counts, logits, slots, st, plan=sampling.FULL):
+    """Sample each row with its slot's penalty state and logit bias (the greedy plans read neither, and XLA
+    drops these gathers from them)."""
+    bias = (_slot_rows(state.bias_ids, slots), _slot_rows(state.bias_vals, slots))
+    return sampling.sample(logits, _slot_rows(counts, slots), _slot_rows(state.prompt_mask, slots), st, plan, bias)
+
+
+def _decode_once(model: Transformer, plan, params, kv, counts, state: DeviceState, tokens, page_table, seq_lens,
+                 slots, st):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
-    seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range)."""
+    seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
+    per-slot sampling state; kv and counts are the iteration's own."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens)
     hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
-    # the greedy plans never read the penalty state, and XLA drops these gathers from them
-    new_tokens, lp, tv, ti = sampling.sample(logits, _slot_rows(counts, slots), _slot_rows(prompt_mask, slots), st,
-                                             plan)
+    new_tokens, lp, tv, ti = _sample_rows(state, counts, logits, slots, st, plan)
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
     return kv, counts, StepOutput(new_tokens, lp, tv, ti)
 
@@ -113,10 +122,10 @@ def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
                  prev_prefill_tokens, prev_decode_tokens):
     tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    kv, counts, out = _decode_once(model, plan, params, state.kv, state.counts, state.prompt_mask, tokens,
+    kv, counts, out = _decode_once(model, plan, params, state.kv, state.counts, state, tokens,
                                    page_table, seq_lens, slots, sampling.SamplingTensors(f, i))
     out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
-    return DeviceState(kv, counts, state.prompt_mask), out
+    return state.replace(kv=kv, counts=counts), out
 
 
 def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params,
@@ -132,13 +141,13 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
         active = (seq_lens > 0) & (j < row_steps)
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
-        kv, counts, out = _decode_once(model, plan, params, kv, counts, state.prompt_mask, tokens, page_table,
+        kv, counts, out = _decode_once(model, plan, params, kv, counts, state, tokens, page_table,
                                        jnp.where(active, seq_lens + j, 0), slots, st)
         tokens = jnp.where(active, out.tokens, tokens)
         return (kv, counts, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
     (kv, counts, tokens), outs = jax.lax.scan(body, (state.kv, state.counts, tokens), jnp.arange(num_steps))
-    return DeviceState(kv, counts, state.prompt_mask), StepOutput(
+    return state.replace(kv=kv, counts=counts), StepOutput(
         *outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
 
 
@@ -156,23 +165,24 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
     hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
     slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
-    new_tokens, lp, tv, ti = sampling.sample(logits, _slot_rows(state.counts, slots),
-                                             _slot_rows(state.prompt_mask, slots), st)
+    new_tokens, lp, tv, ti = _sample_rows(state, state.counts, logits, slots, st)
     counts = state.counts.at[slots, new_tokens].add(1, mode="drop")
     out = StepOutput(new_tokens, lp, tv, ti)
     if with_prompt_logprobs:
         all_logits = model.apply({"params": params}, hidden, method=Transformer.logits)
         out = out.replace(prompt=sampling.prompt_logprobs(all_logits, next_tokens))
-    return DeviceState(kv, counts, state.prompt_mask), out
+    return state.replace(kv=kv, counts=counts), out
 
 
 def admit_step(layout, state: DeviceState, packed):
-    slot, tokens, prompt_len, total_len = unpack_host(packed, layout)
-    # Reset a slot's penalty state for a (re)admitted request: prompt mask from tokens[:total_len]
-    # (prompt + earlier outputs after preemption), generated counts from tokens[prompt_len:total_len].
+    slot, tokens, prompt_len, total_len, bias_ids, bias_vals = unpack_host(packed, layout)
+    # Reset a slot's sampling state for a (re)admitted request: prompt mask from tokens[:total_len]
+    # (prompt + earlier outputs after preemption), generated counts from tokens[prompt_len:total_len],
+    # and the request's logit bias.
     idx = jnp.arange(tokens.shape[0])
     vocab = state.counts.shape[1]
     in_seq = idx < total_len
     mask = jnp.zeros((vocab,), bool).at[tokens].max(in_seq)
     counts = jnp.zeros((vocab,), jnp.int32).at[tokens].add((in_seq & (idx >= prompt_len)).astype(jnp.int32))
-    return state.replace(counts=state.counts.at[slot].set(counts), prompt_mask=state.prompt_mask.at[slot].set(mask))
+    return state.replace(counts=state.counts.at[slot].set(counts), prompt_mask=state.prompt_mask.at[slot].set(mask),
+                         bias_ids=state.bias_ids.at[slot].set(bias_ids), bias_vals=state.bias_vals.at[slot].set(bias_vals))

@@ -12,6 +12,7 @@ TEXT_OR_PARTS = {"oneOf": [STR, {"type": "array", "items": {"type": "object", "p
 SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "presence_penalty": NUM,
             "frequency_penalty": NUM, "repetition_penalty": NUM, "seed": INT, "stop": STOP, "n": INT,
             "min_tokens": INT, "ignore_eos": BOOL, "stop_token_ids": {"type": "array", "items": INT},
+            "logit_bias": {"type": "object", "additionalProperties": NUM},
             "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}}}
 MESSAGE = {"type": "object", "required": ["role", "content"],
            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": TEXT_OR_PARTS}}

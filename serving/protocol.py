@@ -10,7 +10,7 @@ import json
 import math
 
 from atlasjax.errors import InvalidRequestError
-from atlasjax.sampling_params import SamplingParams
+from atlasjax.sampling_params import SamplingParams, parse_logit_bias
 from serving.errors import invalid
 
 INT32_MAX = 2**31 - 1
@@ -135,6 +135,10 @@ def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, lo
         skip_special_tokens=f.bool("skip_special_tokens", True),
         include_stop_str_in_output=f.bool("include_stop_str_in_output"),
     )
+    try:
+        kwargs["logit_bias"] = parse_logit_bias(f.object("logit_bias"))   # {"token id": bias}
+    except InvalidRequestError as e:
+        raise invalid(str(e), param="logit_bias") from None
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:

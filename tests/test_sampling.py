@@ -100,3 +100,44 @@ def test_seeded_generation_is_reproducible_across_batches(hf_model_factory, n):
     alone = llm.generate([[1, 2, 3]], p)[0]
     batched = llm.generate([[4, 5], [1, 2, 3]], [SamplingParams(temperature=1.0, max_tokens=10), p])[1]
     assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in batched.outputs]
+
+
+def _sample_biased(logits, rows, biases):
+    from atlasjax.sampling import logit_bias_row, plan_rows
+    logits = jnp.asarray(logits, jnp.float32)
+    n = logits.shape[0]
+    f, i = pack_rows(rows, n)
+    ids, vals = map(np.stack, zip(*(logit_bias_row(b) for b in biases)))
+    zeros = jnp.zeros((n, V), jnp.int32)
+    return np.asarray(sample(logits, zeros, zeros > 0, SamplingTensors(jnp.asarray(f), jnp.asarray(i)),
+                             plan_rows(rows), (jnp.asarray(ids), jnp.asarray(vals)))[0])
+
+
+def test_logit_bias_forces_and_bans_tokens_per_row():
+    logits = np.random.RandomState(1).randn(4, V)
+    best = logits.argmax(-1)
+    rows = [_row(temperature=0, logit_bias=b) for b in ({5: 100}, {int(best[1]): -100}, None, {7: 100, 9: 0.5})]
+    tokens = _sample_biased(logits, rows, [r[0].logit_bias for r in rows])
+    second = np.argsort(-logits[1])[1]
+    assert tokens.tolist() == [5, second, best[2], 7]
+
+
+def test_logit_bias_moves_a_sampled_row_and_takes_greedy_off_the_fast_path():
+    from atlasjax.sampling import plan_rows
+    logits = np.zeros((64, V), np.float32)
+    rows = [_row(seed=s, temperature=1, logit_bias={3: 100}) for s in range(64)]
+    assert (_sample_biased(logits, rows, [{3: 100}] * 64) == 3).all()
+    assert not plan_rows([_row(temperature=0, logit_bias={3: 1})]).greedy
+    assert plan_rows([_row(temperature=0)]).greedy
+
+
+@pytest.mark.parametrize("bias, match", [({"x": 1}, "keys must be token ids"), ({-1: 1}, "non-negative"),
+                                         ({1: 101}, r"\[-100, 100\]"), ({1: float("nan")}, r"\[-100, 100\]"),
+                                         ({1: "1"}, r"\[-100, 100\]"), ({i: 1 for i in range(301)}, "at most 300"),
+                                         ([1], "map token ids")])
+def test_bad_logit_bias_is_refused(bias, match):
+    from atlasjax.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams(logit_bias={"7": 2, 8: -1.5}).logit_bias == {7: 2.0, 8: -1.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None

@@ -84,6 +84,11 @@ BAD_OPENAI = [
     ("prompt_too_long", "/v1/completions", {**COMPLETION, "prompt": LONG_PROMPT}, 400, "prompt"),
     ("prompt_plus_max_tokens", "/v1/completions", {**COMPLETION, "prompt": LONG_PROMPT[:200], "max_tokens": 100},
      400, "max_tokens"),
+    ("logit_bias_list", "/v1/completions", {**COMPLETION, "logit_bias": [1, 2]}, 400, "logit_bias"),
+    ("logit_bias_value", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("logit_bias_key", "/v1/chat/completions", {**CHAT, "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ("logit_bias_out_of_vocab", "/v1/completions", {**COMPLETION, "logit_bias": {str(10**8): 1}}, 400,
+     "logit_bias"),
     ("stream_options_without_stream", "/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}},
      400, "stream_options"),
 ]

@@ -318,3 +318,15 @@ def test_multi_step_server_streams_the_same_text_in_bursts(request, tmp_path_fac
         [lp[t].logprob for lp, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)], abs=1e-4)
     assert max(len(entries) for entries in per_chunk) == 4
     assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_logit_bias_steers_completions_and_chat(client, llm):
+    token = llm.engine.tokenizer.encode(" blue", add_special_tokens=False)[0]
+    r = client.completions.create(model=MODEL_NAME, prompt="The sky is", max_tokens=4, temperature=0,
+                                  logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == " blue" * 4
+    ref = chat_reference(llm, CHAT, 3)
+    first = ref.outputs[0].token_ids[0]
+    c = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert c.choices[0].message.content != ref.outputs[0].text
