@@ -27,8 +27,13 @@ PROMPTS = ["The capital of France is", "One, two, three,"]
 
 
 @pytest.fixture(scope="module")
-def llm():
-    llm = EngineProcessLLM(EngineConfig(**ENGINE))
+def model(default_model_path):
+    return default_model_path
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    llm = EngineProcessLLM(EngineConfig(model=model, **ENGINE))
     yield llm
     llm.shutdown(timeout=30)
 
@@ -47,8 +52,8 @@ def _wait_idle(llm, timeout=30.0):
     return llm.stats
 
 
-def test_answers_as_the_engine_in_this_process(llm):
-    want = [o.outputs[0].text for o in LLM(**ENGINE).generate(PROMPTS, GREEDY)]
+def test_answers_as_the_engine_in_this_process(llm, model):
+    want = [o.outputs[0].text for o in LLM(model, **ENGINE).generate(PROMPTS, GREEDY)]
 
     async def both():
         return await asyncio.gather(*(_text(llm, p) for p in PROMPTS))
@@ -83,8 +88,8 @@ def test_a_stream_left_early_gives_its_pages_back(llm):
     assert stats.num_aborted == aborted + 1
 
 
-def test_a_full_queue_is_refused():
-    llm = EngineProcessLLM(EngineConfig(**ENGINE), max_waiting=0)
+def test_a_full_queue_is_refused(model):
+    llm = EngineProcessLLM(EngineConfig(model=model, **ENGINE), max_waiting=0)
     try:
         with pytest.raises(QueueFullError):
             asyncio.run(_text(llm, PROMPTS[0]))
@@ -103,8 +108,8 @@ def test_a_bad_model_fails_the_start_with_the_engines_error(tmp_path):
         EngineProcessLLM(EngineConfig(model=str(tmp_path), **ENGINE))
 
 
-def test_a_dead_engine_process_fails_its_streams_and_reports_unhealthy():
-    llm = EngineProcessLLM(EngineConfig(**ENGINE))
+def test_a_dead_engine_process_fails_its_streams_and_reports_unhealthy(model):
+    llm = EngineProcessLLM(EngineConfig(model=model, **ENGINE))
 
     async def run():
         gen = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
@@ -122,10 +127,10 @@ def test_a_dead_engine_process_fails_its_streams_and_reports_unhealthy():
         llm.shutdown(timeout=5)
 
 
-def test_a_tensor_parallel_engine_process_answers_as_one_device():
+def test_a_tensor_parallel_engine_process_answers_as_one_device(model):
     """The child sees the devices the server's process would (tests/conftest.py: 8 CPU devices)."""
-    want = [o.outputs[0].text for o in LLM(**ENGINE).generate(PROMPTS, GREEDY)]
-    llm = EngineProcessLLM(EngineConfig(tensor_parallel_size=3, **ENGINE))   # SmolLM2: 9 heads, 3 KV heads
+    want = [o.outputs[0].text for o in LLM(model, **ENGINE).generate(PROMPTS, GREEDY)]
+    llm = EngineProcessLLM(EngineConfig(model=model, tensor_parallel_size=3, **ENGINE))   # SmolLM2: 9 heads, 3 KV heads
     try:
         assert [asyncio.run(_text(llm, p)) for p in PROMPTS] == want
     finally:

@@ -13,8 +13,8 @@ ENGINE = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(**ENGINE)
+def llm(default_model_path):
+    return LLM(default_model_path, **ENGINE)
 
 
 def _ids(llm, prompts, **kw):
@@ -39,10 +39,10 @@ def test_a_sampled_request_follows_its_bias(llm):
     assert out.token_ids == [7042] * 5
 
 
-def test_multi_step_decoding_equals_one_step_with_a_bias():
+def test_multi_step_decoding_equals_one_step_with_a_bias(default_model_path):
     kw = dict(logit_bias={11: 5.0, 198: -100}, ignore_eos=True)
-    one = _ids(LLM(**ENGINE, num_scheduler_steps=1), [PROMPT, "One, two,"], **kw)
-    four = _ids(LLM(**ENGINE, num_scheduler_steps=4), [PROMPT, "One, two,"], **kw)
+    one = _ids(LLM(default_model_path, **ENGINE, num_scheduler_steps=1), [PROMPT, "One, two,"], **kw)
+    four = _ids(LLM(default_model_path, **ENGINE, num_scheduler_steps=4), [PROMPT, "One, two,"], **kw)
     assert one == four and all(198 not in ids for ids in one)
 
 
