@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from atlasjax.async_llm import StreamingLLM, apply_command
@@ -84,6 +85,11 @@ class EngineProcessLLM(StreamingLLM):
             self._conn.close()
             raise RuntimeError(f"the engine process exited while starting (exit code {self._process.wait()})") \
                 from None
+        except BaseException:   # Ctrl-C while the engine builds: it ignores SIGINT, so end it here
+            self._process.kill()
+            self._process.wait()
+            self._conn.close()
+            raise
         if kind == "failed":
             self._process.wait()
             self._conn.close()
@@ -160,6 +166,7 @@ def child_main(fd: int) -> None:
     # Ctrl-C and SIGTERM reach the whole process group: the server's process decides (it drains, then stops us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="atlasjax-parent-watch", daemon=True).start()
     try:
         config, max_waiting, setup, settings, log_level = conn.recv()
         logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -185,6 +192,14 @@ def child_main(fd: int) -> None:
         _send_if_open(conn, ("died", _sendable(e)))
         return
     _send_if_open(conn, ("stopped",))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process once the server's process is gone, also while the engine builds (nothing reads the
+    pipe then, whose closing would tell)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _send_if_open(conn, message) -> None:
