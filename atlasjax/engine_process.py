@@ -214,7 +214,7 @@ def _serve(conn, engine, max_waiting: int) -> None:
     while True:
         out = []
         # block for the next command only when there is nothing to step
-        commands = conn.poll(None if not engine.has_unfinished() and stopping is None else 0)
+        commands = had_commands = conn.poll(None if not engine.has_unfinished() and stopping is None else 0)
         while commands:
             cmd = conn.recv()
             if cmd[0] == "stop":
@@ -224,10 +224,11 @@ def _serve(conn, engine, max_waiting: int) -> None:
             else:
                 out += apply_command(engine, cmd)
             commands = conn.poll(0)
+        if had_commands:
+            engine.stats.refresh(engine)   # gauges stay true after aborts with no step (a step refreshes them itself)
         if stopping == "now" or (stopping == "drain" and not engine.has_unfinished()):
             return
         out += [(d.request_id, d) for d in engine.step()]
-        engine.stats.refresh(engine)
         conn.send(("out", out, _snapshot(engine.stats)))
 
 
