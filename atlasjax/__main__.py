@@ -87,6 +87,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over (multi-host: all devices of all processes)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="render chats with this Jinja template instead of the model's (a file's path, or the "
+                        "template itself), e.g. for a base model or a GGUF file without one; `save` keeps it")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                   help="the model's generation_config.json: its end-of-turn ids end sequences and its "
+                        "temperature / top_p / top_k / min_p / repetition_penalty / max_new_tokens become the "
+                        "server's defaults for requests that leave them out (auto: the file beside the "
+                        "checkpoint; vllm: ignore it; PATH: that directory or file). The generate / chat "
+                        "commands take its end ids; their sampling comes from their own flags")
     add_compilation_cache_arg(g)
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
@@ -104,6 +113,7 @@ def engine_kwargs(args) -> dict:
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+                chat_template=args.chat_template, generation_config=args.generation_config,
                 # a server compiles at start (every process of a multi-host one, too)
                 compile_at_start=getattr(args, "command", None) == "serve")
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import AtlasJaxError, QueueFullError  # noqa: F401 (re-exported)
+from atlasjax.generation_config import default_sampling_params
 from atlasjax.outputs import StreamDelta
 from atlasjax.sampling_params import SamplingParams
 
@@ -46,12 +47,16 @@ class StreamingLLM:
         return self._error
 
     # ---- public API
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json defaults (atlasjax/generation_config.py), else SamplingParams()'s."""
+        return default_sampling_params(self.engine.generation_defaults)
+
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """Stream the deltas of one request (all n completions interleaved, by .index)."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed: {self._error!r}")
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         request_id = request_id or f"req-{next(self._ids)}"
         self._check_capacity()
         queue: asyncio.Queue = asyncio.Queue()

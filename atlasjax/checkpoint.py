@@ -1,7 +1,8 @@
 """Save / load a ready-to-serve param tree (quantized or not) with orbax-checkpoint.
 
 `LLM.save(dir)` writes: `atlasjax_checkpoint.json` (model config, which params are quantized and
-how, tokenizer specials), `params/` (orbax, one array per leaf), `tokenizer.json`. `LLM(dir)`
+how, tokenizer specials), `params/` (orbax, one array per leaf), `tokenizer.json`, and the model's
+`generation_config.json` defaults where it had any. `LLM(dir)`
 loads it back directly, skipping checkpoint conversion and quantization. int4 leaves are stored
 widened to int8 (tensorstore has no 4-bit type) and narrowed again on load.
 """
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from atlasjax import generation_config
 from atlasjax.config import ModelConfig, RopeScaling
 from atlasjax.errors import CheckpointError
 from atlasjax.loader import LoadedModel, _flatten, _set
@@ -58,6 +60,12 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
                                                         chat_template=tok.chat_template))
     if tok is not None:
         tok.tok.save(os.path.join(directory, "tokenizer.json"))
+    generation = os.path.join(directory, generation_config.FILENAME)
+    if loaded.generation:   # the model's sampling defaults and end ids travel with it
+        with open(generation, "w") as f:
+            json.dump(loaded.generation.to_json(), f, indent=1)
+    elif os.path.exists(generation):   # a checkpoint replaced in place keeps no stale defaults
+        os.remove(generation)
     with open(os.path.join(directory, "atlasjax_checkpoint.json"), "w") as f:
         json.dump(meta, f, indent=1)
 

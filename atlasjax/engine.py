@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import distributed, metrics, weights_summary
+from atlasjax import distributed, generation_config, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_scheduler_steps
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
@@ -46,7 +46,7 @@ from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.step_options import use_process_flags
 from atlasjax.steps import StepOutput
-from atlasjax.tokenizer import IncrementalDetokenizer
+from atlasjax.tokenizer import IncrementalDetokenizer, read_chat_template
 
 log = logging.getLogger("atlasjax.engine")
 
@@ -91,7 +91,19 @@ class LLMEngine:
         self.loaded = shard_loaded(loaded or load_for_engine(config, self.dtype), config.tensor_parallel_size,
                                    self.dtype)
         self.model_config = cfg = self.loaded.config
+        if config.chat_template is not None:   # the user's, instead of the model's (LLM.save keeps it)
+            if self.loaded.tokenizer is None:
+                raise EngineConfigError("a chat template needs the model's tokenizer, and this model has none")
+            self.loaded = dataclasses.replace(self.loaded, tokenizer=self.loaded.tokenizer.with_chat_template(
+                read_chat_template(config.chat_template)))
         self.tokenizer = self.loaded.tokenizer
+        if self.loaded.generation is None:   # the model's generation_config.json (kept by LLM.save)
+            self.loaded = dataclasses.replace(self.loaded, generation=generation_config.resolve(
+                config.generation_config, self.loaded.source))
+        self.generation_defaults = self.loaded.generation
+        if self.generation_defaults:
+            log.info("%s: defaults from %s: %s", self.loaded.source, self.generation_defaults.source,
+                     self.generation_defaults.describe())
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
         if config.num_pages:
             self._check_num_pages(config.num_pages)   # before any device work
@@ -133,7 +145,8 @@ class LLMEngine:
             self._channel = distributed.StepChannel()
             if distributed.is_leader():
                 self.runner = distributed.BroadcastingRunner(self.runner, self._channel)
-        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
+        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
+        self.eos_token_ids = tuple(dict.fromkeys(eos + self.generation_defaults.eos_token_ids))
         self.requests: dict[str, list[Request]] = {}   # request id -> its n sequences
         self._detok: dict[Request, IncrementalDetokenizer] = {}
         self._rng = random.Random(config.seed)

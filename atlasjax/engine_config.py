@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from atlasjax.errors import EngineConfigError
+from atlasjax.generation_config import check_setting
+from atlasjax.tokenizer import read_chat_template
 
 # interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; for checking them on a CPU)
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret")
@@ -55,6 +57,9 @@ class EngineConfig:
     keep_gguf_quantized: bool | None = None  # GGUF block-type projections stay quantized (gguf_blocks.py); None: on GPU only
                                              # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
+    chat_template: str | None = None         # instead of the model's: a file's path or the template itself
+    generation_config: str = "auto"          # the model's generation_config.json (atlasjax/generation_config.py):
+                                             # auto (beside the checkpoint) | vllm (ignored) | a directory or file
 
     def __post_init__(self):
         def bad(msg):
@@ -90,6 +95,11 @@ class EngineConfig:
             bad(f"quantization must be None, int8, fp8 or int4, got {self.quantization!r}")
         if not isinstance(self.quantize_lm_head, bool):
             bad(f"quantize_lm_head must be True or False, got {self.quantize_lm_head!r}")
+        check_setting(self.generation_config)
+        if self.chat_template is not None:
+            if not isinstance(self.chat_template, str):
+                bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
+            read_chat_template(self.chat_template)   # raises if missing or not compiling
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

@@ -53,6 +53,7 @@ class EngineInfo:
     weights_summary: str
     tokenizer: Any
     stats: EngineStats
+    generation_defaults: Any     # atlasjax.generation_config.GenerationDefaults
 
     def stop_followers(self) -> None:
         """Multi-host runs keep their engine in the server's process (EngineProcessLLM refuses them)."""
@@ -183,7 +184,7 @@ def child_main(fd: int) -> None:
     engine.stats.refresh(engine)
     try:
         conn.send(("ready", EngineInfo(engine.max_model_len, engine.model_config, engine.weights_summary,
-                                       engine.tokenizer, _snapshot(engine.stats))))
+                                       engine.tokenizer, _snapshot(engine.stats), engine.generation_defaults)))
         _serve(conn, engine, max_waiting)
     except (EOFError, OSError):   # the server's process is gone
         return

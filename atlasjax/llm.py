@@ -8,6 +8,7 @@ import sys
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import InvalidRequestError
+from atlasjax.generation_config import default_sampling_params
 from atlasjax.outputs import CompletionOutput, RequestOutput
 from atlasjax.sampling_params import SamplingParams
 
@@ -50,6 +51,11 @@ class LLM:
         params = engine.runner.checkpoint_params()
         save_checkpoint(dataclasses.replace(engine.loaded, params=params), directory)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the model's generation_config.json
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), else SamplingParams()'s."""
+        return default_sampling_params(self.engine.generation_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. One output per prompt."""
@@ -61,7 +67,7 @@ class LLM:
                 raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
             params = sampling_params
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -56,6 +56,7 @@ class LoadedModel:
     tokenizer: object | None      # atlasjax.tokenizer.Tokenizer, or None if the checkpoint has none
     source: str
     plan: object | None = None    # atlasjax.sharding.TensorParallel when the params are sharded over a mesh
+    generation: object | None = None   # atlasjax.generation_config.GenerationDefaults (None: not resolved yet)
 
 
 def model_format(path: str) -> str:

@@ -1,6 +1,7 @@
 """Tokenizer wrapper (HF `tokenizers`), sandboxed chat templates, and incremental detokenization."""
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -9,7 +10,7 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
-from atlasjax.errors import CheckpointError, InvalidRequestError
+from atlasjax.errors import CheckpointError, EngineConfigError, InvalidRequestError
 
 
 def _token_str(tok) -> str | None:
@@ -60,6 +61,15 @@ class Tokenizer:
         return cls(tok, bos_token=bos, eos_token=_token_str(cfg.get("eos_token")), eos_token_ids=eos_token_ids,
                    add_bos=bool(cfg.get("add_bos_token", False)) and bos is not None, chat_template=template)
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy that renders `template` (from `read_chat_template`) instead of the model's."""
+        new = copy.copy(self)
+        new.chat_template, new._template = template, None
+        return new
+
+    def __getstate__(self):   # the compiled template stays behind (an engine process sends the tokenizer)
+        return {**self.__dict__, "_template": None}
+
     # ---- text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
@@ -85,6 +95,26 @@ class Tokenizer:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template error: {e}") from e
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`, as vLLM takes it: a file's path, or the template itself (anything with
+    braces or a newline). The template must compile; an error names what is wrong."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise EngineConfigError(f"cannot read the chat template {value}: {e}") from e
+    elif any(c in value for c in "{}\n"):
+        template = value
+    else:
+        raise EngineConfigError(f"chat template file not found: {value}")
+    try:
+        _compile_template(template)
+    except CheckpointError as e:
+        raise EngineConfigError(f"the chat template given does not compile: {e.__cause__}") from None
+    return template
 
 
 def _raise(message):

@@ -72,7 +72,7 @@ async def messages(request: Request):
         raise invalid("'max_tokens' is required", param="max_tokens")
     stream = f.bool("stream")
     params = sampling_params(f, max_tokens=max_tokens, max_model_len=state.max_model_len,
-                             stop_field="stop_sequences")
+                             stop_field="stop_sequences", model_defaults=state.model_defaults)
     state.check_prompt(prompt_ids, params, "messages")
     rid = new_id("msg_")
     deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params)], state.metrics)

@@ -104,6 +104,10 @@ def serve(args) -> int:
     else:
         llm = AsyncLLM(max_waiting=args.max_waiting, **engine_kwargs(args))
     print(f"atlasjax: {llm.engine.weights_summary}", file=sys.stderr, flush=True)
+    defaults = llm.engine.generation_defaults
+    if defaults:
+        print(f"atlasjax: defaults for requests that leave them out, from {defaults.source}: {defaults.describe()} "
+              "(--generation-config vllm ignores them)", file=sys.stderr, flush=True)
     try:
         asyncio.run(warm_up(llm))
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
 from serving.openai_shapes import CompletionLogprobs, chat_logprobs, usage
-from serving.protocol import (MAX_N, Fields, check_model, completion_prompts, sampling_params,
+from serving.protocol import (MAX_N, Fields, chat_template_kwargs, check_model, completion_prompts, sampling_params,
                               text_content)
 from atlasjax.sampling_params import MAX_LOGPROBS
 from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
@@ -98,8 +98,10 @@ async def chat_completions(request: Request):
     stream = f.bool("stream")
     include_usage = _include_usage(f, stream)
     params = sampling_params(f, n=n, max_tokens=max_tokens, max_model_len=state.max_model_len,
-                             logprobs=(top_k or 0) if want_logprobs else None)
-    prompt_ids = await state.chat_prompt(messages)
+                             logprobs=(top_k or 0) if want_logprobs else None, model_defaults=state.model_defaults)
+    prompt_ids = await state.chat_prompt(messages, template_kwargs=chat_template_kwargs(f))
+    if max_tokens is None:
+        params = state.default_max_tokens(params, prompt_ids)
     state.check_prompt(prompt_ids, params, "messages")
     rid = new_id("chatcmpl-")
     deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params)], state.metrics)
@@ -164,7 +166,8 @@ async def completions(request: Request):
     vllm_prompt_logprobs = f.int("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     asked = [k for k in (logprobs if echo else None, vllm_prompt_logprobs) if k is not None]
     params = sampling_params(f, n=n, max_tokens=f.int("max_tokens", 16, lo=1), logprobs=logprobs,
-                             max_model_len=state.max_model_len, prompt_logprobs=max(asked) if asked else None)
+                             max_model_len=state.max_model_len, prompt_logprobs=max(asked) if asked else None,
+                             model_defaults=state.model_defaults)
     prompt_ids = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
     for ids in prompt_ids:
         state.check_prompt(ids, params, "prompt")

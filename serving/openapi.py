@@ -30,14 +30,14 @@ SCHEMAS = {
     "ChatCompletionRequest": _obj(["messages"], model=STR, messages={"type": "array", "items": MESSAGE},
                                   max_tokens=INT, max_completion_tokens=INT, logprobs=BOOL, top_logprobs=INT,
                                   response_format={"type": "object", "properties": {"type": {"const": "text"}}},
-                                  **SAMPLING),
+                                  chat_template_kwargs={"type": "object"}, **SAMPLING),
     "MessagesRequest": _obj(["messages", "max_tokens"], model=STR, system=TEXT_OR_PARTS, max_tokens=INT,
                             messages={"type": "array", "items": _obj(["role", "content"], role={
                                 "enum": ["user", "assistant"]}, content=TEXT_OR_PARTS)},
                             stop_sequences={"type": "array", "items": STR}, temperature=NUM, top_p=NUM, top_k=INT,
                             stream=BOOL),
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
-                            add_special_tokens=BOOL),
+                            add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),
     "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),
     "Error": _obj(["error"], error=_obj(["message", "type"], message=STR, type=STR, param=STR, code=STR)),
 }

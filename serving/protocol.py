@@ -116,17 +116,21 @@ def check_model(f: Fields, served_model_name: str) -> str:
 
 
 def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, logprobs: int | None = None,
-                    stop_field: str = "stop", n: int = 1, prompt_logprobs: int | None = None) -> SamplingParams:
-    """The sampling fields OpenAI and vLLM clients send (absent ones keep OpenAI's defaults)."""
+                    stop_field: str = "stop", n: int = 1, prompt_logprobs: int | None = None,
+                    model_defaults: dict | None = None) -> SamplingParams:
+    """The sampling fields OpenAI and vLLM clients send. An absent one takes the model's default
+    (`model_defaults`: its generation_config.json, atlasjax/generation_config.py), else OpenAI's."""
+    default = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+               **(model_defaults or {})}
     kwargs = dict(
         n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        temperature=f.float("temperature", 1.0),
-        top_p=f.float("top_p", 1.0),
-        top_k=f.int("top_k", 0, lo=-1, hi=INT32_MAX),
-        min_p=f.float("min_p", 0.0),
+        temperature=f.float("temperature", default["temperature"]),
+        top_p=f.float("top_p", default["top_p"]),
+        top_k=f.int("top_k", default["top_k"], lo=-1, hi=INT32_MAX),
+        min_p=f.float("min_p", default["min_p"]),
         presence_penalty=f.float("presence_penalty", 0.0),
         frequency_penalty=f.float("frequency_penalty", 0.0),
-        repetition_penalty=f.float("repetition_penalty", 1.0),
+        repetition_penalty=f.float("repetition_penalty", default["repetition_penalty"]),
         seed=f.int("seed"),
         stop=f.str_list(stop_field, max_items=MAX_STOP_STRINGS),
         stop_token_ids=_token_ids(f, "stop_token_ids"),
@@ -143,6 +147,21 @@ def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, lo
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
         raise invalid(str(e)) from None
+
+
+# variables the server sets itself, and tools (not supported yet, as the `tools` field)
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+
+
+def chat_template_kwargs(f: Fields) -> dict:
+    """vLLM's `chat_template_kwargs`: more variables for the chat template (Qwen3's `enable_thinking`)."""
+    kwargs = f.object("chat_template_kwargs") or {}
+    taken = [k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS]
+    if taken:
+        raise invalid(f"'chat_template_kwargs' may not set {', '.join(taken)}", param="chat_template_kwargs")
+    if not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise invalid("'chat_template_kwargs' keys must be identifiers", param="chat_template_kwargs")
+    return kwargs
 
 
 def _token_ids(f: Fields, name: str) -> list[int]:

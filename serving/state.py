@@ -40,6 +40,22 @@ class ServerState:
     def vocab_size(self) -> int:
         return self.llm.engine.model_config.vocab_size
 
+    @property
+    def model_defaults(self) -> dict:
+        """The sampling defaults of the model's generation_config.json (empty if none or ignored)."""
+        return self.llm.engine.generation_defaults.sampling_defaults
+
+    def default_max_tokens(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """A chat request that left max_tokens out: the model's max_new_tokens, cut to the context left
+        after the prompt (as vLLM does); without one it runs to max_model_len."""
+        wanted = self.llm.engine.generation_defaults.max_tokens
+        if not wanted or len(ids) >= self.max_model_len:
+            return params    # (an over-long prompt is refused by check_prompt)
+        try:
+            return dataclasses.replace(params, max_tokens=min(wanted, self.max_model_len - len(ids)))
+        except InvalidRequestError as e:   # min_tokens above what is left
+            raise invalid(str(e), param="min_tokens") from None
+
     def require_tokenizer(self):
         if self.tokenizer is None:
             raise invalid("this model has no tokenizer: send token ids instead of text")
@@ -49,12 +65,14 @@ class ServerState:
         tok = self.require_tokenizer()
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
-    async def chat_prompt(self, messages: list[dict], param: str = "messages") -> list[int]:
-        """Render the chat template to text, then tokenize it without adding special tokens again."""
+    async def chat_prompt(self, messages: list[dict], param: str = "messages",
+                          template_kwargs: dict | None = None) -> list[int]:
+        """Render the chat template to text, then tokenize it without adding special tokens again.
+        template_kwargs: more variables for the template (`chat_template_kwargs`, checked by the caller)."""
         tok = self.require_tokenizer()
 
         def render() -> list[int]:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
             return tok.encode(text, add_special_tokens=False)
         try:
             return await asyncio.to_thread(render)

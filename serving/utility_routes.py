@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from serving.errors import invalid
 from serving.openapi import openapi_schema
-from serving.protocol import INT32_MAX, Fields, check_model, text_content
+from serving.protocol import INT32_MAX, Fields, chat_template_kwargs, check_model, text_content
 from serving.state import read_json, server_state
 
 OPEN_PATHS = {"/health", "/openapi.json"}
@@ -45,7 +45,8 @@ async def tokenize(request: Request) -> JSONResponse:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise invalid("'messages' must be a list of objects", param="messages")
         ids = await state.chat_prompt([{"role": m.get("role"), "content": text_content(
-            m.get("content"), f"messages[{i}].content")} for i, m in enumerate(messages)])
+            m.get("content"), f"messages[{i}].content")} for i, m in enumerate(messages)],
+            template_kwargs=chat_template_kwargs(f))
     else:
         prompt = f.str("prompt", "")
         ids = await state.encode(prompt, f.bool("add_special_tokens", True))
