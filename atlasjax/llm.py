@@ -95,13 +95,16 @@ class LLM:
         return outputs
 
     def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
+             chat_template_kwargs: dict | None = None, use_tqdm: bool = False,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of conversations.
+        continue_final_message: the model continues the last (assistant) message instead of answering it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so it cannot chat")
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})),
+            conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {})),
             add_special_tokens=False) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -85,11 +85,30 @@ class Tokenizer:
         return self.tok.id_to_token(int(i))
 
     # ---- chat
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs) -> str:
+        """continue_final_message: the text ends with the last (assistant) message's content, its turn
+        left open, so the model continues it (Anthropic's prefill; vLLM's and transformers' option)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use a plain prompt instead")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        if continue_final_message:
+            if not messages or messages[-1].get("role") != "assistant":
+                raise InvalidRequestError("continue_final_message needs the last message to be the assistant's")
+            final = messages[-1].get("content") or ""
+            if not isinstance(final, str):
+                raise InvalidRequestError("continue_final_message needs the last message's content as text")
+            if not final.strip():   # nothing to continue: the assistant's turn starts afresh
+                return self.apply_chat_template(messages[:-1], add_generation_prompt=True, **kwargs)
+            text = self._render(messages, False, kwargs)
+            for part in (final, final.strip()):   # templates may trim a message's content
+                if part in text:
+                    return text[:text.rindex(part) + len(part)]
+            raise InvalidRequestError("the chat template changes the last assistant message, so it cannot be continued")
+        return self._render(messages, add_generation_prompt, kwargs)
+
+    def _render(self, messages, add_generation_prompt: bool, kwargs: dict) -> str:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)

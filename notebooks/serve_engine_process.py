@@ -4,6 +4,8 @@ compiles) and runs `bench serve` against each at every concurrency.
 
 GPU: `PRESET=llama-3.1-8b QUANT=int4 ORDER=thread,process,thread C=1,16,64 python notebooks/serve_engine_process.py`
 CPU check: `PRESET=tiny ORDER=thread,process C=1,4 OUTPUT_LEN=8 python notebooks/serve_engine_process.py`
+INPUT_LEN=8,128 benches each concurrency at both prompt lengths (how much the prefills of arriving requests
+cost the decoding ones).
 Extra arguments go to the server. Writes $OUT/engine_process.json and each start's log when $OUT is set.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ PRESET, QUANT = os.environ.get("PRESET", "tiny"), os.environ.get("QUANT")
 ORDER = os.environ.get("ORDER", "thread,process").split(",")
 CONCURRENCY = [int(c) for c in os.environ.get("C", "1,16,64").split(",")]
 OUTPUT_LEN, PORT = os.environ.get("OUTPUT_LEN", "128"), os.environ.get("PORT", "8000")
+INPUT_LENS = os.environ.get("INPUT_LEN", "128").split(",")   # several: one bench per length and concurrency
 ROUNDS = int(os.environ.get("ROUNDS", "4"))   # prompts per concurrency: ROUNDS x C (at least 16)
 
 
@@ -38,21 +41,22 @@ def run_start(i: int, mode: str, cache: str, out: str) -> dict:
             time.sleep(0.5)
         result["ready_s"] = round(time.perf_counter() - t0, 1)
         for c in CONCURRENCY:
-            path = os.path.join(out, f"bench{i}_{mode}_c{c}.json")
-            bench = [sys.executable, "-m", "atlasjax.bench", "serve", "--base-url", f"http://127.0.0.1:{PORT}",
-                     "--preset", PRESET, "--input-len", "128", "--output-len", OUTPUT_LEN, "--no-warmup-buckets",
-                     "--num-warmups", "4", "--max-concurrency", str(c), "--num-prompts", str(max(16, ROUNDS * c)),
-                     "--output", path]
-            done = subprocess.run(bench, capture_output=True, text=True)
-            if done.returncode != 0:
-                result[f"c{c}"] = dict(error=done.stderr[-2000:])
-                continue
-            m = json.load(open(path))
-            m = m["results"]
-            result[f"c{c}"] = dict(tpot_mean_ms=round(m["tpot_s"]["mean"] * 1e3, 3),
+            for input_len in INPUT_LENS:
+                key = f"c{c}" if INPUT_LENS == ["128"] else f"c{c}_in{input_len}"
+                path = os.path.join(out, f"bench{i}_{mode}_{key}.json")
+                bench = [sys.executable, "-m", "atlasjax.bench", "serve", "--base-url", f"http://127.0.0.1:{PORT}",
+                         "--preset", PRESET, "--input-len", input_len, "--output-len", OUTPUT_LEN,
+                         "--no-warmup-buckets", "--num-warmups", "4", "--max-concurrency", str(c),
+                         "--num-prompts", str(max(16, ROUNDS * c)), "--output", path]
+                done = subprocess.run(bench, capture_output=True, text=True)
+                if done.returncode != 0:
+                    result[key] = dict(error=done.stderr[-2000:])
+                    continue
+                m = json.load(open(path))["results"]
+                result[key] = dict(tpot_mean_ms=round(m["tpot_s"]["mean"] * 1e3, 3),
                                    ttft_mean_ms=round(m["ttft_s"]["mean"] * 1e3, 1),
                                    output_tok_s=round(m["output_throughput"], 1))
-            print(i, mode, c, result[f"c{c}"], flush=True)
+                print(i, mode, key, result[key], flush=True)
     finally:
         server.terminate()
         server.wait(120)

@@ -46,7 +46,9 @@ async def _prepare(request: Request, state: ServerState) -> tuple[Fields, str, l
     f = Fields(await read_json(request))
     model = check_model(f, state.model_name)
     messages = _messages(f)
-    return f, model, await state.chat_prompt(messages)
+    # a last assistant message is a prefill: the answer continues it (Anthropic's behaviour)
+    return f, model, await state.chat_prompt(messages, add_generation_prompt=messages[-1]["role"] != "assistant",
+                                             continue_final_message=messages[-1]["role"] == "assistant")
 
 
 async def count_tokens(request: Request) -> JSONResponse:

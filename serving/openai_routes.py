@@ -16,8 +16,8 @@ from starlette.routing import Route
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
 from serving.openai_shapes import CompletionLogprobs, chat_logprobs, usage
-from serving.protocol import (MAX_N, Fields, chat_template_kwargs, check_model, completion_prompts, sampling_params,
-                              text_content)
+from serving.protocol import (MAX_N, Fields, chat_render_options, check_model, completion_prompts,
+                              sampling_params, text_content)
 from atlasjax.sampling_params import MAX_LOGPROBS
 from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
 
@@ -99,7 +99,7 @@ async def chat_completions(request: Request):
     include_usage = _include_usage(f, stream)
     params = sampling_params(f, n=n, max_tokens=max_tokens, max_model_len=state.max_model_len,
                              logprobs=(top_k or 0) if want_logprobs else None, model_defaults=state.model_defaults)
-    prompt_ids = await state.chat_prompt(messages, template_kwargs=chat_template_kwargs(f))
+    prompt_ids = await state.chat_prompt(messages, **chat_render_options(f))
     if max_tokens is None:
         params = state.default_max_tokens(params, prompt_ids)
     state.check_prompt(prompt_ids, params, "messages")

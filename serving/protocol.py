@@ -153,15 +153,22 @@ def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, lo
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
-def chat_template_kwargs(f: Fields) -> dict:
-    """vLLM's `chat_template_kwargs`: more variables for the chat template (Qwen3's `enable_thinking`)."""
+def chat_render_options(f: Fields) -> dict:
+    """How an OpenAI-style chat request asks its messages to be rendered (vLLM's extra fields):
+    `chat_template_kwargs` (more template variables: Qwen3's `enable_thinking`), `add_generation_prompt`
+    (default true) and `continue_final_message` (the last, assistant, message stays open to continue)."""
     kwargs = f.object("chat_template_kwargs") or {}
     taken = [k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS]
     if taken:
         raise invalid(f"'chat_template_kwargs' may not set {', '.join(taken)}", param="chat_template_kwargs")
     if not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
         raise invalid("'chat_template_kwargs' keys must be identifiers", param="chat_template_kwargs")
-    return kwargs
+    continue_final = f.bool("continue_final_message")
+    if continue_final and f.bool("add_generation_prompt"):
+        raise invalid("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                      param="continue_final_message")
+    return dict(template_kwargs=kwargs, continue_final_message=continue_final,
+                add_generation_prompt=not continue_final and f.bool("add_generation_prompt", True))
 
 
 def _token_ids(f: Fields, name: str) -> list[int]:

@@ -65,14 +65,16 @@ class ServerState:
         tok = self.require_tokenizer()
         return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
-    async def chat_prompt(self, messages: list[dict], param: str = "messages",
-                          template_kwargs: dict | None = None) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], param: str = "messages", template_kwargs: dict | None = None,
+                          add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """Render the chat template to text, then tokenize it without adding special tokens again.
-        template_kwargs: more variables for the template (`chat_template_kwargs`, checked by the caller)."""
+        template_kwargs: more variables for the template (`chat_template_kwargs`, checked by the caller);
+        continue_final_message: leave the last (assistant) message open for the model to continue."""
         tok = self.require_tokenizer()
 
         def render() -> list[int]:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **(template_kwargs or {}))
             return tok.encode(text, add_special_tokens=False)
         try:
             return await asyncio.to_thread(render)

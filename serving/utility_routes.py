@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from serving.errors import invalid
 from serving.openapi import openapi_schema
-from serving.protocol import INT32_MAX, Fields, chat_template_kwargs, check_model, text_content
+from serving.protocol import INT32_MAX, Fields, chat_render_options, check_model, text_content
 from serving.state import read_json, server_state
 
 OPEN_PATHS = {"/health", "/openapi.json"}
@@ -46,7 +46,7 @@ async def tokenize(request: Request) -> JSONResponse:
             raise invalid("'messages' must be a list of objects", param="messages")
         ids = await state.chat_prompt([{"role": m.get("role"), "content": text_content(
             m.get("content"), f"messages[{i}].content")} for i, m in enumerate(messages)],
-            template_kwargs=chat_template_kwargs(f))
+            **chat_render_options(f))
     else:
         prompt = f.str("prompt", "")
         ids = await state.encode(prompt, f.bool("add_special_tokens", True))

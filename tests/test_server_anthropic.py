@@ -110,3 +110,21 @@ def test_errors_in_anthropic_shape(client, server):
     assert e.value.body["error"]["type"] == "authentication_error"
     r = client.messages.create(model=MODEL_NAME, messages=TURNS, max_tokens=2)
     assert r.usage.output_tokens == 2
+
+
+def test_a_last_assistant_message_is_continued(client, llm):
+    # Anthropic's prefill: the answer continues the last assistant message, in the same turn
+    from atlasjax import SamplingParams
+    prefill = TURNS + [{"role": "assistant", "content": "HELLO"}]
+    messages = [{"role": "system", "content": SYSTEM}] + prefill
+    ref = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=6), continue_final_message=True)[0]
+    prompt = llm.tokenizer.decode(ref.prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith("HELLO")   # the turn is left open: no end-of-turn, no new header
+    r = client.messages.create(model=MODEL_NAME, system=SYSTEM, messages=prefill, max_tokens=6, extra_body=GREEDY)
+    assert r.content[0].text == ref.outputs[0].text and r.usage.input_tokens == len(ref.prompt_token_ids)
+    count = client.messages.count_tokens(model=MODEL_NAME, system=SYSTEM, messages=prefill)
+    assert count.input_tokens == len(ref.prompt_token_ids)
+    # an empty final assistant message starts the assistant's turn, as if it were absent
+    empty = client.messages.create(model=MODEL_NAME, system=SYSTEM, max_tokens=6, extra_body=GREEDY,
+                                   messages=TURNS + [{"role": "assistant", "content": ""}])
+    assert empty.content[0].text == reference(llm, 6).outputs[0].text

@@ -287,6 +287,32 @@ def test_tokenize_detokenize_round_trip(server, llm):
     assert chat["count"] == len(chat_reference(llm, CHAT, 1).prompt_token_ids)
 
 
+def test_chat_continues_a_final_assistant_message(server, client, llm):
+    # vLLM's continue_final_message / add_generation_prompt fields; /tokenize renders the same
+    from atlasjax import SamplingParams
+    messages = CHAT + [{"role": "assistant", "content": "Red, green"}]
+    ref = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=5), continue_final_message=True)[0]
+    assert llm.tokenizer.decode(ref.prompt_token_ids, skip_special_tokens=False).endswith("Red, green")
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(server.url + "/tokenize", headers=headers, json={
+        "messages": messages, "continue_final_message": True}).json()["tokens"]
+    assert tokens == ref.prompt_token_ids
+    # add_generation_prompt reaches the template (this one, Llama 3's first, always opens the next turn)
+    closed = httpx.post(server.url + "/tokenize", headers=headers, json={
+        "messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
+    tok = llm.tokenizer
+    assert closed == tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=False), add_special_tokens=False)
+    for body in ({"continue_final_message": True, "add_generation_prompt": True, "messages": messages},
+                 {"continue_final_message": True, "messages": CHAT}):
+        bad = httpx.post(server.url + "/v1/chat/completions", headers=headers,
+                         json={"model": MODEL_NAME, "max_tokens": 2, **body})
+        assert bad.status_code == 400, bad.text
+
+
 def test_metrics_and_openapi(server, client):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)

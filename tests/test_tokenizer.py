@@ -39,3 +39,23 @@ def test_no_template_is_a_clear_error():
     tok = Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE()))
     with pytest.raises(InvalidRequestError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@needs_assets
+def test_continue_final_message(qwen3):
+    with open(os.path.join(ASSETS, "chat_templates", "meta-llama-Llama-3.1-8B-Instruct.jinja")) as f:
+        llama = qwen3.with_chat_template(f.read())    # trims each message's content
+    chat = [{"role": "user", "content": "hi"}]
+    for tok in (qwen3, llama):
+        closed = tok.apply_chat_template(chat + [{"role": "assistant", "content": "Hello the"}], False)
+        open_ = tok.apply_chat_template(chat + [{"role": "assistant", "content": "Hello the "}], False,
+                                        continue_final_message=True)
+        assert closed.startswith(open_.rstrip()) and open_.rstrip().endswith("Hello the") and len(open_) < len(closed)
+        # an empty one: the assistant's turn starts, as with a generation prompt
+        assert tok.apply_chat_template(chat + [{"role": "assistant", "content": ""}], False,
+                                       continue_final_message=True) == tok.apply_chat_template(chat)
+    with pytest.raises(InvalidRequestError, match="assistant"):
+        qwen3.apply_chat_template(chat, False, continue_final_message=True)
+    drops = qwen3.with_chat_template("{% for m in messages %}{{ m.role }}{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="cannot be continued"):
+        drops.apply_chat_template(chat + [{"role": "assistant", "content": "x"}], False, continue_final_message=True)
