@@ -52,7 +52,8 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine, *, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None) -> Starlette:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
+               reasoning_parser: str | None = None) -> Starlette:
     """Build the server app.
 
     Args:
@@ -62,6 +63,8 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
       api_key: when set, every route except /health and /openapi.json needs it.
       max_body_bytes: larger request bodies get 413.
       cors_origins: allowed browser origins; None or empty disables CORS.
+      reasoning_parser: "qwen3" or "deepseek_r1": chat answers' <think> part goes to `reasoning_content`
+        (serving/reasoning.py); None: all of the text is content.
     """
     metrics = ServerMetrics(engine)
     routes = openai_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
@@ -76,5 +79,5 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     middleware.append(Middleware(BodyLimitMiddleware, max_bytes=max_body_bytes))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _disconnected, Exception: _unexpected})
-    app.state.server = ServerState(engine, served_model_name, metrics)
+    app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser)
     return app

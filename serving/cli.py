@@ -19,6 +19,7 @@ import socket
 import sys
 
 from serving.app import DEFAULT_MAX_BODY_BYTES, create_app
+from serving.reasoning import PARSERS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -41,6 +42,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated origins allowed by CORS (default: CORS off)")
     g.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on shutdown")
+    g.add_argument("--reasoning-parser", default=None, choices=PARSERS,
+                   help="put chat answers' <think>...</think> part in the message's `reasoning_content` (as "
+                        "vLLM): qwen3 (the model opens <think> itself) or deepseek_r1 (the chat template opens it: "
+                        "DeepSeek-R1 distills, QwQ, Qwen3 Thinking releases)")
     g.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own, so that HTTP work never holds up its steps "
                         "(one host only)")
@@ -113,7 +118,8 @@ def serve(args) -> int:
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
         app = create_app(llm, served_model_name=args.served_model_name or served_model_name(args.model),
                          api_key=args.api_key or os.environ.get("ATLASJAX_API_KEY") or None,
-                         max_body_bytes=args.max_body_bytes, cors_origins=origins)
+                         max_body_bytes=args.max_body_bytes, cors_origins=origins,
+                         reasoning_parser=args.reasoning_parser)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
         server = _make_server(config, url)

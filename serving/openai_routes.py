@@ -19,6 +19,7 @@ from serving.openai_shapes import CompletionLogprobs, chat_logprobs, usage
 from serving.protocol import (MAX_N, Fields, chat_render_options, check_model, completion_prompts,
                               sampling_params, text_content)
 from atlasjax.sampling_params import MAX_LOGPROBS
+from serving.reasoning import ReasoningStream, split_reasoning
 from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -109,10 +110,10 @@ async def chat_completions(request: Request):
     if stream:
         first = await first_delta(request, deltas)
         events = _chat_events(request, head, first, deltas, n, len(prompt_ids), top_k or 0, want_logprobs,
-                              include_usage)
+                              include_usage, state.reasoning_parser)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     completions = (await until_disconnect(request, collect(deltas, 1, n)))[0]
-    choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+    choices = [{"index": i, "message": _message(c.text, state.reasoning_parser),
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_k or 0) if want_logprobs else None,
                 "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
     num_generated = sum(len(c.token_ids) for c in completions)
@@ -120,10 +121,30 @@ async def chat_completions(request: Request):
                          "usage": usage(len(prompt_ids), num_generated)})
 
 
-async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k, want_logprobs, include_usage):
+def _message(text: str, reasoning_parser: str | None) -> dict:
+    if reasoning_parser is None:
+        return {"role": "assistant", "content": text}
+    reasoning, content = split_reasoning(text, reasoning_parser)
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
+
+def _text_delta(text: str, finished: bool, splitter: ReasoningStream | None) -> dict:
+    """A chunk's delta: its text as content, or split into reasoning_content and content."""
+    if splitter is None:
+        return {"content": text} if text else {}
+    reasoning, content = splitter.add(text)
+    if finished:
+        more_reasoning, more_content = splitter.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
+
+
+async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k, want_logprobs, include_usage,
+                       reasoning_parser=None):
     chunk = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
     num_generated = 0
+    splitters = [ReasoningStream(reasoning_parser) if reasoning_parser else None for _ in range(n)]
     async with contextlib.aclosing(deltas):
         for i in range(n):
             yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -131,9 +152,10 @@ async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k
         try:
             async for _, delta in with_first(first, deltas):
                 num_generated += len(delta.new_token_ids)
-                if not (delta.new_text or delta.finished or (want_logprobs and delta.new_token_ids)):
+                text = _text_delta(delta.new_text, delta.finished, splitters[delta.index])
+                if not (text or delta.finished or (want_logprobs and delta.new_token_ids)):
                     continue
-                choice = {"index": delta.index, "delta": {"content": delta.new_text} if delta.new_text else {},
+                choice = {"index": delta.index, "delta": text,
                           "logprobs": chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], top_k)
                           if want_logprobs else None,
                           "finish_reason": delta.finish_reason if delta.finished else None}

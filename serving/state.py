@@ -27,6 +27,7 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
 
     @property
     def tokenizer(self):
