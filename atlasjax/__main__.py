@@ -21,6 +21,13 @@ def add_weight_format_args(g, layouts: tuple[str, ...] = ()) -> None:
             "(its LM head included)") if layouts else ""
     g.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4", *layouts],
                    help="quantize the linear projections (q/k/v/o, gate/up/down) at load (weight-only)" + more)
+    g.add_argument("--quantization-group-size", type=int, default=None, metavar="N",
+                   help="with --quantization int4 or int8: weights per scale along K (32, 64, 128, ...; "
+                        "default: int4 128, int8 one scale per output channel). Smaller groups are more "
+                        "accurate and cost more bytes")
+    g.add_argument("--quantization-symmetric", action="store_true", default=None,
+                   help="with --quantization int4: no zero points (scale = absmax / 7): fewer bytes, less "
+                        "accurate (default: asymmetric, an integer zero point per group)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
                         "0.53 GB int8; default: it stays in --dtype; a tied LM head, i.e. the embedding "
@@ -112,6 +119,8 @@ def engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                quantization_group_size=args.quantization_group_size,
+                quantization_symmetric=args.quantization_symmetric,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                 chat_template=args.chat_template, generation_config=args.generation_config,
                 # a server compiles at start (every process of a multi-host one, too)

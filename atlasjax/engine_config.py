@@ -54,6 +54,9 @@ class EngineConfig:
     quantization: str | None = None          # None | int8 | fp8 | int4 (quantize linear projections at load)
     quantize_lm_head: bool = False           # with `quantization`: quantize the untied LM head too (tied
                                              # embeddings and the embedding table never are)
+    quantization_group_size: int | None = None   # int4 / int8: weights per scale along K (32, 64, 128, ...);
+                                             # None: int4 128, int8 and fp8 one scale per output channel
+    quantization_symmetric: bool | None = None   # int4: True drops the zero points (absmax / 7); None: asymmetric
     keep_gguf_quantized: bool | None = None  # GGUF block-type projections stay quantized (gguf_blocks.py); None: on GPU only
                                              # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
@@ -100,6 +103,18 @@ class EngineConfig:
             if not isinstance(self.chat_template, str):
                 bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
             read_chat_template(self.chat_template)   # raises if missing or not compiling
+        group, symmetric = self.quantization_group_size, self.quantization_symmetric
+        if (group is not None or symmetric is not None) and self.quantization is None:
+            bad("quantization_group_size and quantization_symmetric need quantization (int8, fp8 or int4)")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
+                                  or group & (group - 1)):
+            bad(f"quantization_group_size must be a power of two >= 16, got {group!r}")
+        if group is not None and self.quantization == "fp8":
+            bad("fp8 weights have one scale per output channel; quantization_group_size is for int4 and int8")
+        if symmetric is not None and not isinstance(symmetric, bool):
+            bad(f"quantization_symmetric must be True, False or None, got {symmetric!r}")
+        if symmetric is False and self.quantization in ("int8", "fp8"):
+            bad(f"{self.quantization} weights are symmetric; zero points (quantization_symmetric=False) are int4's")
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

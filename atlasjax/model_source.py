@@ -6,16 +6,18 @@ from atlasjax.loader import LoadedModel, load_model
 
 
 
-def quantizing_converter(fmt: str, quantize_lm_head: bool = False):
+def quantizing_converter(fmt: str, quantize_lm_head: bool = False, group_size: int | None = None,
+                         symmetric: bool | None = None):
     """convert(path, array) for assemble_params: quantize linear projections (and, with
     quantize_lm_head, the untied LM head `lm_head/kernel`), leave the rest. Embeddings are never
-    quantized, so a tied LM head (the embedding table) never is either."""
+    quantized, so a tied LM head (the embedding table) never is either. group_size / symmetric: None
+    takes the format's default (int4 asymmetric, groups of 128; int8 and fp8 per channel)."""
     from atlasjax.quantization import quantization_predicate, quantize  # noqa: PLC0415
     include = quantization_predicate(quantize_lm_head)
 
     def convert(path, array):
         if include(path, array):
-            return quantize(array, fmt)   # the format's default: int4 asymmetric, groups of 128
+            return quantize(array, fmt, group_size=group_size, symmetric=symmetric)
         return None
     return convert
 
@@ -24,7 +26,8 @@ def load_for_engine(config, dtype) -> LoadedModel:
     """Load config.model; with tensor_parallel_size > 1, sharded over a new mesh while it loads."""
     import jax  # noqa: PLC0415
     path = config.model or ensure_default_model()
-    convert = quantizing_converter(config.quantization, config.quantize_lm_head) if config.quantization else None
+    convert = quantizing_converter(config.quantization, config.quantize_lm_head, config.quantization_group_size,
+                                   config.quantization_symmetric) if config.quantization else None
     keep = config.keep_gguf_quantized
     if keep is None:
         keep = jax.default_backend() == "gpu"

@@ -97,6 +97,9 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
             sub = copy.copy(args)
             sub.quantization = None if q == "none" else q
             sub.quantize_lm_head = lm_head and q != "none"
+            # the group settings go where the format takes them (int4; int8 the group size; never fp8 or bf16)
+            sub.quantization_group_size = args.quantization_group_size if q in ("int4", "int8") else None
+            sub.quantization_symmetric = args.quantization_symmetric if q == "int4" else None
             label = weights_label(sub.quantization, sub.quantize_lm_head) or "none"
             progress(f"--compare-quantization: {label}")
             rep_q, _ = _run_one(sub, ceilings, None)

@@ -27,7 +27,9 @@ def install_preset(preset: str, layout: str | None) -> None:
         quantization = layout or config.quantization
         label = weights_label(quantization, config.quantize_lm_head)
         progress(f"serving preset {preset} with random weights" + (f" ({label})" if label else ""))
-        return load_preset(preset, dtype, quantization, config.seed, quantize_lm_head=config.quantize_lm_head)
+        return load_preset(preset, dtype, quantization, config.seed, quantize_lm_head=config.quantize_lm_head,
+                           group_size=None if layout else config.quantization_group_size,
+                           symmetric=None if layout else config.quantization_symmetric)
     atlasjax.model_source.load_for_engine = load_for_engine
 
 

@@ -74,10 +74,11 @@ def synthetic_tokenizer(cfg: ModelConfig):
 
 
 def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0, tensor_parallel_size: int = 1,
-                quantize_lm_head: bool = False):
+                quantize_lm_head: bool = False, group_size: int | None = None, symmetric: bool | None = None):
     """LoadedModel with random weights of preset `name`, built on the default device, or built
     sharded over a tensor-parallel mesh (the same values either way: threefry is sharding-invariant).
-    quantize_lm_head: with `quantization`, the untied LM head is quantized too (see EngineConfig)."""
+    quantize_lm_head: with `quantization`, the untied LM head is quantized too (see EngineConfig).
+    group_size, symmetric: EngineConfig's quantization_group_size and quantization_symmetric."""
     from atlasjax.loader import LoadedModel, random_params  # noqa: PLC0415
     from atlasjax.model_source import shard_loaded  # noqa: PLC0415
     from atlasjax.step_options import use_process_flags  # noqa: PLC0415
@@ -94,9 +95,12 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
         from atlasjax.bench.gguf_layouts import quantize_like_gguf  # noqa: PLC0415
         params = quantize_like_gguf(random_params(cfg, dtype, seed, plan), quantization, cfg.num_layers)
     elif quantization:   # each weight quantized as it is made
+        from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
         from atlasjax.quantization import leaf_quantizer, warn_if_tied_lm_head  # noqa: PLC0415
-        params = random_params(cfg, dtype, seed, plan,
-                               each=leaf_quantizer(quantization, quantize_lm_head=quantize_lm_head))
+        EngineConfig(quantization=quantization, quantization_group_size=group_size,   # the same checks
+                     quantization_symmetric=symmetric)
+        params = random_params(cfg, dtype, seed, plan, each=leaf_quantizer(
+            quantization, group_size=group_size, symmetric=symmetric, quantize_lm_head=quantize_lm_head))
         warn_if_tied_lm_head(cfg, quantize_lm_head)
     else:
         params = random_params(cfg, dtype, seed, plan)
@@ -133,6 +137,8 @@ def build_engine(args, **overrides):
               async_scheduling=not getattr(args, "no_async_scheduling", False),
               num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+              quantization_group_size=getattr(args, "quantization_group_size", None),
+              quantization_symmetric=getattr(args, "quantization_symmetric", None),
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
               compile_at_start=getattr(args, "compile_at_start", False) or None)
     kw.update(overrides)
@@ -140,12 +146,14 @@ def build_engine(args, **overrides):
     loaded = None
     if args.preset:
         quantize_lm_head = kw.pop("quantize_lm_head", False)
+        group_size, symmetric = kw.pop("quantization_group_size", None), kw.pop("quantization_symmetric", None)
         kw["quantization"] = None    # the preset is quantized here, not by the checkpoint loader
         label = weights_label(args.quantization, quantize_lm_head)
         what = f"preset {args.preset}" + (f" ({label})" if label else "")
         progress(f"building {what} with random weights on {jax.devices()[0].device_kind}")
         loaded = load_preset(args.preset, resolve_dtype(args.dtype), args.quantization, args.seed,
-                             args.tensor_parallel_size, quantize_lm_head=quantize_lm_head)
+                             args.tensor_parallel_size, quantize_lm_head=quantize_lm_head, group_size=group_size,
+                             symmetric=symmetric)
         jax.block_until_ready(loaded.params)
     else:
         progress(f"loading {args.model or 'the embedded default model'}")
