@@ -150,7 +150,8 @@ def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, lo
 
 
 # variables the server sets itself, and tools (not supported yet, as the `tools` field)
-RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+                            "tools")
 
 
 def chat_render_options(f: Fields) -> dict:

@@ -201,7 +201,8 @@ def test_server_renders_the_given_template_with_the_requests_variables(server):
                                                          "chat_template_kwargs": {"enable_thinking": False}})
     plain = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "temperature": 0})
     assert thinking_off["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
-    for kwargs in ({"messages": []}, {"add_generation_prompt": False}, {"tools": []}, {"1x": 1}, [1]):
+    for kwargs in ({"messages": []}, {"add_generation_prompt": False}, {"continue_final_message": True},
+                   {"tools": []}, {"1x": 1}, [1]):
         r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL_NAME, "messages": messages, "max_tokens": 2, "chat_template_kwargs": kwargs})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
