@@ -112,8 +112,9 @@ class Tokenizer:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"chat template error: {e}") from e
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            # a request's messages or template variables the template cannot take: the request's fault
+            raise InvalidRequestError(f"chat template error: {type(e).__name__}: {e}") from e
 
 
 def read_chat_template(value: str) -> str:

@@ -59,3 +59,11 @@ def test_continue_final_message(qwen3):
     drops = qwen3.with_chat_template("{% for m in messages %}{{ m.role }}{% endfor %}")
     with pytest.raises(InvalidRequestError, match="cannot be continued"):
         drops.apply_chat_template(chat + [{"role": "assistant", "content": "x"}], False, continue_final_message=True)
+
+
+@needs_assets
+def test_template_variables_a_template_cannot_take_are_request_errors(qwen3):
+    # e.g. chat_template_kwargs {"documents": 5} for a template that loops over documents: a 400, not a 500
+    tok = qwen3.with_chat_template("{% for d in documents %}{{ d }}{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="TypeError"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}], documents=5)
