@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import distributed, generation_config, metrics, weights_summary
+from atlasjax import distributed, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_scheduler_steps
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
@@ -82,28 +82,19 @@ def resolve_dtype(name: str):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
-        from atlasjax.model_source import load_for_engine, shard_loaded  # noqa: PLC0415
+        from atlasjax.model_source import load_for_engine, shard_loaded, with_user_settings  # noqa: PLC0415
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config = dataclasses.replace(config, num_scheduler_steps=resolve_scheduler_steps(
             config.num_scheduler_steps, jax.default_backend()))
         self.dtype = resolve_dtype(config.dtype)
+        # read before the model loads: a missing or broken template fails at once
+        chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
         given = loaded
-        self.loaded = shard_loaded(loaded or load_for_engine(config, self.dtype), config.tensor_parallel_size,
-                                   self.dtype)
+        self.loaded = with_user_settings(shard_loaded(loaded or load_for_engine(config, self.dtype),
+                                                      config.tensor_parallel_size, self.dtype), config, chat_template)
         self.model_config = cfg = self.loaded.config
-        if config.chat_template is not None:   # the user's, instead of the model's (LLM.save keeps it)
-            if self.loaded.tokenizer is None:
-                raise EngineConfigError("a chat template needs the model's tokenizer, and this model has none")
-            self.loaded = dataclasses.replace(self.loaded, tokenizer=self.loaded.tokenizer.with_chat_template(
-                read_chat_template(config.chat_template)))
         self.tokenizer = self.loaded.tokenizer
-        if self.loaded.generation is None:   # the model's generation_config.json (kept by LLM.save)
-            self.loaded = dataclasses.replace(self.loaded, generation=generation_config.resolve(
-                config.generation_config, self.loaded.source))
         self.generation_defaults = self.loaded.generation
-        if self.generation_defaults:
-            log.info("%s: defaults from %s: %s", self.loaded.source, self.generation_defaults.source,
-                     self.generation_defaults.describe())
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
         if config.num_pages:
             self._check_num_pages(config.num_pages)   # before any device work

@@ -5,7 +5,6 @@ import dataclasses
 
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
-from atlasjax.tokenizer import read_chat_template
 
 # interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; for checking them on a CPU)
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret")
@@ -19,6 +18,26 @@ GPU_SCHEDULER_STEPS = 4
 # every row ([tokens, vocab] f32 and their log_softmax) stay small next to the KV pool, and the step is one
 # shape that the warm-up compiles. Such a request's prompt prefills in chunks of at most this many tokens.
 PROMPT_LOGPROBS_TOKENS = 512
+
+
+GROUPED_FORMATS = ("int4", "int8")   # formats quantized at load that take a group size (fp8: per channel)
+
+
+def check_quantization_layout(quantization: str | None, group_size, symmetric) -> None:
+    """EngineConfig's quantization_group_size / quantization_symmetric against the format they apply to."""
+    def bad(msg):
+        raise EngineConfigError(msg)
+    if (group_size is not None or symmetric is not None) and quantization is None:
+        bad("quantization_group_size and quantization_symmetric need quantization (int8, fp8 or int4)")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16
+                                   or group_size & (group_size - 1)):
+        bad(f"quantization_group_size must be a power of two >= 16, got {group_size!r}")
+    if group_size is not None and quantization not in GROUPED_FORMATS:
+        bad(f"{quantization} weights have one scale per output channel; quantization_group_size is for int4 and int8")
+    if symmetric is not None and not isinstance(symmetric, bool):
+        bad(f"quantization_symmetric must be True, False or None, got {symmetric!r}")
+    if symmetric is False and quantization != "int4":
+        bad(f"{quantization} weights are symmetric; zero points (quantization_symmetric=False) are int4's")
 
 
 def resolve_scheduler_steps(num_scheduler_steps: int | None, backend: str) -> int:
@@ -61,6 +80,7 @@ class EngineConfig:
                                              # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
     chat_template: str | None = None         # instead of the model's: a file's path or the template itself
+                                             # (read and checked by the engine before the model loads)
     generation_config: str = "auto"          # the model's generation_config.json (atlasjax/generation_config.py):
                                              # auto (beside the checkpoint) | vllm (ignored) | a directory or file
 
@@ -99,22 +119,9 @@ class EngineConfig:
         if not isinstance(self.quantize_lm_head, bool):
             bad(f"quantize_lm_head must be True or False, got {self.quantize_lm_head!r}")
         check_setting(self.generation_config)
-        if self.chat_template is not None:
-            if not isinstance(self.chat_template, str):
-                bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
-            read_chat_template(self.chat_template)   # raises if missing or not compiling
-        group, symmetric = self.quantization_group_size, self.quantization_symmetric
-        if (group is not None or symmetric is not None) and self.quantization is None:
-            bad("quantization_group_size and quantization_symmetric need quantization (int8, fp8 or int4)")
-        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 16
-                                  or group & (group - 1)):
-            bad(f"quantization_group_size must be a power of two >= 16, got {group!r}")
-        if group is not None and self.quantization == "fp8":
-            bad("fp8 weights have one scale per output channel; quantization_group_size is for int4 and int8")
-        if symmetric is not None and not isinstance(symmetric, bool):
-            bad(f"quantization_symmetric must be True, False or None, got {symmetric!r}")
-        if symmetric is False and self.quantization in ("int8", "fp8"):
-            bad(f"{self.quantization} weights are symmetric; zero points (quantization_symmetric=False) are int4's")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
+        check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

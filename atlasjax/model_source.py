@@ -42,6 +42,28 @@ def load_for_engine(config, dtype) -> LoadedModel:
     return loaded
 
 
+def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -> LoadedModel:
+    """The loaded model with what the user set beside its own files: `chat_template` (read by
+    `read_chat_template`) instead of the tokenizer's, and the generation_config.json defaults that
+    `config.generation_config` selects, unless the model carries them already (a saved checkpoint)."""
+    import dataclasses  # noqa: PLC0415
+    import logging  # noqa: PLC0415
+
+    from atlasjax import generation_config  # noqa: PLC0415
+    from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    if chat_template is not None:
+        if loaded.tokenizer is None:
+            raise EngineConfigError("a chat template needs the model's tokenizer, and this model has none")
+        loaded = dataclasses.replace(loaded, tokenizer=loaded.tokenizer.with_chat_template(chat_template))
+    if loaded.generation is None:
+        loaded = dataclasses.replace(loaded, generation=generation_config.resolve(config.generation_config,
+                                                                                    loaded.source))
+    if loaded.generation:
+        logging.getLogger("atlasjax.engine").info("%s: defaults from %s: %s", loaded.source,
+                                                  loaded.generation.source, loaded.generation.describe())
+    return loaded
+
+
 def shard_loaded(loaded: LoadedModel, tensor_parallel_size: int, dtype) -> LoadedModel:
     """A model loaded on one device (e.g. a benchmark preset), placed over a tensor-parallel mesh."""
     import dataclasses  # noqa: PLC0415

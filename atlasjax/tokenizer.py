@@ -88,7 +88,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **kwargs) -> str:
         """continue_final_message: the text ends with the last (assistant) message's content, its turn
-        left open, so the model continues it (Anthropic's prefill; vLLM's and transformers' option)."""
+        left open, so the model continues it (Anthropic's prefill; vLLM's and transformers' option);
+        add_generation_prompt does not apply then."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use a plain prompt instead")
         if self._template is None:

@@ -47,8 +47,7 @@ async def _prepare(request: Request, state: ServerState) -> tuple[Fields, str, l
     model = check_model(f, state.model_name)
     messages = _messages(f)
     # a last assistant message is a prefill: the answer continues it (Anthropic's behaviour)
-    return f, model, await state.chat_prompt(messages, add_generation_prompt=messages[-1]["role"] != "assistant",
-                                             continue_final_message=messages[-1]["role"] == "assistant")
+    return f, model, await state.chat_prompt(messages, continue_final_message=messages[-1]["role"] == "assistant")
 
 
 async def count_tokens(request: Request) -> JSONResponse:

@@ -169,7 +169,7 @@ def chat_render_options(f: Fields) -> dict:
         raise invalid("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                       param="continue_final_message")
     return dict(template_kwargs=kwargs, continue_final_message=continue_final,
-                add_generation_prompt=not continue_final and f.bool("add_generation_prompt", True))
+                add_generation_prompt=f.bool("add_generation_prompt", True))
 
 
 def _token_ids(f: Fields, name: str) -> list[int]:

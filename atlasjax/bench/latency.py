@@ -25,6 +25,7 @@ import numpy as np
 from atlasjax.bench import roofline
 from atlasjax.bench.presets import build_engine, progress, weights_label
 from atlasjax.bench.report import fmt, roofline_rows, stats_rows, summarize, table
+from atlasjax.engine_config import GROUPED_FORMATS
 
 
 def add_args(p) -> None:
@@ -98,7 +99,7 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
             sub.quantization = None if q == "none" else q
             sub.quantize_lm_head = lm_head and q != "none"
             # the group settings go where the format takes them (int4; int8 the group size; never fp8 or bf16)
-            sub.quantization_group_size = args.quantization_group_size if q in ("int4", "int8") else None
+            sub.quantization_group_size = args.quantization_group_size if q in GROUPED_FORMATS else None
             sub.quantization_symmetric = args.quantization_symmetric if q == "int4" else None
             label = weights_label(sub.quantization, sub.quantize_lm_head) or "none"
             progress(f"--compare-quantization: {label}")

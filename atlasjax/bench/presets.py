@@ -95,10 +95,9 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
         from atlasjax.bench.gguf_layouts import quantize_like_gguf  # noqa: PLC0415
         params = quantize_like_gguf(random_params(cfg, dtype, seed, plan), quantization, cfg.num_layers)
     elif quantization:   # each weight quantized as it is made
-        from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
+        from atlasjax.engine_config import check_quantization_layout  # noqa: PLC0415
         from atlasjax.quantization import leaf_quantizer, warn_if_tied_lm_head  # noqa: PLC0415
-        EngineConfig(quantization=quantization, quantization_group_size=group_size,   # the same checks
-                     quantization_symmetric=symmetric)
+        check_quantization_layout(quantization, group_size, symmetric)
         params = random_params(cfg, dtype, seed, plan, each=leaf_quantizer(
             quantization, group_size=group_size, symmetric=symmetric, quantize_lm_head=quantize_lm_head))
         warn_if_tied_lm_head(cfg, quantize_lm_head)
