@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from atlasjax.engine_config import ATTENTION_BACKENDS
+from atlasjax.engine_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 
 def add_attention_backend_arg(g) -> None:
@@ -32,6 +32,13 @@ def add_weight_format_args(g, layouts: tuple[str, ...] = ()) -> None:
                    help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
                         "0.53 GB int8; default: it stays in --dtype; a tied LM head, i.e. the embedding "
                         "table, is never quantized)")
+
+
+def add_kv_cache_dtype_arg(g) -> None:
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's dtype (default auto: --dtype). fp8 (= fp8_e4m3) stores K and V in 8 bits, "
+                        "unscaled and saturating at +-448: twice the tokens fit in the pool and decode "
+                        "attention reads half the bytes, at a small cost in accuracy (docs/serving.md)")
 
 
 def add_scheduler_steps_arg(g) -> None:
@@ -83,6 +90,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
+    add_kv_cache_dtype_arg(g)
     add_memory_utilization_arg(g)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -112,7 +120,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    return dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 decode_batch_sizes=args.decode_batch_sizes, max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax import distributed, metrics, weights_summary
-from atlasjax.engine_config import EngineConfig, resolve_scheduler_steps
+from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
 from atlasjax.outputs import Logprob, StreamDelta
@@ -87,6 +87,7 @@ class LLMEngine:
         self.config = config = dataclasses.replace(config, num_scheduler_steps=resolve_scheduler_steps(
             config.num_scheduler_steps, jax.default_backend()))
         self.dtype = resolve_dtype(config.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # read before the model loads: a missing or broken template fails at once
         chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
         given = loaded
@@ -107,7 +108,7 @@ class LLMEngine:
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
         log.info("%s: %s", self.loaded.source, self.weights_summary)
-        self.runner = ModelRunner(cfg, params, dtype=self.dtype, page_size=config.page_size,
+        self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
                                   prefill_buckets=config.prefill_buckets(),
                                   decode_buckets=config.decode_buckets(self.num_slots, min_rows),
@@ -117,7 +118,7 @@ class LLMEngine:
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
         num_pages = distributed.broadcast_int(   # all hosts agree
-            config.num_pages or auto_num_pages(config, cfg, self.dtype, self.max_model_len, self.runner.params,
+            config.num_pages or auto_num_pages(config, cfg, self.kv_dtype, self.max_model_len, self.runner.params,
                                                self.loaded.plan))
         self._check_num_pages(num_pages)
         if config.compile_at_start:

@@ -20,6 +20,18 @@ GPU_SCHEDULER_STEPS = 4
 PROMPT_LOGPROBS_TOKENS = 512
 
 
+# The KV pool's dtype (vLLM's --kv-cache-dtype): auto is the model's dtype; fp8 (= fp8_e4m3) halves a
+# bf16 pool's bytes per token, so twice the tokens fit and decode attention reads half the bytes.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype):
+    """EngineConfig.kv_cache_dtype as a jnp dtype, for a model computing in `model_dtype`."""
+    import jax.numpy as jnp  # noqa: PLC0415 (this module stays importable without starting jax)
+    return jnp.dtype({"auto": model_dtype, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+                      "fp8_e5m2": jnp.float8_e5m2}.get(name, name))
+
+
 GROUPED_FORMATS = ("int4", "int8")   # formats quantized at load that take a group size (fp8: per channel)
 
 
@@ -50,6 +62,8 @@ def resolve_scheduler_steps(num_scheduler_steps: int | None, backend: str) -> in
 class EngineConfig:
     model: str | None = None                 # HF dir, .gguf, saved atlasjax checkpoint; None = embedded default
     dtype: str = "auto"                      # auto: bfloat16 on GPU, float32 elsewhere
+    kv_cache_dtype: str = "auto"             # the KV pool's: auto (= dtype) | bfloat16 | float16 | fp8 (e4m3) |
+                                             # fp8_e4m3 | fp8_e5m2 (stored unscaled, saturating; read as bf16)
     max_num_seqs: int = 16
     decode_batch_sizes: tuple[int, ...] | None = None   # row counts the decode step is compiled for: a step
                                              # runs the smallest that holds its requests (None: 8, 16, 32, ...
@@ -108,6 +122,8 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not isinstance(self.compile_at_start, bool):

@@ -27,12 +27,17 @@ def kv_pool_pages(stats: dict, bytes_per_page: int, reserve: int, utilization: f
     return max(1, budget // bytes_per_page)
 
 
+def kv_bytes_per_page(model_config, page_size: int, dtype, kv_heads: int) -> int:
+    """Bytes of one page of every layer's K and V (`kv_heads` of them on this device) in `dtype`."""
+    return 2 * model_config.num_layers * kv_heads * page_size * model_config.head_dim * jnp.dtype(dtype).itemsize
+
+
 def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan=None) -> int:
     """Pages for an engine of `config` (EngineConfig) whose `params` are in their execution layout;
-    under tensor parallelism (`plan`) each device holds its KV heads' share of a page."""
+    under tensor parallelism (`plan`) each device holds its KV heads' share of a page. `dtype`: the pool's."""
     cfg, ps = model_config, config.page_size
     kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
-    bytes_per_page = 2 * cfg.num_layers * kv_heads * ps * cfg.head_dim * jnp.dtype(dtype).itemsize
+    bytes_per_page = kv_bytes_per_page(cfg, ps, dtype, kv_heads)
     jax.block_until_ready(params)   # the load's temporaries are freed once its work has run
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
@@ -44,8 +49,9 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
                + max(_device_bytes(x) for x in jax.tree.leaves(params)))
     pages = kv_pool_pages(stats, bytes_per_page, reserve, config.gpu_memory_utilization)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    log.info("KV pool: %d pages of %d tokens, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
-             "the largest free block %.2f GiB)", pages, ps, pages * bytes_per_page / 2**30, free / 2**30,
+    log.info("KV pool: %d pages of %d tokens in %s, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
+             "the largest free block %.2f GiB)", pages, ps, jnp.dtype(dtype).name, pages * bytes_per_page / 2**30,
+             free / 2**30,
              stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
     return pages
 

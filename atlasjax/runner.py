@@ -49,7 +49,7 @@ class StepSpec(NamedTuple):
 class ModelRunner:
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
-    def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int,
+    def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int, kv_dtype=None,
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
                  attn_backend: str = "auto", plan=None, own_params: bool = False,
                  prompt_logprobs_tokens: int | None = None):
@@ -59,10 +59,12 @@ class ModelRunner:
         (`EngineConfig.decode_buckets`; default: max_num_seqs alone).
         prompt_logprobs_tokens: the one token count of prefills that return prompt logprobs
         (`EngineConfig.prompt_logprobs_tokens`; default: the largest prefill bucket).
+        kv_dtype: the KV pool's dtype (EngineConfig.kv_cache_dtype; default: `dtype`).
         plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
         self.cfg = cfg
         self.dtype = dtype
+        self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
         self.plan = plan
         # Host inputs (one packed array per step: `pack_host`): on one device, transferred as they are
         # passed; under TP, kept on the host until `_on_mesh` sends them to every device in one batch.
@@ -112,7 +114,7 @@ class ModelRunner:
         exists."""
         cfg, plan = self.cfg, self.plan
         heads = () if plan is None else (plan.num_kv_heads,)
-        kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.dtype, *heads))
+        kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.kv_dtype, *heads))
         shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
         extra = {} if plan is None else dict(sharding=plan.replicated)
         if plan is not None:

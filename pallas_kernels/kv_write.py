@@ -10,13 +10,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
+def as_pool_dtype(x, dtype):
+    """K/V values in the pool's dtype. fp8 saturates at its largest finite value (e4m3fn has no
+    infinity: a plain cast of a larger value is NaN); values are stored unscaled, as vLLM does with
+    its default scales of 1.0."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
+
+
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter K/V [num_tokens, kv_heads, head_dim] into their slots, in place when the pool is donated."""
     kvh, num_pages, page_size, hd = k_pages.shape
     flat_k = k_pages.reshape(kvh, num_pages * page_size, hd)
     flat_v = v_pages.reshape(kvh, num_pages * page_size, hd)
-    flat_k = flat_k.at[:, slot_mapping].set(k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
-    flat_v = flat_v.at[:, slot_mapping].set(v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
+    flat_k = flat_k.at[:, slot_mapping].set(as_pool_dtype(k.swapaxes(0, 1), k_pages.dtype), mode="drop")
+    flat_v = flat_v.at[:, slot_mapping].set(as_pool_dtype(v.swapaxes(0, 1), v_pages.dtype), mode="drop")
     return flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
 
 

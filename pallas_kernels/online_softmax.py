@@ -11,6 +11,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gemm_tiling import swizzled
+
+# What the K/V pools may hold. fp8 pages (`--kv-cache-dtype fp8`) are converted to bf16 in shared
+# memory block by block (e4m3 / e5m2 -> f16 -> bf16 is exact), so the products stay on bf16 wgmma.
+KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn),
+             jnp.dtype(jnp.float8_e5m2))
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def compute_dtype(kv_dtype):
+    """The dtype of the kernels' q tiles and products over a pool of `kv_dtype`."""
+    return jnp.dtype(jnp.bfloat16) if is_fp8(kv_dtype) else jnp.dtype(kv_dtype)
+
+
+def fp8_to_bf16(x):
+    """fp8 codes as bf16, exactly, in jnp or in a Mosaic GPU kernel (sm_90 converts fp8 only to f16)."""
+    return x.astype(jnp.float16).astype(jnp.bfloat16)
+
 
 def resolve_interpret(backend: str, interpret):
   """backend "interpret": the Pallas kernel in Mosaic GPU interpret mode (CPU tests of the model)."""
@@ -47,15 +68,32 @@ def pv_product(p, v_tile, p_smem, rows: int, head_dim: int):
     return pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
 
 
-def kv_pipeline_scratch(num_stages: int, block_kv: int, head_dim: int, dtype, transforms, pages_per_block: int,
-                        rows: int, p_in_smem: bool) -> tuple:
-    """Scoped scratch of the K/V pipeline, in `attend`'s argument order: K and V stage buffers
-    [num_stages, block_kv, head_dim], their TMA barriers (one arrival per page of a block), and
-    the P tile in shared memory where wgmma needs it (interpret mode)."""
-    buffers = plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms)
+def kv_pipeline_scratch(num_stages: int, block_kv: int, head_dim: int, kv_dtype, transforms, pages_per_block: int,
+                        rows: int, p_in_smem: bool) -> dict:
+    """Scoped scratch of the K/V pipeline, by the names `attend_kv_blocks` takes (`pl.run_scoped(f,
+    **scratch)`): K and V stage buffers [num_stages, block_kv, head_dim] of the pool's dtype, their TMA
+    barriers (one arrival per page of a block); with fp8 pages one bf16 block each of K and V that
+    a stage is converted into (`transforms` are the bf16 tiles'); and the P tile in shared memory
+    where wgmma needs it (interpret mode)."""
+    dtype = compute_dtype(kv_dtype)
+    stage_transforms = swizzled(head_dim * 8, 8, "K/V pages") if is_fp8(kv_dtype) else transforms
+    buffers = plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=stage_transforms)
     barriers = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages)
-    p_tile = [plgpu.SMEM((rows, block_kv), dtype, transforms=transforms)] if p_in_smem else []
-    return (buffers, buffers, barriers, barriers, *p_tile)
+    scratch = dict(k_smem=buffers, v_smem=buffers, k_bars=barriers, v_bars=barriers)
+    if is_fp8(kv_dtype):
+        scratch["k_bf16"] = scratch["v_bf16"] = plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms)
+    if p_in_smem:
+        scratch["p_smem"] = plgpu.SMEM((rows, block_kv), dtype, transforms=transforms)
+    return scratch
+
+
+def _as_bf16(stage, bf16_smem):
+    """A stage of fp8 K or V, converted into its bf16 block for wgmma (or the stage itself)."""
+    if bf16_smem is None:
+        return stage
+    bf16_smem[...] = fp8_to_bf16(stage[...])
+    plgpu.commit_smem()   # the wgmma reads it through the async proxy
+    return bf16_smem
 
 
 def fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, first_page, slot, k_smem, v_smem, k_bars, v_bars, *,
@@ -71,14 +109,16 @@ def fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, first_page, slot, k_sm
         plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bars.at[slot])
 
 
-def attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, mask, *, num_steps, num_stages: int,
-                     scale: float, block_kv: int, rows: int, head_dim: int, unmasked_steps=0):
+def attend_kv_blocks(q_smem, scratch: dict, fetch, mask, *, num_steps, num_stages: int, scale: float, block_kv: int,
+                     rows: int, head_dim: int, unmasked_steps=0):
     """Online-softmax attention of the Q tile over `num_steps` K/V blocks, streamed by
-    `fetch(step, slot)` through `num_stages` stages. Scores are scaled by `scale` (base 2), then
+    `fetch(step, slot)` through `num_stages` stages of `scratch` (`kv_pipeline_scratch`'s refs). Scores are scaled by `scale` (base 2), then
     `mask(step, s)` hides what a row may not see; steps below `unmasked_steps` skip it (blocks the
     caller knows to be wholly visible). The first masked step must leave each row something
     visible, or be preceded by one that did. Returns the f32 registers (acc, m, l): acc
     unnormalized; l == 0 where nothing was visible."""
+    k_smem, v_smem, k_bars, v_bars = (scratch[n] for n in ("k_smem", "v_smem", "k_bars", "v_bars"))
+    k_bf16, v_bf16, p_smem = (scratch.get(n) for n in ("k_bf16", "v_bf16", "p_smem"))
     for s in range(num_stages):
         pl.when(s < num_steps)(functools.partial(fetch, s, s))
     m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -89,16 +129,17 @@ def attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, mask
         acc, m_i, l_i = carry
         slot = lax.rem(step, num_stages)
         plgpu.barrier_wait(k_bars.at[slot])
+        k_tile = _as_bf16(k_smem.at[slot], k_bf16)
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, q_smem, k_tile.T)
             return acc_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32)) * scale
         if masked:
             s = mask(step, s)
         p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc)
         plgpu.barrier_wait(v_bars.at[slot])
-        acc = acc + pv_product(p, v_smem.at[slot], p_smem, rows, head_dim)
+        acc = acc + pv_product(p, _as_bf16(v_smem.at[slot], v_bf16), p_smem, rows, head_dim)
         # Both products have completed: the slot is free for the step num_stages ahead.
         nxt = step + num_stages
         pl.when(nxt < num_steps)(functools.partial(fetch, nxt, slot))

@@ -41,8 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rope
 from pallas_kernels.kv_write import decode_slots, store_token_kv, store_token_rows, write_kv
-from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
-                                           positions_before, resolve_interpret)
+from pallas_kernels.online_softmax import (KV_DTYPES, attend_kv_blocks, compute_dtype, fetch_kv_block, is_fp8,
+                                           kv_pipeline_scratch, positions_before, resolve_interpret)
 
 _ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one 64-row tile
 _MAX_GROUP_WRITING = _ROWS - 2   # the new token's K and V take two more rows of that tile
@@ -67,7 +67,7 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
   q_rows, head_dim = o_ref.shape[-2:]
   num_kv_heads = k_ref.shape[0]
-  dtype = k_ref.dtype
+  dtype = compute_dtype(k_ref.dtype)   # of the q tile and the new token's K/V rows
   pages_per_block = block_kv // page_size
   seq_len = lens_ref[seq]
   # The sequence's own context (not the page table's width) is shared evenly by the splits, so
@@ -87,11 +87,11 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
     first_row = pl.multiple_of(lax.div(first_head, 8) * 8, 8)
     q_tile, row0 = q_ref.at[seq, pl.ds(first_row, tile_rows)], first_head - first_row
 
-  def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
+  def attend(q_smem, **scratch):
     def fetch(step, slot):
       fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, (start + step * block_kv) // page_size, slot,
-                     k_smem, v_smem, k_bars, v_bars, pages_per_block=pages_per_block)
-    return attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch,
+                     *(scratch[n] for n in ("k_smem", "v_smem", "k_bars", "v_bars")), pages_per_block=pages_per_block)
+    return attend_kv_blocks(q_smem, scratch, fetch,
                             positions_before(end, start, block_kv, _ROWS), num_steps=num_steps,
                             num_stages=num_stages, scale=sm_scale * _LOG2E, block_kv=block_kv, rows=_ROWS,
                             head_dim=head_dim)
@@ -143,7 +143,8 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
 
     acc, m_i, l_i = pl.run_scoped(
         functools.partial(attend, q_smem),
-        *kv_pipeline_scratch(num_stages, block_kv, head_dim, dtype, transforms, pages_per_block, _ROWS, p_in_smem),
+        **kv_pipeline_scratch(num_stages, block_kv, head_dim, k_ref.dtype, transforms, pages_per_block, _ROWS,
+                              p_in_smem),
     )
     # Inactive or empty splits: acc == 0 and l == 0, so the output is 0 and the lse -inf.
     out = acc / lax.broadcast_in_dim(jnp.maximum(l_i, 1e-30), acc.shape, [0])
@@ -181,6 +182,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   With `tables` (rope.rope_tables), q is the raw projections [seqs, num_heads + 2 kv_heads, D]:
   the kernel rotates q and the new K, and writes K/V too."""
   writes = new_kv is not None or tables is not None
+  assert not (writes and is_fp8(k_pages.dtype)), "the kernel writes bf16 rows only"
   num_seqs, _, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   num_heads = num_heads or q.shape[1]
@@ -193,14 +195,14 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     # the kernel's wgmma tile is 64 rows, but only these are loaded and stored); the new K/V, when
     # written, take the last two rows (their scores are computed and discarded).
     q_rows = pl.cdiv(group + 2 * writes, 8) * 8
-    qg = q.astype(k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = q.astype(compute_dtype(k_pages.dtype)).reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_rows - group - 2 * writes), (0, 0)))
     if writes:
       qg = jnp.concatenate([qg, *(x.astype(qg.dtype)[:, :, None] for x in new_kv)], axis=2)
     inputs = (qg,)
   else:   # the tile is read from the raw projections; its query heads' rows stored as above
     q_rows = pl.cdiv(group, 8) * 8
-    inputs = (q.astype(k_pages.dtype), tables.astype(jnp.float32))
+    inputs = (q.astype(compute_dtype(k_pages.dtype)), tables.astype(jnp.float32))
   # The page table is padded so the last block's page lookups stay in bounds.
   pages_needed = max_blocks * (block_kv // page_size)
   table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))
@@ -269,7 +271,7 @@ def can_use_pallas(q, k_pages):
   """Whether the Pallas kernel supports these shapes and dtypes (else use the reference)."""
   num_heads, head_dim = q.shape[-2:]
   num_kv_heads, _, page_size, _ = k_pages.shape
-  return (k_pages.dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
+  return (k_pages.dtype in KV_DTYPES and head_dim in (64, 128, 256)
           and num_heads // num_kv_heads <= _ROWS and page_size % 8 == 0 and page_size <= 256)
 
 
@@ -284,7 +286,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
 
   Args:
     q: [num_seqs, num_heads, head_dim] queries (any float dtype).
-    k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], bf16/f16 (f32: reference).
+    k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], bf16/f16 or fp8 (e4m3 / e5m2,
+      read as bf16; f32: reference).
     page_table: [num_seqs, pages_per_seq] int32 page ids.
     seq_lens: [num_seqs] int32 context lengths (new token included); 0 = inactive slot.
     sm_scale: softmax scale, default head_dim ** -0.5.
@@ -323,7 +326,8 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
   group = q.shape[1] // k_pages.shape[0]
-  if plan is None or not fused_write or group > _MAX_GROUP_WRITING:   # reference, scatter first, or no free tile rows
+  # The kernel writes bf16 rows only: fp8 pools take the XLA scatter (it rounds and saturates).
+  if plan is None or not fused_write or group > _MAX_GROUP_WRITING or is_fp8(k_pages.dtype):
     _, num_pages, page_size, _ = k_pages.shape
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, decode_slots(page_table, seq_lens, page_size, num_pages))
     out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale, backend=backend,
@@ -343,7 +347,7 @@ def can_fuse_rope(num_heads, k_pages, head_dim):
   group = num_heads // num_kv_heads
   offsets = _rope_row_offsets(group, num_kv_heads)
   tile_rows = _rope_tile_rows(group, num_kv_heads)
-  return (head_dim in rope.HEAD_DIMS and (num_heads + 2 * num_kv_heads) % 8 == 0
+  return (not is_fp8(k_pages.dtype) and head_dim in rope.HEAD_DIMS and (num_heads + 2 * num_kv_heads) % 8 == 0
           and (num_kv_heads - 1) * group - offsets[-1] + tile_rows <= num_heads + 2 * num_kv_heads
           and all(r % 4 == 0 for r in offsets) and max(offsets) + pl.cdiv(group, 8) * 8 <= _ROWS)
 

@@ -23,8 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.online_softmax import (attend_kv_blocks, fetch_kv_block, kv_pipeline_scratch,
-                                           resolve_interpret)
+from pallas_kernels.online_softmax import (KV_DTYPES, attend_kv_blocks, compute_dtype, fetch_kv_block,
+                                           kv_pipeline_scratch, resolve_interpret)
 
 _ROWS = 64  # wgmma M
 _LOG2E = math.log2(math.e)
@@ -35,16 +35,16 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, *, group, pa
   """One program: one KV head x one query tile (rows = tokens x heads of one sequence)."""
   kv_head, tile = lax.axis_index("kv_heads"), lax.axis_index("tiles")
   head_dim = q_ref.shape[-1]
-  dtype = k_ref.dtype
+  dtype = q_ref.dtype   # bf16 over fp8 pages
   pages_per_block = block_kv // page_size
   seq, q_pos0, kv_len = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
   num_steps = pl.cdiv(kv_len, block_kv)
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-  def attend(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem=None):
+  def attend(q_smem, **scratch):
     def fetch(step, slot):
-      fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, step * pages_per_block, slot, k_smem, v_smem, k_bars,
-                     v_bars, pages_per_block=pages_per_block)
+      fetch_kv_block(k_ref, v_ref, table_ref, seq, kv_head, step * pages_per_block, slot,
+                     *(scratch[n] for n in ("k_smem", "v_smem", "k_bars", "v_bars")), pages_per_block=pages_per_block)
     # Row r is token r // group of the tile; its position bounds what it may see.
     row = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
     q_pos = q_pos0 + lax.div(row, jnp.int32(group))
@@ -56,7 +56,7 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, *, group, pa
       return jnp.where((kv_pos <= q_pos) & (kv_pos < kv_len), s, -jnp.inf)
     # Blocks wholly below the tile's first position need no causal mask: skip its ALU work.
     full_steps = jnp.clip((q_pos0 + 1) // block_kv, 0, num_steps)
-    return attend_kv_blocks(q_smem, k_smem, v_smem, k_bars, v_bars, p_smem, fetch, causal, num_steps=num_steps,
+    return attend_kv_blocks(q_smem, scratch, fetch, causal, num_steps=num_steps,
                             num_stages=num_stages, scale=sm_scale * _LOG2E, block_kv=block_kv, rows=_ROWS,
                             head_dim=head_dim, unmasked_steps=full_steps)
 
@@ -68,7 +68,8 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, *, group, pa
 
     acc, _, l_i = pl.run_scoped(
         functools.partial(attend, q_smem),
-        *kv_pipeline_scratch(num_stages, block_kv, head_dim, dtype, transforms, pages_per_block, _ROWS, p_in_smem),
+        **kv_pipeline_scratch(num_stages, block_kv, head_dim, k_ref.dtype, transforms, pages_per_block, _ROWS,
+                              p_in_smem),
     )
     out = acc / lax.broadcast_in_dim(jnp.maximum(l_i, 1e-30), acc.shape, [0])
     q_smem[...] = out.astype(q_smem.dtype)  # q is consumed: reuse its tile for the output
@@ -119,7 +120,7 @@ def _ragged_pallas(q, k_pages, v_pages, page_table, seq_lens, query_start, num_s
       query_start, seq_lens, num_seqs, num_tokens, tile_tokens)
   max_tiles = meta.shape[0]
   # [kv_heads, tiles, 64, D]: row = token_in_tile * group + head_in_group.
-  qg = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
+  qg = q.astype(compute_dtype(k_pages.dtype)).reshape(num_tokens, num_kv_heads, group, head_dim)
   q_tiles = qg[tok].transpose(2, 0, 1, 3, 4).reshape(
       num_kv_heads, max_tiles, tile_tokens * group, head_dim)
   q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, _ROWS - tile_tokens * group), (0, 0)))
@@ -132,7 +133,7 @@ def _ragged_pallas(q, k_pages, v_pages, page_table, seq_lens, query_start, num_s
                    num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret))
   o_tiles = plgpu.kernel(
       ragged_paged_attention_kernel,
-      out_type=jax.ShapeDtypeStruct((num_kv_heads, max_tiles, _ROWS, head_dim), k_pages.dtype),
+      out_type=jax.ShapeDtypeStruct((num_kv_heads, max_tiles, _ROWS, head_dim), q_tiles.dtype),
       grid=(num_kv_heads, max_tiles), grid_names=("kv_heads", "tiles"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
@@ -147,7 +148,7 @@ def can_use_pallas(q, k_pages):
   """Whether the Pallas kernel supports these shapes and dtypes (else use the reference)."""
   num_heads, head_dim = q.shape[-2:]
   num_kv_heads, _, page_size, _ = k_pages.shape
-  return (k_pages.dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128, 256)
+  return (k_pages.dtype in KV_DTYPES and head_dim in (64, 128, 256)
           and num_heads // num_kv_heads <= _ROWS and page_size % 8 == 0 and page_size <= 256)
 
 
@@ -160,7 +161,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
 
   Args:
     q: [num_tokens, num_heads, head_dim] packed queries; rows past query_start[num_seqs] are pad.
-    k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], bf16/f16 (f32: reference).
+    k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], bf16/f16 or fp8 (e4m3 / e5m2,
+      read as bf16; f32: reference).
     page_table: [max_seqs, pages_per_seq] int32.
     seq_lens: [max_seqs] int32 context lengths, the chunk's own tokens included.
     query_start: [max_seqs + 1] int32 cumulative query offsets.

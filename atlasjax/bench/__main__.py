@@ -9,7 +9,8 @@ import sys
 from atlasjax.bench.gguf_layouts import LAYOUTS as GGUF_LAYOUTS
 from atlasjax.bench.presets import PRESETS, progress
 from atlasjax.__main__ import (add_attention_backend_arg, add_compilation_cache_arg, add_decode_batch_sizes_arg,
-                               add_memory_utilization_arg, add_scheduler_steps_arg, add_weight_format_args)
+                               add_kv_cache_dtype_arg, add_memory_utilization_arg, add_scheduler_steps_arg,
+                               add_weight_format_args)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--num-pages", type=int, default=None)
+    add_kv_cache_dtype_arg(e)
     add_memory_utilization_arg(e)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
