@@ -2,8 +2,8 @@
 
 Measures the two ceilings in the same run (device-to-device copy bandwidth, dense bf16 matmul
 rate), then times decode (batch 32 x 4096 and batch 1 x 32768) and ragged prefill (one 4096-token
-prompt) against those ceilings, jax's Triton paged_attention where its constraints allow, and the
-jnp references; and the decode step's K/V write fused into the kernel against an XLA scatter first,
+prompt) against those ceilings, over bf16 and fp8 pages (`--kv-cache-dtype fp8`), against jax's
+Triton paged_attention where its constraints allow, and the jnp references; and the decode step's K/V write fused into the kernel against an XLA scatter first,
 per layer of a donated chain (batch 1, 16, 32, 128). Prints a table; `--json PATH` also writes the
 numbers.
 """
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax.bench.roofline import time_fn
+from pallas_kernels.kv_write import as_pool_dtype
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_and_write
 from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -53,23 +54,32 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+def fp8_pages(case):
+  """A case with its K/V pools stored in fp8 e4m3 (`--kv-cache-dtype fp8`)."""
+  q, k, v, *rest = case
+  return (q, as_pool_dtype(k, jnp.float8_e4m3fn), as_pool_dtype(v, jnp.float8_e4m3fn), *rest)
+
+
 def bench_decode(num_seqs, ctx, page_size, bw, rows, baselines=True):
+  """The decode kernel over bf16 and fp8 pages (error of fp8 against the bf16 reference: the pool's
+  rounding), the jnp reference and jax's Triton kernel."""
   case = decode_case(num_seqs, ctx, page_size=page_size)
-  q, k, _, _, _ = case
-  nbytes = 2 * k.nbytes + 2 * q.nbytes
   name = f"decode b={num_seqs} ctx={ctx} page={page_size}"
   ref = paged_decode_attention(*case, backend="reference")
-  fns = {"pallas (mosaic gpu)": lambda *a: paged_decode_attention(*a, backend="pallas")}
+  pallas = lambda *a: paged_decode_attention(*a, backend="pallas")
+  fns = {"pallas (mosaic gpu)": (pallas, case), "pallas, fp8 e4m3 pages": (pallas, fp8_pages(case))}
   if baselines:
-    fns["jnp reference"] = lambda *a: paged_decode_attention(*a, backend="reference")
+    fns["jnp reference"] = (lambda *a: paged_decode_attention(*a, backend="reference"), case)
     from jax.experimental.pallas.ops.gpu import paged_attention as triton_pa
     for splits in (16, 1):
-      fns[f"jax triton paged_attention k_splits={splits}"] = jax.jit(
-          lambda q, k, v, t, l, s=splits: triton_pa.paged_attention(q, k, v, t, l, k_splits=s))
-  for label, fn in fns.items():
+      fns[f"jax triton paged_attention k_splits={splits}"] = (jax.jit(
+          lambda q, k, v, t, l, s=splits: triton_pa.paged_attention(q, k, v, t, l, k_splits=s)), case)
+  for label, (fn, args) in fns.items():
+    q, k = args[:2]
+    nbytes = 2 * k.nbytes + 2 * q.nbytes
     try:
-      err = rel_err(fn(*case), ref)
-      t = time_fn(fn, *case)
+      err = rel_err(fn(*args), ref)
+      t = time_fn(fn, *args)
       rows.append(dict(case=name, impl=label, us=t * 1e6, gbps=nbytes / t / 1e9,
                        frac_copy_bw=nbytes / t / bw, rel_err=err))
     except Exception as e:  # a baseline's constraints may not allow the shape
@@ -125,14 +135,14 @@ def bench_prefill(num_tokens, mm_rate, rows, page_size=64, num_kv_heads=8, group
   flops = 2 * 2 * num_tokens * num_tokens / 2 * num_kv_heads * group * head_dim  # causal
   name = f"prefill 1x{num_tokens} page={page_size}"
   ref = ragged_paged_attention(*args, backend="reference")
-  impls = [(f"pallas (mosaic gpu) {tunables or ''}", "pallas", tunables)]
+  impls = [(f"pallas (mosaic gpu) {tunables or ''}", "pallas", tunables, args)]
   if with_reference:
-    impls.append(("jnp reference", "reference", {}))
-  for label, backend, kw in impls:
+    impls += [("pallas, fp8 e4m3 pages", "pallas", tunables, fp8_pages(args)), ("jnp reference", "reference", {}, args)]
+  for label, backend, kw, a in impls:
     fn = lambda *a, b=backend, kw=kw: ragged_paged_attention(*a, backend=b, **kw)
     try:
-      err = rel_err(fn(*args), ref)
-      t = time_fn(fn, *args, iters=5)
+      err = rel_err(fn(*a), ref)
+      t = time_fn(fn, *a, iters=5)
       rows.append(dict(case=name, impl=label, us=t * 1e6, tflops=flops / t / 1e12,
                        frac_matmul=flops / t / mm_rate, rel_err=err))
     except Exception as e:

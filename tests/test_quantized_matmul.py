@@ -339,6 +339,23 @@ def test_gpu_per_group_unroll(zeros, fold_zeros, unroll, m, k, n):
            config=QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros))
 
 
+@pytest.mark.parametrize("group_size,unroll", [(32, 8), (64, 4), (64, 2)])
+def test_interpret_per_group_with_integer_zero_points(group_size, unroll):
+    # groups of 32 / 64 with integer zero points (`--quantization-group-size`) on the per-group path:
+    # a step's groups load as one tile, each group's zero point in its part of the conversion
+    _check("int4", group_size, "zp", 3, k=512, n=70, seed=unroll, interpret=True,
+           config=QuantMatmulConfig(prescale=False, group_unroll=unroll))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("group_size,unroll", [(32, 8), (64, 4), (64, 2)])
+@pytest.mark.parametrize("m,k,n", [(1, 1024, 70), (8, 4096, 1000), (16, 2048, 4100)])
+def test_gpu_per_group_with_integer_zero_points(group_size, unroll, m, k, n):
+    _check("int4", group_size, "zp", m, k, n, seed=k + m + unroll,
+           config=QuantMatmulConfig(prescale=False, group_unroll=unroll))
+
+
 # Two-level group rows (GGUF Q4_K): steps of one super-group (the default), of half of one, and of
 # two; the offset term folded into the tile or added by XLA.
 TWO_LEVEL_CONFIGS = {"default": None, "half_super": QuantMatmulConfig(prescale_tile_k=128),

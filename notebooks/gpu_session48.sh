@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Session 48, first call: the fp8 KV cache's kernels natively (tests), the attention kernel bench over
+# bf16 and fp8 pages, the int4 zero-point groups on the per-group path (tests, kernel timings).
+# Run from the repo root on the device: bash notebooks/gpu_session48.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:. JAX_PLATFORMS=cuda
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+echo "== native tests"
+timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kv_cache.py \
+  "tests/test_quantized_matmul.py::test_gpu_per_group_with_integer_zero_points" 2>&1 | tail -15
+echo "== int4 zero-point groups, kernel"
+timeout 150 python3 notebooks/gpu_int4_zero_point_groups.py 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -60
+echo "== attention kernels"
+timeout 170 python3 -m atlasjax.bench_kernels_attention --json "$OUT/attention.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -30
