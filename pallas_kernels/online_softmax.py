@@ -5,6 +5,7 @@ Scores are in base 2 (the caller folds sm_scale * log2(e) into one multiply); th
 `m`, row sum `l` and output accumulator `acc` are f32 registers of a 64-row wgmma tile.
 """
 import functools
+import os
 
 import jax.numpy as jnp
 from jax import lax
@@ -23,9 +24,13 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
+_FP8_COMPUTE = os.environ.get("ATLASJAX_FP8_KV_COMPUTE", "bfloat16")   # session 48 experiment
+_FP8_LAYOUT = os.environ.get("ATLASJAX_FP8_KV_LAYOUT", "")   # session 48 experiment
+
+
 def compute_dtype(kv_dtype):
     """The dtype of the kernels' q tiles and products over a pool of `kv_dtype`."""
-    return jnp.dtype(jnp.bfloat16) if is_fp8(kv_dtype) else jnp.dtype(kv_dtype)
+    return jnp.dtype(_FP8_COMPUTE) if is_fp8(kv_dtype) else jnp.dtype(kv_dtype)
 
 
 def fp8_to_bf16(x):
@@ -91,7 +96,9 @@ def _as_bf16(stage, bf16_smem):
     """A stage of fp8 K or V, converted into its bf16 block for wgmma (or the stage itself)."""
     if bf16_smem is None:
         return stage
-    bf16_smem[...] = fp8_to_bf16(stage[...])
+    x = stage[...] if not _FP8_LAYOUT else plgpu.load(stage, (), layout=getattr(plgpu.Layout, _FP8_LAYOUT))
+    x = x.astype(jnp.float16)
+    bf16_smem[...] = x if bf16_smem.dtype == jnp.float16 else x.astype(bf16_smem.dtype)
     plgpu.commit_smem()   # the wgmma reads it through the async proxy
     return bf16_smem
 
