@@ -41,8 +41,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rope
 from pallas_kernels.kv_write import decode_slots, store_token_kv, store_token_rows, write_kv
-from pallas_kernels.online_softmax import (KV_DTYPES, attend_kv_blocks, compute_dtype, fetch_kv_block, is_fp8,
-                                           kv_pipeline_scratch, positions_before, resolve_interpret)
+from pallas_kernels.online_softmax import (KV_DTYPES, as_compute_dtype, attend_kv_blocks, compute_dtype,
+                                           fetch_kv_block, is_fp8, kv_pipeline_scratch, positions_before,
+                                           resolve_interpret)
 
 _ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one 64-row tile
 _MAX_GROUP_WRITING = _ROWS - 2   # the new token's K and V take two more rows of that tile
@@ -195,14 +196,14 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     # the kernel's wgmma tile is 64 rows, but only these are loaded and stored); the new K/V, when
     # written, take the last two rows (their scores are computed and discarded).
     q_rows = pl.cdiv(group + 2 * writes, 8) * 8
-    qg = q.astype(compute_dtype(k_pages.dtype)).reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = as_compute_dtype(q, k_pages.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_rows - group - 2 * writes), (0, 0)))
     if writes:
       qg = jnp.concatenate([qg, *(x.astype(qg.dtype)[:, :, None] for x in new_kv)], axis=2)
     inputs = (qg,)
   else:   # the tile is read from the raw projections; its query heads' rows stored as above
     q_rows = pl.cdiv(group, 8) * 8
-    inputs = (q.astype(compute_dtype(k_pages.dtype)), tables.astype(jnp.float32))
+    inputs = (as_compute_dtype(q, k_pages.dtype), tables.astype(jnp.float32))
   # The page table is padded so the last block's page lookups stay in bounds.
   pages_needed = max_blocks * (block_kv // page_size)
   table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))

@@ -79,15 +79,25 @@ def default_config(qw: QuantizedWeight, rows: int = 8) -> QuantMatmulConfig:
     - int8 (GGUF Q8_0 and the types kept as int8) wider than 4096 columns steps over 512 rows, 2 in
       flight: 4096x6144 14.7 -> 13.7 us, 4096x28672 48.1 -> 46.5, the LM head shape 192.0 -> 190.1;
       not at 4096 columns (4096x4096 10.1 -> 13.2, 14336x4096 unchanged).
+    - int4 with integer zero points in groups of 32 (`--quantization-group-size 32`), up to 16 rows,
+      takes the per-group path too, each group's zero point in the conversion's subtract (H200, 8
+      rows, session 48; us against the prescaled path): 4096x6144 9.3 / 11.7, 4096x28672 29.7 /
+      32.4, 14336x4096 17.3 / 17.9, 4096x128256 102.6 / 111.6;
+    - int4 groups of 64, with integer zero points or none, up to 16 rows: the per-group path with 4
+      groups (one 128-byte tile row) per step (H200, session 48): zero points 8.0 / 11.2, 23.6 / 28.5,
+      14.4 / 16.5, 81.8 / 98.8 us; symmetric 7.7 / 10.0, 21.3 / 23.9, 12.8 / 14.4, 74.1 / 81.1.
     The rest keep the defaults."""
     if qw.group_size >= 128 or qw.num_groups == 1:
         return QuantMatmulConfig()
     offsets = qw.format == "int4" and qw.zeros is not None and not qw.zero_point
     if qw.format == "int4" and qw.group_size == 32 and qw.mma_order and rows <= PER_GROUP_MAX_ROWS:
-        if qw.zeros is None:
+        if qw.zeros is None or qw.zero_point:
             return PER_GROUP_CONFIG
         if offsets and max(qw.shape) <= PER_GROUP_OFFSETS_MAX_WIDTH:
             return PER_GROUP_SUMS_CONFIG
+    if (qw.format == "int4" and qw.group_size == 64 and qw.mma_order and rows <= PER_GROUP_MAX_ROWS
+            and not offsets):
+        return PER_GROUP_64_CONFIG
     if offsets:
         return OFFSETS_CONFIG
     return INT8_GROUPS_CONFIG if qw.format == "int8" and qw.shape[1] > 4096 else QuantMatmulConfig()
@@ -120,6 +130,7 @@ OFFSETS_CONFIG = QuantMatmulConfig(max_concurrent_steps=3)
 INT8_GROUPS_CONFIG = QuantMatmulConfig(prescale_tile_k=512, max_concurrent_steps=2)
 PER_GROUP_CONFIG = QuantMatmulConfig(prescale=False, group_unroll=8, max_concurrent_steps=3)
 PER_GROUP_SUMS_CONFIG = dataclasses.replace(PER_GROUP_CONFIG, x_sums=True)
+PER_GROUP_64_CONFIG = QuantMatmulConfig(prescale=False, group_unroll=4)
 PER_GROUP_MAX_ROWS = 16
 PER_GROUP_OFFSETS_MAX_WIDTH = 6144
 

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.online_softmax import (KV_DTYPES, attend_kv_blocks, compute_dtype, fetch_kv_block,
+from pallas_kernels.online_softmax import (KV_DTYPES, as_compute_dtype, attend_kv_blocks, fetch_kv_block,
                                            kv_pipeline_scratch, resolve_interpret)
 
 _ROWS = 64  # wgmma M
@@ -35,7 +35,7 @@ def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, meta_ref, o_ref, *, group, pa
   """One program: one KV head x one query tile (rows = tokens x heads of one sequence)."""
   kv_head, tile = lax.axis_index("kv_heads"), lax.axis_index("tiles")
   head_dim = q_ref.shape[-1]
-  dtype = q_ref.dtype   # bf16 over fp8 pages
+  dtype = q_ref.dtype   # f16 over fp8 pages
   pages_per_block = block_kv // page_size
   seq, q_pos0, kv_len = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
   num_steps = pl.cdiv(kv_len, block_kv)
@@ -120,7 +120,7 @@ def _ragged_pallas(q, k_pages, v_pages, page_table, seq_lens, query_start, num_s
       query_start, seq_lens, num_seqs, num_tokens, tile_tokens)
   max_tiles = meta.shape[0]
   # [kv_heads, tiles, 64, D]: row = token_in_tile * group + head_in_group.
-  qg = q.astype(compute_dtype(k_pages.dtype)).reshape(num_tokens, num_kv_heads, group, head_dim)
+  qg = as_compute_dtype(q, k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
   q_tiles = qg[tok].transpose(2, 0, 1, 3, 4).reshape(
       num_kv_heads, max_tiles, tile_tokens * group, head_dim)
   q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, _ROWS - tile_tokens * group), (0, 0)))

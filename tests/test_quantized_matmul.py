@@ -339,6 +339,15 @@ def test_gpu_per_group_unroll(zeros, fold_zeros, unroll, m, k, n):
            config=QuantMatmulConfig(group_unroll=unroll, fold_zeros=fold_zeros))
 
 
+@pytest.mark.parametrize("group_size,symmetric,unroll", [(32, False, 8), (64, False, 4), (64, True, 4)])
+def test_default_config_of_int4_groups_of_32_and_64_at_load(group_size, symmetric, unroll):
+    # what `--quantization int4 --quantization-group-size 32|64` makes: the per-group path up to 16 rows
+    from pallas_kernels.quantized_matmul import default_config
+    qw = quantize(np.zeros((512, 256), np.float32), "int4", group_size=group_size, symmetric=symmetric)
+    assert (default_config(qw, 8).prescale, default_config(qw, 8).group_unroll) == (False, unroll)
+    assert default_config(qw, 17).prescale is None
+
+
 @pytest.mark.parametrize("group_size,unroll", [(32, 8), (64, 4), (64, 2)])
 def test_interpret_per_group_with_integer_zero_points(group_size, unroll):
     # groups of 32 / 64 with integer zero points (`--quantization-group-size`) on the per-group path:
