@@ -99,7 +99,7 @@ def _converted(stage, f16_smem):
     fp8 values per 32-bit word."""
     if f16_smem is None:
         return stage
-    f16_smem[...] = plgpu.load(stage, (), layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+    f16_smem[...] = plgpu.load(stage, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
     plgpu.commit_smem()   # the wgmma reads it through the async proxy
     return f16_smem
 

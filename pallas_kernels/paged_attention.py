@@ -104,9 +104,11 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
       plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(q_rows - 2, 2)], rows, bar)
     pl.when(writer)(lambda: store_token_kv(load, k_ref, v_ref, table_ref, seq, kv_head, pos))
 
-  def rotate_and_write_new_token(q_smem, q_bar, tables_smem, tables_bar, kv_smem, swapped_smem, kv_bar):
-    """RoPE of the q tile and of the new K; K/V into their page. The K/V loads overlap the q
-    tile's, and their stores the q tile's rotation; each barrier is waited on once."""
+  def rotate_and_write_new_token(q_smem, q_bar, tables_smem, tables_bar, kv_smem, swapped_smem, kv_bar,
+                                 pool_rows=None):
+    """RoPE of the q tile and of the new K; K/V into their page (from `pool_rows`, the rows in an
+    fp8 pool's dtype, where given). The K/V loads overlap the q tile's, and their stores the q tile's
+    rotation; each barrier is waited on once."""
     if writes:
       pl.when(writer)(lambda: rope.load_token_kv(q_ref, seq, num_heads + kv_head, num_heads + num_kv_heads + kv_head,
                                                  kv_smem, swapped_smem, kv_bar))
@@ -115,9 +117,10 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
       @pl.when(writer)
       def _():
         plgpu.barrier_wait(kv_bar)
-        rope.rotate_token_kv(kv_smem, swapped_smem, tables_smem)
+        rope.rotate_token_kv(kv_smem, swapped_smem, tables_smem, pool_rows)
         plgpu.commit_smem()
-        store_token_rows(kv_smem, k_ref, v_ref, table_ref, seq, kv_head, pos, wait=False)
+        store_token_rows(kv_smem if pool_rows is None else pool_rows, k_ref, v_ref, table_ref, seq, kv_head, pos,
+                         wait=False)
 
     @pl.when(num_steps > 0)
     def _():
@@ -172,7 +175,8 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
   rope_scratch = () if rope_ref is None else (
       plgpu.SMEM(rope_ref.shape[1:], jnp.float32), plgpu.Barrier(num_barriers=1),
       plgpu.SMEM((2, head_dim), dtype), plgpu.SMEM((2, head_dim), dtype),
-      plgpu.Barrier(num_arrivals=rope.LOADS, num_barriers=1))
+      plgpu.Barrier(num_arrivals=rope.LOADS, num_barriers=1),
+      *([plgpu.SMEM((2, head_dim), k_ref.dtype)] if writes and is_fp8(k_ref.dtype) else []))
   pl.run_scoped(body, plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms), plgpu.Barrier(num_barriers=1),
                 *rope_scratch)
 
@@ -183,7 +187,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   With `tables` (rope.rope_tables), q is the raw projections [seqs, num_heads + 2 kv_heads, D]:
   the kernel rotates q and the new K, and writes K/V too."""
   writes = new_kv is not None or tables is not None
-  assert not (writes and is_fp8(k_pages.dtype)), "the kernel writes bf16 rows only"
+  # fp8 rows are written from the rotated ones only (the RoPE path converts them in registers)
+  assert not (new_kv is not None and is_fp8(k_pages.dtype)), "the prepared-tile path writes 16-bit rows only"
   num_seqs, _, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   num_heads = num_heads or q.shape[1]
@@ -327,7 +332,8 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
   group = q.shape[1] // k_pages.shape[0]
-  # The kernel writes bf16 rows only: fp8 pools take the XLA scatter (it rounds and saturates).
+  # The prepared tile's rows are copied as they are: fp8 pools take the XLA scatter (it rounds and
+  # saturates). The RoPE entry's kernel writes fp8 rows itself.
   if plan is None or not fused_write or group > _MAX_GROUP_WRITING or is_fp8(k_pages.dtype):
     _, num_pages, page_size, _ = k_pages.shape
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, decode_slots(page_table, seq_lens, page_size, num_pages))
@@ -348,7 +354,7 @@ def can_fuse_rope(num_heads, k_pages, head_dim):
   group = num_heads // num_kv_heads
   offsets = _rope_row_offsets(group, num_kv_heads)
   tile_rows = _rope_tile_rows(group, num_kv_heads)
-  return (not is_fp8(k_pages.dtype) and head_dim in rope.HEAD_DIMS and (num_heads + 2 * num_kv_heads) % 8 == 0
+  return (head_dim in rope.HEAD_DIMS and (num_heads + 2 * num_kv_heads) % 8 == 0
           and (num_kv_heads - 1) * group - offsets[-1] + tile_rows <= num_heads + 2 * num_kv_heads
           and all(r % 4 == 0 for r in offsets) and max(offsets) + pl.cdiv(group, 8) * 8 <= _ROWS)
 

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.kv_write import as_pool_dtype
+
 HEAD_DIMS = (128, 256)   # each half of the head is a whole number of 64-column shared-memory tiles
 
 
@@ -67,7 +69,13 @@ def load_token_kv(qkv_ref, seq, k_row, v_row, kv_smem, swapped_smem, barrier):
 LOADS = 6   # TMA loads of `load_token_kv`
 
 
-def rotate_token_kv(kv_smem, swapped_smem, tables_smem):
-    """In a kernel, after `load_token_kv` landed: K rotated in place, V unchanged (cos 1, sin 0)."""
+def rotate_token_kv(kv_smem, swapped_smem, tables_smem, pool_rows=None):
+    """In a kernel, after `load_token_kv` landed: K rotated in place, V unchanged (cos 1, sin 0).
+    pool_rows [2, D] of an fp8 pool's dtype: the rows go there instead, rounded first to bf16 (the
+    model's K/V, as the XLA path writes them) and then to fp8, saturating."""
     x = kv_smem[...].astype(jnp.float32) * tables_smem.at[0][...]
-    kv_smem[...] = (x + swapped_smem[...].astype(jnp.float32) * tables_smem.at[1][...]).astype(kv_smem.dtype)
+    x = x + swapped_smem[...].astype(jnp.float32) * tables_smem.at[1][...]
+    if pool_rows is None:
+        kv_smem[...] = x.astype(kv_smem.dtype)
+    else:
+        pool_rows[...] = as_pool_dtype(x.astype(jnp.bfloat16), pool_rows.dtype)
