@@ -102,8 +102,12 @@ def _check_decode_step_entries(interpret):
                                               backend="pallas", interpret=interpret)
   want = paged_decode_attention_rope_and_write(qkv, tables, k_pages, v_pages, table, seq_lens, num_heads=16,
                                                backend="reference")
-  for a, b in zip(got[1:], want[1:]):   # the same rows, rounded to bf16 and then to fp8 as the scatter rounds them
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # V exactly; K rotated in f32 as XLA rotates it, up to one rounding: the same fp8 value, or (where
+  # the rotations' last bits differ, as the GPU's fused multiply-adds make them) its neighbour
+  np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
+  k_got, k_want = np.asarray(got[1], np.float32), np.asarray(want[1], np.float32)
+  np.testing.assert_allclose(k_got, k_want, rtol=2 ** -3, atol=2 ** -9)
+  assert np.count_nonzero(k_got != k_want) <= np.count_nonzero(seq_lens) * 4 * 128 // 8
   assert np.isfinite(np.asarray(got[1], np.float32)).all() and np.abs(np.asarray(got[1], np.float32)).max() == 448.0
   assert rel_err(got[0], np.asarray(want[0], np.float32)) < 1e-2
 
