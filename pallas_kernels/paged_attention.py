@@ -64,7 +64,9 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
   2 kv_heads, D]. The tile is the `tile_rows` rows from the multiple of 8 at or before the KV head's
   first query head (other heads' rows around them are discarded as padding is), rotated in shared
   memory; the new K is rotated before it is written. The query heads' rows are stored from where
-  they start in the tile, so the outputs have the prepared tiles' layout."""
+  they start in the tile, so the outputs have the prepared tiles' layout. Over fp8 pools the
+  projections stay in the model's dtype: the tile is loaded into a scratch of that dtype and rotated
+  into the f16 q tile (no XLA conversion before the kernel)."""
   kv_head, split, seq = (lax.axis_index(n) for n in ("kv_heads", "splits", "seqs"))
   q_rows, head_dim = o_ref.shape[-2:]
   num_kv_heads = k_ref.shape[0]
@@ -104,11 +106,12 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
       plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head, pl.ds(q_rows - 2, 2)], rows, bar)
     pl.when(writer)(lambda: store_token_kv(load, k_ref, v_ref, table_ref, seq, kv_head, pos))
 
-  def rotate_and_write_new_token(q_smem, q_bar, tables_smem, tables_bar, kv_smem, swapped_smem, kv_bar,
+  def rotate_and_write_new_token(q_in, q_smem, q_bar, tables_smem, tables_bar, kv_smem, swapped_smem, kv_bar,
                                  pool_rows=None):
-    """RoPE of the q tile and of the new K; K/V into their page (from `pool_rows`, the rows in an
-    fp8 pool's dtype, where given). The K/V loads overlap the q tile's, and their stores the q tile's
-    rotation; each barrier is waited on once."""
+    """RoPE of the q tile (loaded into q_in, rotated into q_smem: the same buffer unless the
+    projections' dtype is not the products') and of the new K; K/V into their page (from `pool_rows`,
+    the rows in an fp8 pool's dtype, where given). The K/V loads overlap the q tile's, and their
+    stores the q tile's rotation; each barrier is waited on once."""
     if writes:
       pl.when(writer)(lambda: rope.load_token_kv(q_ref, seq, num_heads + kv_head, num_heads + num_kv_heads + kv_head,
                                                  kv_smem, swapped_smem, kv_bar))
@@ -125,25 +128,33 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
     @pl.when(num_steps > 0)
     def _():
       plgpu.barrier_wait(q_bar)
-      rope.rotate_query_tile(q_smem, tables_smem, tile_rows)
+      rope.rotate_query_tile(q_in, tables_smem, tile_rows, out_smem=q_smem)
       plgpu.commit_smem()
 
     if writes:   # the writer's own pages include the new row: it must have landed
       pl.when(writer)(lambda: plgpu.wait_smem_to_gmem(0))
 
   def body(q_smem, q_bar, *rope_scratch):
-    @pl.when(num_steps > 0)
-    def _():
-      plgpu.copy_gmem_to_smem(q_tile, q_smem.at[pl.ds(0, tile_rows)], q_bar)
-      if rope_ref is not None:
-        plgpu.copy_gmem_to_smem(rope_ref.at[seq], rope_scratch[0], rope_scratch[1])
+    def load_q(q_in):
+      @pl.when(num_steps > 0)
+      def _():
+        plgpu.copy_gmem_to_smem(q_tile, q_in.at[pl.ds(0, tile_rows)], q_bar)
+        if rope_ref is not None:
+          plgpu.copy_gmem_to_smem(rope_ref.at[seq], rope_scratch[0], rope_scratch[1])
 
     if rope_ref is None:
+      load_q(q_smem)
       if writes:
         write_new_token()   # overlaps the q load
       pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(q_bar))
     else:
-      rotate_and_write_new_token(q_smem, q_bar, *rope_scratch)
+      def load_and_rotate(q_in):
+        load_q(q_in)
+        rotate_and_write_new_token(q_in, q_smem, q_bar, *rope_scratch)
+      if q_ref.dtype == dtype:
+        load_and_rotate(q_smem)
+      else:   # scoped: its shared memory is free again before the K/V pipeline's
+        pl.run_scoped(load_and_rotate, plgpu.SMEM((_ROWS, head_dim), q_ref.dtype, transforms=transforms))
 
     acc, m_i, l_i = pl.run_scoped(
         functools.partial(attend, q_smem),
@@ -174,7 +185,7 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
 
   rope_scratch = () if rope_ref is None else (
       plgpu.SMEM(rope_ref.shape[1:], jnp.float32), plgpu.Barrier(num_barriers=1),
-      plgpu.SMEM((2, head_dim), dtype), plgpu.SMEM((2, head_dim), dtype),
+      plgpu.SMEM((2, head_dim), q_ref.dtype), plgpu.SMEM((2, head_dim), q_ref.dtype),
       plgpu.Barrier(num_arrivals=rope.LOADS, num_barriers=1),
       *([plgpu.SMEM((2, head_dim), k_ref.dtype)] if writes and is_fp8(k_ref.dtype) else []))
   pl.run_scoped(body, plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms), plgpu.Barrier(num_barriers=1),
@@ -208,7 +219,10 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     inputs = (qg,)
   else:   # the tile is read from the raw projections; its query heads' rows stored as above
     q_rows = pl.cdiv(group, 8) * 8
-    inputs = (as_compute_dtype(q, k_pages.dtype), tables.astype(jnp.float32))
+    # over fp8 pools the kernel converts q itself (as it rotates it): 16-bit projections go in as they are
+    keep = is_fp8(k_pages.dtype) and q.dtype in (jnp.bfloat16, jnp.float16)
+    inputs = (q if keep else q.astype(jnp.bfloat16 if is_fp8(k_pages.dtype) else k_pages.dtype),
+              tables.astype(jnp.float32))
   # The page table is padded so the last block's page lookups stay in bounds.
   pages_needed = max_blocks * (block_kv // page_size)
   table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))

@@ -39,9 +39,11 @@ def rope_from_tables(x: jax.Array, tables: jax.Array) -> jax.Array:
     return (xf * cos + swapped * sin).astype(x.dtype)
 
 
-def rotate_query_tile(q_smem, tables_smem, rows: int):
+def rotate_query_tile(q_smem, tables_smem, rows: int, out_smem=None):
     """In a kernel: the first `rows` rows of q_smem ([64, head_dim], tiled (8, 64) and swizzled, as
-    the wgmma reads it) rotated in place. tables_smem: one token's `rope_tables` entry [2, 2, D]."""
+    the wgmma reads it) rotated in place, or into out_smem (same shape and tiling; f16 saturates at
+    its largest value). tables_smem: one token's `rope_tables` entry [2, 2, D]."""
+    out_smem = q_smem if out_smem is None else out_smem
     half = q_smem.shape[-1] // 2
     cos = tables_smem.at[0, 0, pl.ds(0, half)][...][:, None]
     sin = tables_smem.at[1, 0, pl.ds(half, half)][...][:, None]
@@ -51,8 +53,12 @@ def rotate_query_tile(q_smem, tables_smem, rows: int):
     hi = q_smem.at[pl.ds(0, rows), pl.ds(half, half)].T
     x1 = plgpu.load(lo, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
     x2 = plgpu.load(hi, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
-    lo[...] = (x1 * cos - x2 * sin).astype(q_smem.dtype)
-    hi[...] = (x2 * cos + x1 * sin).astype(q_smem.dtype)
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if out_smem.dtype != q_smem.dtype:
+        top = float(jnp.finfo(out_smem.dtype).max)
+        y1, y2 = jnp.clip(y1, -top, top), jnp.clip(y2, -top, top)
+    out_smem.at[pl.ds(0, rows), pl.ds(0, half)].T[...] = y1.astype(out_smem.dtype)
+    out_smem.at[pl.ds(0, rows), pl.ds(half, half)].T[...] = y2.astype(out_smem.dtype)
 
 
 def load_token_kv(qkv_ref, seq, k_row, v_row, kv_smem, swapped_smem, barrier):
