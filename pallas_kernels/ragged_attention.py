@@ -162,7 +162,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
   Args:
     q: [num_tokens, num_heads, head_dim] packed queries; rows past query_start[num_seqs] are pad.
     k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], bf16/f16 or fp8 (e4m3 / e5m2,
-      read as bf16; f32: reference).
+      read as f16; f32: reference).
     page_table: [max_seqs, pages_per_seq] int32.
     seq_lens: [max_seqs] int32 context lengths, the chunk's own tokens included.
     query_start: [max_seqs + 1] int32 cumulative query offsets.
