@@ -121,9 +121,9 @@ def attend_kv_blocks(q_smem, scratch: dict, fetch, mask, *, num_steps, num_stage
                      rows: int, head_dim: int, unmasked_steps=0):
     """Online-softmax attention of the Q tile over `num_steps` K/V blocks, streamed by
     `fetch(step, slot)` through `num_stages` stages of `scratch` (`kv_pipeline_scratch`'s refs).
-    Scores are scaled by `scale` (base 2), then `mask(step, s)` hides what a row may not see; steps below `unmasked_steps` skip it (blocks the
-    caller knows to be wholly visible). The first masked step must leave each row something
-    visible, or be preceded by one that did. Returns the f32 registers (acc, m, l): acc
+    Scores are scaled by `scale` (base 2), then `mask(step, s)` hides what a row may not see; steps
+    below `unmasked_steps` skip it (blocks the caller knows to be wholly visible). The first masked
+    step must leave each row something visible, or be preceded by one that did. Returns the f32 registers (acc, m, l): acc
     unnormalized; l == 0 where nothing was visible."""
     k_smem, v_smem, k_bars, v_bars = (scratch[n] for n in ("k_smem", "v_smem", "k_bars", "v_bars"))
     k_f16, v_f16, p_smem = (scratch.get(n) for n in ("k_f16", "v_f16", "p_smem"))
