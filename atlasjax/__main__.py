@@ -120,8 +120,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-                decode_batch_sizes=args.decode_batch_sizes, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                max_num_seqs=args.max_num_seqs, decode_batch_sizes=args.decode_batch_sizes,
+                max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,

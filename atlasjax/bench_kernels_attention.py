@@ -3,8 +3,9 @@
 Measures the two ceilings in the same run (device-to-device copy bandwidth, dense bf16 matmul
 rate), then times decode (batch 32 x 4096 and batch 1 x 32768) and ragged prefill (one 4096-token
 prompt) against those ceilings, over bf16 and fp8 pages (`--kv-cache-dtype fp8`), against jax's
-Triton paged_attention where its constraints allow, and the jnp references; and the decode step's K/V write fused into the kernel against an XLA scatter first,
-per layer of a donated chain (batch 1, 16, 32, 128). Prints a table; `--json PATH` also writes the
+Triton paged_attention where its constraints allow, and the jnp references; and the decode step's
+K/V write fused into the kernel against an XLA scatter first, per layer of a donated chain (batch
+1, 16, 32, 128). Prints a table; `--json PATH` also writes the
 numbers.
 """
 

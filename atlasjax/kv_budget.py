@@ -51,8 +51,7 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     log.info("KV pool: %d pages of %d tokens in %s, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
              "the largest free block %.2f GiB)", pages, ps, jnp.dtype(dtype).name, pages * bytes_per_page / 2**30,
-             free / 2**30,
-             stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
+             free / 2**30, stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
     return pages
 
 

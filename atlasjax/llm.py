@@ -103,7 +103,8 @@ class LLM:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so it cannot chat")
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **(chat_template_kwargs or {})),
+            conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {})),
             add_special_tokens=False) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -10,15 +10,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def saturating_cast(x, dtype):
+    """x in the float `dtype`, values past its largest finite one clamped to it (computed in f32; in
+    jnp or inside a Mosaic GPU kernel). e4m3fn has no infinity: a plain cast of a larger value is NaN."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32), -top, top).astype(dtype)
+
+
 def as_pool_dtype(x, dtype):
-    """K/V values in the pool's dtype. fp8 saturates at its largest finite value (e4m3fn has no
-    infinity: a plain cast of a larger value is NaN); values are stored unscaled, as vLLM does with
-    its default scales of 1.0."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
-        top = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x.astype(jnp.float32), -top, top)
-    return x.astype(dtype)
+    """K/V values in the pool's dtype: fp8 saturates (`saturating_cast`); values are stored unscaled,
+    as vLLM does with its default scales of 1.0."""
+    return saturating_cast(x, dtype) if is_fp8(dtype) else x.astype(dtype)
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):

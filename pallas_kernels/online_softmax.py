@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm_tiling import swizzled
+from pallas_kernels.kv_write import is_fp8, saturating_cast
 
 # What the K/V pools may hold. fp8 pages (`--kv-cache-dtype fp8`) are converted to f16 in shared memory
 # block by block (e4m3 / e5m2 -> f16 is exact, one cvt per two values), and the products run on f16
@@ -22,10 +23,6 @@ KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.floa
              jnp.dtype(jnp.float8_e5m2))
 
 
-def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
-
-
 def compute_dtype(kv_dtype):
     """The dtype of the kernels' q tiles and products over a pool of `kv_dtype`."""
     return jnp.dtype(jnp.float16) if is_fp8(kv_dtype) else jnp.dtype(kv_dtype)
@@ -34,9 +31,7 @@ def compute_dtype(kv_dtype):
 def as_compute_dtype(q, kv_dtype):
     """q for the kernels over a pool of `kv_dtype`: f16 saturates (a bf16 q past 65504 would be inf)."""
     dtype = compute_dtype(kv_dtype)
-    if dtype == jnp.float16 and q.dtype != jnp.float16:
-        q = jnp.clip(q.astype(jnp.float32), -65504.0, 65504.0)
-    return q.astype(dtype)
+    return saturating_cast(q, dtype) if is_fp8(kv_dtype) and q.dtype != dtype else q.astype(dtype)
 
 
 def resolve_interpret(backend: str, interpret):
@@ -123,8 +118,8 @@ def attend_kv_blocks(q_smem, scratch: dict, fetch, mask, *, num_steps, num_stage
     `fetch(step, slot)` through `num_stages` stages of `scratch` (`kv_pipeline_scratch`'s refs).
     Scores are scaled by `scale` (base 2), then `mask(step, s)` hides what a row may not see; steps
     below `unmasked_steps` skip it (blocks the caller knows to be wholly visible). The first masked
-    step must leave each row something visible, or be preceded by one that did. Returns the f32 registers (acc, m, l): acc
-    unnormalized; l == 0 where nothing was visible."""
+    step must leave each row something visible, or be preceded by one that did. Returns the f32
+    registers (acc, m, l): acc unnormalized; l == 0 where nothing was visible."""
     k_smem, v_smem, k_bars, v_bars = (scratch[n] for n in ("k_smem", "v_smem", "k_bars", "v_bars"))
     k_f16, v_f16, p_smem = (scratch.get(n) for n in ("k_f16", "v_f16", "p_smem"))
     for s in range(num_stages):

@@ -45,10 +45,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import rope
-from pallas_kernels.kv_write import decode_slots, store_token_kv, store_token_rows, write_kv
+from pallas_kernels.kv_write import decode_slots, is_fp8, store_token_kv, store_token_rows, write_kv
 from pallas_kernels.online_softmax import (KV_DTYPES, as_compute_dtype, attend_kv_blocks, compute_dtype,
-                                           fetch_kv_block, is_fp8, kv_pipeline_scratch, positions_before,
-                                           resolve_interpret)
+                                           fetch_kv_block, kv_pipeline_scratch, positions_before, resolve_interpret)
 
 _ROWS = 64  # wgmma M: the query heads of one KV head fill the first rows of one 64-row tile
 _MAX_GROUP_WRITING = _ROWS - 2   # the new token's K and V take two more rows of that tile

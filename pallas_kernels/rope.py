@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_write import as_pool_dtype
+from pallas_kernels.kv_write import as_pool_dtype, saturating_cast
 
 HEAD_DIMS = (128, 256)   # each half of the head is a whole number of 64-column shared-memory tiles
 
@@ -53,12 +53,10 @@ def rotate_query_tile(q_smem, tables_smem, rows: int, out_smem=None):
     hi = q_smem.at[pl.ds(0, rows), pl.ds(half, half)].T
     x1 = plgpu.load(lo, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
     x2 = plgpu.load(hi, layout=plgpu.Layout.WGMMA_TRANSPOSED).astype(jnp.float32)
-    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    if out_smem.dtype != q_smem.dtype:
-        top = float(jnp.finfo(out_smem.dtype).max)
-        y1, y2 = jnp.clip(y1, -top, top), jnp.clip(y2, -top, top)
-    out_smem.at[pl.ds(0, rows), pl.ds(0, half)].T[...] = y1.astype(out_smem.dtype)
-    out_smem.at[pl.ds(0, rows), pl.ds(half, half)].T[...] = y2.astype(out_smem.dtype)
+    def cast(y):
+        return y.astype(out_smem.dtype) if out_smem.dtype == q_smem.dtype else saturating_cast(y, out_smem.dtype)
+    out_smem.at[pl.ds(0, rows), pl.ds(0, half)].T[...] = cast(x1 * cos - x2 * sin)
+    out_smem.at[pl.ds(0, rows), pl.ds(half, half)].T[...] = cast(x2 * cos + x1 * sin)
 
 
 def load_token_kv(qkv_ref, seq, k_row, v_row, kv_smem, swapped_smem, barrier):

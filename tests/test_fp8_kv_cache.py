@@ -1,7 +1,7 @@
 """fp8 KV pages (`--kv-cache-dtype fp8`): the attention kernels over e4m3 / e5m2 pools against their
 jnp references over the same pages, the saturating write, and the engine end to end.
 
-The kernels convert each fp8 block to bf16 in shared memory, exactly, so against the reference over
+The kernels convert each fp8 block to f16 in shared memory, exactly, so against the reference over
 the same fp8 values they are as close as over bf16 pages. Natively:
 `JAX_PLATFORMS=cuda pytest -m gpu tests/test_fp8_kv_cache.py`."""
 
@@ -160,21 +160,6 @@ def test_ragged_kernel_over_fp8_pages_gpu(case):
 KV_KL_BOUNDS = {"fp8": 0.01, "fp8_e5m2": 0.03}   # measured 0.0066 and 0.0190
 
 
-def _logprobs_over_pool(engine, ids, kv_dtype):
-    """log-softmax at every prompt position, the prompt's K/V written to a pool of `kv_dtype` and read
-    back from it by the prompt's own attention."""
-    from models.attention import AttentionMetadata  # noqa: PLC0415
-    from models.transformer import Transformer, init_kv_cache  # noqa: PLC0415
-    cfg, ps, n = engine.model_config, 16, len(ids)
-    pages = -(-n // ps)
-    model = Transformer(cfg, attn_backend="reference", dtype=jnp.float32)
-    meta = AttentionMetadata(slot_mapping=jnp.arange(n), page_table=jnp.arange(pages)[None], seq_lens=jnp.array([n]),
-                             query_start=jnp.array([0, n]), num_seqs=jnp.array(1))
-    params = {"params": engine.runner.checkpoint_params()}
-    hidden, _ = model.apply(params, jnp.array(ids), jnp.arange(n), init_kv_cache(cfg, pages, ps, kv_dtype), meta)
-    return np.asarray(jax.nn.log_softmax(model.apply(params, hidden, method=Transformer.logits), axis=-1))
-
-
 @pytest.fixture(scope="module")
 def smollm2_f32(default_model_path):
     from atlasjax import LLM  # noqa: PLC0415
@@ -184,13 +169,13 @@ def smollm2_f32(default_model_path):
 @pytest.mark.parametrize("name", sorted(KV_KL_BOUNDS))
 def test_mean_kl_of_an_fp8_pool(smollm2_f32, name):
     from atlasjax.engine_config import resolve_kv_cache_dtype  # noqa: PLC0415
-    from tests.test_quantized_models import PROMPTS  # noqa: PLC0415
+    from tests.test_quantized_models import PROMPTS, _full_logprobs  # noqa: PLC0415
     engine = smollm2_f32.engine
     kv_dtype = resolve_kv_cache_dtype(name, jnp.float32)
     kls = []
     for prompt in PROMPTS:
         ids = smollm2_f32.tokenizer.encode(prompt)
-        ref, got = (_logprobs_over_pool(engine, ids, d) for d in (jnp.float32, kv_dtype))
+        ref, got = (_full_logprobs(engine, ids, d) for d in (jnp.float32, kv_dtype))
         kls.append(np.sum(np.exp(ref) * (ref - got), axis=-1).mean())
     kl = float(np.mean(kls))
     print(f"KV {name}: mean KL {kl:.5f} nats/token")

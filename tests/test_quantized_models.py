@@ -19,13 +19,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "In 1969, astr
 KL_BOUNDS = {"int8": 0.01, "fp8": 0.035, "int4": 0.55, "gguf-q4_1": 0.0}   # mean nats per token
 
 
-def _full_logprobs(engine, ids):
-    """log-softmax over the vocabulary at every prompt position, one sequence, no cache reuse."""
+def _full_logprobs(engine, ids, kv_dtype=jnp.float32):
+    """log-softmax over the vocabulary at every prompt position, one sequence, no cache reuse; the
+    prompt's K/V written to a pool of `kv_dtype` and read back by its own attention."""
     cfg, ps = engine.model_config, 16
     n = len(ids)
     num_pages = -(-n // ps)
     model = Transformer(cfg, attn_backend="reference", dtype=jnp.float32)
-    kv = init_kv_cache(cfg, num_pages, ps, jnp.float32)
+    kv = init_kv_cache(cfg, num_pages, ps, kv_dtype)
     meta = AttentionMetadata(slot_mapping=jnp.arange(n), page_table=jnp.arange(num_pages)[None],
                              seq_lens=jnp.array([n]), query_start=jnp.array([0, n]), num_seqs=jnp.array(1))
     params = {"params": engine.runner.checkpoint_params()}
