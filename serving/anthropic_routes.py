@@ -2,9 +2,14 @@
 
 The request (system + alternating user/assistant messages with text content) is rendered with
 the model's chat template like an OpenAI chat. Streaming sends Anthropic's event sequence:
-message_start, content_block_start, content_block_delta (text_delta)..., content_block_stop,
+message_start, content_block_start, content_block_delta..., content_block_stop (per block),
 message_delta (stop_reason, usage), message_stop. Errors use Anthropic's error shape
 (errors.py picks it from the path).
+
+Extended thinking: `thinking` {"type": "enabled" | "adaptive" | "disabled"} sets the template's
+`enable_thinking` (Qwen3's switch). With `--reasoning-parser` an answer's `<think>` part comes back as a
+`thinking` block before the text (anthropic_blocks.py); thinking blocks of earlier assistant turns are
+dropped, as Anthropic drops them. `budget_tokens` is checked, not enforced: max_tokens bounds the answer.
 """
 from __future__ import annotations
 
@@ -14,12 +19,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from serving.anthropic_blocks import BlockStream, content_blocks
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
 from serving.protocol import Fields, check_model, sampling_params, text_content
 from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
 
-UNSUPPORTED = ("tools", "tool_choice", "thinking")
+UNSUPPORTED = ("tools", "tool_choice")
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+EARLIER_THINKING = ("thinking", "redacted_thinking")   # blocks of earlier assistant turns: dropped
 
 
 def _messages(f: Fields) -> list[dict]:
@@ -38,16 +46,39 @@ def _messages(f: Fields) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise invalid(f"'messages[{i}]' must be an object with role 'user' or 'assistant'", param="messages")
-        out.append({"role": m["role"], "content": text_content(m.get("content"), f"messages[{i}].content")})
+        content = m.get("content")
+        if m["role"] == "assistant" and isinstance(content, list):
+            content = [b for b in content if not (isinstance(b, dict) and b.get("type") in EARLIER_THINKING)]
+        out.append({"role": m["role"], "content": text_content(content, f"messages[{i}].content")})
     return out
+
+
+def _thinking(f: Fields, state: ServerState) -> dict | None:
+    """The request's `thinking`, checked; None when absent."""
+    thinking = f.object("thinking")
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in THINKING_TYPES:
+        raise invalid(f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}", param="thinking")
+    if kind != "disabled" and state.reasoning_parser is None:
+        raise invalid("'thinking' needs a server started with --reasoning-parser (qwen3 or deepseek_r1), "
+                      "which splits the model's reasoning from its answer", param="thinking")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise invalid("'thinking.budget_tokens' must be a positive integer", param="thinking.budget_tokens")
+    return thinking
 
 
 async def _prepare(request: Request, state: ServerState) -> tuple[Fields, str, list[int]]:
     f = Fields(await read_json(request))
     model = check_model(f, state.model_name)
     messages = _messages(f)
+    thinking = _thinking(f, state)
+    switch = {} if thinking is None else {"enable_thinking": thinking["type"] != "disabled"}
     # a last assistant message is a prefill: the answer continues it (Anthropic's behaviour)
-    return f, model, await state.chat_prompt(messages, continue_final_message=messages[-1]["role"] == "assistant")
+    return f, model, await state.chat_prompt(messages, template_kwargs=switch,
+                                             continue_final_message=messages[-1]["role"] == "assistant")
 
 
 async def count_tokens(request: Request) -> JSONResponse:
@@ -71,6 +102,11 @@ async def messages(request: Request):
     max_tokens = f.int("max_tokens", None, lo=1)
     if max_tokens is None:
         raise invalid("'max_tokens' is required", param="max_tokens")
+    thinking = f.object("thinking") or {}
+    budget = thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None   # checked above
+    if budget is not None and budget >= max_tokens:   # Anthropic's rule: the answer needs room too
+        raise invalid(f"'thinking.budget_tokens' ({budget}) must be less than max_tokens ({max_tokens})",
+                      param="thinking.budget_tokens")
     stream = f.bool("stream")
     params = sampling_params(f, max_tokens=max_tokens, max_model_len=state.max_model_len,
                              stop_field="stop_sequences", model_defaults=state.model_defaults)
@@ -80,33 +116,34 @@ async def messages(request: Request):
     message = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:
         first = await first_delta(request, deltas)
-        events = _message_events(request, message, first, deltas, len(prompt_ids))
+        events = _message_events(request, message, first, deltas, len(prompt_ids), state.reasoning_parser)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     c = (await until_disconnect(request, collect(deltas, 1, 1)))[0][0]
-    return JSONResponse({**message, "content": [{"type": "text", "text": c.text}],
+    return JSONResponse({**message, "content": content_blocks(c.text, state.reasoning_parser),
                          **stop_fields(c.finish_reason, c.stop_reason),
                          "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(c.token_ids)}})
 
 
-async def _message_events(request, message, first, deltas, num_prompt_tokens):
+async def _message_events(request, message, first, deltas, num_prompt_tokens, reasoning_parser):
     yield sse({"type": "message_start", "message": {
         **message, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0}}}, "message_start")
-    yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-              "content_block_start")
+    blocks = BlockStream(reasoning_parser)
+    for event in blocks.start():
+        yield event
     num_generated, last = 0, first[1]
     async with contextlib.aclosing(deltas):
         try:
             async for _, delta in with_first(first, deltas):
                 num_generated += len(delta.new_token_ids)
                 last = delta
-                if delta.new_text:
-                    yield sse({"type": "content_block_delta", "index": 0,
-                               "delta": {"type": "text_delta", "text": delta.new_text}}, "content_block_delta")
+                for event in blocks.add(delta.new_text):
+                    yield event
         except APIError as e:
             yield sse(error_body(e, request.url.path), "error")
             return
-    yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+    for event in blocks.finish():
+        yield event
     yield sse({"type": "message_delta", "delta": stop_fields(last.finish_reason, last.stop_reason),
                "usage": {"output_tokens": num_generated}}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")

@@ -35,7 +35,8 @@ SCHEMAS = {
                             messages={"type": "array", "items": _obj(["role", "content"], role={
                                 "enum": ["user", "assistant"]}, content=TEXT_OR_PARTS)},
                             stop_sequences={"type": "array", "items": STR}, temperature=NUM, top_p=NUM, top_k=INT,
-                            stream=BOOL),
+                            stream=BOOL, thinking=_obj(["type"], type={"enum": ["enabled", "adaptive", "disabled"]},
+                                                       budget_tokens=INT)),
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
                             add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),
     "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),

@@ -56,18 +56,21 @@ def test_a_stream_splits_as_the_whole_text_does(parser):
 
 
 class ScriptedLLM:
-    """Answers every request with the same text deltas, one token each."""
+    """Answers every request with the same text deltas, one token each; keeps the prompts it got."""
 
-    def __init__(self, pieces: list[str]):
+    def __init__(self, pieces: list[str], tokenizer_dir: str = TOKENIZER_DIR, chat_template: str | None = None):
         from atlasjax.tokenizer import Tokenizer
-        self.pieces, self.stats = pieces, EngineStats()
-        self.engine = SimpleNamespace(max_model_len=256, model_config=SimpleNamespace(vocab_size=128256),
+        self.pieces, self.stats, self.prompts = pieces, EngineStats(), []
+        self.engine = SimpleNamespace(max_model_len=256, model_config=SimpleNamespace(vocab_size=200_000),
                                       generation_defaults=GenerationDefaults())
-        self.tokenizer = Tokenizer.from_dir(TOKENIZER_DIR)
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         if self.tokenizer is None:
-            pytest.skip(f"test assets not found at {TOKENIZER_DIR}")
+            pytest.skip(f"test assets not found at {tokenizer_dir}")
+        if chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(chat_template)
 
     async def generate(self, prompt_ids, params, request_id):
+        self.prompts.append(list(prompt_ids))
         for k, piece in enumerate(self.pieces):
             last = k == len(self.pieces) - 1
             yield StreamDelta(request_id, 0, [k], piece, last, "stop" if last else None)
