@@ -9,7 +9,8 @@ message_delta (stop_reason, usage), message_stop. Errors use Anthropic's error s
 Extended thinking: `thinking` {"type": "enabled" | "adaptive" | "disabled"} sets the template's
 `enable_thinking` (Qwen3's switch). With `--reasoning-parser` an answer's `<think>` part comes back as a
 `thinking` block before the text (anthropic_blocks.py); thinking blocks of earlier assistant turns are
-dropped, as Anthropic drops them. `budget_tokens` is checked, not enforced: max_tokens bounds the answer.
+dropped, as Anthropic drops them. `budget_tokens` (below max_tokens, as Anthropic requires) closes the
+reasoning once the answer reaches it (serving/thinking_budget.py).
 """
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ async def messages(request: Request):
                              stop_field="stop_sequences", model_defaults=state.model_defaults)
     state.check_prompt(prompt_ids, params, "messages")
     rid = new_id("msg_")
-    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params)], state.metrics)
+    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params, state.thinking_budget(budget, "thinking"))],
+                         state.metrics)
     message = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:
         first = await first_delta(request, deltas)

@@ -23,6 +23,8 @@ from starlette.requests import Request
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.sampling_params import SamplingParams
 from serving.errors import from_engine_error
+from serving.streams import merge
+from serving.thinking_budget import ThinkingBudget, budgeted
 
 
 class ClientDisconnected(Exception):
@@ -34,6 +36,7 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    thinking_budget: ThinkingBudget | None = None   # serving/thinking_budget.py
 
 
 @dataclasses.dataclass
@@ -78,41 +81,14 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
             metrics.add_prompt_tokens(sum(len(job.prompt_ids) for job in jobs))
 
 
-async def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
-    if len(jobs) == 1:
-        job = jobs[0]
-        # aclosing: leaving this generator early must close (abort) the engine's at once, not at GC
-        async with contextlib.aclosing(llm.generate(job.prompt_ids, job.params, job.request_id)) as gen:
-            async for delta in gen:
-                yield 0, delta
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:
+    if job.thinking_budget is not None:
+        return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget)
+    return llm.generate(job.prompt_ids, job.params, job.request_id)
 
-    async def pump(i: int, job: Job) -> None:
-        try:
-            async with contextlib.aclosing(llm.generate(job.prompt_ids, job.params, job.request_id)) as gen:
-                async for delta in gen:
-                    queue.put_nowait((i, delta))
-            queue.put_nowait((i, None))
-        except BaseException as e:  # noqa: BLE001 (handed to the consumer)
-            queue.put_nowait((i, e))
-            raise
 
-    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
-    try:
-        remaining = len(jobs)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:       # cancelling a pump leaves its engine iterator, which aborts it
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    return merge([_stream(llm, job) for job in jobs])
 
 
 async def wait_disconnect(request: Request) -> None:

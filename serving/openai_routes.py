@@ -104,8 +104,9 @@ async def chat_completions(request: Request):
     if max_tokens is None:
         params = state.default_max_tokens(params, prompt_ids)
     state.check_prompt(prompt_ids, params, "messages")
+    budget = state.thinking_budget(f.int("thinking_token_budget", None, lo=1), "thinking_token_budget")
     rid = new_id("chatcmpl-")
-    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params)], state.metrics)
+    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params, budget)], state.metrics)
     head = {"id": rid, "created": int(time.time()), "model": model}
     if stream:
         first = await first_delta(request, deltas)

@@ -30,7 +30,7 @@ SCHEMAS = {
     "ChatCompletionRequest": _obj(["messages"], model=STR, messages={"type": "array", "items": MESSAGE},
                                   max_tokens=INT, max_completion_tokens=INT, logprobs=BOOL, top_logprobs=INT,
                                   response_format={"type": "object", "properties": {"type": {"const": "text"}}},
-                                  chat_template_kwargs={"type": "object"}, **SAMPLING),
+                                  chat_template_kwargs={"type": "object"}, thinking_token_budget=INT, **SAMPLING),
     "MessagesRequest": _obj(["messages", "max_tokens"], model=STR, system=TEXT_OR_PARTS, max_tokens=INT,
                             messages={"type": "array", "items": _obj(["role", "content"], role={
                                 "enum": ["user", "assistant"]}, content=TEXT_OR_PARTS)},

@@ -19,6 +19,7 @@ from atlasjax.sampling_params import SamplingParams
 from serving.errors import invalid
 from serving.metrics import ServerMetrics
 from serving.protocol import parse_json_object
+from serving.thinking_budget import CLOSE_TEXT, ThinkingBudget
 
 
 @dataclasses.dataclass
@@ -28,6 +29,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
+    _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once
 
     @property
     def tokenizer(self):
@@ -56,6 +58,17 @@ class ServerState:
             return dataclasses.replace(params, max_tokens=min(wanted, self.max_model_len - len(ids)))
         except InvalidRequestError as e:   # min_tokens above what is left
             raise invalid(str(e), param="min_tokens") from None
+
+    def thinking_budget(self, tokens: int | None, param: str) -> ThinkingBudget | None:
+        """A request's reasoning budget (serving/thinking_budget.py); it needs the reasoning parser."""
+        if tokens is None:
+            return None
+        if self.reasoning_parser is None:
+            raise invalid(f"'{param}' needs a server started with --reasoning-parser (qwen3 or deepseek_r1)",
+                          param=param)
+        if self._close_ids is None:
+            self._close_ids = tuple(self.require_tokenizer().encode(CLOSE_TEXT, add_special_tokens=False))
+        return ThinkingBudget(tokens, self.reasoning_parser, self._close_ids)
 
     def require_tokenizer(self):
         if self.tokenizer is None:
