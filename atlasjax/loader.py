@@ -219,12 +219,16 @@ def _plan_for(cfg: ModelConfig, mesh):
     return TensorParallel(mesh, cfg)
 
 
-def load_hf(model_dir: str, dtype, convert=None, mesh=None) -> tuple[ModelConfig, dict]:
+def load_hf(model_dir: str, dtype, convert=None, mesh=None,
+            kv_cache_fp8: bool = False) -> tuple[ModelConfig, dict]:
+    """kv_cache_fp8: the engine's KV cache is fp8, so the checkpoint's KV-cache scales, if any, are
+    folded into the attention weights (atlasjax/kv_scales.py); otherwise they are dropped unused."""
     from atlasjax import prequantized  # noqa: PLC0415
+    from atlasjax.kv_scales import fold_kv_scales  # noqa: PLC0415
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
     cfg = from_hf_config(hf_config)
-    tensors = iter_safetensors(model_dir)
+    tensors = fold_kv_scales(iter_safetensors(model_dir), cfg, kv_cache_fp8)
     scheme = prequantized.scheme_of(hf_config.get("quantization_config"), model_dir)
     if scheme is not None:   # saved quantized: weights as QuantizedWeight (floats when re-quantizing)
         tensors = prequantized.quantized_tensors(scheme, tensors, as_floats=convert is not None)
@@ -311,15 +315,17 @@ def _gguf_reader(name: str, t, keep_quantized: bool):
     return TensorReader(t.shape, read, quantized=True)
 
 
-def load_model(path: str, dtype, convert=None, keep_gguf_quantized: bool = True, mesh=None) -> LoadedModel:
+def load_model(path: str, dtype, convert=None, keep_gguf_quantized: bool = True, mesh=None,
+               kv_cache_fp8: bool = False) -> LoadedModel:
     """Load any supported checkpoint: HF directory, .gguf file, or a saved atlasjax checkpoint.
 
     mesh: shard the params over it (tensor parallelism, atlasjax/sharding.py) while loading.
+    kv_cache_fp8: the KV cache is fp8: an HF checkpoint's KV-cache scales are folded into its weights.
     """
     from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
     fmt = model_format(path)
     if fmt == "hf":
-        cfg, params = load_hf(path, dtype, convert, mesh)
+        cfg, params = load_hf(path, dtype, convert, mesh, kv_cache_fp8)
         return LoadedModel(cfg, params, Tokenizer.from_dir(path, cfg.eos_token_ids), path, _plan_for(cfg, mesh))
     if fmt == "gguf":
         from atlasjax.gguf_loader import load_gguf  # noqa: PLC0415

@@ -23,8 +23,12 @@ def quantizing_converter(fmt: str, quantize_lm_head: bool = False, group_size: i
 
 
 def load_for_engine(config, dtype) -> LoadedModel:
-    """Load config.model; with tensor_parallel_size > 1, sharded over a new mesh while it loads."""
+    """Load config.model; with tensor_parallel_size > 1, sharded over a new mesh while it loads. An fp8
+    KV cache (config.kv_cache_dtype) takes the checkpoint's calibrated KV-cache scales into the weights."""
     import jax  # noqa: PLC0415
+
+    from atlasjax.engine_config import resolve_kv_cache_dtype  # noqa: PLC0415
+    from pallas_kernels.kv_write import is_fp8  # noqa: PLC0415
     path = config.model or ensure_default_model()
     convert = quantizing_converter(config.quantization, config.quantize_lm_head, config.quantization_group_size,
                                    config.quantization_symmetric) if config.quantization else None
@@ -35,7 +39,8 @@ def load_for_engine(config, dtype) -> LoadedModel:
     if config.tensor_parallel_size > 1:
         from atlasjax.sharding import make_mesh  # noqa: PLC0415
         mesh = make_mesh(config.tensor_parallel_size)
-    loaded = load_model(path, dtype, convert, keep_gguf_quantized=keep, mesh=mesh)
+    kv_cache_fp8 = is_fp8(resolve_kv_cache_dtype(config.kv_cache_dtype, dtype))
+    loaded = load_model(path, dtype, convert, keep_gguf_quantized=keep, mesh=mesh, kv_cache_fp8=kv_cache_fp8)
     if config.quantize_lm_head:
         from atlasjax.quantization import warn_if_tied_lm_head  # noqa: PLC0415
         warn_if_tied_lm_head(loaded.config, True)

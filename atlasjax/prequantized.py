@@ -16,6 +16,8 @@ config.json's `quantization_config` names the method (`scheme_of`):
   zero points. Exact. Where the engine's contiguous groups
   cannot hold a weight (GPTQ act-order, whose g_idx is not k // group; a v1 zero point of 16; no
   groups), it is dequantized to floats at load, with a warning.
+- "compressed-tensors" with no weight groups, only a `kv_cache_scheme` (the KV cache calibrated, the
+  weights left as they were): an unquantized checkpoint; atlasjax/kv_scales.py reads its scales.
 Anything else (bitsandbytes, HQQ, MXFP4 or NVFP4, 2- and 3-bit GPTQ, ...) is refused with an error
 naming the method.
 
@@ -45,8 +47,8 @@ log = logging.getLogger("atlasjax.prequantized")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_METHODS = ("compressed-tensors", "fbgemm_fp8", "fp8")
 INT_METHODS = ("awq", "gptq")
-# tensors a quantized linear carries besides its weight; the activation / KV-cache scales of W8A8
-# checkpoints are not used (weights only)
+# tensors a quantized linear carries besides its weight; the activation scales of W8A8 checkpoints are
+# not used (weights only). KV-cache scales are taken out of the stream before (atlasjax/kv_scales.py).
 _PIECES = ("weight", "weight_scale", "weight_scale_inv", "weight_packed", "weight_zero_point", "weight_g_idx",
            "weight_shape", "qweight", "qzeros", "scales", "g_idx")
 _UNUSED = ("input_scale", "input_scale_ub", "output_scale", "k_scale", "v_scale", "q_scale")
@@ -87,9 +89,12 @@ def scheme_of(config: dict | None, where: str = "checkpoint") -> Scheme | None:
         "optionally with quantization=...)")
 
 
-def _compressed_tensors(config: dict, where: str) -> Scheme:
-    """llm-compressor's format: FP8 weights, or int4 / int8 ones (packed, or int8 as they are)."""
+def _compressed_tensors(config: dict, where: str) -> Scheme | None:
+    """llm-compressor's format: FP8 weights, or int4 / int8 ones (packed, or int8 as they are); None
+    for a model whose weights it left unquantized, only calibrating its KV cache (`kv_cache_scheme`)."""
     weights = [g.get("weights") or {} for g in (config.get("config_groups") or {}).values()]
+    if not weights and config.get("kv_cache_scheme"):
+        return None
     kinds = {(w.get("type"), int(w.get("num_bits", 0))) for w in weights}
     if len(kinds) != 1:
         raise UnsupportedModelError(f"{where}: compressed-tensors with {len(kinds)} kinds of weights "
