@@ -199,6 +199,15 @@ def test_throughput_mode_random_prompts(tmp_path):
     assert rep["roofline"]["run"]["frac_copy_bandwidth"] > 0
 
 
+def test_throughput_warm_up_compiles_every_decode_bucket_the_run_reaches(tmp_path):
+    # the warm-up's short requests decode a few rows at a time; the run fills every bucket up to 16
+    rep = run_bench(tmp_path, "throughput", "--preset", "tiny", "--num-prompts", "20", "--input-len", "6",
+                    "--output-len", "6", "--max-num-seqs", "16", "--decode-batch-sizes", "4,8,16",
+                    "--max-num-batched-tokens", "32", "--num-scheduler-steps", "2")
+    assert rep["results"]["num_compiles_while_timed"] == 0
+    assert rep["results"]["output_tokens"] == 20 * 6
+
+
 def test_throughput_mode_dataset(tmp_path):
     data = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "w1 w2 w3 w4 w5", "output_len": 3}, {"prompt_token_ids": [7] * 9, "output_len": 5},
