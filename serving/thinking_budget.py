@@ -90,9 +90,10 @@ def _close_delta(request_id: str, index: int, close_ids, with_logprobs: bool) ->
 
 async def _continue(llm, prompt_ids: list[int], params: SamplingParams, request_id: str, index: int,
                     done: int) -> AsyncIterator[StreamDelta]:
-    """The rest of one completion, `done` tokens into it; a completion with no room left ends here."""
+    """The rest of one completion, `done` tokens into it; one with no room left (max_tokens, or the
+    context when max_tokens is unset) ends here."""
     left = None if params.max_tokens is None else params.max_tokens - done
-    if left is not None and left <= 0:
+    if (left is not None and left <= 0) or len(prompt_ids) >= llm.engine.max_model_len:
         yield StreamDelta(request_id, 0, [], "", True, "length")
         return
     seed = None if params.seed is None else hash((params.seed, index, done)) & 0x7FFFFFFF
