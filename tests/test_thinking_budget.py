@@ -40,7 +40,7 @@ def engine(tmp_path_factory):
     async_llm.shutdown(drain=False)
 
 
-def _post(engine, path, body, parser="deepseek_r1", sdk=False):
+def _post(engine, path, body, parser="deepseek_r1", sdk=False, stream=False):
     app = create_app(engine, served_model_name=MODEL_NAME, reasoning_parser=parser)
 
     async def go():
@@ -48,6 +48,9 @@ def _post(engine, path, body, parser="deepseek_r1", sdk=False):
         async with (HTTP if sdk else httpx).AsyncClient(transport=transport, base_url="http://test") as client:
             if sdk:
                 claude = anthropic.AsyncAnthropic(base_url="http://test", api_key="x", http_client=client, max_retries=0)
+                if stream:
+                    async with claude.messages.stream(model=MODEL_NAME, **body) as s:
+                        return await s.get_final_message()
                 return await claude.messages.create(model=MODEL_NAME, **body)
             return await client.post(path, json={"model": MODEL_NAME, **body})
     out = asyncio.run(go())
@@ -138,6 +141,11 @@ def test_anthropic_budget_tokens(engine, llm):
     assert [(b.type, getattr(b, "thinking", None) or b.text) for b in r.content] == [
         ("thinking", reasoning + "\n"), ("text", "\n\n" + answer)]
     assert r.usage.output_tokens == num_tokens
+    streamed = _post(engine, None, {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "extra_body": {"temperature": 0},
+                                    "thinking": {"type": "enabled", "budget_tokens": BUDGET}}, sdk=True, stream=True)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in streamed.content] == [
+        ("thinking", reasoning + "\n"), ("text", "\n\n" + answer)]
+    assert streamed.usage.output_tokens == num_tokens
 
 
 def test_a_budget_needs_the_reasoning_parser(engine):
