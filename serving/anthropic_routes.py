@@ -71,20 +71,21 @@ def _thinking(f: Fields, state: ServerState) -> dict | None:
     return thinking
 
 
-async def _prepare(request: Request, state: ServerState) -> tuple[Fields, str, list[int]]:
+async def _prepare(request: Request, state: ServerState) -> tuple[Fields, str, list[int], dict | None]:
     f = Fields(await read_json(request))
     model = check_model(f, state.model_name)
     messages = _messages(f)
     thinking = _thinking(f, state)
     switch = {} if thinking is None else {"enable_thinking": thinking["type"] != "disabled"}
     # a last assistant message is a prefill: the answer continues it (Anthropic's behaviour)
-    return f, model, await state.chat_prompt(messages, template_kwargs=switch,
-                                             continue_final_message=messages[-1]["role"] == "assistant")
+    prompt_ids = await state.chat_prompt(messages, template_kwargs=switch,
+                                         continue_final_message=messages[-1]["role"] == "assistant")
+    return f, model, prompt_ids, thinking
 
 
 async def count_tokens(request: Request) -> JSONResponse:
     state = server_state(request)
-    _, _, prompt_ids = await _prepare(request, state)
+    _, _, prompt_ids, _ = await _prepare(request, state)
     return JSONResponse({"input_tokens": len(prompt_ids)})
 
 
@@ -99,12 +100,11 @@ def stop_fields(finish_reason: str | None, stop_reason) -> dict:
 
 async def messages(request: Request):
     state = server_state(request)
-    f, model, prompt_ids = await _prepare(request, state)
+    f, model, prompt_ids, thinking = await _prepare(request, state)
     max_tokens = f.int("max_tokens", None, lo=1)
     if max_tokens is None:
         raise invalid("'max_tokens' is required", param="max_tokens")
-    thinking = f.object("thinking") or {}
-    budget = thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None   # checked above
+    budget = thinking["budget_tokens"] if thinking and thinking["type"] == "enabled" else None   # checked
     if budget is not None and budget >= max_tokens:   # Anthropic's rule: the answer needs room too
         raise invalid(f"'thinking.budget_tokens' ({budget}) must be less than max_tokens ({max_tokens})",
                       param="thinking.budget_tokens")

@@ -9,7 +9,6 @@ of the prompt and everything so far."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import time
 
@@ -21,10 +20,10 @@ from atlasjax import SamplingParams
 from serving.app import create_app
 from serving.thinking_budget import CLOSE_TEXT
 from tests.server_util import ENGINE_KWARGS, MODEL_NAME, reference_llm, tiny_model_dir
+from tests.test_anthropic_thinking import HTTP
 
 MESSAGES = [{"role": "user", "content": "Think about it."}]
 BUDGET, MAX_TOKENS = 4, 16
-HTTP = importlib.import_module("httpx2" if "httpx2" in dir(anthropic._base_client) else "httpx")
 
 
 @pytest.fixture(scope="module")
