@@ -28,6 +28,11 @@ def add_weight_format_args(g, layouts: tuple[str, ...] = ()) -> None:
     g.add_argument("--quantization-symmetric", action="store_true", default=None,
                    help="with --quantization int4: no zero points (scale = absmax / 7): fewer bytes, less "
                         "accurate (default: asymmetric, an integer zero point per group)")
+    g.add_argument("--activation-quantization", default=None, choices=["fp8"],
+                   help="fp8: per-channel fp8 weights (--quantization fp8, or an FP8 checkpoint) multiply "
+                        "products of 256 rows or more (prefill chunks, large decode batches) by activations "
+                        "rounded per token to e4m3, on the fp8 tensor cores (W8A8, as vLLM runs fp8): faster "
+                        "prefill, a little less accurate (docs/quantization.md). Default: bf16 activations")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
                         "0.53 GB int8; default: it stays in --dtype; a tied LM head, i.e. the embedding "
@@ -128,6 +133,7 @@ def engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                activation_quantization=args.activation_quantization,
                 quantization_group_size=args.quantization_group_size,
                 quantization_symmetric=args.quantization_symmetric,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,

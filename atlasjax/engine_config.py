@@ -90,6 +90,9 @@ class EngineConfig:
     quantization_group_size: int | None = None   # int4 / int8: weights per scale along K (32, 64, 128, ...);
                                              # None: int4 128, int8 and fp8 one scale per output channel
     quantization_symmetric: bool | None = None   # int4: True drops the zero points (absmax / 7); None: asymmetric
+    activation_quantization: str | None = None   # None | fp8: per-channel fp8 weights (--quantization fp8 or an
+                                             # FP8 checkpoint) multiply prefill-sized products (256+ rows) by
+                                             # activations rounded per token to e4m3 (W8A8, fp8 tensor cores)
     keep_gguf_quantized: bool | None = None  # GGUF block-type projections stay quantized (gguf_blocks.py); None: on GPU only
                                              # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
@@ -138,6 +141,11 @@ class EngineConfig:
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
         check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)
+        if self.activation_quantization not in (None, "fp8"):
+            bad(f"activation_quantization must be None or fp8, got {self.activation_quantization!r}")
+        if self.activation_quantization and self.quantization not in (None, "fp8"):
+            bad(f"activation_quantization={self.activation_quantization} multiplies fp8 weights; "
+                f"{self.quantization} weights keep bf16 activations (use quantization='fp8')")
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

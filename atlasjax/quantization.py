@@ -38,6 +38,7 @@ the dequantized tile and needs no offset term (docs/perf_quant.md, session 11).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -54,8 +55,8 @@ K_ALIGN = 256  # input-channel padding: the kernels' widest K step
 DEFAULT_GROUP_SIZE = {"int8": None, "fp8": None, "int4": 128}  # None: per output channel
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 from pallas_kernels.quant_format import (  # noqa: E402,F401 (QuantizedWeight, dequantize re-exported)
-    ARRAY_FIELDS, GROUP_ROWS, MMA_BLOCK, QuantizedWeight, dequantize, k_axis, n_axis, one_level, row_span,
-    to_mma_order, with_mma_order)
+    ARRAY_FIELDS, GROUP_ROWS, MMA_BLOCK, QuantizedWeight, dequantize, is_per_channel, k_axis, n_axis, one_level,
+    row_span, to_mma_order, with_mma_order)
 
 DEFAULT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -258,7 +259,7 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
         r = k_pad if per_channel else row_span(qw, f)
         return np.pad(a, ((0, k_pad // r - a.shape[0]), (0, n_pad - a.shape[1])))
     return QuantizedWeight(qweight, format=qw.format, group_size=group_size, shape=(new_k, new_n),
-                           zero_point=qw.zero_point, mma_order=qw.mma_order,
+                           zero_point=qw.zero_point, mma_order=qw.mma_order, activations=qw.activations,
                            **{f: padded(f, arrays[f]) if f in arrays else None for f in GROUP_ROWS})
 
 
@@ -299,7 +300,8 @@ def concat_quantized(parts: list[QuantizedWeight], dim: int) -> QuantizedWeight:
             r = 1 if f == "qweight" or getattr(first, f) is None else row_span(first, f)
             arrays[f] = join(f, k_axis(f), tuple(x // r for x in ks), k_pad // r)
     return QuantizedWeight(format=first.format, group_size=group, shape=(new_k, new_n),
-                           zero_point=first.zero_point, mma_order=first.mma_order, **arrays)
+                           zero_point=first.zero_point, mma_order=first.mma_order,
+                           activations=first.activations, **arrays)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "axis", "size"))
@@ -399,3 +401,21 @@ def map_params(params: Mapping[str, Any], fn: Callable[[tuple[str, ...], Any], A
             return {key: walk(value, path + (str(key),)) for key, value in node.items()}
         return fn(path, node)
     return walk(params, ())
+
+
+def with_activations(params: Any, activations: str) -> tuple[Any, int]:
+    """(params with every per-channel fp8 weight set to take `activations` ("fp8": W8A8 for products
+    of many rows, pallas_kernels/w8a8.py), how many weights that is). Other weights are left as
+    they are. The arrays are shared, not copied."""
+    count = 0
+
+    def set_activations(leaf):
+        nonlocal count
+        if isinstance(leaf, QuantizedWeight) and is_per_channel(leaf) and leaf.format == "fp8":
+            count += 1
+            return dataclasses.replace(leaf, activations=activations)
+        return leaf
+    params = jax.tree_util.tree_map(set_activations, params,
+                                    is_leaf=lambda n: isinstance(n, QuantizedWeight))
+    return params, count
+

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["qweight", "scales", "zeros", "super_scales", "super_zeros"],
-    meta_fields=["format", "group_size", "shape", "zero_point", "mma_order"],
+    meta_fields=["format", "group_size", "shape", "zero_point", "mma_order", "activations"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
@@ -36,6 +36,10 @@ class QuantizedWeight:
         stored in the order the kernel's matrix instruction consumes it (`to_mma_order`), so that
         one 32-bit (int4) or 64-bit (int8) load gives a thread the eight values it needs.
         `dequantize` undoes it.
+      activations: how products of many rows take their activations (static): "bf16" (W8A16 /
+        W4A16), or "fp8" for per-channel fp8 weights (W8A8: each row of x rounded to e4m3 with
+        its own scale past `w8a8.MIN_ROWS` rows, on the fp8 tensor cores; pallas_kernels/w8a8.py).
+        A runtime choice (`--activation-quantization`), not stored in saved checkpoints.
       super_scales, super_zeros: None, or two-level group rows (GGUF K-quants): `scales` (and
         `zeros`) then hold uint8 codes, and [K_pad // super_group, N_pad] float16 rows scale them:
         a group's scale is scales[g, n] * super_scales[g // r, n] (r groups per super-group), its
@@ -52,6 +56,7 @@ class QuantizedWeight:
     mma_order: bool = False
     super_scales: jax.Array | None = None
     super_zeros: jax.Array | None = None
+    activations: str = "bf16"
 
     @property
     def padded_shape(self) -> tuple[int, int]:

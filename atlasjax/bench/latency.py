@@ -92,7 +92,8 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     report, tables = _run_one(args, ceilings, hf)
     if formats:
         lm_head = args.quantize_lm_head
-        runs = [(weights_label(args.quantization, lm_head) or "none", report["results"])]
+        acts = getattr(args, "activation_quantization", None)
+        runs = [(weights_label(args.quantization, lm_head, acts) or "none", report["results"])]
         for q in formats:
             gc.collect()   # the previous engine's params and KV pool leave the device first
             sub = copy.copy(args)
@@ -101,7 +102,8 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
             # the group settings go where the format takes them (int4; int8 the group size; never fp8 or bf16)
             sub.quantization_group_size = args.quantization_group_size if q in GROUPED_FORMATS else None
             sub.quantization_symmetric = args.quantization_symmetric if q == "int4" else None
-            label = weights_label(sub.quantization, sub.quantize_lm_head) or "none"
+            sub.activation_quantization = acts if q == "fp8" else None   # fp8 activations multiply fp8 weights
+            label = weights_label(sub.quantization, sub.quantize_lm_head, sub.activation_quantization) or "none"
             progress(f"--compare-quantization: {label}")
             rep_q, _ = _run_one(sub, ceilings, None)
             runs.append((label, rep_q["results"]))
@@ -205,7 +207,7 @@ def _roofline(engine, args, results, ceilings) -> dict:
 
 
 def _label(engine, args) -> str:
-    label = weights_label(args.quantization, args.quantize_lm_head)
+    label = weights_label(args.quantization, args.quantize_lm_head, getattr(args, "activation_quantization", None))
     return f"{engine.loaded.source} {label or np.dtype(engine.dtype).name}"
 
 

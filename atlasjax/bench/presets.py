@@ -107,14 +107,16 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
     return shard_loaded(loaded, tensor_parallel_size, dtype)   # quantized presets: split after quantizing
 
 
-def weights_label(quantization: str | None, quantize_lm_head: bool = False) -> str | None:
-    """How the bench names a weight format in its tables: "int8", "int8 + LM head", "gguf-q4_k_m" (its
-    LM head as the file has it), or None (unquantized)."""
+def weights_label(quantization: str | None, quantize_lm_head: bool = False, activations: str | None = None
+                  ) -> str | None:
+    """How the bench names a weight format in its tables: "int8", "int8 + LM head", "fp8 W8A8" (fp8
+    activations), "gguf-q4_k_m" (its LM head as the file has it), or None (unquantized)."""
     if not quantization:
         return None
     if quantization in GGUF_LAYOUTS:
         return quantization
-    return f"{quantization} + LM head" if quantize_lm_head else quantization
+    label = f"{quantization} + LM head" if quantize_lm_head else quantization
+    return f"{label} W8A8" if activations == "fp8" and quantization == "fp8" else label
 
 
 def build_engine(args, **overrides):
@@ -137,6 +139,7 @@ def build_engine(args, **overrides):
               async_scheduling=not getattr(args, "no_async_scheduling", False),
               num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+              activation_quantization=getattr(args, "activation_quantization", None),
               quantization_group_size=getattr(args, "quantization_group_size", None),
               quantization_symmetric=getattr(args, "quantization_symmetric", None),
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
@@ -148,7 +151,7 @@ def build_engine(args, **overrides):
         quantize_lm_head = kw.pop("quantize_lm_head", False)
         group_size, symmetric = kw.pop("quantization_group_size", None), kw.pop("quantization_symmetric", None)
         kw["quantization"] = None    # the preset is quantized here, not by the checkpoint loader
-        label = weights_label(args.quantization, quantize_lm_head)
+        label = weights_label(args.quantization, quantize_lm_head, getattr(args, "activation_quantization", None))
         what = f"preset {args.preset}" + (f" ({label})" if label else "")
         progress(f"building {what} with random weights on {jax.devices()[0].device_kind}")
         loaded = load_preset(args.preset, resolve_dtype(args.dtype), args.quantization, args.seed,
