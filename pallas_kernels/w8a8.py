@@ -6,11 +6,16 @@ product of the codes accumulates in f32 and both scales multiply the result. On 
 the f8 x f8 dot to cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`), which runs at up to twice the
 bf16 rate; elsewhere it computes the same products (exact in f32) on whatever XLA has.
 
-Measured on an H100 (docs/performance.md, session 50; activation quantization included, us at 2,048
-rows against the bf16 dot): qkv 4096x6144 108 / 142, o_proj 4096x4096 79 / 93, gate_up 4096x28672
-403 / 737. At 512 rows 1.2-1.9x faster than the bf16 dot, and 1.2-1.9x faster than the fp8 weights'
-W8A16 path. Below `MIN_ROWS` the product is bound by the weight's bytes, which W8A16 already
-halves, and quantizing x would only cost accuracy; `quantized_matmul` keeps W8A16 there.
+Measured on an H100 (docs/performance.md, session 50; us per product, activation quantization
+included, against the W8A16 path the engine runs otherwise and the bf16 dot):
+| rows | qkv 4096x6144 | o_proj 4096x4096 | gate_up 4096x28672 | down 14336x4096 |
+|---|---|---|---|---|
+| 64 | 13.8 / 13.6 / 24.0 | 13.0 / 9.4 / 19.6 | 52.0 / 49.7 / 79.6 | 34.0 / 28.8 / 49.2 |
+| 128 | 19.6 / 19.3 / 27.6 | 14.2 / 13.2 / 18.7 | 57.0 / 60.5 / 82.6 | 36.1 / 34.7 / 50.6 |
+| 256 | 24.5 / 27.8 / 29.9 | 16.8 / 20.3 / 22.6 | 70.2 / 121.2 / 119.4 | 43.4 / 51.7 / 52.0 |
+| 2,048 | 108 / 173 / 142 | 79 / 114 / 93 | 403 / 837 / 737 | |
+Up to 128 rows the product is bound by the weight's bytes, which W8A16 already halves, and
+rounding x would only cost accuracy: `quantized_matmul` keeps W8A16 below `MIN_ROWS`.
 
 Accuracy: each activation rounded to e4m3 adds a relative error of up to 2^-4 per element; on
 Gaussian data the product's relative error goes from 0.027 (W8A16) to 0.038. The model-level cost
