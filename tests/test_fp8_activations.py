@@ -167,3 +167,11 @@ def test_saved_fp8_checkpoint_takes_the_setting_of_the_engine_that_loads_it(defa
     assert "fp8 activations" not in plain.engine.weights_summary
     w8a8_engine = LLM(str(tmp_path / "fp8"), max_num_seqs=2, max_model_len=256, activation_quantization="fp8")
     assert "fp8 activations" in w8a8_engine.engine.weights_summary
+
+
+def test_bench_names_the_format():
+    from atlasjax.bench.presets import weights_label
+    assert weights_label("fp8", False, "fp8") == "fp8 W8A8"
+    assert weights_label("fp8", True, "fp8") == "fp8 + LM head W8A8"
+    assert weights_label("int4", False, "fp8") == "int4"   # fp8 activations take fp8 weights only
+    assert weights_label("fp8") == "fp8"

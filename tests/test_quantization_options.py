@@ -63,3 +63,7 @@ def test_cli_flags_reach_the_engine():
     kw = engine_kwargs(args)
     assert (kw["quantization_group_size"], kw["quantization_symmetric"]) == (64, True)
     assert engine_kwargs(build_parser().parse_args(["generate", "x"]))["quantization_symmetric"] is None
+    kw = engine_kwargs(build_parser().parse_args(["serve", "--model", "x", "--quantization", "fp8",
+                                                  "--activation-quantization", "fp8"]))
+    assert (kw["quantization"], kw["activation_quantization"]) == ("fp8", "fp8")
+    assert engine_kwargs(build_parser().parse_args(["generate", "x"]))["activation_quantization"] is None
