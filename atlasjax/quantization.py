@@ -418,4 +418,3 @@ def with_activations(params: Any, activations: str) -> tuple[Any, int]:
     params = jax.tree_util.tree_map(set_activations, params,
                                     is_leaf=lambda n: isinstance(n, QuantizedWeight))
     return params, count
-

@@ -6,8 +6,8 @@ product of the codes accumulates in f32 and both scales multiply the result. On 
 the f8 x f8 dot to cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`), which runs at up to twice the
 bf16 rate; elsewhere it computes the same products (exact in f32) on whatever XLA has.
 
-Measured on an H100 (docs/performance.md, session 50; us per product, activation quantization
-included, against the W8A16 path the engine runs otherwise and the bf16 dot):
+Measured on an H100 (docs/performance.md, session 50), us per product as W8A8 (the activations'
+quantization included) / the W8A16 path the engine runs otherwise / the bf16 dot:
 | rows | qkv 4096x6144 | o_proj 4096x4096 | gate_up 4096x28672 | down 14336x4096 |
 |---|---|---|---|---|
 | 64 | 13.8 / 13.6 / 24.0 | 13.0 / 9.4 / 19.6 | 52.0 / 49.7 / 79.6 | 34.0 / 28.8 / 49.2 |
