@@ -1,7 +1,9 @@
 """Hugging Face checkpoints saved quantized, read into the engine's formats without re-quantizing.
 
 config.json's `quantization_config` names the method (`scheme_of`):
-- FP8 weights, kept as the "fp8" format (W8A16: activation scales of W8A8 checkpoints are unused):
+- FP8 weights, kept as the "fp8" format (W8A16 unless the engine asks for fp8 activations,
+  `activation_quantization="fp8"`, which per-channel FP8 takes; the checkpoint's own activation
+  scales are unused, and a checkpoint made for fp8 activations gets a log line saying so):
   - "compressed-tensors" with 8-bit float weights (llm-compressor's FP8 / FP8-Dynamic models):
     `weight_scale` per channel ([N, 1]), per tensor ([1]) or per block ([N / bn, K / bk]);
   - "fbgemm_fp8": `weight_scale` per channel;
@@ -69,10 +71,19 @@ def scheme_of(config: dict | None, where: str = "checkpoint") -> Scheme | None:
         return None
     method = str(config.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        return _compressed_tensors(config, where)
+        scheme = _compressed_tensors(config, where)
+        groups = (config.get("config_groups") or {}).values()
+        made_for_fp8 = any((g.get("input_activations") or {}).get("type") == "float" for g in groups)
+        if scheme is not None and scheme.method == "fp8" and made_for_fp8:
+            _fp8_activations_hint(where, per_channel=all(
+                (g.get("weights") or {}).get("strategy") in ("channel", "tensor") for g in groups))
+        return scheme
     if method in FP8_METHODS:
         if method == "fp8" and str(config.get("fmt", "e4m3")).lower() != "e4m3":
             raise UnsupportedModelError(f"{where}: fp8 weights in {config.get('fmt')!r}; supported: e4m3")
+        # fbgemm's FP8 is per channel with dynamic per-row activations; FineGrainedFP8 is in blocks,
+        # per channel only without a block size (AutoFP8)
+        _fp8_activations_hint(where, per_channel=method == "fbgemm_fp8" or not config.get("weight_block_size"))
         return Scheme("fp8")
     if method in INT_METHODS:
         bits = int(config.get("bits", config.get("w_bit", 4)))
@@ -87,6 +98,16 @@ def scheme_of(config: dict | None, where: str = "checkpoint") -> Scheme | None:
         f"{where}: weights saved with quantization method {method or config!r}, which atlasjax cannot "
         f"read; supported: {', '.join(FP8_METHODS + INT_METHODS)} (or load an unquantized checkpoint, "
         "optionally with quantization=...)")
+
+
+def _fp8_activations_hint(where: str, per_channel: bool) -> None:
+    """The checkpoint was made to multiply fp8 activations (W8A8); say how the engine runs it."""
+    if per_channel:
+        log.info("%s: made for fp8 activations (W8A8); it runs with bf16 activations (W8A16) unless "
+                 "activation_quantization='fp8' (--activation-quantization fp8) is set", where)
+    else:
+        log.info("%s: made for fp8 activations (W8A8); its FP8 weights in blocks run with bf16 activations "
+                 "(W8A16): fp8 activations take per-channel FP8 only", where)
 
 
 def _compressed_tensors(config: dict, where: str) -> Scheme | None:
