@@ -44,6 +44,10 @@ def add_kv_cache_dtype_arg(g) -> None:
                    help="the KV cache's dtype (default auto: --dtype). fp8 (= fp8_e4m3) stores K and V in 8 bits, "
                         "unscaled and saturating at +-448: twice the tokens fit in the pool and decode "
                         "attention reads half the bytes, at a small cost in accuracy (docs/serving.md)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with an fp8 KV cache: measure each layer's K and V scales on a calibration text at "
+                        "start and fold them into the attention weights (for checkpoints without calibrated "
+                        "k_scale / v_scale; one device)")
 
 
 def add_scheduler_steps_arg(g) -> None:
@@ -126,6 +130,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                calculate_kv_scales=args.calculate_kv_scales,
                 max_num_seqs=args.max_num_seqs, decode_batch_sizes=args.decode_batch_sizes,
                 max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,

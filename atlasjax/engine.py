@@ -121,6 +121,9 @@ class LLMEngine:
         # gives them back as loaded); a tree this engine loaded or sharded itself is handed over whole.
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
         own_params = given is None or params is not given.params
+        if config.calculate_kv_scales:
+            from atlasjax.kv_calibration import calculate_kv_scales  # noqa: PLC0415
+            params = calculate_kv_scales(cfg, params, self.tokenizer, self.dtype, self.kv_dtype, self.max_model_len)
         if config.activation_quantization:
             params = _with_activations(params, config.activation_quantization)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in

@@ -64,6 +64,9 @@ class EngineConfig:
     dtype: str = "auto"                      # auto: bfloat16 on GPU, float32 elsewhere
     kv_cache_dtype: str = "auto"             # the KV pool's: auto (= dtype) | bfloat16 | float16 | fp8 (e4m3) |
                                              # fp8_e4m3 | fp8_e5m2 (stored unscaled, saturating; read as bf16)
+    calculate_kv_scales: bool = False        # fp8 KV cache: measure each layer's K / V scales on a calibration
+                                             # text at start and fold them into the attention weights
+                                             # (atlasjax/kv_calibration.py; one device)
     max_num_seqs: int = 16
     decode_batch_sizes: tuple[int, ...] | None = None   # row counts the decode step is compiled for: a step
                                              # runs the smallest that holds its requests (None: 8, 16, 32, ...
@@ -141,6 +144,14 @@ class EngineConfig:
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
         check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)
+        if not isinstance(self.calculate_kv_scales, bool):
+            bad(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            bad("calculate_kv_scales=True measures scales for an fp8 KV cache; set kv_cache_dtype='fp8' "
+                f"(it is {self.kv_cache_dtype!r})")
+        if self.calculate_kv_scales and self.tensor_parallel_size > 1:
+            bad("calculate_kv_scales=True runs on one device (tensor_parallel_size=1); with tensor parallelism, "
+                "load a checkpoint with calibrated k_scale / v_scale")
         if self.activation_quantization not in (None, "fp8"):
             bad(f"activation_quantization must be None or fp8, got {self.activation_quantization!r}")
         if self.activation_quantization and self.quantization not in (None, "fp8"):
