@@ -39,6 +39,22 @@ def test_power_of_two_scales_leave_headroom():
     assert power_of_two_scale(0.0, 448.0) == power_of_two_scale(float("nan"), 448.0) == 1.0
 
 
+@pytest.mark.parametrize("layout", ["fp8", "int4", "int4-symmetric", "Q4_1", "Q4_K", "Q8_0"])
+def test_a_quantized_weight_takes_the_factor_in_its_rows(layout):
+    """Per-channel fp8, int4 with zero points or without, GGUF float offsets (Q4_1), two levels (Q4_K)
+    and int8 groups (Q8_0): the codes stay, the weight they mean is scaled exactly."""
+    from atlasjax.gguf_blocks import like_gguf
+    from atlasjax.kv_calibration import scaled
+    from atlasjax.quantization import dequantize, quantize
+    w = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
+    qw = (quantize(w, layout) if layout in ("fp8", "int4") else
+          quantize(w, "int4", symmetric=True) if layout == "int4-symmetric" else like_gguf(w, layout))
+    for factor in (0.25, 8.0):
+        out = scaled(qw, factor)
+        assert out.qweight is qw.qweight
+        np.testing.assert_array_equal(np.asarray(dequantize(out)), np.asarray(dequantize(qw)) * factor)
+
+
 def test_computed_scales_keep_large_k_and_v_accurate(big_kv, caplog):
     """What a user of a checkpoint without scales notices: its fp8 cache falls apart (K and V saturate
     at 448); with computed scales it is near-lossless."""
