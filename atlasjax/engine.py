@@ -80,23 +80,10 @@ def resolve_dtype(name: str):
     return jnp.dtype(name)
 
 
-def _with_activations(params, activations: str):
-    """params whose per-channel fp8 weights take `activations` (EngineConfig.activation_quantization);
-    a model without such weights is a configuration error, not a silent no-op."""
-    from atlasjax.quantization import with_activations  # noqa: PLC0415
-    from pallas_kernels.w8a8 import MIN_ROWS  # noqa: PLC0415
-    params, count = with_activations(params, activations)
-    if not count:
-        raise EngineConfigError(
-            f"activation_quantization={activations} needs fp8 weights with one scale per output channel "
-            "(quantization='fp8', or an FP8 checkpoint quantized per channel); this model has none")
-    log.info("%d fp8 weights take %s activations from %d rows on", count, activations, MIN_ROWS)
-    return params
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
-        from atlasjax.model_source import load_for_engine, shard_loaded, with_user_settings  # noqa: PLC0415
+        from atlasjax.model_source import (  # noqa: PLC0415
+            load_for_engine, shard_loaded, with_user_settings, with_weight_settings)
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config = dataclasses.replace(config, num_scheduler_steps=resolve_scheduler_steps(
             config.num_scheduler_steps, jax.default_backend()))
@@ -121,11 +108,8 @@ class LLMEngine:
         # gives them back as loaded); a tree this engine loaded or sharded itself is handed over whole.
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
         own_params = given is None or params is not given.params
-        if config.calculate_kv_scales:
-            from atlasjax.kv_calibration import calculate_kv_scales  # noqa: PLC0415
-            params = calculate_kv_scales(cfg, params, self.tokenizer, self.dtype, self.kv_dtype, self.max_model_len)
-        if config.activation_quantization:
-            params = _with_activations(params, config.activation_quantization)
+        params = with_weight_settings(params, config, cfg, self.tokenizer, self.dtype, self.kv_dtype,
+                                      self.max_model_len)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
         log.info("%s: %s", self.loaded.source, self.weights_summary)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,

@@ -94,18 +94,15 @@ def power_of_two_scale(amax: float, dtype_max: float) -> float:
 
 def scaled(w, factor: float):
     """A weight (array, or QuantizedWeight through its scale rows) times a power-of-two factor."""
+    def times(a):   # in a's own float dtype: exact for a power of two
+        return a * jnp.asarray(factor, a.dtype)
     if not is_quantized(w):
-        return (w.astype(jnp.float32) * factor).astype(w.dtype)
-    f = {}
+        return times(w)
     if w.two_level:   # codes under float super rows: those carry the factor
-        f["super_scales"] = w.super_scales * jnp.asarray(factor, w.super_scales.dtype)
-        if w.super_zeros is not None:
-            f["super_zeros"] = w.super_zeros * jnp.asarray(factor, w.super_zeros.dtype)
-    else:
-        f["scales"] = w.scales * jnp.asarray(factor, w.scales.dtype)
-        if w.zeros is not None and not w.zero_point:   # float offsets scale with the weight
-            f["zeros"] = w.zeros * jnp.asarray(factor, w.zeros.dtype)
-    return dataclasses.replace(w, **f)
+        rows = ["super_scales"] + (["super_zeros"] if w.super_zeros is not None else [])
+    else:   # float offsets scale with the weight; integer zero points do not
+        rows = ["scales"] + (["zeros"] if w.zeros is not None and not w.zero_point else [])
+    return dataclasses.replace(w, **{r: times(getattr(w, r)) for r in rows})
 
 
 def fold(params: dict, cfg, k_scales, v_scales) -> dict:

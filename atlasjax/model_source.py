@@ -69,6 +69,31 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
     return loaded
 
 
+def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int):
+    """The loaded params with the engine's settings that change weights, not how they load:
+    `calculate_kv_scales` (scales measured at start and folded in, atlasjax/kv_calibration.py) and
+    `activation_quantization` (per-channel fp8 weights marked for fp8 activations; a model without
+    them is a configuration error, not a silent no-op)."""
+    import logging  # noqa: PLC0415
+
+    from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    if config.calculate_kv_scales:
+        from atlasjax.kv_calibration import calculate_kv_scales  # noqa: PLC0415
+        params = calculate_kv_scales(cfg, params, tokenizer, dtype, kv_dtype, max_len)
+    if config.activation_quantization:
+        from atlasjax.quantization import with_activations  # noqa: PLC0415
+        from pallas_kernels.w8a8 import MIN_ROWS  # noqa: PLC0415
+        acts = config.activation_quantization
+        params, count = with_activations(params, acts)
+        if not count:
+            raise EngineConfigError(
+                f"activation_quantization={acts} needs fp8 weights with one scale per output channel "
+                "(quantization='fp8', or an FP8 checkpoint quantized per channel); this model has none")
+        logging.getLogger("atlasjax.engine").info("%d fp8 weights take %s activations from %d rows on",
+                                                  count, acts, MIN_ROWS)
+    return params
+
+
 def shard_loaded(loaded: LoadedModel, tensor_parallel_size: int, dtype) -> LoadedModel:
     """A model loaded on one device (e.g. a benchmark preset), placed over a tensor-parallel mesh."""
     import dataclasses  # noqa: PLC0415

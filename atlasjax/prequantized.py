@@ -71,13 +71,7 @@ def scheme_of(config: dict | None, where: str = "checkpoint") -> Scheme | None:
         return None
     method = str(config.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        scheme = _compressed_tensors(config, where)
-        groups = (config.get("config_groups") or {}).values()
-        made_for_fp8 = any((g.get("input_activations") or {}).get("type") == "float" for g in groups)
-        if scheme is not None and scheme.method == "fp8" and made_for_fp8:
-            _fp8_activations_hint(where, per_channel=all(
-                (g.get("weights") or {}).get("strategy") in ("channel", "tensor") for g in groups))
-        return scheme
+        return _compressed_tensors(config, where)
     if method in FP8_METHODS:
         if method == "fp8" and str(config.get("fmt", "e4m3")).lower() != "e4m3":
             raise UnsupportedModelError(f"{where}: fp8 weights in {config.get('fmt')!r}; supported: e4m3")
@@ -113,7 +107,8 @@ def _fp8_activations_hint(where: str, per_channel: bool) -> None:
 def _compressed_tensors(config: dict, where: str) -> Scheme | None:
     """llm-compressor's format: FP8 weights, or int4 / int8 ones (packed, or int8 as they are); None
     for a model whose weights it left unquantized, only calibrating its KV cache (`kv_cache_scheme`)."""
-    weights = [g.get("weights") or {} for g in (config.get("config_groups") or {}).values()]
+    groups = list((config.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
     if not weights and config.get("kv_cache_scheme"):
         return None
     kinds = {(w.get("type"), int(w.get("num_bits", 0))) for w in weights}
@@ -122,6 +117,8 @@ def _compressed_tensors(config: dict, where: str) -> Scheme | None:
                                     f"{sorted(kinds)}; supported: one kind")
     kind, bits = kinds.pop()
     if (kind, bits) == ("float", 8):
+        if any((g.get("input_activations") or {}).get("type") == "float" for g in groups):
+            _fp8_activations_hint(where, per_channel=all(w.get("strategy") in ("channel", "tensor") for w in weights))
         return Scheme("fp8")
     if kind == "int" and bits in (4, 8):
         return Scheme("compressed-tensors", bits)

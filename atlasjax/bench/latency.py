@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from atlasjax.bench import roofline
-from atlasjax.bench.presets import build_engine, progress, weights_label
+from atlasjax.bench.presets import args_weights_label, build_engine, progress, weights_label
 from atlasjax.bench.report import fmt, roofline_rows, stats_rows, summarize, table
 from atlasjax.engine_config import GROUPED_FORMATS
 
@@ -92,8 +92,8 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
     report, tables = _run_one(args, ceilings, hf)
     if formats:
         lm_head = args.quantize_lm_head
-        acts = getattr(args, "activation_quantization", None)
-        runs = [(weights_label(args.quantization, lm_head, acts) or "none", report["results"])]
+        acts = args.activation_quantization
+        runs = [(args_weights_label(args) or "none", report["results"])]
         for q in formats:
             gc.collect()   # the previous engine's params and KV pool leave the device first
             sub = copy.copy(args)
@@ -207,7 +207,7 @@ def _roofline(engine, args, results, ceilings) -> dict:
 
 
 def _label(engine, args) -> str:
-    label = weights_label(args.quantization, args.quantize_lm_head, getattr(args, "activation_quantization", None))
+    label = args_weights_label(args)
     return f"{engine.loaded.source} {label or np.dtype(engine.dtype).name}"
 
 

@@ -119,6 +119,11 @@ def weights_label(quantization: str | None, quantize_lm_head: bool = False, acti
     return f"{label} W8A8" if activations == "fp8" and quantization == "fp8" else label
 
 
+def args_weights_label(args) -> str | None:
+    """`weights_label` of the formats the bench's flags name."""
+    return weights_label(args.quantization, args.quantize_lm_head, getattr(args, "activation_quantization", None))
+
+
 def build_engine(args, **overrides):
     """An LLMEngine from the common bench flags (`--preset` or `--model`, engine flags); overrides win."""
     import jax  # noqa: PLC0415
@@ -152,7 +157,7 @@ def build_engine(args, **overrides):
         quantize_lm_head = kw.pop("quantize_lm_head", False)
         group_size, symmetric = kw.pop("quantization_group_size", None), kw.pop("quantization_symmetric", None)
         kw["quantization"] = None    # the preset is quantized here, not by the checkpoint loader
-        label = weights_label(args.quantization, quantize_lm_head, getattr(args, "activation_quantization", None))
+        label = args_weights_label(args)
         what = f"preset {args.preset}" + (f" ({label})" if label else "")
         progress(f"building {what} with random weights on {jax.devices()[0].device_kind}")
         loaded = load_preset(args.preset, resolve_dtype(args.dtype), args.quantization, args.seed,

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from atlasjax.bench import overlap, roofline
-from atlasjax.bench.presets import build_engine, progress, weights_label
+from atlasjax.bench.presets import args_weights_label, build_engine, progress
 from atlasjax.bench.report import fmt, roofline_rows, table
 
 
@@ -156,7 +156,7 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
                     quantize_lm_head=args.quantize_lm_head, weights=engine.weights_summary,
                     engine=_asdict(engine.config), model_config=_asdict(engine.model_config))
     report = dict(mode="throughput", settings=settings, results=results, roofline=roof)
-    label = weights_label(args.quantization, args.quantize_lm_head, getattr(args, "activation_quantization", None))
+    label = args_weights_label(args)
     tables = [_table(results, f"{engine.loaded.source} {label or np.dtype(engine.dtype).name}")]
     if hf:
         ratio = (results["output_tokens_per_s"] / hf["output_tokens_per_s"]) if hf.get("output_tokens_per_s") else None
