@@ -28,11 +28,12 @@ def add_weight_format_args(g, layouts: tuple[str, ...] = ()) -> None:
     g.add_argument("--quantization-symmetric", action="store_true", default=None,
                    help="with --quantization int4: no zero points (scale = absmax / 7): fewer bytes, less "
                         "accurate (default: asymmetric, an integer zero point per group)")
-    g.add_argument("--activation-quantization", default=None, choices=["fp8"],
-                   help="fp8: per-channel fp8 weights (--quantization fp8, or an FP8 checkpoint) multiply "
-                        "products of 256 rows or more (prefill chunks, large decode batches) by activations "
-                        "rounded per token to e4m3, on the fp8 tensor cores (W8A8, as vLLM runs fp8): faster "
-                        "prefill, a little less accurate (docs/quantization.md). Default: bf16 activations")
+    g.add_argument("--activation-quantization", default=None, choices=["fp8", "int8"],
+                   help="fp8 / int8: per-channel weights of that format (--quantization fp8 / int8, or such a "
+                        "checkpoint) multiply products of 256 rows or more (prefill chunks, large decode "
+                        "batches) by activations rounded per token to it, on the 8-bit tensor cores (W8A8, as "
+                        "vLLM runs fp8 and int8 W8A8 checkpoints): faster prefill, a little less accurate "
+                        "(docs/quantization.md). Default: bf16 activations")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
                         "0.53 GB int8; default: it stays in --dtype; a tied LM head, i.e. the embedding "

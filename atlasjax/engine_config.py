@@ -93,9 +93,10 @@ class EngineConfig:
     quantization_group_size: int | None = None   # int4 / int8: weights per scale along K (32, 64, 128, ...);
                                              # None: int4 128, int8 and fp8 one scale per output channel
     quantization_symmetric: bool | None = None   # int4: True drops the zero points (absmax / 7); None: asymmetric
-    activation_quantization: str | None = None   # None | fp8: per-channel fp8 weights (--quantization fp8 or an
-                                             # FP8 checkpoint) multiply prefill-sized products (256+ rows) by
-                                             # activations rounded per token to e4m3 (W8A8, fp8 tensor cores)
+    activation_quantization: str | None = None   # None | fp8 | int8: per-channel weights of that format
+                                             # (--quantization fp8 / int8, or such a checkpoint) multiply
+                                             # prefill-sized products (256+ rows) by activations rounded per
+                                             # token to it (W8A8, on the 8-bit tensor cores)
     keep_gguf_quantized: bool | None = None  # GGUF block-type projections stay quantized (gguf_blocks.py); None: on GPU only
                                              # (the CPU reference path dequantizes per step, which is slower)
     tensor_parallel_size: int = 1
@@ -152,11 +153,15 @@ class EngineConfig:
         if self.calculate_kv_scales and self.tensor_parallel_size > 1:
             bad("calculate_kv_scales=True runs on one device (tensor_parallel_size=1); with tensor parallelism, "
                 "load a checkpoint with calibrated k_scale / v_scale")
-        if self.activation_quantization not in (None, "fp8"):
-            bad(f"activation_quantization must be None or fp8, got {self.activation_quantization!r}")
-        if self.activation_quantization and self.quantization not in (None, "fp8"):
-            bad(f"activation_quantization={self.activation_quantization} multiplies fp8 weights; "
-                f"{self.quantization} weights keep bf16 activations (use quantization='fp8')")
+        acts = self.activation_quantization
+        if acts not in (None, "fp8", "int8"):
+            bad(f"activation_quantization must be None, fp8 or int8, got {acts!r}")
+        if acts and self.quantization not in (None, acts):
+            bad(f"activation_quantization={acts} multiplies {acts} weights; {self.quantization} weights keep "
+                f"bf16 activations (use quantization='{acts}')")
+        if acts and self.quantization_group_size is not None:
+            bad(f"activation_quantization={acts} multiplies weights with one scale per output channel; "
+                f"quantization_group_size={self.quantization_group_size} makes groups")
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

@@ -72,8 +72,8 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
 def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int):
     """The loaded params with the engine's settings that change weights, not how they load:
     `calculate_kv_scales` (scales measured at start and folded in, atlasjax/kv_calibration.py) and
-    `activation_quantization` (per-channel fp8 weights marked for fp8 activations; a model without
-    them is a configuration error, not a silent no-op)."""
+    `activation_quantization` (per-channel fp8 / int8 weights marked for 8-bit activations; a model
+    without them is a configuration error, not a silent no-op)."""
     import logging  # noqa: PLC0415
 
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
@@ -87,10 +87,11 @@ def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_le
         params, count = with_activations(params, acts)
         if not count:
             raise EngineConfigError(
-                f"activation_quantization={acts} needs fp8 weights with one scale per output channel "
-                "(quantization='fp8', or an FP8 checkpoint quantized per channel); this model has none")
-        logging.getLogger("atlasjax.engine").info("%d fp8 weights take %s activations from %d rows on",
-                                                  count, acts, MIN_ROWS)
+                f"activation_quantization={acts} needs {acts} weights with one scale per output channel "
+                f"(quantization='{acts}', or an {acts.upper()} checkpoint quantized per channel); this model "
+                "has none")
+        logging.getLogger("atlasjax.engine").info("%d %s weights take %s activations from %d rows on",
+                                                  count, acts, acts, MIN_ROWS)
     return params
 
 

@@ -3,7 +3,8 @@
 config.json's `quantization_config` names the method (`scheme_of`):
 - FP8 weights, kept as the "fp8" format (W8A16 unless the engine asks for fp8 activations,
   `activation_quantization="fp8"`, which per-channel FP8 takes; the checkpoint's own activation
-  scales are unused, and a checkpoint made for fp8 activations gets a log line saying so):
+  scales are unused, and a checkpoint made for fp8 activations gets a log line saying so; int8
+  W8A8 checkpoints alike, with `activation_quantization="int8"`):
   - "compressed-tensors" with 8-bit float weights (llm-compressor's FP8 / FP8-Dynamic models):
     `weight_scale` per channel ([N, 1]), per tensor ([1]) or per block ([N / bn, K / bk]);
   - "fbgemm_fp8": `weight_scale` per channel;
@@ -77,7 +78,7 @@ def scheme_of(config: dict | None, where: str = "checkpoint") -> Scheme | None:
             raise UnsupportedModelError(f"{where}: fp8 weights in {config.get('fmt')!r}; supported: e4m3")
         # fbgemm's FP8 is per channel with dynamic per-row activations; FineGrainedFP8 is in blocks,
         # per channel only without a block size (AutoFP8)
-        _fp8_activations_hint(where, per_channel=method == "fbgemm_fp8" or not config.get("weight_block_size"))
+        _w8a8_hint(where, "fp8", per_channel=method == "fbgemm_fp8" or not config.get("weight_block_size"))
         return Scheme("fp8")
     if method in INT_METHODS:
         bits = int(config.get("bits", config.get("w_bit", 4)))
@@ -94,14 +95,16 @@ def scheme_of(config: dict | None, where: str = "checkpoint") -> Scheme | None:
         "optionally with quantization=...)")
 
 
-def _fp8_activations_hint(where: str, per_channel: bool) -> None:
-    """The checkpoint was made to multiply fp8 activations (W8A8); say how the engine runs it."""
+def _w8a8_hint(where: str, fmt: str, per_channel: bool) -> None:
+    """The checkpoint was made to multiply `fmt` ("fp8" / "int8") activations (W8A8); say how the
+    engine runs it."""
     if per_channel:
-        log.info("%s: made for fp8 activations (W8A8); it runs with bf16 activations (W8A16) unless "
-                 "activation_quantization='fp8' (--activation-quantization fp8) is set", where)
+        log.info("%s: made for %s activations (W8A8); it runs with bf16 activations (W8A16) unless "
+                 "activation_quantization='%s' (--activation-quantization %s) is set", where, fmt, fmt, fmt)
     else:
-        log.info("%s: made for fp8 activations (W8A8); its FP8 weights in blocks run with bf16 activations "
-                 "(W8A16): fp8 activations take per-channel FP8 only", where)
+        log.info("%s: made for %s activations (W8A8); its %s weights in groups or blocks run with bf16 "
+                 "activations (W8A16): %s activations take weights with one scale per channel only",
+                 where, fmt, fmt.upper(), fmt)
 
 
 def _compressed_tensors(config: dict, where: str) -> Scheme | None:
@@ -116,9 +119,11 @@ def _compressed_tensors(config: dict, where: str) -> Scheme | None:
         raise UnsupportedModelError(f"{where}: compressed-tensors with {len(kinds)} kinds of weights "
                                     f"{sorted(kinds)}; supported: one kind")
     kind, bits = kinds.pop()
+    per_channel = all(w.get("strategy") in ("channel", "tensor") and (kind == "float" or w.get("symmetric", True))
+                      for w in weights)   # int weights with zero points are not read per channel
+    if any((g.get("input_activations") or {}).get("type") == kind for g in groups) and bits == 8:
+        _w8a8_hint(where, "fp8" if kind == "float" else "int8", per_channel)
     if (kind, bits) == ("float", 8):
-        if any((g.get("input_activations") or {}).get("type") == "float" for g in groups):
-            _fp8_activations_hint(where, per_channel=all(w.get("strategy") in ("channel", "tensor") for w in weights))
         return Scheme("fp8")
     if kind == "int" and bits in (4, 8):
         return Scheme("compressed-tensors", bits)

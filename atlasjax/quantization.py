@@ -404,14 +404,14 @@ def map_params(params: Mapping[str, Any], fn: Callable[[tuple[str, ...], Any], A
 
 
 def with_activations(params: Any, activations: str) -> tuple[Any, int]:
-    """(params with every per-channel fp8 weight set to take `activations` ("fp8": W8A8 for products
-    of many rows, pallas_kernels/w8a8.py), how many weights that is). Other weights are left as
-    they are. The arrays are shared, not copied."""
+    """(params with every per-channel weight of format `activations` ("fp8" or "int8": W8A8 for
+    products of many rows, pallas_kernels/w8a8.py) set to take them, how many weights that is). Other
+    weights are left as they are. The arrays are shared, not copied."""
     count = 0
 
     def set_activations(leaf):
         nonlocal count
-        if isinstance(leaf, QuantizedWeight) and is_per_channel(leaf) and leaf.format == "fp8":
+        if isinstance(leaf, QuantizedWeight) and is_per_channel(leaf) and leaf.format == activations:
             count += 1
             return dataclasses.replace(leaf, activations=activations)
         return leaf

@@ -34,13 +34,13 @@ def weight_nbytes(w) -> int:
 def format_name(w) -> str:
     """"int4 g32 offsets", "int8 per channel", "fp8 g128", "int4 g128 zero points", "int4 g32/256
     offsets" (two-level group rows: groups of 32 under super-groups of 256), "fp8 per channel (fp8
-    activations)" (W8A8 past pallas_kernels/w8a8.py's MIN_ROWS), or a float dtype."""
+    activations)" (W8A8 past pallas_kernels/w8a8.py's MIN_ROWS; int8 alike), or a float dtype."""
     if not is_quantized(w):
         return np.dtype(w.dtype).name
     per_channel = w.num_groups == 1
     kind = "" if w.zeros is None else (" zero points" if w.zero_point else " offsets")
     groups = f"g{w.group_size}" + (f"/{w.super_group}" if w.two_level else "")
-    acts = " (fp8 activations)" if w.activations == "fp8" else ""
+    acts = f" ({w.activations} activations)" if w.activations != "bf16" else ""
     return f"{w.format} {'per channel' if per_channel else groups}{kind}{acts}"
 
 

@@ -1,5 +1,5 @@
-"""GPU: does XLA multiply fp8 activations by fp8 weights on the fp8 tensor cores, and how much faster
-than the bf16 dot at prefill's row counts (session 50)?
+"""GPU: does XLA multiply fp8 activations by fp8 weights on the fp8 tensor cores (int8 by int8 on the
+int8 ones), and how much faster than the bf16 dot at prefill's row counts (sessions 50, 51)?
 
 W8A8 as vLLM runs fp8 checkpoints: each activation row quantized to e4m3 with its own scale
 (absmax / 448), the weight per output channel, the product accumulated in f32 and both scales
@@ -8,9 +8,13 @@ quantization included), against the bf16 dot, XLA's convert-fused W8A16 GEMM and
 prefill path (`quantized_matmul`, auto); relative error of each to the f32 product of the bf16
 inputs. Also records whether the optimized HLO calls cuBLASLt's fp8 GEMM.
 
-  JAX_PLATFORMS=cuda PYTHONPATH=. [ROWS=512,2048] [SHAPES=qkv,down] [VARIANTS=bf16,w8a8_bf16] \
-      python notebooks/gpu_w8a8_probe.py     # -> $OUT/w8a8.json
+FORMAT=int8 (session 51) quantizes the weights to int8 per channel instead; the variant "w8a8_lib" is
+the library's product (pallas_kernels/w8a8.py) for either format.
+
+  JAX_PLATFORMS=cuda PYTHONPATH=. [FORMAT=fp8|int8] [ROWS=512,2048] [SHAPES=qkv,down] \
+      [VARIANTS=bf16,w8a8_bf16] python notebooks/gpu_w8a8_probe.py     # -> $OUT/w8a8_<format>.json
 """
+import dataclasses
 import json
 import os
 
@@ -21,6 +25,8 @@ from jax import lax
 
 from atlasjax.bench_kernels_quant import device_ms
 from atlasjax.quantization import quantize
+from pallas_kernels import w8a8 as w8a8_lib
+from pallas_kernels.quant_format import with_mma_order
 from pallas_kernels.quantized_matmul import quantized_matmul, xla_convert_matmul
 
 SHAPES = {"qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -55,7 +61,15 @@ VARIANTS = {
     "w8a8_f32": lambda x, w, qw: w8a8(jnp.float32)(x, qw),
     "w8a8_bf16": lambda x, w, qw: w8a8(jnp.bfloat16)(x, qw),
     "w8a8_dq": lambda x, w, qw: w8a8_dq(x, qw),
+    "w8a8_lib": lambda x, w, qw: w8a8_lib.w8a8_matmul(x, dataclasses.replace(qw, activations=qw.format),
+                                                      jnp.bfloat16),
+    # the same on the weight as the engine stores it on a GPU (int8: mma order, K permuted in blocks)
+    "w8a8_mma": lambda x, w, qw: w8a8_lib.w8a8_matmul(x, dataclasses.replace(qw, activations=qw.format),
+                                                      jnp.bfloat16),
 }
+
+
+FORMAT = os.environ.get("FORMAT", "fp8")
 
 
 def main():
@@ -67,7 +81,7 @@ def main():
         k, n = SHAPES[name]
         w32 = rng.standard_normal((k, n), np.float32) * 0.02
         w = jnp.asarray(w32, jnp.bfloat16)
-        qw = quantize(w32, "fp8")
+        qw = quantize(w32, FORMAT)
         for rows in rows_list:
             x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
             ref = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
@@ -79,14 +93,16 @@ def main():
                     continue
                 try:
                     fn = jax.jit(v)
-                    y = np.asarray(fn(x, w, qw), np.float32)
-                    us = device_ms(fn, x, w, qw) * 1e3
+                    q = with_mma_order(qw) if vname in ("w8a8_mma", "engine_auto") else qw
+                    y = np.asarray(fn(x, w, q), np.float32)
+                    us = device_ms(fn, x, w, q) * 1e3
                     err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
                     row[vname] = dict(us=round(us, 2), tflops=round(row["tflop"] / us * 1e6, 1), rel_err=err)
                     if vname.startswith("w8a8") and vname not in hlo_notes:
-                        hlo = fn.lower(x, w, qw).compile().as_text()
+                        hlo = fn.lower(x, w, q).compile().as_text()
                         hlo_notes[vname] = sorted({t for t in ("f8e4m3fn", "cublas$lt$matmul$f8", "__cublas$lt$matmul",
-                                                              "__cublas$gemm", "__triton_gemm", "custom_call_target")
+                                                              "__cublas$gemm", "__triton_gemm", "custom_call_target",
+                                                              "s8[", "s32[", "__triton", "cutlass")
                                                   if t in hlo})
                         with open(f"{os.environ.get('OUT', '/tmp')}/hlo_{vname}.txt", "w") as f:
                             f.write(hlo[:200000])
@@ -94,8 +110,8 @@ def main():
                     row[vname] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
             print(json.dumps(row), flush=True)
             results.append(row)
-    with open(f"{os.environ.get('OUT', '/tmp')}/w8a8.json", "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, hlo=hlo_notes,
+    with open(f"{os.environ.get('OUT', '/tmp')}/w8a8_{FORMAT}.json", "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, format=FORMAT, hlo=hlo_notes,
                        results=results), f, indent=1)
     print(json.dumps(hlo_notes))
 

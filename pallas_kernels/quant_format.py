@@ -37,8 +37,9 @@ class QuantizedWeight:
         one 32-bit (int4) or 64-bit (int8) load gives a thread the eight values it needs.
         `dequantize` undoes it.
       activations: how products of many rows take their activations (static): "bf16" (W8A16 /
-        W4A16), or "fp8" for per-channel fp8 weights (W8A8: each row of x rounded to e4m3 with
-        its own scale past `w8a8.MIN_ROWS` rows, on the fp8 tensor cores; pallas_kernels/w8a8.py).
+        W4A16), or the weight's own format for per-channel fp8 / int8 weights (W8A8: each row of x
+        rounded to e4m3 / int8 with its own scale past `w8a8.MIN_ROWS` rows, on the 8-bit tensor
+        cores; pallas_kernels/w8a8.py).
         A runtime choice (`--activation-quantization`), not stored in saved checkpoints.
       super_scales, super_zeros: None, or two-level group rows (GGUF K-quants): `scales` (and
         `zeros`) then hold uint8 codes, and [K_pad // super_group, N_pad] float16 rows scale them:

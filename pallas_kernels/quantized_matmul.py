@@ -370,9 +370,9 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
 
     Args:
       x: [M, K] bf16 or f32 (computed as bf16 activations, f32 accumulation).
-      qw: QuantizedWeight of logical shape (K, N). Per-channel fp8 with `activations="fp8"`: from
-        `w8a8.MIN_ROWS` rows on, x is rounded per row to e4m3 and multiplied on the fp8 tensor cores
-        (pallas_kernels/w8a8.py), whatever the backend.
+      qw: QuantizedWeight of logical shape (K, N). Per-channel fp8 / int8 with `activations` "fp8" /
+        "int8": from `w8a8.MIN_ROWS` rows on, x is rounded per row to the weight's format and
+        multiplied on the 8-bit tensor cores (pallas_kernels/w8a8.py), whatever the backend.
       backend: "pallas" (the Mosaic GPU kernel), "xla" (per-channel int8/fp8: the convert fused into
         XLA's GEMM, see `xla_convert_matmul`; other formats dequantize + dot), "reference"
         (dequantize + dot in f32), "int8_mma" (per-channel int8, up to 128 rows: the int8 tensor
@@ -412,8 +412,8 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         raise ValueError(f"unknown backend {backend!r}")
     if prefill not in ("auto", "rows", "pallas", "xla"):
         raise ValueError(f"prefill must be 'auto', 'rows', 'pallas' or 'xla', got {prefill!r}")
-    if w8a8.takes_fp8_activations(qw, m):   # the weight asks for W8A8 at this many rows, on any backend
-        return w8a8.fp8_activation_matmul(x, qw, out_dtype)
+    if w8a8.takes_quantized_activations(qw, m):   # the weight asks for W8A8 at this many rows, any backend
+        return w8a8.w8a8_matmul(x, qw, out_dtype)
     if backend == "reference":
         return quantized_matmul_reference(x, qw).astype(out_dtype)
     if qw.mma_order and qw.format == "int8":   # its K permuted (for decode_matmul): permute x's alike

@@ -137,27 +137,28 @@ def test_awq_checkpoint_saved_with_orbax_loads_back_the_same(tmp_path):
                                [lp[t].logprob for lp, t in zip(ref.logprobs, ref.token_ids)], atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-channel", "fbgemm-fp8", "fp8-block"])
-def test_fp8_checkpoints_made_for_fp8_activations(tmp_path, caplog, fmt):
-    """FP8 checkpoints are W8A8 by design. They load as W8A16 and say how to get fp8 activations;
-    per-channel ones take them when asked (a long prompt reaches the W8A8 products), block-scaled ones
-    cannot and say so, before anything compiles."""
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fbgemm-fp8", "fp8-block", "ct-w8a8-int"])
+def test_checkpoints_made_for_8bit_activations(tmp_path, caplog, fmt):
+    """FP8 and int8 W8A8 checkpoints are W8A8 by design. They load as W8A16 and say how to get 8-bit
+    activations; per-channel ones take them when asked (a long prompt reaches the W8A8 products),
+    block-scaled ones cannot and say so, before anything compiles."""
+    acts = "int8" if fmt == "ct-w8a8-int" else "fp8"
     write_prequantized(_model(), str(tmp_path), fmt)
     prompt = [int(t) for t in np.random.RandomState(0).randint(0, 512, size=300)]
     with caplog.at_level(logging.INFO, logger="atlasjax.prequantized"):
         plain = LLM(str(tmp_path), max_num_seqs=2, max_model_len=512, max_num_batched_tokens=512)
-    hint = [r.getMessage() for r in caplog.records if "made for fp8 activations" in r.getMessage()]
+    hint = [r.getMessage() for r in caplog.records if f"made for {acts} activations" in r.getMessage()]
     assert hint, "the checkpoint's W8A8 design is not mentioned"
-    assert "fp8 activations" not in plain.engine.weights_summary
+    assert "activations" not in plain.engine.weights_summary
     if fmt == "fp8-block":
-        assert "per-channel FP8 only" in hint[0]
+        assert "fp8 activations take weights with one scale per channel only" in hint[0]
         with pytest.raises(EngineConfigError, match="needs fp8 weights with one scale per output channel"):
             LLM(str(tmp_path), max_num_seqs=2, max_model_len=512, activation_quantization="fp8")
         return
-    assert "--activation-quantization fp8" in hint[0]
+    assert f"--activation-quantization {acts}" in hint[0]
     w8a8 = LLM(str(tmp_path), max_num_seqs=2, max_model_len=512, max_num_batched_tokens=512,
-               activation_quantization="fp8")
-    assert "fp8 per channel (fp8 activations)" in w8a8.engine.weights_summary
+               activation_quantization=acts)
+    assert f"{acts} per channel ({acts} activations)" in w8a8.engine.weights_summary
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
 
     def prompt_logprobs(llm):
@@ -165,4 +166,4 @@ def test_fp8_checkpoints_made_for_fp8_activations(tmp_path, caplog, fmt):
         return np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
     a, b = prompt_logprobs(plain), prompt_logprobs(w8a8)
     assert not np.array_equal(a, b)                  # the activations were rounded ...
-    assert np.abs(a - b).mean() < 0.05 * np.abs(a).mean()   # ... by fp8's few percent, not more
+    assert np.abs(a - b).mean() < 0.05 * np.abs(a).mean()   # ... by 8 bits' few percent, not more

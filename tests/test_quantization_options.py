@@ -66,4 +66,7 @@ def test_cli_flags_reach_the_engine():
     kw = engine_kwargs(build_parser().parse_args(["serve", "--model", "x", "--quantization", "fp8",
                                                   "--activation-quantization", "fp8"]))
     assert (kw["quantization"], kw["activation_quantization"]) == ("fp8", "fp8")
+    kw = engine_kwargs(build_parser().parse_args(["generate", "x", "--quantization", "int8",
+                                                  "--activation-quantization", "int8"]))
+    assert (kw["quantization"], kw["activation_quantization"]) == ("int8", "int8")
     assert engine_kwargs(build_parser().parse_args(["generate", "x"]))["activation_quantization"] is None

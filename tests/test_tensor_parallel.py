@@ -228,9 +228,10 @@ def test_compile_at_start_under_tp_equal_single_device(case):
     assert set(llm.engine.runner._compiled) == before     # nothing more compiles, prompt logprobs included
 
 
-def test_fp8_activations_split_per_device(hf_model_factory):
-    """W8A8 under TP=2: a row-parallel shard rounds its own slice of each token to e4m3 (its own
-    scale), so the logprobs are not bit-equal to one device's; they must stay as close to the float
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_8bit_activations_split_per_device(hf_model_factory, fmt):
+    """W8A8 under TP=2: a row-parallel shard rounds its own slice of each token to e4m3 / int8 (its
+    own scale), so the logprobs are not bit-equal to one device's; they must stay as close to the float
     model as one device's W8A8, with the same greedy tokens."""
     _, path = hf_model_factory("llama_gqa4")
     engine = dict(max_num_seqs=2, max_model_len=320, page_size=16, max_num_batched_tokens=256)
@@ -242,11 +243,11 @@ def test_fp8_activations_split_per_device(hf_model_factory):
         lps = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
         return lps, out.outputs[0].token_ids
     ref, _ = run(LLM(path, **engine))
-    one, one_tokens = run(LLM(path, quantization="fp8", activation_quantization="fp8", **engine))
-    llm = LLM(path, quantization="fp8", activation_quantization="fp8", tensor_parallel_size=2, **engine)
-    assert "fp8 activations" in llm.engine.weights_summary
+    one, one_tokens = run(LLM(path, quantization=fmt, activation_quantization=fmt, **engine))
+    llm = LLM(path, quantization=fmt, activation_quantization=fmt, tensor_parallel_size=2, **engine)
+    assert f"{fmt} activations" in llm.engine.weights_summary
     q = llm.engine.runner.params["layers_0"]["mlp"]["down_proj"]["kernel"]
-    assert q.activations == "fp8" and _spec_dims(q.qweight) == [0]
+    assert q.activations == fmt and _spec_dims(q.qweight) == [0]
     two, two_tokens = run(llm)
     assert two_tokens == one_tokens
     assert np.abs(two - ref).mean() <= 1.25 * np.abs(one - ref).mean()

@@ -102,7 +102,7 @@ def run(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[str]]:
             # the group settings go where the format takes them (int4; int8 the group size; never fp8 or bf16)
             sub.quantization_group_size = args.quantization_group_size if q in GROUPED_FORMATS else None
             sub.quantization_symmetric = args.quantization_symmetric if q == "int4" else None
-            sub.activation_quantization = acts if q == "fp8" else None   # fp8 activations multiply fp8 weights
+            sub.activation_quantization = acts if q == acts else None   # fp8 (int8) activations multiply fp8 (int8) weights
             label = weights_label(sub.quantization, sub.quantize_lm_head, sub.activation_quantization) or "none"
             progress(f"--compare-quantization: {label}")
             rep_q, _ = _run_one(sub, ceilings, None)

@@ -110,13 +110,13 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
 def weights_label(quantization: str | None, quantize_lm_head: bool = False, activations: str | None = None
                   ) -> str | None:
     """How the bench names a weight format in its tables: "int8", "int8 + LM head", "fp8 W8A8" (fp8
-    activations), "gguf-q4_k_m" (its LM head as the file has it), or None (unquantized)."""
+    activations; int8 alike), "gguf-q4_k_m" (its LM head as the file has it), or None (unquantized)."""
     if not quantization:
         return None
     if quantization in GGUF_LAYOUTS:
         return quantization
     label = f"{quantization} + LM head" if quantize_lm_head else quantization
-    return f"{label} W8A8" if activations == "fp8" and quantization == "fp8" else label
+    return f"{label} W8A8" if activations and activations == quantization else label
 
 
 def args_weights_label(args) -> str | None:
