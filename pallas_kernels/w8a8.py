@@ -5,7 +5,9 @@ Each row of x is rounded to the weight's format with its own scale, computed as 
 - fp8: e4m3 codes at absmax / 448; the e4m3 x e4m3 dot lowers on Hopper to cuBLASLt's fp8 GEMM
   (`__cublas$lt$matmul$f8`);
 - int8: symmetric integer codes in [-127, 127] at absmax / 127; the s8 x s8 -> s32 dot is exact and
-  runs on the int8 tensor cores (on the H100 as fast as fp8's, twice the bf16 rate). An int8 weight
+  runs on the int8 tensor cores (cuBLASLt's int8 GEMM: 1,590 TOPS at 2,048 x gate_up on the H100,
+  2.4x the bf16 dot's rate), but its s32 result makes a round trip through memory before the scales
+  multiply it (4 bytes read per output, 2 written), where fp8's GEMM writes bf16. An int8 weight
   stored in mma order (pallas_kernels/int8_mma_order.py) has K permuted in blocks of 32: the
   activation codes are permuted alike, which leaves the sum unchanged.
 W keeps its per-output-channel codes; both scales multiply the result in f32. Elsewhere XLA
@@ -21,8 +23,13 @@ quantization included) / the W8A16 path the engine runs otherwise / the bf16 dot
 | 256 | 24.5 / 27.8 / 29.9 | 16.8 / 20.3 / 22.6 | 70.2 / 121.2 / 119.4 | 43.4 / 51.7 / 52.0 |
 | 2,048 | 108 / 173 / 142 | 79 / 114 / 93 | 403 / 837 / 737 | |
 Up to 128 rows the product is bound by the weight's bytes, which W8A16 already halves, and
-rounding x would only cost accuracy: `quantized_matmul` keeps W8A16 below `MIN_ROWS`. int8: see
-docs/performance.md, session 51.
+rounding x would only cost accuracy: `quantized_matmul` keeps W8A16 below `MIN_ROWS`.
+int8 (session 51), W8A8 / the engine's W8A16 / the bf16 dot, us:
+| rows | qkv | o_proj | gate_up | down |
+|---|---|---|---|---|
+| 256 | 32.0 / 33.2 / 30.9 | 29.1 / 23.8 / 21.0 | 80.8 / 130.0 / 120.0 | 57.6 / 61.4 / 52.2 |
+| 2,048 | 122 / 200 / 140 | 89 / 138 / 91 | 442 / 857 / 726 | 231 / 418 / 305 |
+Of gate_up's 442 us at 2,048 rows the GEMM is 302, the s32 result's pass through the scales ~130.
 
 Accuracy: an activation rounded to e4m3 carries a relative error of up to 2^-4, one rounded to int8
 an absolute error of up to absmax / 254 (finer than e4m3 for values near the row's largest, coarser
@@ -87,4 +94,9 @@ def w8a8_matmul(x: jax.Array, qw: QuantizedWeight, out_dtype=None) -> jax.Array:
         codes, qw = permuted_like_mma_order(codes, qw)
         gemm_dtype = jnp.int32   # exact: |sum| <= K * 127^2 < 2^31 for K < 133,000
     y = lax.dot_general(codes, qw.qweight, (((1,), (1,)), ((), ())), preferred_element_type=gemm_dtype)
+    if qw.format == "int8":
+        # XLA's GEMM fusion would otherwise keep the s32 -> f32 convert for itself and, running cuBLAS's
+        # int8 GEMM, leave it as a kernel of its own: an f32 copy of y written and read again (2,048 x
+        # gate_up: 600 against 441 us on the H100, notebooks/gpu_int8_gemm_probe.py, session 51)
+        y = lax.optimization_barrier(y)
     return (y.astype(jnp.float32) * x_scale * qw.scales[0])[:, :qw.shape[1]].astype(out_dtype)
