@@ -24,7 +24,7 @@ quantization included) / the W8A16 path the engine runs otherwise / the bf16 dot
 | 2,048 | 108 / 173 / 142 | 79 / 114 / 93 | 403 / 837 / 737 | |
 Up to 128 rows the product is bound by the weight's bytes, which W8A16 already halves, and
 rounding x would only cost accuracy: `quantized_matmul` keeps W8A16 below `MIN_ROWS`.
-int8 (session 51), W8A8 / the engine's W8A16 / the bf16 dot, us:
+int8 (session 51), W8A8 / the engine's W8A16 (another call) / the bf16 dot, us:
 | rows | qkv | o_proj | gate_up | down |
 |---|---|---|---|---|
 | 256 | 32.0 / 33.2 / 30.9 | 29.1 / 23.8 / 21.0 | 80.8 / 130.0 / 120.0 | 57.6 / 61.4 / 52.2 |
@@ -34,8 +34,8 @@ Of gate_up's 442 us at 2,048 rows the GEMM is 302, the s32 result's pass through
 Accuracy: an activation rounded to e4m3 carries a relative error of up to 2^-4, one rounded to int8
 an absolute error of up to absmax / 254 (finer than e4m3 for values near the row's largest, coarser
 for small ones). On Gaussian data the product's relative error goes from 0.027 (fp8 W8A16) to 0.038.
-The model-level cost is measured as KL divergence in tests/test_fp8_activations.py,
-tests/test_int8_activations.py and docs/quantization.md.
+The model-level cost is measured as KL divergence in tests/test_w8a8.py and docs/quantization.md
+(SmolLM2: fp8 0.0174 nats per position against 0.0114 with W8A16, int8 0.0237 against 0.0017).
 """
 from __future__ import annotations
 
