@@ -22,6 +22,14 @@ def quantizing_converter(fmt: str, quantize_lm_head: bool = False, group_size: i
     return convert
 
 
+def smooths_int8_activations(config) -> bool:
+    """Whether the engine quantizes a float checkpoint to int8 itself after smoothing its activations
+    for int8 W8A8 (atlasjax/smoothing.py): `quantization="int8"` with `activation_quantization="int8"`
+    on one device. The checkpoint then loads as floats and is quantized once smoothed."""
+    return (config.quantization == "int8" and config.activation_quantization == "int8"
+            and config.tensor_parallel_size == 1)
+
+
 def load_for_engine(config, dtype) -> LoadedModel:
     """Load config.model; with tensor_parallel_size > 1, sharded over a new mesh while it loads. An fp8
     KV cache (config.kv_cache_dtype) takes the checkpoint's calibrated KV-cache scales into the weights."""
@@ -30,8 +38,14 @@ def load_for_engine(config, dtype) -> LoadedModel:
     from atlasjax.engine_config import resolve_kv_cache_dtype  # noqa: PLC0415
     from pallas_kernels.kv_write import is_fp8  # noqa: PLC0415
     path = config.model or ensure_default_model()
+    at_load = config.quantization and not smooths_int8_activations(config)   # else quantized once smoothed
     convert = quantizing_converter(config.quantization, config.quantize_lm_head, config.quantization_group_size,
-                                   config.quantization_symmetric) if config.quantization else None
+                                   config.quantization_symmetric) if at_load else None
+    if config.activation_quantization == "int8" and config.quantization == "int8" and at_load:
+        import logging  # noqa: PLC0415
+        logging.getLogger("atlasjax.engine").info(
+            "int8 activations with tensor parallelism: the weights are quantized as they load, without "
+            "smoothing (it calibrates on one device)")
     keep = config.keep_gguf_quantized
     if keep is None:
         keep = jax.default_backend() == "gpu"
@@ -71,12 +85,19 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
 
 def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int):
     """The loaded params with the engine's settings that change weights, not how they load:
+    int8 quantization after smoothing for int8 activations (`smooths_int8_activations`),
     `calculate_kv_scales` (scales measured at start and folded in, atlasjax/kv_calibration.py) and
     `activation_quantization` (per-channel fp8 / int8 weights marked for 8-bit activations; a model
     without them is a configuration error, not a silent no-op)."""
     import logging  # noqa: PLC0415
 
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    if smooths_int8_activations(config) and has_float_projections(params):
+        from atlasjax.quantization import quantize_params  # noqa: PLC0415
+        from atlasjax.smoothing import smooth_for_int8_activations  # noqa: PLC0415
+        params = smooth_for_int8_activations(cfg, params, tokenizer, dtype, max_len)
+        params = quantize_params(params, "int8", symmetric=config.quantization_symmetric,
+                                 quantize_lm_head=config.quantize_lm_head)
     if config.calculate_kv_scales:
         from atlasjax.kv_calibration import calculate_kv_scales  # noqa: PLC0415
         params = calculate_kv_scales(cfg, params, tokenizer, dtype, kv_dtype, max_len)
@@ -93,6 +114,18 @@ def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_le
         logging.getLogger("atlasjax.engine").info("%d %s weights take %s activations from %d rows on",
                                                   count, acts, acts, MIN_ROWS)
     return params
+
+
+def has_float_projections(params) -> bool:
+    """Whether any linear projection of the tree is still a float array (not quantized yet)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from atlasjax.quantization import is_projection_kernel, map_params  # noqa: PLC0415
+    found = []
+    map_params(params, lambda path, leaf: found.append(
+        is_projection_kernel(path, leaf) and isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating)))
+    return any(found)
 
 
 def shard_loaded(loaded: LoadedModel, tensor_parallel_size: int, dtype) -> LoadedModel:

@@ -229,10 +229,11 @@ def test_compile_at_start_under_tp_equal_single_device(case):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_8bit_activations_split_per_device(hf_model_factory, fmt):
+def test_8bit_activations_split_per_device(hf_model_factory, fmt, tmp_path):
     """W8A8 under TP=2: a row-parallel shard rounds its own slice of each token to e4m3 / int8 (its
     own scale), so the logprobs are not bit-equal to one device's; they must stay as close to the float
-    model as one device's W8A8, with the same greedy tokens."""
+    model as one device's W8A8, with the same greedy tokens. Both load one saved quantized checkpoint
+    (one device would smooth int8 weights it quantized itself, atlasjax/smoothing.py; TP does not)."""
     _, path = hf_model_factory("llama_gqa4")
     engine = dict(max_num_seqs=2, max_model_len=320, page_size=16, max_num_batched_tokens=256)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
@@ -243,8 +244,9 @@ def test_8bit_activations_split_per_device(hf_model_factory, fmt):
         lps = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
         return lps, out.outputs[0].token_ids
     ref, _ = run(LLM(path, **engine))
-    one, one_tokens = run(LLM(path, quantization=fmt, activation_quantization=fmt, **engine))
-    llm = LLM(path, quantization=fmt, activation_quantization=fmt, tensor_parallel_size=2, **engine)
+    LLM(path, quantization=fmt, max_num_seqs=2, max_model_len=128).save(str(tmp_path / fmt))
+    one, one_tokens = run(LLM(str(tmp_path / fmt), activation_quantization=fmt, **engine))
+    llm = LLM(str(tmp_path / fmt), activation_quantization=fmt, tensor_parallel_size=2, **engine)
     assert f"{fmt} activations" in llm.engine.weights_summary
     q = llm.engine.runner.params["layers_0"]["mlp"]["down_proj"]["kernel"]
     assert q.activations == fmt and _spec_dims(q.qweight) == [0]
