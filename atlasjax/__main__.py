@@ -33,7 +33,8 @@ def add_weight_format_args(g, layouts: tuple[str, ...] = ()) -> None:
                         "checkpoint) multiply products of 256 rows or more (prefill chunks, large decode "
                         "batches) by activations rounded per token to it, on the 8-bit tensor cores (W8A8, as "
                         "vLLM runs fp8 and int8 W8A8 checkpoints): faster prefill, a little less accurate "
-                        "(docs/quantization.md). Default: bf16 activations")
+                        "(docs/quantization.md; int8 weights quantized at load are smoothed first, as "
+                        "SmoothQuant). Default: bf16 activations")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization: quantize the untied LM head too (Llama-3.1-8B: 1.05 GB bf16 -> "
                         "0.53 GB int8; default: it stays in --dtype; a tied LM head, i.e. the embedding "
