@@ -35,7 +35,9 @@ Accuracy: an activation rounded to e4m3 carries a relative error of up to 2^-4, 
 an absolute error of up to absmax / 254 (finer than e4m3 for values near the row's largest, coarser
 for small ones). On Gaussian data the product's relative error goes from 0.027 (fp8 W8A16) to 0.038.
 The model-level cost is measured as KL divergence in tests/test_w8a8.py and docs/quantization.md
-(SmolLM2: fp8 0.0174 nats per position against 0.0114 with W8A16, int8 0.0237 against 0.0017).
+(SmolLM2: fp8 0.0174 nats per position against 0.0114 with W8A16; int8 0.0078 against 0.0017 with
+the smoothing the engine applies when it quantizes to int8 for int8 activations, atlasjax/smoothing.py,
+0.0237 without).
 """
 from __future__ import annotations
 
