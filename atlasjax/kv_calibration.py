@@ -64,20 +64,27 @@ def calibration_ids(tokenizer, vocab_size: int, max_len: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(0).integers(0, vocab_size, size=n)]
 
 
+def reference_prefill(cfg, n: int, dtype):
+    """(model, positions, kv cache maker, metadata) for one n-token sequence through the reference
+    Transformer (reference attention, a cache in `dtype`): the calibration forwards' set-up."""
+    from models.attention import AttentionMetadata  # noqa: PLC0415
+    from models.transformer import Transformer, init_kv_cache  # noqa: PLC0415
+    page = 16
+    pages = -(-n // page)
+    meta = AttentionMetadata(slot_mapping=jnp.arange(n), page_table=jnp.arange(pages)[None],
+                             seq_lens=jnp.array([n]), query_start=jnp.array([0, n]), num_seqs=jnp.array(1))
+    return (Transformer(cfg, attn_backend="reference", dtype=dtype), jnp.arange(n),
+            lambda: init_kv_cache(cfg, pages, page, dtype), meta)
+
+
 def kv_amax(cfg, params, ids: list[int], dtype) -> tuple[np.ndarray, np.ndarray]:
     """Per layer, the largest |K| and |V| the model stores for `ids` (one sequence, reference attention,
     a cache in `dtype`). params: the checkpoint-layout tree on one device."""
-    from models.attention import AttentionMetadata  # noqa: PLC0415
-    from models.transformer import Transformer, init_kv_cache  # noqa: PLC0415
-    n, page = len(ids), 16
-    pages = -(-n // page)
-    model = Transformer(cfg, attn_backend="reference", dtype=dtype)
-    meta = AttentionMetadata(slot_mapping=jnp.arange(n), page_table=jnp.arange(pages)[None],
-                             seq_lens=jnp.array([n]), query_start=jnp.array([0, n]), num_seqs=jnp.array(1))
+    model, positions, new_kv, meta = reference_prefill(cfg, len(ids), dtype)
 
     @jax.jit
     def amax(params, tokens):
-        _, kv = model.apply({"params": params}, tokens, jnp.arange(n), init_kv_cache(cfg, pages, page, dtype), meta)
+        _, kv = model.apply({"params": params}, tokens, positions, new_kv(), meta)
         return jnp.stack([jnp.stack([jnp.max(jnp.abs(k.astype(jnp.float32))), jnp.max(jnp.abs(v.astype(jnp.float32)))])
                           for k, v in kv])
     out = np.asarray(amax(params, jnp.asarray(ids, jnp.int32)))

@@ -43,21 +43,16 @@ def input_amax(cfg, params, ids: list[int], dtype) -> dict[tuple[int, int], np.n
     """{(layer, group): max |x_j| over the calibration tokens, per input channel} for the inputs of
     q_proj, gate_proj and down_proj (one sequence, reference attention). params: the checkpoint-layout
     tree on one device."""
-    from models.attention import AttentionMetadata  # noqa: PLC0415
+    from atlasjax.kv_calibration import reference_prefill  # noqa: PLC0415
     from models.deferred import materialize  # noqa: PLC0415
     from models.layers import Linear  # noqa: PLC0415
-    from models.transformer import Transformer, init_kv_cache  # noqa: PLC0415
-    n, page = len(ids), 16
-    pages = -(-n // page)
-    model = Transformer(cfg, attn_backend="reference", dtype=dtype)
-    meta = AttentionMetadata(slot_mapping=jnp.arange(n), page_table=jnp.arange(pages)[None],
-                             seq_lens=jnp.array([n]), query_start=jnp.array([0, n]), num_seqs=jnp.array(1))
+    model, positions, new_kv, meta = reference_prefill(cfg, len(ids), dtype)
 
     def layers(module, tokens, layer_seen):   # the Transformer's loop, each layer's index known
-        x, kv = module.embed_tokens(tokens), init_kv_cache(cfg, pages, page, dtype)
+        x, kv = module.embed_tokens(tokens), new_kv()
         for i, layer in enumerate(module.layers):
             layer_seen[0] = i
-            x, _ = layer(x, jnp.arange(n), kv[i], meta, None)
+            x, _ = layer(x, positions, kv[i], meta, None)
         return x
 
     @jax.jit
