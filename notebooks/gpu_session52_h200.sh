@@ -5,6 +5,7 @@
 #     kernels' share of copy bandwidth at 8 rows (bench_kernels_quant --no-prefill).
 #   STAGE=prefill: the 2,048-token prefill (TTFT), fp8 / int8 / int4 weights against bf16 in one process,
 #     then fp8 W8A8 against bf16.
+#   STAGE=xla_int4: notebooks/gpu_xla_int4_probe.py (XLA's int4 GEMM against the engine's int4 kernel).
 #   STAGE=profile: where a step's time goes, per kernel, for fp8, int4 and bf16 (4 steps per launch).
 #   STAGE=variants: the step's kernels per layer (gpu_profile_step.py, 4 steps per launch, QUANT, default
 #     fp8) under VARIANTS, ';'-separated sets of environment assignments; PROBE=1 also prints how XLA
@@ -33,6 +34,9 @@ prefill)
         --num-iters 3 --batch-size 1 --quantization fp8 --activation-quantization fp8 --compare-quantization none \
         --output $OUT/ttft_h200_w8a8.json > $OUT/ttft_h200_w8a8.log 2>&1
     echo "== ttft w8a8 rc=$?"; grep -A5 "weight formats" $OUT/ttft_h200_w8a8.log ;;
+xla_int4)
+    # XLA's own s4 GEMM (per column, per group, with the sub-channel fusion flag) against the engine's kernel
+    ROWS=${ROWS:-8,16} timeout 400 python notebooks/gpu_xla_int4_probe.py 2>&1 | grep -v "^W\|^I0" | tail -20 ;;
 profile)
     for q in fp8 int4 ""; do
         QUANT=$q LM_HEAD=$([ -n "$q" ] && echo 1 || echo 0) SCHED_STEPS=4 timeout 170 python notebooks/gpu_profile_step.py > $OUT/profile_${q:-bf16}.log 2>&1
