@@ -22,17 +22,21 @@ from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
 
 ROWS = int(os.environ.get("ROWS", 8))
 VARIANTS = {
+    "auto": QuantMatmulConfig(),   # what the engine runs for groups of 128
     "u1_unfolded": QuantMatmulConfig(group_unroll=1, fold_zeros=False),
     "u1": QuantMatmulConfig(group_unroll=1),
     "u2": QuantMatmulConfig(group_unroll=2),
     "u4": QuantMatmulConfig(group_unroll=4),
     "u2_d2": QuantMatmulConfig(group_unroll=2, max_concurrent_steps=2),
     "u2_d6": QuantMatmulConfig(group_unroll=2, max_concurrent_steps=6),
+    "u2_d8": QuantMatmulConfig(group_unroll=2, max_concurrent_steps=8),   # session 52 (H200): deeper
+    "u4_d4": QuantMatmulConfig(group_unroll=4, max_concurrent_steps=4),
     "u4_d2": QuantMatmulConfig(group_unroll=4, max_concurrent_steps=2),
     "u8_d2": QuantMatmulConfig(group_unroll=8, max_concurrent_steps=2),
     "u2_s1": QuantMatmulConfig(group_unroll=2, num_k_splits=1),
     "u2_s2": QuantMatmulConfig(group_unroll=2, num_k_splits=2),
     "u2_s4": QuantMatmulConfig(group_unroll=2, num_k_splits=4),
+    "u2_s8": QuantMatmulConfig(group_unroll=2, num_k_splits=8),
     # the group's scale (and offset) applied to the tile in registers, one accumulator for all K
     "pre128": QuantMatmulConfig(prescale=True, prescale_tile_k=128),
     "pre256": QuantMatmulConfig(prescale=True, prescale_tile_k=256),

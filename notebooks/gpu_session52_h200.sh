@@ -6,6 +6,7 @@
 #   STAGE=prefill: the 2,048-token prefill (TTFT), fp8 / int8 / int4 weights against bf16 in one process,
 #     then fp8 W8A8 against bf16.
 #   STAGE=xla_int4: notebooks/gpu_xla_int4_probe.py (XLA's int4 GEMM against the engine's int4 kernel).
+#   STAGE=int4_sweep: notebooks/gpu_int4_group_sweep.py (the int4 kernel's tunables) on the H200.
 #   STAGE=profile: where a step's time goes, per kernel, for fp8, int4 and bf16 (4 steps per launch).
 #   STAGE=variants: the step's kernels per layer (gpu_profile_step.py, 4 steps per launch, QUANT, default
 #     fp8) under VARIANTS, ';'-separated sets of environment assignments; PROBE=1 also prints how XLA
@@ -37,6 +38,10 @@ prefill)
 xla_int4)
     # XLA's own s4 GEMM (per column, per group, with the sub-channel fusion flag) against the engine's kernel
     ROWS=${ROWS:-8,16} timeout 400 python notebooks/gpu_xla_int4_probe.py 2>&1 | grep -v "^W\|^I0" | tail -20 ;;
+int4_sweep)
+    # the int4 kernel's tunables (groups per step, pipeline depth, K splits) on the H200's bandwidth
+    ONLY=${ONLY:-auto,u1,u2,u4,u2_d2,u2_d6,u2_d8,u4_d2,u4_d4,u2_s1,u2_s2,u2_s4,u2_s8} timeout 420 \
+        python notebooks/gpu_int4_group_sweep.py 2>&1 | grep -v "^W\|^I0" | tail -70 ;;
 profile)
     for q in fp8 int4 ""; do
         QUANT=$q LM_HEAD=$([ -n "$q" ] && echo 1 || echo 0) SCHED_STEPS=4 timeout 170 python notebooks/gpu_profile_step.py > $OUT/profile_${q:-bf16}.log 2>&1
