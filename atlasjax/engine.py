@@ -109,7 +109,7 @@ class LLMEngine:
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
         own_params = given is None or params is not given.params
         params = with_weight_settings(params, config, cfg, self.tokenizer, self.dtype, self.kv_dtype,
-                                      self.max_model_len)
+                                      self.max_model_len, plan=self.loaded.plan)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
         log.info("%s: %s", self.loaded.source, self.weights_summary)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,

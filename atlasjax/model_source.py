@@ -24,10 +24,12 @@ def quantizing_converter(fmt: str, quantize_lm_head: bool = False, group_size: i
 
 def smooths_int8_activations(config) -> bool:
     """Whether the engine quantizes a float checkpoint to int8 itself after smoothing its activations
-    for int8 W8A8 (atlasjax/smoothing.py): `quantization="int8"` with `activation_quantization="int8"`
-    on one device. The checkpoint then loads as floats and is quantized once smoothed."""
+    for int8 W8A8 (atlasjax/smoothing.py): `quantization="int8"` with `activation_quantization="int8"`,
+    in one process (one device, or tensor parallelism on one host). The checkpoint then loads as
+    floats and is quantized once smoothed."""
+    from atlasjax import distributed  # noqa: PLC0415
     return (config.quantization == "int8" and config.activation_quantization == "int8"
-            and config.tensor_parallel_size == 1)
+            and not distributed.is_multiprocess())
 
 
 def load_for_engine(config, dtype) -> LoadedModel:
@@ -44,8 +46,8 @@ def load_for_engine(config, dtype) -> LoadedModel:
     if config.activation_quantization == "int8" and config.quantization == "int8" and at_load:
         import logging  # noqa: PLC0415
         logging.getLogger("atlasjax.engine").info(
-            "int8 activations with tensor parallelism: the weights are quantized as they load, without "
-            "smoothing (it calibrates on one device)")
+            "int8 activations on several hosts: the weights are quantized as they load, without "
+            "smoothing (it calibrates in one process)")
     keep = config.keep_gguf_quantized
     if keep is None:
         keep = jax.default_backend() == "gpu"
@@ -83,9 +85,10 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
     return loaded
 
 
-def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int):
+def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int, plan=None):
     """The loaded params with the engine's settings that change weights, not how they load:
-    int8 quantization after smoothing for int8 activations (`smooths_int8_activations`),
+    int8 quantization after smoothing for int8 activations (`smooths_int8_activations`; under tensor
+    parallelism, `plan`, on the float model gathered to one device, then placed again),
     `calculate_kv_scales` (scales measured at start and folded in, atlasjax/kv_calibration.py) and
     `activation_quantization` (per-channel fp8 / int8 weights marked for 8-bit activations; a model
     without them is a configuration error, not a silent no-op)."""
@@ -93,11 +96,7 @@ def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_le
 
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
     if smooths_int8_activations(config) and has_float_projections(params):
-        from atlasjax.quantization import quantize_params  # noqa: PLC0415
-        from atlasjax.smoothing import smooth_for_int8_activations  # noqa: PLC0415
-        params = smooth_for_int8_activations(cfg, params, tokenizer, dtype, max_len)
-        params = quantize_params(params, "int8", symmetric=config.quantization_symmetric,
-                                 quantize_lm_head=config.quantize_lm_head)
+        params = _smoothed_int8(params, config, cfg, tokenizer, dtype, max_len, plan)
     if config.calculate_kv_scales:
         from atlasjax.kv_calibration import calculate_kv_scales  # noqa: PLC0415
         params = calculate_kv_scales(cfg, params, tokenizer, dtype, kv_dtype, max_len)
@@ -114,6 +113,24 @@ def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_le
         logging.getLogger("atlasjax.engine").info("%d %s weights take %s activations from %d rows on",
                                                   count, acts, acts, MIN_ROWS)
     return params
+
+
+def _smoothed_int8(params, config, cfg, tokenizer, dtype, max_len: int, plan):
+    """Float params smoothed for int8 activations, then quantized to int8. A tensor-parallel tree is
+    gathered (checkpoint layout, on the first device), smoothed and quantized there as one device's,
+    and placed on the mesh again: each device's shard then holds the weights one device would."""
+    from atlasjax.quantization import quantize_params  # noqa: PLC0415
+    from atlasjax.smoothing import smooth_for_int8_activations  # noqa: PLC0415
+    if plan is not None:
+        import jax  # noqa: PLC0415
+
+        from atlasjax.sharding import logical_axes  # noqa: PLC0415
+        logical = logical_axes(cfg, dtype)
+        params = jax.device_put(plan.gather(params, logical), jax.devices()[0])
+    params = smooth_for_int8_activations(cfg, params, tokenizer, dtype, max_len)
+    params = quantize_params(params, "int8", symmetric=config.quantization_symmetric,
+                             quantize_lm_head=config.quantize_lm_head)
+    return params if plan is None else plan.shard_params(params, logical)
 
 
 def has_float_projections(params) -> bool:

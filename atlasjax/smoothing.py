@@ -17,8 +17,9 @@ nats per token, and its fold (into Wv, shared by a group of query heads) would c
 
 Exact in real arithmetic; in the model's dtype the scaled weights and norms round once more before
 quantization. Applied where the engine quantizes a float checkpoint to int8 at load for int8
-activations, on one device (atlasjax/model_source.py); a checkpoint made for W8A8 int8 was smoothed
-by its maker. Measured in docs/quantization.md.
+activations, in one process: on one device, or under tensor parallelism on the float model gathered
+onto the first device (atlasjax/model_source.py); a checkpoint made for W8A8 int8 was smoothed by
+its maker. Measured in docs/quantization.md.
 """
 from __future__ import annotations
 

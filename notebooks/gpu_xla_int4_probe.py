@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, rotated, weight_nbytes
+from atlasjax.bench_kernels_quant import MIN_ROTATION_BYTES, device_ms, weight_nbytes
 from atlasjax.quantization import quantize
 from pallas_kernels.quantized_matmul import quantized_matmul
 

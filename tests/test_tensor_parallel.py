@@ -233,7 +233,7 @@ def test_8bit_activations_split_per_device(hf_model_factory, fmt, tmp_path):
     """W8A8 under TP=2: a row-parallel shard rounds its own slice of each token to e4m3 / int8 (its
     own scale), so the logprobs are not bit-equal to one device's; they must stay as close to the float
     model as one device's W8A8, with the same greedy tokens. Both load one saved quantized checkpoint
-    (one device would smooth int8 weights it quantized itself, atlasjax/smoothing.py; TP does not)."""
+    (int8 weights quantized at load are smoothed first: the next test)."""
     _, path = hf_model_factory("llama_gqa4")
     engine = dict(max_num_seqs=2, max_model_len=320, page_size=16, max_num_batched_tokens=256)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
@@ -253,4 +253,39 @@ def test_8bit_activations_split_per_device(hf_model_factory, fmt, tmp_path):
     two, two_tokens = run(llm)
     assert two_tokens == one_tokens
     assert np.abs(two - ref).mean() <= 1.25 * np.abs(one - ref).mean()
+    assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages
+
+
+def test_int8_activations_smoothed_under_tensor_parallelism(hf_model_factory):
+    """int8 weights quantized at load for int8 activations are smoothed under TP=2 as on one device
+    (atlasjax/smoothing.py; the float model gathered, smoothed and quantized, then placed again):
+    every shard holds one device's smoothed int8 weights, and the greedy tokens and logprobs match it."""
+    _, path = hf_model_factory("llama_gqa4")
+    engine = dict(max_num_seqs=2, max_model_len=320, page_size=16, max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    prompt = [int(t) for t in np.random.RandomState(6).randint(0, 512, size=300)]
+
+    def run(llm):
+        out = llm.generate([prompt], params)[0]
+        lps = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        return lps, out.outputs[0].token_ids
+    w8a8 = dict(quantization="int8", activation_quantization="int8", **engine)
+    float_llm = LLM(path, **engine)
+    ref, _ = run(float_llm)
+    one_llm = LLM(path, **w8a8)
+    one, one_tokens = run(one_llm)
+    llm = LLM(path, tensor_parallel_size=2, **w8a8)
+    two, two_tokens = run(llm)
+    assert two_tokens == one_tokens
+    assert np.abs(two - ref).mean() <= 1.25 * np.abs(one - ref).mean()
+    float_layer = float_llm.engine.runner.checkpoint_params()["layers_0"]
+    one_layer = one_llm.engine.runner.checkpoint_params()["layers_0"]
+    two_layer = llm.engine.runner.checkpoint_params()["layers_0"]
+    # smoothed: the input norm's scale moved, as one device moved it, and the int8 codes are one device's
+    norm = [np.asarray(layer["input_layernorm"]["scale"], np.float32) for layer in (float_layer, one_layer, two_layer)]
+    assert not np.allclose(norm[1], norm[0])
+    np.testing.assert_array_equal(norm[2], norm[1])
+    for block, name in (("self_attn", "q_proj"), ("mlp", "down_proj")):
+        got, want = (np.asarray(dequantize(layer[block][name]["kernel"])) for layer in (two_layer, one_layer))
+        np.testing.assert_array_equal(got, want)
     assert llm.engine.pool.num_free_pages == llm.engine.pool.num_pages
