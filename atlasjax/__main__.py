@@ -49,7 +49,7 @@ def add_kv_cache_dtype_arg(g) -> None:
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="with an fp8 KV cache: measure each layer's K and V scales on a calibration text at "
                         "start and fold them into the attention weights (for checkpoints without calibrated "
-                        "k_scale / v_scale; one device)")
+                        "k_scale / v_scale; one host)")
 
 
 def add_scheduler_steps_arg(g) -> None:

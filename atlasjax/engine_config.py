@@ -66,7 +66,7 @@ class EngineConfig:
                                              # fp8_e4m3 | fp8_e5m2 (stored unscaled, saturating; read as bf16)
     calculate_kv_scales: bool = False        # fp8 KV cache: measure each layer's K / V scales on a calibration
                                              # text at start and fold them into the attention weights
-                                             # (atlasjax/kv_calibration.py; one device)
+                                             # (atlasjax/kv_calibration.py; one host)
     max_num_seqs: int = 16
     decode_batch_sizes: tuple[int, ...] | None = None   # row counts the decode step is compiled for: a step
                                              # runs the smallest that holds its requests (None: 8, 16, 32, ...
@@ -150,9 +150,6 @@ class EngineConfig:
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             bad("calculate_kv_scales=True measures scales for an fp8 KV cache; set kv_cache_dtype='fp8' "
                 f"(it is {self.kv_cache_dtype!r})")
-        if self.calculate_kv_scales and self.tensor_parallel_size > 1:
-            bad("calculate_kv_scales=True runs on one device (tensor_parallel_size=1); with tensor parallelism, "
-                "load a checkpoint with calibrated k_scale / v_scale")
         acts = self.activation_quantization
         if acts not in (None, "fp8", "int8"):
             bad(f"activation_quantization must be None, fp8 or int8, got {acts!r}")

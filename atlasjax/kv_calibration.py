@@ -17,8 +17,9 @@ reach further than the calibration text, fine steps for the small values. vLLM i
 first batch it serves (amax / 200 for K, / 100 for V); a fixed text keeps a server's numerics
 independent of its first request.
 
-Scope: one device (tensor_parallel_size=1). A tensor-parallel engine holds its attention weights in
-per-device shards that this forward pass does not take; it needs a checkpoint with calibrated scales.
+Scope: one device's param tree. Under tensor parallelism (one host) the engine gathers its shards
+onto the first device for this and places the folded weights again (atlasjax/model_source.py);
+across hosts it needs a checkpoint with calibrated scales.
 """
 from __future__ import annotations
 

@@ -87,19 +87,18 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
 
 def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int, plan=None):
     """The loaded params with the engine's settings that change weights, not how they load:
-    int8 quantization after smoothing for int8 activations (`smooths_int8_activations`; under tensor
-    parallelism, `plan`, on the float model gathered to one device, then placed again),
-    `calculate_kv_scales` (scales measured at start and folded in, atlasjax/kv_calibration.py) and
-    `activation_quantization` (per-channel fp8 / int8 weights marked for 8-bit activations; a model
+    int8 quantization after smoothing for int8 activations (`smooths_int8_activations`),
+    `calculate_kv_scales` (scales measured at start and folded in, atlasjax/kv_calibration.py), both
+    on one device's model (under tensor parallelism, `plan`, the tree gathered to one device, then
+    placed again); and `activation_quantization` (per-channel fp8 / int8 weights marked for 8-bit activations; a model
     without them is a configuration error, not a silent no-op)."""
     import logging  # noqa: PLC0415
 
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
-    if smooths_int8_activations(config) and has_float_projections(params):
-        params = _smoothed_int8(params, config, cfg, tokenizer, dtype, max_len, plan)
-    if config.calculate_kv_scales:
-        from atlasjax.kv_calibration import calculate_kv_scales  # noqa: PLC0415
-        params = calculate_kv_scales(cfg, params, tokenizer, dtype, kv_dtype, max_len)
+    smooths = smooths_int8_activations(config) and has_float_projections(params)
+    if smooths or config.calculate_kv_scales:
+        params = _on_one_device(plan, cfg, dtype, params, lambda params: _calibrated(
+            params, config, cfg, tokenizer, dtype, kv_dtype, max_len, smooths))
     if config.activation_quantization:
         from atlasjax.quantization import with_activations  # noqa: PLC0415
         from pallas_kernels.w8a8 import MIN_ROWS  # noqa: PLC0415
@@ -115,22 +114,38 @@ def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_le
     return params
 
 
-def _smoothed_int8(params, config, cfg, tokenizer, dtype, max_len: int, plan):
-    """Float params smoothed for int8 activations, then quantized to int8. A tensor-parallel tree is
-    gathered (checkpoint layout, on the first device), smoothed and quantized there as one device's,
-    and placed on the mesh again: each device's shard then holds the weights one device would."""
-    from atlasjax.quantization import quantize_params  # noqa: PLC0415
-    from atlasjax.smoothing import smooth_for_int8_activations  # noqa: PLC0415
-    if plan is not None:
-        import jax  # noqa: PLC0415
+def _calibrated(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int, smooths: bool):
+    """One device's params after the settings that measure the model on the calibration text: the
+    smoothing and int8 quantization for int8 activations, then `calculate_kv_scales`."""
+    if smooths:
+        from atlasjax.quantization import quantize_params  # noqa: PLC0415
+        from atlasjax.smoothing import smooth_for_int8_activations  # noqa: PLC0415
+        params = smooth_for_int8_activations(cfg, params, tokenizer, dtype, max_len)
+        params = quantize_params(params, "int8", symmetric=config.quantization_symmetric,
+                                 quantize_lm_head=config.quantize_lm_head)
+    if config.calculate_kv_scales:
+        from atlasjax.kv_calibration import calculate_kv_scales  # noqa: PLC0415
+        params = calculate_kv_scales(cfg, params, tokenizer, dtype, kv_dtype, max_len)
+    return params
 
-        from atlasjax.sharding import logical_axes  # noqa: PLC0415
-        logical = logical_axes(cfg, dtype)
-        params = jax.device_put(plan.gather(params, logical), jax.devices()[0])
-    params = smooth_for_int8_activations(cfg, params, tokenizer, dtype, max_len)
-    params = quantize_params(params, "int8", symmetric=config.quantization_symmetric,
-                             quantize_lm_head=config.quantize_lm_head)
-    return params if plan is None else plan.shard_params(params, logical)
+
+def _on_one_device(plan, cfg, dtype, params, change):
+    """change(params) on one device's tree. A tensor-parallel tree (`plan`, one process) is gathered in
+    checkpoint layout onto the first device, changed there, and placed on the mesh again, so each
+    shard holds what one device's engine would (the whole model sits on the first device meanwhile)."""
+    if plan is None:
+        return change(params)
+    import jax  # noqa: PLC0415
+
+    from atlasjax import distributed  # noqa: PLC0415
+    from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    from atlasjax.sharding import logical_axes  # noqa: PLC0415
+    if distributed.is_multiprocess():
+        raise EngineConfigError("calculate_kv_scales=True runs in one process; on several hosts, load a "
+                                "checkpoint with calibrated k_scale / v_scale")
+    logical = logical_axes(cfg, dtype)
+    one_device = change(jax.device_put(plan.gather(params, logical), jax.devices()[0]))
+    return plan.shard_params(one_device, logical)
 
 
 def has_float_projections(params) -> bool:

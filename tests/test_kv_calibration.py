@@ -102,9 +102,24 @@ def test_computed_scales_fold_into_every_kind_of_weight(name, kwargs, tmp_path):
 def test_settings_it_cannot_take_are_refused():
     with pytest.raises(EngineConfigError, match="set kv_cache_dtype='fp8'"):
         EngineConfig(calculate_kv_scales=True)
-    with pytest.raises(EngineConfigError, match="one device"):
-        EngineConfig(calculate_kv_scales=True, kv_cache_dtype="fp8", tensor_parallel_size=2)
     from atlasjax.__main__ import build_parser, engine_kwargs
     kw = engine_kwargs(build_parser().parse_args(["serve", "--model", "x", "--kv-cache-dtype", "fp8",
                                                   "--calculate-kv-scales"]))
     assert kw["calculate_kv_scales"] and kw["kv_cache_dtype"] == "fp8"
+
+
+def test_computed_scales_under_tensor_parallelism(big_kv):
+    """TP=2 measures the scales on one device's model (its shards gathered) and folds them as one device
+    does: every shard holds one device's weights, and the greedy tokens are one device's."""
+    from atlasjax import SamplingParams
+    plain, _, prompts, _, _ = big_kv
+    llms = [LLM(plain, kv_cache_dtype="fp8", calculate_kv_scales=True, tensor_parallel_size=tp, **ENGINE)
+            for tp in (1, 2)]
+    one, two = (llm.engine.runner.checkpoint_params()["layers_0"]["self_attn"] for llm in llms)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        np.testing.assert_array_equal(np.asarray(two[name]["kernel"]), np.asarray(one[name]["kernel"]))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = [[o.outputs[0].token_ids for o in llm.generate([list(map(int, p)) for p in prompts], greedy)]
+           for llm in llms]
+    assert ids[1] == ids[0]
+    assert llms[1].engine.pool.num_free_pages == llms[1].engine.pool.num_pages
