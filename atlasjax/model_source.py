@@ -90,8 +90,8 @@ def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_le
     int8 quantization after smoothing for int8 activations (`smooths_int8_activations`),
     `calculate_kv_scales` (scales measured at start and folded in, atlasjax/kv_calibration.py), both
     on one device's model (under tensor parallelism, `plan`, the tree gathered to one device, then
-    placed again); and `activation_quantization` (per-channel fp8 / int8 weights marked for 8-bit activations; a model
-    without them is a configuration error, not a silent no-op)."""
+    placed again); and `activation_quantization` (per-channel fp8 / int8 weights marked for 8-bit
+    activations; a model without them is a configuration error, not a silent no-op)."""
     import logging  # noqa: PLC0415
 
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
@@ -143,9 +143,27 @@ def _on_one_device(plan, cfg, dtype, params, change):
     if distributed.is_multiprocess():
         raise EngineConfigError("calculate_kv_scales=True runs in one process; on several hosts, load a "
                                 "checkpoint with calibrated k_scale / v_scale")
+    first = jax.devices()[0]
+    check_fits_one_device(sum(leaf.nbytes for leaf in jax.tree.leaves(params)), first)
     logical = logical_axes(cfg, dtype)
-    one_device = change(jax.device_put(plan.gather(params, logical), jax.devices()[0]))
+    one_device = change(jax.device_put(plan.gather(params, logical), first))
     return plan.shard_params(one_device, logical)
+
+
+def check_fits_one_device(nbytes: int, device, headroom: float = 1.1) -> None:
+    """Refuse, before anything moves, a calibration whose model cannot sit whole on `device` beside its
+    shard (a device that reports no memory statistics, such as the CPU, is not checked)."""
+    from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if nbytes * headroom > free:
+        raise EngineConfigError(
+            f"the calibration at start (calculate_kv_scales, or smoothing for int8 activations) runs on the "
+            f"whole model on one device: {nbytes / 2**30:.1f} GiB, and {device} has {free / 2**30:.1f} GiB free. "
+            "Load a checkpoint with calibrated k_scale / v_scale, or one saved smoothed and quantized "
+            "(`atlasjax save` on a machine where it fits)")
 
 
 def has_float_projections(params) -> bool:

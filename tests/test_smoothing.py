@@ -90,3 +90,22 @@ def test_smoothing_more_than_halves_what_int8_activations_cost(default_model_pat
     with_smoothing, without = kl(smoothed.engine), kl(plain.engine)
     print(f"int8 W8A8 mean KL: {with_smoothing:.5f} smoothed, {without:.5f} not")
     assert with_smoothing <= KL_SMOOTHED_AT_MOST * without
+
+
+def test_a_calibration_that_cannot_fit_one_device_is_refused_before_anything_moves():
+    """Under tensor parallelism the calibrations gather the whole model onto the first device; a model
+    larger than its free memory gets a clear error instead of running out of memory mid-start."""
+    from atlasjax.errors import EngineConfigError
+    from atlasjax.model_source import check_fits_one_device
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+    gib = 2 ** 30
+    check_fits_one_device(10 * gib, Device({"bytes_limit": 80 * gib, "bytes_in_use": 8 * gib}))
+    check_fits_one_device(10 * gib, Device(None))   # no statistics (the CPU): not checked
+    with pytest.raises(EngineConfigError, match="140.0 GiB.*72.0 GiB free"):
+        check_fits_one_device(140 * gib, Device({"bytes_limit": 80 * gib, "bytes_in_use": 8 * gib}))
