@@ -132,7 +132,8 @@ def _calibrated(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int, s
 def _on_one_device(plan, cfg, dtype, params, change):
     """change(params) on one device's tree. A tensor-parallel tree (`plan`, one process) is gathered in
     checkpoint layout onto the first device, changed there, and placed on the mesh again, so each
-    shard holds what one device's engine would (the whole model sits on the first device meanwhile)."""
+    shard holds what one device's engine would (the whole model sits on the first device meanwhile;
+    both moves go device to device, not through the host)."""
     if plan is None:
         return change(params)
     import jax  # noqa: PLC0415
@@ -146,7 +147,7 @@ def _on_one_device(plan, cfg, dtype, params, change):
     first = jax.devices()[0]
     check_fits_one_device(sum(leaf.nbytes for leaf in jax.tree.leaves(params)), first)
     logical = logical_axes(cfg, dtype)
-    one_device = change(jax.device_put(plan.gather(params, logical), first))
+    one_device = change(plan.gather(params, logical, device=first))
     return plan.shard_params(one_device, logical)
 
 

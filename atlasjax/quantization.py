@@ -220,7 +220,8 @@ def from_codes(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None =
 
 def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> QuantizedWeight:
     """The block W[start:start+size, :] (dim 0, along K) or W[:, start:start+size] (dim 1, along N)
-    of a quantized weight, as its own QuantizedWeight (host arrays, padded as `quantize` pads).
+    of a quantized weight, as its own QuantizedWeight (padded as `quantize` pads; host arrays, or
+    arrays on the device that holds qw's).
 
     The quantized values and scales are the original ones, so a split weight computes exactly what
     the whole one does (tensor parallelism). Splitting K needs whole groups unless scales are per
@@ -237,10 +238,12 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
         return slice_quantized(one_level(qw), dim, start, size)
     k, n = qw.shape
     per_channel = qw.num_groups == 1
-    arrays = {f: np.asarray(getattr(qw, f)) for f in ARRAY_FIELDS if getattr(qw, f) is not None}   # absent: None
+    on_device = isinstance(qw.qweight, jax.Array)   # then it is cut there
+    arrays = {f: getattr(qw, f) if on_device else np.asarray(getattr(qw, f))
+              for f in ARRAY_FIELDS if getattr(qw, f) is not None}   # absent: None
     if dim == 1:
         new_k, new_n = k, size
-        arrays = {f: _cut(a, n_axis(f), start, start + size) for f, a in arrays.items()}
+        arrays = {f: cut(a, n_axis(f), start, start + size) for f, a in arrays.items()}
     else:
         g = qw.group_size
         if not per_channel and (start % g or size % g):
@@ -250,20 +253,33 @@ def slice_quantized(qw: QuantizedWeight, dim: int, start: int, size: int) -> Qua
         for f, a in arrays.items():
             if f == "qweight" or not per_channel:   # per-channel rows stay whole
                 r = 1 if f == "qweight" else row_span(qw, f)
-                arrays[f] = _cut(a, k_axis(f), start // r, (start + size) // r)
+                arrays[f] = cut(a, k_axis(f), start // r, (start + size) // r)
     k_pad, n_pad, group_size = padded_sizes(new_k, new_n, None if per_channel else qw.group_size)
     qweight = arrays.pop("qweight")
-    qweight = np.pad(qweight, ((0, n_pad - qweight.shape[0]), (0, k_pad - qweight.shape[1])))
+    qweight = pad(qweight, ((0, n_pad - qweight.shape[0]), (0, k_pad - qweight.shape[1])))
 
     def padded(f, a):
         r = k_pad if per_channel else row_span(qw, f)
-        return np.pad(a, ((0, k_pad // r - a.shape[0]), (0, n_pad - a.shape[1])))
+        return pad(a, ((0, k_pad // r - a.shape[0]), (0, n_pad - a.shape[1])))
     return QuantizedWeight(qweight, format=qw.format, group_size=group_size, shape=(new_k, new_n),
                            zero_point=qw.zero_point, mma_order=qw.mma_order, activations=qw.activations,
                            **{f: padded(f, arrays[f]) if f in arrays else None for f in GROUP_ROWS})
 
 
-def _cut(a: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+def pad(a, widths: tuple[tuple[int, int], ...]):
+    """a zero-padded by `widths` ((before, after) per axis), on the host or on a's device (compiled
+    there: no fill value crosses from the host)."""
+    return _pad_on_device(a, widths) if isinstance(a, jax.Array) else np.pad(a, widths)
+
+
+_pad_on_device = jax.jit(jnp.pad, static_argnums=1)
+
+
+def cut(a, axis: int, start: int, stop: int):
+    """a[start:stop] along `axis`: a numpy view, or a static slice of an array on a device (no index
+    crosses from the host)."""
+    if isinstance(a, jax.Array):
+        return jax.lax.slice_in_dim(a, start, stop, axis=axis)
     index = [slice(None)] * a.ndim
     index[axis] = slice(start, stop)
     return a[tuple(index)]

@@ -126,14 +126,20 @@ class ModelRunner:
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""
+        if self.plan is None:
+            return self.per_projection_params()
+        from atlasjax.sharding import logical_axes  # noqa: PLC0415
+        return self.plan.gather(self.per_projection_params(), logical_axes(self.cfg, self.dtype))
+
+    def per_projection_params(self) -> dict:
+        """The params with the fused projections split back, as loaded (still on the mesh under tensor
+        parallelism)."""
         cfg, hd = self.cfg, self.cfg.head_dim
         kv = (cfg.num_kv_heads if self.plan is None else self.plan.num_kv_heads) * hd
         widths = {"qkv_proj": (cfg.num_heads * hd, kv, kv), "gate_up_proj": (cfg.intermediate_size,) * 2}
         if self.plan is None:
             return unfuse_projections(self.params, widths)
-        from atlasjax.sharding import logical_axes  # noqa: PLC0415
-        params = unfuse_projections(self.params, widths, self.plan.mesh, TP_AXIS)
-        return self.plan.gather(params, logical_axes(cfg, self.dtype))
+        return unfuse_projections(self.params, widths, self.plan.mesh, TP_AXIS)
 
     # ---- compilation
     def _compile(self, spec: StepSpec):

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from atlasjax.errors import EngineConfigError
+from atlasjax.quantization import cut, pad
 from models.layers import is_quantized
 from models.parallel import Parallel
 from pallas_kernels.quant_format import ARRAY_FIELDS
@@ -163,12 +164,10 @@ class TensorParallel:
             if hasattr(reader, "read_range"):
                 part = np.asarray(reader.read_range(src_dim, start, stop))
                 part = part.T if transpose else part
-            else:
-                part = np.take(whole(), np.arange(start, stop), axis=dim)
+            else:   # a host array, or one on a device (cut there: its pieces then move device to device)
+                part = cut(whole(), dim, start, stop)
             if part.shape[dim] < local:   # the padded end of a vocab that does not split evenly
-                pad = [(0, 0)] * part.ndim
-                pad[dim] = (0, local - part.shape[dim])
-                part = np.pad(part, pad)
+                part = pad(part, tuple((0, local - part.shape[dim]) if i == dim else (0, 0) for i in range(part.ndim)))
             return part.astype(dtype)
         return jax.make_array_from_callback(shape, NamedSharding(self.mesh, self.spec(logical)), callback)
 
@@ -200,7 +199,7 @@ class TensorParallel:
             if leaf is None:
                 return None
             return jax.make_array_from_callback(
-                (self.size, *leaf.shape), sharding, lambda index: np.asarray(getattr(shard(index[0].start or 0), name))[None])
+                (self.size, *leaf.shape), sharding, lambda index: _local(getattr(shard(index[0].start or 0), name))[None])
         return dataclasses.replace(first, **{name: stacked(name) for name in ARRAY_FIELDS})
 
     def shard_params(self, params: dict, logical_tree: dict) -> dict:
@@ -214,37 +213,44 @@ class TensorParallel:
             return self.place_array(logical, TensorReader(node.shape, lambda: node), False, node.dtype)
         return walk(params, logical_tree)
 
-    # ---- back to the checkpoint layout (LLM.save)
-    def gather(self, params: dict, logical_tree: dict) -> dict:
-        """The inverse of `shard_params`: the whole tree on the host in checkpoint layout, with
-        replicated KV heads taken once, padded vocab rows dropped and per-device quantized weights
-        joined (host memory: the whole model). Multi-host: every process must call it (each leaf is
-        all-gathered across processes, in tree order), and every process gets the whole tree."""
+    # ---- back to the checkpoint layout (LLM.save, the calibrations at start)
+    def gather(self, params: dict, logical_tree: dict, device=None) -> dict:
+        """The inverse of `shard_params`: the whole tree in checkpoint layout, with replicated KV
+        heads taken once, padded vocab rows dropped and per-device quantized weights joined. On the
+        host (memory: the whole model), or with `device` on that device, moved device to device
+        (one process). Multi-host: every process must call it (each leaf is all-gathered across
+        processes, in tree order), and every process gets the whole tree on its host."""
+        if device is not None and not all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):
+            raise ValueError("gather onto one device needs every shard in this process")
+        fetch = _to_host if device is None else functools.partial(jax.device_put, device=device)
+
         def walk(node, logical):
             if isinstance(node, dict):
                 return {k: walk(v, logical[k]) for k, v in node.items()}
             if is_quantized(node):
-                return self._join_quantized(node, logical)
-            return self._unplace(_to_host(node), logical)
+                return self._join_quantized(node, logical, fetch)
+            return self._unplace(fetch(node), logical)
         return walk(params, logical_tree)
 
-    def _unplace(self, array: np.ndarray, logical: tuple[str, ...]) -> np.ndarray:
+    def _unplace(self, array, logical: tuple[str, ...]):
         for i, name in enumerate(logical):
             if name == "vocab":
-                array = np.take(array, np.arange(self.cfg.vocab_size), axis=i)
+                array = cut(array, i, 0, self.cfg.vocab_size)
+                array = np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array
             elif name == "kv_heads" and self.kv_replicas > 1:
                 shape = array.shape
                 split = shape[:i] + (self.cfg.num_kv_heads, self.kv_replicas, self.cfg.head_dim) + shape[i + 1:]
-                array = np.take(array.reshape(split), 0, axis=i + 1).reshape(
+                array = _entry(array.reshape(split), 0, i + 1).reshape(
                     shape[:i] + (self.cfg.num_kv_heads * self.cfg.head_dim,) + shape[i + 1:])
         return array
 
-    def _join_quantized(self, qw, logical: tuple[str, ...]):
+    def _join_quantized(self, qw, logical: tuple[str, ...], fetch=None):
         from atlasjax.quantization import concat_quantized, slice_quantized  # noqa: PLC0415
         dim = self.split_dim(logical)
-        host = {f: None if getattr(qw, f) is None else _to_host(getattr(qw, f)) for f in ARRAY_FIELDS}
+        fetch = fetch or _to_host
+        host = {f: None if getattr(qw, f) is None else fetch(getattr(qw, f)) for f in ARRAY_FIELDS}
         devices = range(0, self.size, self.kv_replicas if logical[dim] == "kv_heads" else 1)
-        pieces = [dataclasses.replace(qw, **{f: None if x is None else x[d] for f, x in host.items()})
+        pieces = [dataclasses.replace(qw, **{f: None if x is None else _entry(x, d) for f, x in host.items()})
                   for d in devices]
         joined = concat_quantized(pieces, dim)
         if logical[dim] == "vocab" and joined.shape[dim] != self.cfg.vocab_size:   # drop the vocab padding
@@ -263,9 +269,21 @@ class TensorParallel:
         return walk(params, logical_tree)
 
 
-def _read(reader, transpose: bool) -> np.ndarray:
-    array = np.asarray(reader())
+def _read(reader, transpose: bool):
+    array = _local(reader())
     return array.T if transpose else array
+
+
+def _local(x):
+    """x as it is when it is already on a device (so that placing it moves it device to device), else numpy."""
+    return x if isinstance(x, jax.Array) else np.asarray(x)
+
+
+def _entry(x, index: int, axis: int = 0):
+    """x[index] along `axis` (a static slice on a device: no index crosses from the host)."""
+    return np.take(x, index, axis=axis) if isinstance(x, np.ndarray) else jax.lax.index_in_dim(x, index, axis, keepdims=False)
+
+
 
 
 def local_params(params):

@@ -1,8 +1,9 @@
 """GPU: what the calibrations cost a tensor-parallel start (session 52): `--calculate-kv-scales` and
 the smoothing before int8 W8A8 on Llama-3.1-8B shapes (random bf16 weights) at TP (default 2). Each
-runs on one device's tree: the shards gathered to the host and onto the first device, the calibration
-there, the result placed on the mesh again (atlasjax/model_source.py `_on_one_device`). Timed twice in
-one process (the first call compiles), with the gather and the placement timed alone.
+runs on one device's tree: the shards gathered onto the first device, the calibration there, the
+result placed on the mesh again (atlasjax/model_source.py `_on_one_device`; since session 53 both moves
+go device to device, before through the host). Timed twice in one process (the first call compiles),
+with the gather and the placement timed alone, both ways (through the host, and device to device).
 
   JAX_PLATFORMS=cuda PYTHONPATH=. [TP=2] python notebooks/gpu_tp_calibration_cost.py
 """
@@ -32,10 +33,16 @@ def timed(fn):
     return out, round(time.perf_counter() - t, 2)
 
 
-logical = logical_axes(cfg, DTYPE)
-host, res["gather_s"] = timed(lambda: plan.gather(params, logical))
-_, res["to_first_device_s"] = timed(lambda: jax.device_put(host, jax.devices()[0]))
-_, res["place_again_s"] = timed(lambda: plan.shard_params(host, logical))
+logical, first = logical_axes(cfg, DTYPE), jax.devices()[0]
+host, res["gather_to_host_s"] = timed(lambda: plan.gather(params, logical))
+_, res["host_to_first_device_s"] = timed(lambda: jax.device_put(host, first))
+_, res["place_from_host_s"] = timed(lambda: plan.shard_params(host, logical))
+host = None   # freed before the device-to-device moves
+for i in range(2):   # the first call compiles the slices
+    one, res[f"gather_to_first_device_s_{i}"] = timed(lambda: plan.gather(params, logical, device=first))
+    _, res[f"place_from_first_device_s_{i}"] = timed(lambda: plan.shard_params(one, logical))
+    one = None
+print(json.dumps(res), flush=True)
 
 kv = lambda p: calculate_kv_scales(cfg, p, loaded.tokenizer, DTYPE, jnp.float8_e4m3fn, 8192)  # noqa: E731
 res["kv_scales_s"] = [timed(lambda: _on_one_device(plan, cfg, DTYPE, params, kv))[1] for _ in range(2)]

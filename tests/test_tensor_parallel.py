@@ -184,6 +184,31 @@ def test_checkpoint_params_under_tp_equal_the_single_device_ones(hf_model_factor
     _same_tree(sharded, one)
 
 
+@pytest.mark.parametrize("name, tp, quant", [("llama_gqa4", 4, None), ("qwen3_tp", 8, "int8"), ("qwen2_tp", 8, "fp8")],
+                         ids=["kv_replicated", "padded_vocab_int8", "fp8_head_padded_vocab"])
+def test_gather_onto_one_device_and_back_stays_on_the_devices(hf_model_factory, name, tp, quant):
+    """The calibrations at start (atlasjax/model_source.py) gather a TP tree onto the first device and
+    place it on the mesh again. Neither move may pass through the host (jax's transfer guard refuses
+    any device <-> host copy here); the gathered tree is the host gather's, and placing it gives back
+    the same shards."""
+    from atlasjax.sharding import logical_axes  # noqa: PLC0415
+    _, path = hf_model_factory(name)
+    runner = LLM(path, quantization=quant, quantize_lm_head=quant is not None, tensor_parallel_size=tp,
+                 **ENGINE).engine.runner
+    plan, logical, first = runner.plan, logical_axes(runner.cfg, runner.dtype), jax.devices()[0]
+    sharded = runner.per_projection_params()
+    with jax.transfer_guard_device_to_host("disallow"), jax.transfer_guard_host_to_device("disallow"):
+        gathered = plan.gather(sharded, logical, device=first)
+        placed = plan.shard_params(gathered, logical)
+    assert all(leaf.devices() == {first} for leaf in jax.tree.leaves(gathered))
+    _same_tree(gathered, plan.gather(sharded, logical))
+    got, want = jax.tree.leaves(placed), jax.tree.leaves(sharded)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim) and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_model_saved_under_tp_loads_on_one_device(hf_model_factory, tmp_path):
     _, path = hf_model_factory("llama_gqa4")
     prompts = _prompts(512, seed=5)
