@@ -233,7 +233,7 @@ class ModelRunner:
     @functools.cached_property
     def _compiler_options(self) -> dict:
         if self.plan is None:
-            return {}
+            return step_compiler_options(jax.devices()[0].platform, 1)
         mesh = self.plan.mesh.devices
         return step_compiler_options(mesh.flat[0].platform, mesh.size)
 

@@ -13,6 +13,9 @@ tensor-parallel decode step most of its host time (docs/tensor_parallel.md, sess
 
 One-device steps keep XLA's defaults: they have no collectives, and SKIP_TEMP measured no better
 there. `ATLASJAX_STEP_XLA_OPTIONS=off` turns all of this off, to compare against XLA's defaults.
+`ATLASJAX_STEP_XLA_OPTIONS="name=value;..."` adds XLA debug options to every compiled step instead
+(for A/B measurements of options that XLA_FLAGS does not take, e.g.
+`xla_gpu_experimental_force_split_k=1`).
 """
 from __future__ import annotations
 
@@ -36,9 +39,24 @@ def _off() -> bool:
     return os.environ.get("ATLASJAX_STEP_XLA_OPTIONS", "").lower() in ("off", "0", "false")
 
 
+def _extra() -> dict:
+    """The options named in ATLASJAX_STEP_XLA_OPTIONS ("name=value;..."; true / false / integers typed)."""
+    spec = os.environ.get("ATLASJAX_STEP_XLA_OPTIONS", "")
+    if "=" not in spec:
+        return {}
+    options = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        name, _, value = item.partition("=")
+        typed = {"true": True, "false": False}.get(value.lower(), value)
+        options[name.strip()] = int(typed) if isinstance(typed, str) and typed.lstrip("-").isdigit() else typed
+    return options
+
+
 def step_compiler_options(platform: str, num_devices: int) -> dict:
     """The `compiler_options` for a step running on `num_devices` devices of `platform`."""
     # jax reports CUDA devices as "gpu" through a shim it marks temporary; "cuda" is the raw name
+    if _extra():
+        return _extra()
     if not _off() and platform in ("gpu", "cuda") and num_devices > 1:
         return dict(TENSOR_PARALLEL_GPU)
     return {}

@@ -56,15 +56,15 @@ variants)
         [ "$assignments" = default ] && assignments=""
         echo "== variant $i: $assignments"
         if [ "${PROBE:-0}" = 1 ]; then
-            env $assignments QUANT=${QUANT:-fp8} TAG=_v$i timeout 120 python notebooks/gpu_norm_fusion_probe.py 2>&1 \
+            env $assignments QUANT=${QUANT-fp8} TAG=_v$i timeout 120 python notebooks/gpu_norm_fusion_probe.py 2>&1 \
                 | grep -E "^(NORM|   <-|fusion kinds)" | cut -c1-330 | head -6
             gzip -f $OUT/decode_hlo_*_v$i.txt 2>/dev/null
         fi
-        env $assignments QUANT=${QUANT:-fp8} LM_HEAD=1 SCHED_STEPS=4 TAG=_v$i timeout 150 python notebooks/gpu_profile_step.py \
+        env $assignments QUANT=${QUANT-fp8} LM_HEAD=${LM_HEAD:-1} SCHED_STEPS=4 TAG=_v$i timeout 150 python notebooks/gpu_profile_step.py \
             > $OUT/profile_v$i.log 2>&1
         rc=$?; echo "profile rc=$rc"; [ $rc != 0 ] && tail -5 $OUT/profile_v$i.log; rm -f $OUT/profile_v$i.log
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); t=r['engine_trace']; print('step ms', r['engine_step_ms'], 'busy ms/launch', t['busy_ms_per_step'], 'kernels/launch', t['kernels_per_step']); print('layer', t['one_layer'])" \
-            $OUT/profile_${QUANT:-fp8}_bs1_tp1_v$i.json
+            $OUT/profile_$(q=${QUANT-fp8}; echo ${q:-bf16})_bs1_tp1_v$i.json
         i=$((i+1))
     done ;;
 esac

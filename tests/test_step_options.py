@@ -43,6 +43,14 @@ def test_environment_switch_restores_xla_defaults(monkeypatch):
     assert step_compiler_options("gpu", 2) == {}
 
 
+def test_named_options_replace_the_defaults_on_every_step(monkeypatch):
+    # for A/B measurements: options XLA_FLAGS does not take, typed as XLA parses them, on one device too
+    monkeypatch.setenv("ATLASJAX_STEP_XLA_OPTIONS", "xla_gpu_exhaustive_tiling_search=true; xla_gpu_experimental_force_split_k=1")
+    expected = {"xla_gpu_exhaustive_tiling_search": True, "xla_gpu_experimental_force_split_k": 1}
+    assert step_compiler_options("gpu", 1) == expected == step_compiler_options("gpu", 2)
+    jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options=expected)
+
+
 def test_process_flag_not_added_once_the_backend_runs(monkeypatch):
     # Once jax has started the flag can no longer take effect, so it is not added; a user's own
     # choice is always left alone.
