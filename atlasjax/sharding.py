@@ -284,8 +284,6 @@ def _entry(x, index: int, axis: int = 0):
     return np.take(x, index, axis=axis) if isinstance(x, np.ndarray) else jax.lax.index_in_dim(x, index, axis, keepdims=False)
 
 
-
-
 def local_params(params):
     """Inside shard_map: drop the leading device axis of stacked per-device quantized weights."""
     return jax.tree.map(lambda q: jax.tree.map(lambda leaf: leaf[0], q) if is_quantized(q) else q,

@@ -55,8 +55,9 @@ def _extra() -> dict:
 def step_compiler_options(platform: str, num_devices: int) -> dict:
     """The `compiler_options` for a step running on `num_devices` devices of `platform`."""
     # jax reports CUDA devices as "gpu" through a shim it marks temporary; "cuda" is the raw name
-    if _extra():
-        return _extra()
+    named = _extra()
+    if named:
+        return named
     if not _off() and platform in ("gpu", "cuda") and num_devices > 1:
         return dict(TENSOR_PARALLEL_GPU)
     return {}
