@@ -240,18 +240,18 @@ class TensorParallel:
             elif name == "kv_heads" and self.kv_replicas > 1:
                 shape = array.shape
                 split = shape[:i] + (self.cfg.num_kv_heads, self.kv_replicas, self.cfg.head_dim) + shape[i + 1:]
-                array = _entry(array.reshape(split), 0, i + 1).reshape(
+                array = cut(array.reshape(split), i + 1, 0, 1).reshape(
                     shape[:i] + (self.cfg.num_kv_heads * self.cfg.head_dim,) + shape[i + 1:])
         return array
 
-    def _join_quantized(self, qw, logical: tuple[str, ...], fetch=None):
+    def _join_quantized(self, qw, logical: tuple[str, ...], fetch):
         from atlasjax.quantization import concat_quantized, slice_quantized  # noqa: PLC0415
         dim = self.split_dim(logical)
-        fetch = fetch or _to_host
         host = {f: None if getattr(qw, f) is None else fetch(getattr(qw, f)) for f in ARRAY_FIELDS}
         devices = range(0, self.size, self.kv_replicas if logical[dim] == "kv_heads" else 1)
-        pieces = [dataclasses.replace(qw, **{f: None if x is None else _entry(x, d) for f, x in host.items()})
-                  for d in devices]
+        def on(d, x):   # device d's part of a stacked field
+            return None if x is None else cut(x, 0, d, d + 1).reshape(x.shape[1:])
+        pieces = [dataclasses.replace(qw, **{f: on(d, x) for f, x in host.items()}) for d in devices]
         joined = concat_quantized(pieces, dim)
         if logical[dim] == "vocab" and joined.shape[dim] != self.cfg.vocab_size:   # drop the vocab padding
             joined = slice_quantized(joined, dim, 0, self.cfg.vocab_size)
@@ -277,11 +277,6 @@ def _read(reader, transpose: bool):
 def _local(x):
     """x as it is when it is already on a device (so that placing it moves it device to device), else numpy."""
     return x if isinstance(x, jax.Array) else np.asarray(x)
-
-
-def _entry(x, index: int, axis: int = 0):
-    """x[index] along `axis` (a static slice on a device: no index crosses from the host)."""
-    return np.take(x, index, axis=axis) if isinstance(x, np.ndarray) else jax.lax.index_in_dim(x, index, axis, keepdims=False)
 
 
 def local_params(params):

@@ -10,7 +10,7 @@ for every GEMM of a process), and with `exhaustive` (`--xla_gpu_exhaustive_tilin
 "exhaustive" also write the autotuner's log (every config it timed, and its time) to $OUT. Prints us
 per call per shape and the best config per shape.
 
-  JAX_PLATFORMS=cuda PYTHONPATH=. [FMT=fp8] [ROWS=8] [CONFIGS=auto,...] python notebooks/gpu_xla_fp8_tiles.py
+  JAX_PLATFORMS=cuda PYTHONPATH=. [FMT=fp8] [ROWS=8] [CONFIGS="auto;exhaustive;..."] python notebooks/gpu_xla_fp8_tiles.py
   (-> $OUT/xla_fp8_tiles.json; a config is "bm,bn,bk,split_k,stages,warps")
 """
 import json
@@ -60,14 +60,14 @@ def main() -> None:
     fmt, rows = os.environ.get("FMT", "fp8"), int(os.environ.get("ROWS", "8"))
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         return child(fmt, rows)
-    configs = os.environ.get("CONFIGS", ",".join(CONFIGS)).split(";") if "CONFIGS" in os.environ else CONFIGS
+    configs = os.environ["CONFIGS"].split(";") if "CONFIGS" in os.environ else CONFIGS
+    out_dir = os.environ.get("OUT", ".")
+    flags = {"auto": f"--xla_gpu_dump_autotune_logs_to={out_dir}/autotune_{fmt}_auto.txt",
+             "exhaustive": "--xla_gpu_exhaustive_tiling_search=true "
+                           f"--xla_gpu_dump_autotune_logs_to={out_dir}/autotune_{fmt}_exhaustive.txt"}
     results = {}
     for config in configs:
         env = dict(os.environ)
-        out_dir = os.environ.get("OUT", ".")
-        flags = {"auto": f"--xla_gpu_dump_autotune_logs_to={out_dir}/autotune_{fmt}_auto.txt",
-                 "exhaustive": "--xla_gpu_exhaustive_tiling_search=true "
-                               f"--xla_gpu_dump_autotune_logs_to={out_dir}/autotune_{fmt}_exhaustive.txt"}
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + (flags.get(config) or override(config))).strip()
         proc = subprocess.run([sys.executable, __file__, "child"], env=env, capture_output=True, text=True,
                               timeout=300)
@@ -82,7 +82,7 @@ def main() -> None:
         if timed:
             best = min(timed, key=timed.get)
             print(f"best {s:8s} {best:20s} {timed[best]:6.2f} us (auto {timed.get('auto', float('nan')):6.2f})")
-    with open(os.path.join(os.environ.get("OUT", "."), f"xla_{fmt}_tiles.json"), "w") as f:
+    with open(os.path.join(out_dir, f"xla_{fmt}_tiles.json"), "w") as f:
         json.dump({"fmt": fmt, "rows": rows, "results": results}, f, indent=1)
 
 
