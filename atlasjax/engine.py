@@ -31,47 +31,25 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from atlasjax import distributed, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
-from atlasjax.outputs import Logprob, StreamDelta
+from atlasjax.output_processor import OutputProcessor
+from atlasjax.outputs import StreamDelta
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request
 from atlasjax.runner import ModelRunner
 from atlasjax.sampling import pack_rows, plan_rows
-from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from atlasjax.sampling_params import SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.step_options import use_process_flags
-from atlasjax.steps import StepOutput
-from atlasjax.tokenizer import IncrementalDetokenizer, read_chat_template
+from atlasjax.step_packing import pack_decode, pack_prefill
+from atlasjax.step_readback import LaunchedStep, read_back, start_copies
+from atlasjax.tokenizer import read_chat_template
 
 log = logging.getLogger("atlasjax.engine")
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A dispatched step whose outputs have not been read back yet."""
-    sched: SchedulerOutput
-    prefill: StepOutput | None
-    decode: StepOutput | None
-    record_prompt_logprobs: list[bool]     # per prefill chunk
-    sample_rows: dict[Request, int]        # request -> row of its new token in [prefill rows | decode rows]
-    with_logprobs: bool                    # some sampled row asked for logprobs: read them back too
-    num_steps: int = 1                     # decode iterations the launched decode runs (1, or the compiled K)
-
-
-@dataclasses.dataclass
-class _HostOutput:
-    """A step's outputs on the host: [num_steps, prefill rows (num_slots) then decode rows (the decode's
-    bucket)]; the prefill rows have one token, in iteration 0."""
-    tokens: np.ndarray
-    logprob: np.ndarray | None
-    top_vals: np.ndarray | None
-    top_ids: np.ndarray | None
-    prompt: tuple | None
 
 
 def resolve_dtype(name: str):
@@ -144,11 +122,11 @@ class LLMEngine:
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
         self.eos_token_ids = tuple(dict.fromkeys(eos + self.generation_defaults.eos_token_ids))
         self.requests: dict[str, list[Request]] = {}   # request id -> its n sequences
-        self._detok: dict[Request, IncrementalDetokenizer] = {}
         self._rng = random.Random(config.seed)
         self.stats = metrics.EngineStats()
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
         self._async_scheduling = config.async_scheduling
-        self._in_flight: _Launched | None = None     # async: the step dispatched by the previous step() call
+        self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
     def _check_num_pages(self, num_pages: int) -> None:
         pages_per_seq = -(-self.max_model_len // self.config.page_size)
@@ -188,8 +166,7 @@ class LLMEngine:
             req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
                           max_tokens, self.eos_token_ids, arrival_time or time.monotonic())
             req.index, req.parent_id = i, request_id
-            if self.tokenizer is not None:
-                self._detok[req] = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            self.outputs.add(req)
             seqs.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = seqs
@@ -230,7 +207,7 @@ class LLMEngine:
         for req in seqs:
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
-            self._detok.pop(req, None)
+            self.outputs.forget(req)
         self.stats.num_aborted += 1
         self.stats.refresh(self)
         return True
@@ -266,7 +243,7 @@ class LLMEngine:
         self.stats.record_step(time.perf_counter() - t0, sched, self)
         return deltas
 
-    def _launch(self, sched: SchedulerOutput) -> _Launched:
+    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device)."""
         for req in sched.admitted:
             self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.logit_bias)
@@ -280,225 +257,42 @@ class LLMEngine:
         for req in rows:
             req.num_pending_tokens += sched.steps.get(req, 1)
         self.scheduler.dispatched(sched)
-        launched = _Launched(sched, prefill_out, decode_out, record_lp, rows,
-                             any(r.params.logprobs is not None for r in rows), num_steps)
-        for x in self._arrays_to_read(launched):
-            x.copy_to_host_async()      # start the transfers now; they complete when the step does
+        launched = LaunchedStep(sched, prefill_out, decode_out, record_lp, rows,
+                                any(r.params.logprobs is not None for r in rows), num_steps)
+        start_copies(launched)
         return launched
 
     def _run_prefill(self, sched: SchedulerOutput):
-        ps, s = self.pool.page_size, self.num_slots
-        total = sum(c.num_tokens for c in sched.prefills)
         # decided now: a preemption before a chunk is read back must not drop its rows
         record_lp = [c.request.records_prompt_logprobs for c in sched.prefills]
-        t = self.runner.bucket_for(total, with_prompt_logprobs=any(record_lp))
-        b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-                 slot_mapping=np.full(t, self.pool.num_pages * ps, np.int32),
-                 page_table=np.zeros((s, self.runner.pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
-                 query_start=np.zeros(s + 1, np.int32), num_seqs=np.int32(len(sched.prefills)),
-                 sample_rows=np.zeros(s, np.int32), slot_ids=np.zeros(s, np.int32), commit=np.zeros(s, bool),
-                 next_tokens=np.full(t, -1, np.int32))
-        rows, row = [None] * s, 0
-        for i, c in enumerate(sched.prefills):
-            req, n = c.request, c.num_tokens
-            assert not req.num_pending_tokens, "a prefilling request has no token on the device"
-            ids = req.all_token_ids
-            pos = np.arange(c.start, c.start + n)
-            pages = np.asarray(req.pages, np.int32)
-            b["tokens"][row:row + n] = ids[c.start:c.start + n]
-            b["positions"][row:row + n] = pos
-            b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
-            b["page_table"][i, :len(pages)] = pages
-            b["seq_lens"][i] = c.start + n
-            b["sample_rows"][i] = row + n - 1
-            b["slot_ids"][i] = req.slot
-            b["commit"][i] = c.completes_prompt
-            nxt = ids[c.start + 1:c.start + n + 1]
-            b["next_tokens"][row:row + len(nxt)] = nxt
-            rows[i] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
-            row += n
-            b["query_start"][i + 1:] = row
-        f, ints = pack_rows(rows, s)
-        return self.runner.prefill(b, f, ints, with_prompt_logprobs=any(record_lp)), record_lp
+        t = self.runner.bucket_for(sum(c.num_tokens for c in sched.prefills), with_prompt_logprobs=any(record_lp))
+        batch, rows = pack_prefill(sched, num_tokens=t, num_slots=self.num_slots, page_size=self.pool.page_size,
+                                   num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq)
+        f, ints = pack_rows(rows, self.num_slots)
+        return self.runner.prefill(batch, f, ints, with_prompt_logprobs=any(record_lp)), record_lp
 
     def _run_decode(self, sched: SchedulerOutput, num_steps: int):
         """Row r of the step runs sched.decodes[r]; the rows are the smallest decode bucket that holds them."""
         n = self.runner.decode_rows_for(len(sched.decodes))
-        tokens = np.zeros(n, np.int32)
-        page_table = np.zeros((n, self.runner.pages_per_seq), np.int32)
-        seq_lens = np.zeros(n, np.int32)
-        slots = np.full(n, self.num_slots, np.int32)   # padding rows: out of range, nothing is counted
-        rows = [None] * n
-        row_steps = np.ones(n, np.int32)
         prev = self._in_flight
-        for r, req in enumerate(sched.decodes):
-            if req.num_pending_tokens:    # its last token is still on the device: gather it there
-                tokens[r] = -1 - prev.sample_rows[req]
-            else:
-                tokens[r] = req.all_token_ids[-1]
-            page_table[r, :len(req.pages)] = req.pages
-            seq_lens[r] = req.num_total_tokens
-            slots[r] = req.slot
-            rows[r] = (req.params, req.seed, req.num_generated, req.eos_token_ids)
-            row_steps[r] = sched.steps.get(req, 1)
+        b, rows = pack_decode(sched, {} if prev is None else prev.sample_rows, num_rows=n,
+                              num_slots=self.num_slots, pages_per_seq=self.runner.pages_per_seq)
         f, ints = pack_rows(rows, n)
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
-        return self.runner.decode(tokens, page_table, seq_lens, f, ints, prev_tokens, plan_rows(rows),
-                                  row_steps if num_steps > 1 else None, num_steps, slots)
+        return self.runner.decode(b["tokens"], b["page_table"], b["seq_lens"], f, ints, prev_tokens, plan_rows(rows),
+                                  b["row_steps"] if num_steps > 1 else None, num_steps, b["slots"])
 
     # ---- results
-    def _arrays_to_read(self, step: _Launched) -> list[jax.Array]:
-        """Only what the host needs: tokens, and logprobs when some row asked for them."""
-        arrays = []
-        for out in (step.prefill, step.decode):
-            if out is not None:
-                arrays.append(out.tokens)
-                if step.with_logprobs:
-                    arrays += [out.logprob, out.top_vals, out.top_ids]
-        if step.prefill is not None and step.prefill.prompt is not None:
-            arrays += list(step.prefill.prompt)
-        return arrays
-
-    def _read_back(self, step: _Launched) -> _HostOutput:
-        """The one blocking device-to-host transfer of a step (returns once the step has run)."""
-        s, k = self.num_slots, MAX_LOGPROBS
-        want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
-                for o in (step.prefill, step.decode)]
+    def _process(self, step: LaunchedStep) -> list[StreamDelta]:
         t0 = time.perf_counter()
-        got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
+        host = read_back(step, self.num_slots)
         self.stats.read_wait_seconds += time.perf_counter() - t0
-        n = step.num_steps
-
-        def steps_axis(x, rows, dtype, tail=()):   # -> [n, rows, *tail]: single-step outputs are iteration 0
-            if x is None:
-                return np.zeros((n, rows, *tail), dtype)
-            x = x.reshape(-1, rows, *tail)
-            return x if len(x) == n else np.concatenate([x, np.zeros((n - len(x), rows, *tail), dtype)])
-
-        parts = [(None, None) if g is None else g for g in got]
-        # the prefill part always spans s rows (decode rows follow it); the decode part its bucket's rows
-        widths = (s, 0 if got[1] is None else got[1][0].shape[-1])
-        host = _HostOutput(np.concatenate([steps_axis(p[0], w, np.int32) for p, w in zip(parts, widths)], axis=1),
-                           None, None, None, prompt)
-        if step.with_logprobs:
-            host.logprob, host.top_vals, host.top_ids = (
-                np.concatenate([steps_axis(None if p[1] is None else p[1][j], w, dt, tail)
-                                for p, w in zip(parts, widths)], axis=1)
-                for j, dt, tail in ((0, np.float32, ()), (1, np.float32, (k,)), (2, np.int32, (k,))))
-        return host
-
-    def _process(self, step: _Launched) -> list[StreamDelta]:
-        host = self._read_back(step)
         self.scheduler.completed(step.sched)
-        deltas, row = [], 0
-        for i, c in enumerate(step.sched.prefills):
-            req = c.request
-            if step.record_prompt_logprobs[i]:
-                self._record_prompt_logprobs(req, c, host.prompt, row)
-            row += c.num_tokens
-            self.stats.prompt_tokens += c.num_tokens
-        for req, r in step.sample_rows.items():
-            delta = None
-            for j in range(step.sched.steps.get(req, 1)):
-                # A request finished (or aborted) while this step ran, or at an earlier token of this
-                # step: its tokens from here on are dropped unread.
-                if req.is_finished:
-                    break
-                delta = _merged(delta, self._append_token(req, host, r, j))
-            if delta is not None:
-                deltas.append(delta)
-        return deltas
-
-    def _append_token(self, req: Request, host: _HostOutput, row: int, j: int = 0) -> StreamDelta:
-        """Token j of this step's row for req (j > 0: a later iteration of a multi-step decode)."""
-        token = int(host.tokens[j, row])
-        req.num_pending_tokens -= 1
-        req.output_token_ids.append(token)
-        self.stats.generation_tokens += 1
-        p = req.params
-        new_lp = None
-        if p.logprobs is not None:
-            new_lp = [self._logprob_dict(token, float(host.logprob[j, row]), host.top_vals[j, row],
-                                         host.top_ids[j, row], p.logprobs)]
-            req.logprobs.extend(new_lp)
-        num_out = len(req.output_token_ids)
-        finish, stop_reason = None, None
-        is_stop_token = (token in req.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if is_stop_token and num_out > p.min_tokens - 1:
-            finish, stop_reason = "stop", token
-        text = ""
-        detok = self._detok.get(req)
-        if detok is not None and not is_stop_token:
-            text = detok.add(token)
-        prev_len = len(req.text)
-        req.text += text
-        if finish is None and p.stop and num_out >= p.min_tokens:
-            hit = _find_stop(req.text, p.stop, prev_len)
-            if hit is not None:
-                idx, s = hit
-                req.text = req.text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
-                finish, stop_reason = "stop", s
-        if finish is None and (num_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            finish = "length"
-        # Hold back text that might still become a stop string.
-        emitted = req.emitted_chars
-        hold = 0 if finish or not p.stop else max(len(s) for s in p.stop) - 1
-        upto = max(emitted, len(req.text) - hold)
-        new_text = req.text[emitted:upto]
-        req.emitted_chars = upto
-        if finish:
-            req.stop_reason = stop_reason
-            self.scheduler.finish(req, finish)
-            self.stats.record_finish(req)
-        return StreamDelta(req.parent_id, req.index, [token], new_text, bool(finish), finish, stop_reason, new_lp,
-                           len(req.prompt_token_ids), num_out, req.num_cached_tokens or 0,
-                           req.prompt_logprobs if num_out == 1 else None)
-
-    def _logprob_dict(self, token, lp, top_vals, top_ids, k) -> dict[int, Logprob]:
-        d = {}
-        for rank, (tid, val) in enumerate(zip(top_ids[:k], top_vals[:k]), start=1):
-            d[int(tid)] = Logprob(float(val), rank, self._tok_str(tid))
-        if token not in d:
-            d[token] = Logprob(lp, None, self._tok_str(token))
-        return d
-
-    def _tok_str(self, tid):
-        return self.tokenizer.decode([int(tid)], skip_special_tokens=False) if self.tokenizer else None
-
-    def _record_prompt_logprobs(self, req: Request, c, prompt_out, row: int) -> None:
-        """Append the logprobs of the prompt tokens that chunk c's rows (from `row`) predict, those not recorded
-        yet: a request preempted mid-prompt prefills its prompt again from a position already recorded (or
-        earlier), and chunks are read back in order, so each position is recorded once and in order."""
-        chosen, vals, ids = prompt_out
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None]
-        assert len(req.prompt_logprobs) > c.start, "a prompt-logprob chunk left a gap"
-        k = req.params.prompt_logprobs
-        for pos in range(len(req.prompt_logprobs), min(c.start + c.num_tokens + 1, len(req.prompt_token_ids))):
-            r = row + pos - 1 - c.start      # the row that predicts prompt token pos
-            req.prompt_logprobs.append(self._logprob_dict(req.prompt_token_ids[pos], float(chosen[r]), vals[r],
-                                                          ids[r], k))
+        return self.outputs.process(step, host)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (its pages are already free)."""
         for req in self.requests.pop(request_id, []):
-            self._detok.pop(req, None)
+            self.outputs.forget(req)
 
-
-def _merged(a: StreamDelta | None, b: StreamDelta) -> StreamDelta:
-    """One delta for consecutive tokens of a sequence (a multi-step decode's)."""
-    if a is None:
-        return b
-    lp = None if a.new_logprobs is None and b.new_logprobs is None else (a.new_logprobs or []) + (b.new_logprobs or [])
-    return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
-                               new_logprobs=lp)
-
-
-def _find_stop(text: str, stops: list[str], prev_len: int):
-    best = None
-    for s in stops:
-        idx = text.find(s, max(0, prev_len - len(s) + 1))
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    return best

@@ -1,0 +1,70 @@
+"""A scheduled step packed into the fixed bucket shapes of the jitted steps (numpy, no jax).
+
+`pack_prefill` lays the step's prompt chunks end to end in a bucket of `num_tokens` rows with their
+attention metadata (positions, KV slots, page tables, per-sequence lengths and offsets);
+`pack_decode` puts one running sequence per row of a decode bucket. Both also return each row's
+sampling settings, in the order `sampling.pack_rows` takes them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from atlasjax.scheduler import SchedulerOutput
+
+
+def sampling_row(req) -> tuple:
+    return (req.params, req.seed, req.num_generated, req.eos_token_ids)
+
+
+def pack_prefill(sched: SchedulerOutput, *, num_tokens: int, num_slots: int, page_size: int, num_pages: int,
+                 pages_per_seq: int) -> tuple[dict[str, np.ndarray], list]:
+    """Returns the prefill step's batch (padding tokens write to the out-of-range KV slot
+    num_pages * page_size) and its sampling rows [num_slots] (None past the chunks)."""
+    t, s, ps = num_tokens, num_slots, page_size
+    b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+             slot_mapping=np.full(t, num_pages * ps, np.int32),
+             page_table=np.zeros((s, pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
+             query_start=np.zeros(s + 1, np.int32), num_seqs=np.int32(len(sched.prefills)),
+             sample_rows=np.zeros(s, np.int32), slot_ids=np.zeros(s, np.int32), commit=np.zeros(s, bool),
+             next_tokens=np.full(t, -1, np.int32))
+    rows, row = [None] * s, 0
+    for i, c in enumerate(sched.prefills):
+        req, n = c.request, c.num_tokens
+        assert not req.num_pending_tokens, "a prefilling request has no token on the device"
+        ids = req.all_token_ids
+        pos = np.arange(c.start, c.start + n)
+        pages = np.asarray(req.pages, np.int32)
+        b["tokens"][row:row + n] = ids[c.start:c.start + n]
+        b["positions"][row:row + n] = pos
+        b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
+        b["page_table"][i, :len(pages)] = pages
+        b["seq_lens"][i] = c.start + n
+        b["sample_rows"][i] = row + n - 1
+        b["slot_ids"][i] = req.slot
+        b["commit"][i] = c.completes_prompt
+        nxt = ids[c.start + 1:c.start + n + 1]
+        b["next_tokens"][row:row + len(nxt)] = nxt
+        rows[i] = sampling_row(req)
+        row += n
+        b["query_start"][i + 1:] = row
+    return b, rows
+
+
+def pack_decode(sched: SchedulerOutput, pending_rows: dict, *, num_rows: int, num_slots: int,
+                pages_per_seq: int) -> tuple[dict[str, np.ndarray], list]:
+    """Row r runs sched.decodes[r]. A request whose last token is still on the device (sampled by the step
+    in flight at row `pending_rows[req]`) gets token -1 - that row: the step gathers it there.
+    Returns tokens, page_table, seq_lens, slots (padding rows: num_slots, out of range) and row_steps
+    (each row's decode iterations), and the sampling rows [num_rows]."""
+    n = num_rows
+    b = dict(tokens=np.zeros(n, np.int32), page_table=np.zeros((n, pages_per_seq), np.int32),
+             seq_lens=np.zeros(n, np.int32), slots=np.full(n, num_slots, np.int32), row_steps=np.ones(n, np.int32))
+    rows = [None] * n
+    for r, req in enumerate(sched.decodes):
+        b["tokens"][r] = -1 - pending_rows[req] if req.num_pending_tokens else req.all_token_ids[-1]
+        b["page_table"][r, :len(req.pages)] = req.pages
+        b["seq_lens"][r] = req.num_total_tokens
+        b["slots"][r] = req.slot
+        b["row_steps"][r] = sched.steps.get(req, 1)
+        rows[r] = sampling_row(req)
+    return b, rows

@@ -1,0 +1,86 @@
+"""A dispatched step and its one blocking read back to the host.
+
+`LaunchedStep` is what `LLMEngine._launch` dispatched (nothing waited for the device);
+`arrays_to_read` starts the device-to-host copies of what the host will need at dispatch, and
+`read_back` waits for them, returning a `HostOutput` laid out the same for every kind of step:
+[num_steps, prefill rows (num_slots) then decode rows (the decode bucket's)].
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from atlasjax.request import Request
+from atlasjax.sampling_params import MAX_LOGPROBS
+from atlasjax.scheduler import SchedulerOutput
+from atlasjax.steps import StepOutput
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A dispatched step whose outputs have not been read back yet."""
+    sched: SchedulerOutput
+    prefill: StepOutput | None
+    decode: StepOutput | None
+    record_prompt_logprobs: list[bool]     # per prefill chunk
+    sample_rows: dict[Request, int]        # request -> row of its new token in [prefill rows | decode rows]
+    with_logprobs: bool                    # some sampled row asked for logprobs: read them back too
+    num_steps: int = 1                     # decode iterations the launched decode runs (1, or the compiled K)
+
+
+@dataclasses.dataclass
+class HostOutput:
+    """A step's outputs on the host: [num_steps, prefill rows (num_slots) then decode rows (the decode's
+    bucket)]; the prefill rows have one token, in iteration 0."""
+    tokens: np.ndarray
+    logprob: np.ndarray | None
+    top_vals: np.ndarray | None
+    top_ids: np.ndarray | None
+    prompt: tuple | None     # (chosen [T], top_vals [T, K], top_ids [T, K]) of a prefill with prompt logprobs
+
+
+def arrays_to_read(step: LaunchedStep) -> list[jax.Array]:
+    """Only what the host needs: tokens, and logprobs when some row asked for them."""
+    arrays = []
+    for out in (step.prefill, step.decode):
+        if out is not None:
+            arrays.append(out.tokens)
+            if step.with_logprobs:
+                arrays += [out.logprob, out.top_vals, out.top_ids]
+    if step.prefill is not None and step.prefill.prompt is not None:
+        arrays += list(step.prefill.prompt)
+    return arrays
+
+
+def start_copies(step: LaunchedStep) -> None:
+    """Start the transfers at dispatch; they complete when the step does."""
+    for x in arrays_to_read(step):
+        x.copy_to_host_async()
+
+
+def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
+    """The one blocking device-to-host transfer of a step (returns once the step has run)."""
+    k, n = MAX_LOGPROBS, step.num_steps
+    want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
+            for o in (step.prefill, step.decode)]
+    got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
+
+    def steps_axis(x, rows, dtype, tail=()):   # -> [n, rows, *tail]: single-step outputs are iteration 0
+        if x is None:
+            return np.zeros((n, rows, *tail), dtype)
+        x = x.reshape(-1, rows, *tail)
+        return x if len(x) == n else np.concatenate([x, np.zeros((n - len(x), rows, *tail), dtype)])
+
+    parts = [(None, None) if g is None else g for g in got]
+    # the prefill part always spans num_slots rows (decode rows follow it); the decode part its bucket's rows
+    widths = (num_slots, 0 if got[1] is None else got[1][0].shape[-1])
+    host = HostOutput(np.concatenate([steps_axis(p[0], w, np.int32) for p, w in zip(parts, widths)], axis=1),
+                      None, None, None, prompt)
+    if step.with_logprobs:
+        host.logprob, host.top_vals, host.top_ids = (
+            np.concatenate([steps_axis(None if p[1] is None else p[1][j], w, dt, tail)
+                            for p, w in zip(parts, widths)], axis=1)
+            for j, dt, tail in ((0, np.float32, ()), (1, np.float32, (k,)), (2, np.int32, (k,))))
+    return host
