@@ -2,12 +2,13 @@
 # Session 54: offline throughput of the 8B with fp8 weights and fp8 activations (W8A8) on an H200, the
 # first start (compiles every step, writes the program store) against a restart in the same machine
 # (loads the stored programs) (MORE=1: then 512 sequences).
-#   bash notebooks/gpu_session54_throughput.sh     # -> $OUT/tp_*.json, $OUT/tp_*.log
+#   [CACHE=/tmp/cc] bash notebooks/gpu_session54_throughput.sh     # -> $OUT/tp_*.json, $OUT/tp_*.log
 set -u
 export JAX_PLATFORMS=cuda PYTHONPATH=.:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 B="python -m atlasjax.bench throughput --preset llama-3.1-8b --num-prompts 1024 --input-len 128 --output-len 128
-   --max-num-batched-tokens 8192 --quantization fp8 --quantize-lm-head --activation-quantization fp8"
+   --max-num-batched-tokens 8192 --quantization fp8 --quantize-lm-head --activation-quantization fp8
+   ${CACHE:+--compilation-cache $CACHE}"   # CACHE=DIR: the restart loads what the first run wrote
 run() {   # tag, timeout, extra flags
     local t0=$(date +%s.%N)
     timeout $2 $B ${@:3} --output $OUT/tp_$1.json > $OUT/tp_$1.log 2>&1
