@@ -2,8 +2,8 @@
 
 A step asks the scheduler for work, packs it into the fixed bucket shapes (step_packing.py),
 dispatches the prefill and decode steps, reads their tokens back (step_readback.py) and turns them
-into text deltas with incremental detokenization and stop checks (output_processor.py). `LLM` drives it synchronously; `AsyncLLM` runs it
-in a thread.
+into text deltas with incremental detokenization and stop checks (output_processor.py). `LLM`
+drives it synchronously; `AsyncLLM` runs it in a thread.
 
 Asynchronous scheduling (the default): `step()` schedules and dispatches step N+1 before it reads
 step N back, so the host work (scheduling, packing, detokenization, stop checks) runs while the
