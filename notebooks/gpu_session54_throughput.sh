@@ -1,7 +1,8 @@
 #!/bin/bash
-# Session 54: offline throughput of the 8B with fp8 weights and fp8 activations (W8A8) on an H200, the
-# first start (compiles every step, writes the program store) against a restart in the same machine
-# (loads the stored programs) (MORE=1: then 512 sequences).
+# Session 54: offline throughput of the 8B with fp8 weights and fp8 activations (W8A8) on an H200, run
+# twice at 256 sequences. With CACHE=DIR the first run writes the compilation cache and program store
+# there and the second is a restart on them; without it both compile. MORE=1 adds 512 sequences and
+# 2,048 prompts (its new decode buckets compile; session 54 gave it ~240 s on a warm cache).
 #   [CACHE=/tmp/cc] bash notebooks/gpu_session54_throughput.sh     # -> $OUT/tp_*.json, $OUT/tp_*.log
 set -u
 export JAX_PLATFORMS=cuda PYTHONPATH=.:${PYTHONPATH:-}
@@ -18,5 +19,5 @@ run() {   # tag, timeout, extra flags
 }
 run first_256 ${T1:-380} --max-num-seqs 256
 run restart_256 ${T2:-120} --max-num-seqs 256
-[ "${MORE:-0}" = 1 ] && run first_512 ${T3:-60} --max-num-seqs 512
+[ "${MORE:-0}" = 1 ] && run seqs_512 ${T3:-300} --max-num-seqs 512 --num-prompts 2048
 exit 0
