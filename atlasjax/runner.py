@@ -321,13 +321,14 @@ class ModelRunner:
 
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None,
                plans: tuple[sampling.SamplingPlan, ...] | None = None, max_decode_rows: int | None = None,
-               decodes_only: bool = False) -> None:
+               max_prefill_tokens: int | None = None) -> None:
         """Compile every step shape serving can use (decode buckets x sampling plans, each prefill bucket,
         the one prefill with prompt logprobs, admit) without running them; with num_steps > 1 also the
         multi-step decodes. Before `allocate`, give the pool's `num_pages`: the steps then compile against
         its shapes, with the device memory the pool will take still free. `plans` and `max_decode_rows`
-        narrow the decodes to those sampling plans and batch buckets, and `decodes_only` leaves out the
-        prefills and admit (a benchmark's greedy rows, after its prefills ran).
+        narrow the decodes to those sampling plans and batch buckets; `max_prefill_tokens` narrows the
+        prefills to the buckets up to it (0: none) and leaves out the prompt-logprobs prefill and admit
+        (what a benchmark's greedy requests reach).
 
         Each step is lowered in the calling thread; the XLA compiles run in `threads` threads (outside the
         GIL). Default:
@@ -342,7 +343,7 @@ class ModelRunner:
         try:
             self._warmup(num_steps, threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or (
                 1 if jax.default_backend() == "gpu" and not before_pool else min(8, os.cpu_count() or 1)),
-                plans or sampling.SamplingPlan.variants(), max_decode_rows or self.max_num_seqs, decodes_only)
+                plans or sampling.SamplingPlan.variants(), max_decode_rows or self.max_num_seqs, max_prefill_tokens)
         finally:
             self._state_shapes_now = None
 
@@ -351,7 +352,7 @@ class ModelRunner:
         """The device state a step is called (or, before `allocate`, compiled) with."""
         return self._state_shapes_now if self.state is None else self.state
 
-    def _warmup(self, num_steps: int, threads: int, plans, max_decode_rows: int, decodes_only: bool) -> None:
+    def _warmup(self, num_steps: int, threads: int, plans, max_decode_rows: int, max_prefill_tokens: int | None) -> None:
         s, p = self.max_num_seqs, self.pages_per_seq
         z = functools.partial(np.zeros, dtype=np.int32)
         specs = []
@@ -363,13 +364,15 @@ class ModelRunner:
                 if num_steps > 1:
                     specs.append(self._decode_spec(host + (z(rows),), (self._no_prev_tokens,) * 2, plan, num_steps))
         f, i = sampling.pack_rows([], s)
-        prefills = [] if decodes_only else [(t, False) for t in self.prefill_buckets] + [(self.prompt_logprobs_tokens, True)]
+        serving = max_prefill_tokens is None
+        prefills = [(t, False) for t in self.prefill_buckets if serving or t <= max_prefill_tokens]
+        prefills += [(self.prompt_logprobs_tokens, True)] if serving else []
         for t, with_prompt_logprobs in prefills:
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),
                          commit=np.zeros(s, bool), next_tokens=z(t))
             specs.append(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
-        if not decodes_only:
+        if serving:
             specs.append(self._admit_spec(0, z(self.max_model_len), 0, 0))
         specs = [spec for spec in specs if spec.key not in self._compiled]
         t0 = time.perf_counter()

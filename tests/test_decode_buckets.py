@@ -201,3 +201,15 @@ def test_warmup_lowers_in_one_thread_and_compiles_in_many(tiny, monkeypatch):
     assert {name for name, _ in lowered_in} == {threading.current_thread().name}
     assert compiled_in and all(name.startswith("atlasjax-compile") for name in compiled_in)
     assert len(lowered_in) == runner.num_compiles == len(runner._compiled)
+
+
+def test_benchmark_warmup_compiles_only_what_greedy_requests_reach(tiny):
+    """A benchmark's warm-up (bench throughput) asks for the greedy decodes up to its concurrency and
+    the prefill buckets up to its largest prompt step: nothing else compiles (no sampled or logprob
+    decodes, no larger prefill, no prompt-logprobs prefill, no admit), and every asked one does."""
+    from atlasjax.sampling import SamplingPlan
+    runner = _engine(tiny, max_num_seqs=16).runner           # prefill buckets 16, 32, 64; decode 8, 16
+    greedy = SamplingPlan(greedy=True, logprobs=False)
+    runner.warmup(2, threads=2, plans=(greedy,), max_decode_rows=8, max_prefill_tokens=32)
+    assert set(runner._compiled) == {("decode", 8, greedy), ("decode", 8, greedy, 2),
+                                     ("prefill", 16, False), ("prefill", 32, False)}

@@ -67,15 +67,27 @@ def make_requests(args, vocab: int, tokenizer=None) -> list[tuple[list[int], int
 
 
 def warm_up(engine, max_prompt: int, num_requests: int) -> None:
-    """Compile each prefill bucket the run can reach, with short requests (a bucket larger than one
-    prompt may be reached by several prompts prefilled in one step), then the greedy decode steps of
-    every batch bucket up to the run's concurrency, one and K iterations per launch (compiled, not run:
-    short requests reach only the small buckets, and the rest compiled while timed until session 49)."""
+    """Compile every step the run can reach: each prefill bucket up to the largest prompt
+    step (a bucket larger than one prompt may be reached by several prompts prefilled in one step) and
+    the greedy decode steps of every batch bucket up to the run's concurrency, one and K iterations per
+    launch. Then run each prefill bucket once with short requests, so that no program's first run is
+    timed. (Until session 55 the prefills compiled as those requests reached them, outside the
+    compile threads that $ATLASJAX_COMPILE_THREADS sets.)"""
     from atlasjax.sampling import SamplingPlan  # noqa: PLC0415
     from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
     rng = np.random.default_rng(12345)
     runner, limit = engine.runner, engine.max_model_len - 2
     reach = runner.bucket_for(min(engine.config.max_num_batched_tokens, max_prompt * engine.config.max_num_seqs))
+    t = time.perf_counter()
+    top = runner.decode_rows_for(min(num_requests, engine.config.max_num_seqs))
+    # In the runner's compile threads: one on a GPU once the pool is allocated, unless
+    # $ATLASJAX_COMPILE_THREADS says more. Eight (8B, fp8 W8A8, session 55) took 61 s against 111 for
+    # prefills up to 1,024 tokens but 365 s against ~355 up to 8,192, and XLA warned that concurrent
+    # autotuners time their candidates less accurately.
+    runner.warmup(engine.config.num_scheduler_steps, plans=(SamplingPlan(greedy=True, logprobs=False),),
+                  max_decode_rows=top, max_prefill_tokens=reach)
+    progress(f"warm-up: compiled prefill buckets up to {reach} tokens and greedy decode buckets up to {top} rows "
+             f"in {time.perf_counter() - t:.1f}s")
     for b in (b for b in runner.prefill_buckets if b <= reach):
         t = time.perf_counter()
         sizes = [limit] * (b // limit) + ([b % limit] if b % limit else [])
@@ -87,12 +99,7 @@ def warm_up(engine, max_prompt: int, num_requests: int) -> None:
             engine.step()
         for rid in ids:
             engine.release(rid)
-        progress(f"warm-up: prefill bucket {b} (+ decode) in {time.perf_counter() - t:.1f}s")
-    t = time.perf_counter()
-    top = runner.decode_rows_for(min(num_requests, engine.config.max_num_seqs))
-    runner.warmup(engine.config.num_scheduler_steps, plans=(SamplingPlan(greedy=True, logprobs=False),),
-                  max_decode_rows=top, decodes_only=True)
-    progress(f"warm-up: greedy decode buckets up to {top} rows in {time.perf_counter() - t:.1f}s")
+        progress(f"warm-up: prefill bucket {b} (+ decode) ran in {time.perf_counter() - t:.1f}s")
 
 
 class _CallCounter:
