@@ -12,6 +12,33 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["ATLASJAX_COMPILATION_CACHE"] = "off"
 
 
+def _share_compiles_within_this_session() -> None:
+    """jax's persistent compilation cache in a fresh directory for this pytest process alone: the many
+    tests that build an engine on the same tiny model compile the same step programs, and a hit loads
+    the executable instead (test_multi_step.py: 66 s against 137 on the 2-core CI machine). The
+    directory is new and this process its only writer: XLA CPU executables from two writing processes
+    do not load together (atlasjax/program_store.py), so the engine-process children, which would
+    be handed the setting, get none. $ATLASJAX_TEST_COMPILATION_CACHE=off compiles everything afresh."""
+    if os.environ.get("ATLASJAX_TEST_COMPILATION_CACHE", "on").lower() in ("off", "0", "false"):
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    import jax
+
+    import atlasjax.engine_process
+    directory = tempfile.mkdtemp(prefix="atlasjax-test-xla-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    atlasjax.engine_process._JAX_SETTINGS = ()
+
+
+_share_compiles_within_this_session()
+
+
 @pytest.fixture(scope="session")
 def hf_model_factory(tmp_path_factory):
     """name -> (torch model, saved directory); built once per session."""
