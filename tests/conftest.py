@@ -28,9 +28,10 @@ def _share_compiles_within_this_session() -> None:
     import jax
 
     import atlasjax.engine_process
+    from atlasjax import compile_cache
     directory = tempfile.mkdtemp(prefix="atlasjax-test-xla-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
+    compile_cache.enable(directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     atlasjax.engine_process._JAX_SETTINGS = ()
