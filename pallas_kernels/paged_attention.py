@@ -56,14 +56,10 @@ _NUM_SMS = 132   # H100 SXM: one wave of programs
 
 
 def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, lse_ref, *, page_size, block_kv,
-                   num_splits, num_stages, sm_scale, p_in_smem, writes, num_heads=None, tile_rows=None,
-                   active_splits=False):
+                   num_splits, num_stages, sm_scale, p_in_smem, writes, num_heads=None, tile_rows=None):
   """One program: one KV head x one split of the context x one sequence. Its query heads' `q_rows`
   rows (a multiple of 8; o_ref and lse_ref have as many) are stored back from its 64-row wgmma tile,
   of which only the first `tile_rows` are loaded.
-
-  active_splits: the grid's `num_splits` is a most; each sequence uses `_active_splits` of them,
-  chosen from the active sequences and its own context (its other splits are empty).
 
   rope_ref None: q_ref holds the prepared tiles [seqs, kv_heads, q_rows, D] (tile_rows = q_rows):
   the query heads, then padding; with `writes` the last two rows hold the new token's K and V,
@@ -83,8 +79,7 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
   seq_len = lens_ref[seq]
   # The sequence's own context (not the page table's width) is shared evenly by the splits, so
   # a short sequence in a long table still spreads over all of them.
-  splits = _active_splits(lens_ref, seq_len, block_kv, num_kv_heads, num_splits) if active_splits else num_splits
-  split_len = pl.cdiv(pl.cdiv(seq_len, block_kv), splits) * block_kv
+  split_len = pl.cdiv(pl.cdiv(seq_len, block_kv), num_splits) * block_kv
   start = split * split_len
   end = jnp.minimum(seq_len, start + split_len)
   num_steps = jnp.maximum(pl.cdiv(end - start, block_kv), 0)
@@ -201,20 +196,8 @@ def _decode_kernel(q_ref, rope_ref, k_ref, v_ref, table_ref, lens_ref, o_ref, ls
                 *rope_scratch)
 
 
-def _active_splits(lens_ref, seq_len, block_kv, num_kv_heads, num_splits, num_sms=_NUM_SMS):
-  """A sequence's context splits when the grid has `num_splits`: about one wave of programs over
-  the active sequences (not the padded batch: a lone request in an 8-row step may take 16), and at
-  least `_MIN_BLOCKS_PER_SPLIT` blocks each."""
-  active = sum((lens_ref[s] > 0).astype(jnp.int32) for s in range(lens_ref.shape[0]))
-  per_wave = jnp.maximum(active, 1) * num_kv_heads
-  want = lax.div(num_sms + per_wave - 1, per_wave)
-  by_context = pl.cdiv(pl.cdiv(seq_len, block_kv), _MIN_BLOCKS_PER_SPLIT)
-  return jnp.clip(jnp.minimum(want, by_context), 1, num_splits)
-
-
 def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block_kv,
-                   num_splits, num_stages, interpret, new_kv=None, tables=None, num_heads=None,
-                   active_splits=False):
+                   num_splits, num_stages, interpret, new_kv=None, tables=None, num_heads=None):
   """The kernel call: out, or (out, k_pages, v_pages) with the new K/V written when new_kv = (k, v).
   With `tables` (rope.rope_tables), q is the raw projections [seqs, num_heads + 2 kv_heads, D]:
   the kernel rotates q and the new K, and writes K/V too."""
@@ -227,9 +210,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
   group = num_heads // num_kv_heads
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
   num_splits = max(1, min(num_splits, max_blocks))
-  active_splits = active_splits and num_splits > 1
-  # with active splits a sequence may take one split of the whole table
-  num_stages = max(1, min(num_stages, max_blocks if active_splits else pl.cdiv(max_blocks, num_splits)))
+  num_stages = max(1, min(num_stages, pl.cdiv(max_blocks, num_splits)))
   if tables is None:
     # The query heads of each KV head, padded to a multiple of 8 rows (the tile's TMA granule;
     # the kernel's wgmma tile is 64 rows, but only these are loaded and stored); the new K/V, when
@@ -260,8 +241,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale, block
     refs = refs if split_out else (*refs, None)
     _decode_kernel(*refs, page_size=page_size, block_kv=block_kv, num_splits=num_splits,
                    num_stages=num_stages, sm_scale=sm_scale, p_in_smem=bool(interpret), writes=writes,
-                   num_heads=num_heads, tile_rows=None if tables is None else _rope_tile_rows(group, num_kv_heads),
-                   active_splits=active_splits)
+                   num_heads=num_heads, tile_rows=None if tables is None else _rope_tile_rows(group, num_kv_heads))
   call = plgpu.kernel(
       paged_decode_attention_kernel, out_type=out_type, grid=(num_kv_heads, num_splits, num_seqs),
       grid_names=("kv_heads", "splits", "seqs"),
@@ -309,14 +289,6 @@ def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=_NUM_SMS):
   at most one per block of the page table."""
   want = pl.cdiv(num_sms, num_seqs * num_kv_heads)
   return max(1, min(want, max_blocks))
-
-
-# Batches of up to this many rows size their splits in the kernel from the active sequences
-# (`_active_splits`): a decode step pads a lone request to 8 rows, and splitting its context for 8
-# left most SMs idle (H200, 1 active of 8 rows: 34.1 us per layer at 4,096 tokens against 16.5
-# with 16 splits; docs/perf_attention.md). Larger batches leave too few SMs to split for.
-_ACTIVE_SPLITS_MAX_SEQS = 16
-_MIN_BLOCKS_PER_SPLIT = 2
 
 
 def can_use_pallas(q, k_pages):
@@ -459,11 +431,8 @@ def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv
   if block_kv % page_size or block_kv > 256:
     raise ValueError(f"{block_kv=} must be a multiple of {page_size=} and at most 256")
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
-  active_splits = num_splits is None and num_seqs <= _ACTIVE_SPLITS_MAX_SEQS
-  if num_splits is None:   # with active splits the grid has room for one active sequence
-    num_splits = _default_num_splits(1 if active_splits else num_seqs, num_kv_heads, max_blocks)
   return dict(sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, block_kv=block_kv,
-              num_splits=num_splits, active_splits=active_splits,
+              num_splits=num_splits or _default_num_splits(num_seqs, num_kv_heads, max_blocks),
               num_stages=num_stages or 2)  # H100 sweep: 2 stages beat 3-4 (two programs fit per SM)
 
 

@@ -13,9 +13,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from models.layers import apply_rope
-from pallas_kernels.paged_attention import (_active_splits, can_fuse_rope, paged_decode_attention,
-                                            paged_decode_attention_and_write, paged_decode_attention_reference,
-                                            paged_decode_attention_rope_and_write)
+from pallas_kernels.paged_attention import (can_fuse_rope, paged_decode_attention, paged_decode_attention_and_write,
+                                            paged_decode_attention_reference, paged_decode_attention_rope_and_write)
 from pallas_kernels.rope import rope_from_tables, rope_tables
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -64,8 +63,7 @@ def rel_err(out, ref):
   return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-LENS = {"mixed": [17, 0, 255, 1], "short": [1, 3], "long_short": [513, 3, 0], "single_long": [513],
-        "lone_long": [600] + [0] * 7}   # a lone request in an 8-row decode step: its splits fill the grid
+LENS = {"mixed": [17, 0, 255, 1], "short": [1, 3], "long_short": [513, 3, 0], "single_long": [513]}
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -104,7 +102,6 @@ INTERPRET_CASES = [
     # more splits than a short sequence has blocks: the empty splits' partials are never stored
     dict(lens="long_short", group=4, head_dim=64, page_size=16, num_splits=8),
     dict(lens="short", group=8, head_dim=256, page_size=16),
-    dict(lens="lone_long", group=4, head_dim=64, page_size=16),
 ]
 
 
@@ -124,18 +121,6 @@ GPU_GRID = [dict(lens=l, group=g, head_dim=d, page_size=p, num_splits=ns)
                          ids=lambda c: "-".join(map(str, c.values())))
 def test_kernel_gpu(case):
   _run_case(_check_kernel, case, False)
-
-
-@pytest.mark.parametrize("active,context,splits", [
-    (1, 4096, 16),   # a lone request: one wave of programs over 8 KV heads (16 of the grid's 16)
-    (2, 4096, 9),    # two: half as many each
-    (8, 4096, 3),    # a full 8-row batch: as many as a static split for 8 sequences
-    (1, 256, 2),     # a short context: at least two blocks of 64 per split
-    (1, 64, 1),
-])
-def test_splits_follow_the_active_sequences_and_the_context(active, context, splits):
-  lens = jnp.asarray([context] * active + [0] * (8 - active), jnp.int32)
-  assert int(_active_splits(lens, lens[0], 64, 8, 16)) == splits
 
 
 def test_auto_backend_on_cpu_uses_reference():
@@ -271,7 +256,6 @@ ROPE_CASES = [
     # 12 per KV head: 16-row tiles, odd KV heads' query rows from row 4 of theirs
     dict(lens="short", group=12, num_kv_heads=4, head_dim=128, page_size=64),
     dict(lens="short", group=4, num_kv_heads=4, head_dim=256, page_size=16),
-    dict(lens="lone_long", group=4, num_kv_heads=4, head_dim=128, page_size=16),
 ]
 
 
