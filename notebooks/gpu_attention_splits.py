@@ -9,8 +9,13 @@ fused K/V write: undonated here, its pools would be copied whole on every call.
 
 Answer (H100, session 24): one split is slower at every length (7.65 against 6.59 us at 140
 tokens); at 1,000 tokens 8 splits beat the default 16 (10.29 against 13.22 us).
+Session 57 (H200; SLOTS rows of which ACTIVE hold the context): the default is 3 splits for 8 rows,
+sized as if every row were active. A lone request at 4,096 tokens takes 34 us, 16.5 with 16 splits;
+8 active rows take 41.5 with 3 and 49.7 with 16. No static count serves both
+(docs/performance.md, session 57).
 
-  JAX_PLATFORMS=cuda PYTHONPATH=. [LENS=140,256,1000] python notebooks/gpu_attention_splits.py
+  JAX_PLATFORMS=cuda PYTHONPATH=. [LENS=140,256,1000] [MAX_LEN=1024] [SLOTS=8] [ACTIVE=1] [SPLITS=default,1,2,4,8] \
+      python notebooks/gpu_attention_splits.py
 """
 import json
 import os
@@ -22,7 +27,11 @@ import numpy as np
 from atlasjax.bench_kernels_quant import device_ms
 from pallas_kernels.paged_attention import paged_decode_attention
 
-SLOTS, KV_HEADS, GROUP, HEAD_DIM, PAGE, MAX_LEN = 8, 8, 4, 128, 16, 1024
+KV_HEADS, GROUP, HEAD_DIM, PAGE = 8, 4, 128, 16
+SLOTS = int(os.environ.get("SLOTS", 8))      # the decode step's rows
+MAX_LEN = int(os.environ.get("MAX_LEN", 1024))
+ACTIVE = int(os.environ.get("ACTIVE", 1))   # slots with the context, of SLOTS
+SPLITS = [None if s == "default" else int(s) for s in os.environ.get("SPLITS", "default,1,2,4,8").split(",")]
 
 
 def main():
@@ -33,10 +42,10 @@ def main():
     q = jnp.asarray(rng.standard_normal((SLOTS, KV_HEADS * GROUP, HEAD_DIM)), jnp.bfloat16)
     results = []
     for length in map(int, os.environ.get("LENS", "140,256,1000").split(",")):
-        lens = jnp.zeros((SLOTS,), jnp.int32).at[0].set(length)
-        row = dict(context=length)
+        lens = jnp.zeros((SLOTS,), jnp.int32).at[:ACTIVE].set(length)
+        row = dict(context=length, rows=SLOTS, active=ACTIVE)
         ref = None
-        for splits in (None, 1, 2, 4, 8):
+        for splits in SPLITS:
             fn = jax.jit(lambda q, kp, vp, n=splits: paged_decode_attention(
                 q, kp, vp, table, lens, backend="pallas", num_splits=n))
             out = np.asarray(fn(q, kp, vp), np.float32)
@@ -45,7 +54,7 @@ def main():
             row[f"splits_{splits or 'default'}_diff"] = float(np.abs(out - ref).max())
         print(json.dumps(row), flush=True)
         results.append(row)
-    with open(f"{os.environ.get('OUT', '/tmp')}/attention_splits.json", "w") as f:
+    with open(f"{os.environ.get('OUT', '/tmp')}/attention_splits_{SLOTS}_{ACTIVE}.json", "w") as f:
         json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
 
 
