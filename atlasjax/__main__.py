@@ -75,6 +75,18 @@ def add_decode_batch_sizes_arg(g) -> None:
                         "Give --max-num-seqs alone to run every step at full size")
 
 
+def add_long_context_decode_arg(g) -> None:
+    g.add_argument("--long-context-decode", default="auto", choices=["auto", "on", "off"],
+                   help="compile the smallest decode bucket a second time with its attention's context splits "
+                        "sized for 2 busy rows, and run it while at most 2 requests decode and one context "
+                        "reaches 1,024 tokens (a lone 4k-token request's attention ~2x faster; "
+                        "atlasjax/long_context_decode.py). auto: on a GPU with Pallas attention")
+
+
+def long_context_decode_setting(args) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[getattr(args, "long_context_decode", "auto")]
+
+
 def add_memory_utilization_arg(g) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85, metavar="F",
                    help="without --num-pages: the fraction of free device memory (after the weights and a "
@@ -109,6 +121,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="read each step back before scheduling the next (no host/device overlap; for debugging)")
     add_scheduler_steps_arg(g)
     add_attention_backend_arg(g)
+    add_long_context_decode_arg(g)
     add_weight_format_args(g)
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split the model over (multi-host: all devices of all processes)")
@@ -139,7 +152,7 @@ def engine_kwargs(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
-                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                long_context_decode=long_context_decode_setting(args), quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                 activation_quantization=args.activation_quantization,
                 quantization_group_size=args.quantization_group_size,
                 quantization_symmetric=args.quantization_symmetric,

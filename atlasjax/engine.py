@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from atlasjax import distributed, metrics, weights_summary
+from atlasjax import distributed, long_context_decode, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
@@ -82,6 +82,7 @@ class LLMEngine:
         # slower matrix-vector kernel (8B bs=1 step on an H100: 7.8 ms with 1 row, 6.0 ms with 8).
         min_rows = 8 if jax.default_backend() == "gpu" else 1
         self.num_slots = max(config.max_num_seqs, min_rows)
+        decode_buckets = config.decode_buckets(self.num_slots, min_rows)
         # The runner holds the params from here on (in its execution layout: `runner.checkpoint_params()`
         # gives them back as loaded); a tree this engine loaded or sharded itself is handed over whole.
         params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
@@ -93,10 +94,14 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
                                   prefill_buckets=config.prefill_buckets(),
-                                  decode_buckets=config.decode_buckets(self.num_slots, min_rows),
+                                  decode_buckets=decode_buckets,
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
                                   own_params=own_params,
-                                  prompt_logprobs_tokens=config.prompt_logprobs_tokens)
+                                  prompt_logprobs_tokens=config.prompt_logprobs_tokens,
+                                  long_context_decode=long_context_decode.resolve(
+                                      config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
+                                      attention_backend=config.attention_backend, smallest_bucket=decode_buckets[0],
+                                      max_model_len=self.max_model_len))
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
         num_pages = distributed.broadcast_int(   # all hosts agree
@@ -280,8 +285,12 @@ class LLMEngine:
         f, ints = pack_rows(rows, n)
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
+        longest = int((b["seq_lens"] + b["row_steps"] - 1).max())   # the longest context this launch reaches
+        split_rows = long_context_decode.split_rows(len(sched.decodes), longest) \
+            if self.runner.long_context_decode else None
         return self.runner.decode(b["tokens"], b["page_table"], b["seq_lens"], f, ints, prev_tokens, plan_rows(rows),
-                                  b["row_steps"] if num_steps > 1 else None, num_steps, b["slots"])
+                                  b["row_steps"] if num_steps > 1 else None, num_steps, b["slots"],
+                                  split_rows=split_rows)
 
     # ---- results
     def _process(self, step: LaunchedStep) -> list[StreamDelta]:

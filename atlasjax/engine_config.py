@@ -81,6 +81,11 @@ class EngineConfig:
     num_scheduler_steps: int | None = None   # decode iterations per launch when a step has only decodes (the
                                              # host issues the step once for them; outputs arrive in bursts);
                                              # None: `resolve_scheduler_steps` (4 on GPU, 1 elsewhere)
+    long_context_decode: bool | None = None  # a second program for the smallest decode bucket, whose attention
+                                             # splits each context for 2 busy rows; a step of at most 2
+                                             # requests runs it once a context reaches 1,024 tokens
+                                             # (atlasjax/long_context_decode.py). None: on a GPU with Pallas
+                                             # attention
     compile_at_start: bool = False           # compile every step shape serving uses while the engine starts,
                                              # before the KV pool is allocated (compiles then run in threads
                                              # with the pool's memory free); what `serve` does
@@ -135,6 +140,8 @@ class EngineConfig:
             bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not isinstance(self.compile_at_start, bool):
             bad(f"compile_at_start must be True or False, got {self.compile_at_start!r}")
+        if self.long_context_decode is not None and not isinstance(self.long_context_decode, bool):
+            bad(f"long_context_decode must be True, False or None (auto), got {self.long_context_decode!r}")
         if not isinstance(self.async_scheduling, bool):
             bad(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.quantization not in (None, "int8", "fp8", "int4"):

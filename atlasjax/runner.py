@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax import program_store, sampling, steps
+from atlasjax.long_context_decode import FEW_ROWS
 from atlasjax.sharding import TP_AXIS
 from atlasjax.sampling_params import MAX_LOGIT_BIAS
 from atlasjax.step_options import step_compiler_options
@@ -52,7 +53,7 @@ class ModelRunner:
     def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int, kv_dtype=None,
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
                  attn_backend: str = "auto", plan=None, own_params: bool = False,
-                 prompt_logprobs_tokens: int | None = None):
+                 prompt_logprobs_tokens: int | None = None, long_context_decode: bool = False):
         """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
         from the device memory left once the params are in their execution layout.
         decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
@@ -61,7 +62,9 @@ class ModelRunner:
         (`EngineConfig.prompt_logprobs_tokens`; default: the largest prefill bucket).
         kv_dtype: the KV pool's dtype (EngineConfig.kv_cache_dtype; default: `dtype`).
         plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
-        own_params: nobody else holds `params`; fusing projections may then free them layer by layer."""
+        own_params: nobody else holds `params`; fusing projections may then free them layer by layer.
+        long_context_decode: the smallest decode bucket also compiles (warmup) and runs the long-context
+        program (atlasjax/long_context_decode.py), when `decode` is given its split_rows."""
         self.cfg = cfg
         self.dtype = dtype
         self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -79,6 +82,7 @@ class ModelRunner:
         self.prefill_buckets = tuple(sorted(prefill_buckets))
         self.prompt_logprobs_tokens = prompt_logprobs_tokens or self.prefill_buckets[-1]
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
+        self.long_context_decode = long_context_decode
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
         else:
@@ -267,15 +271,18 @@ class ModelRunner:
 
     # ---- steps (all asynchronous: they return device arrays). Each `_*_spec` packs the host inputs and
     # names its step (StepSpec); `_compile` compiles each key once, and warmup compiles the same specs.
-    def _decode_spec(self, host_inputs, prev, plan, num_steps=1) -> StepSpec:
+    def _decode_spec(self, host_inputs, prev, plan, num_steps=1, split_rows=None) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
         args = (self.params, self._state_arg, self._host(packed), *prev)
         rows = host_inputs[0].shape[0]
+        # the long-context program (split_rows set: atlasjax/long_context_decode.py) is a step of its own name
+        name, options = ("decode_long_context", dict(split_rows=split_rows)) if split_rows else ("decode", {})
         if num_steps == 1:
-            return StepSpec(("decode", rows, plan), functools.partial(steps.decode_step, self.model, plan, layout),
-                            (1,), args)
-        return StepSpec(("decode", rows, plan, num_steps),
-                        functools.partial(steps.multi_decode_step, self.model, plan, num_steps, layout), (1,), args)
+            return StepSpec((name, rows, plan),
+                            functools.partial(steps.decode_step, self.model, plan, layout, **options), (1,), args)
+        return StepSpec((name, rows, plan, num_steps),
+                        functools.partial(steps.multi_decode_step, self.model, plan, num_steps, layout, **options),
+                        (1,), args)
 
     def _prefill_spec(self, host_inputs, with_prompt_logprobs) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
@@ -295,19 +302,24 @@ class ModelRunner:
 
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
                plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1,
-               slots=None) -> StepOutput:
+               slots=None, split_rows: int | None = None) -> StepOutput:
         """One decode over rows [R] (R a decode bucket): row r continues the request in slot slots[r]
         (default: slot r); padding rows have seq_lens 0 and slot max_num_seqs.
         prev_tokens: the previous step's gather_tokens (prefill, decode; device arrays or None) that
         negative entries of `tokens` point into (see _gather_prev).
         num_steps > 1: that many decode iterations in one launch, row r running the first row_steps[r]
-        (`steps.multi_decode_step`; outputs gain a leading [num_steps] axis)."""
+        (`steps.multi_decode_step`; outputs gain a leading [num_steps] axis).
+        split_rows: run the long-context program (atlasjax/long_context_decode.py; the smallest bucket
+        only, with `long_context_decode` on)."""
+        if split_rows is not None and not (self.long_context_decode and len(tokens) == self.decode_buckets[0]):
+            raise ValueError(f"no long-context decode program for {len(tokens)} rows "
+                             f"(long_context_decode={self.long_context_decode}, buckets {self.decode_buckets})")
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
         slots = np.arange(len(tokens), dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
         host = (tokens, page_table, seq_lens, slots, f, i)
         if num_steps > 1:
             host += (np.asarray(row_steps, np.int32),)
-        self.state, out = self._run(self._decode_spec(host, prev, plan, num_steps))
+        self.state, out = self._run(self._decode_spec(host, prev, plan, num_steps, split_rows))
         return out
 
     @functools.cached_property
@@ -359,10 +371,14 @@ class ModelRunner:
         for rows in (b for b in self.decode_buckets if b <= max_decode_rows):
             f, i = sampling.pack_rows([], rows)
             host = (z(rows), z((rows, p)), z(rows), z(rows), f, i)
+            variants = (None, FEW_ROWS) if (
+                self.long_context_decode and rows == self.decode_buckets[0]) else (None,)
             for plan in plans:
-                specs.append(self._decode_spec(host, (self._no_prev_tokens,) * 2, plan))
-                if num_steps > 1:
-                    specs.append(self._decode_spec(host + (z(rows),), (self._no_prev_tokens,) * 2, plan, num_steps))
+                for split_rows in variants:
+                    specs.append(self._decode_spec(host, (self._no_prev_tokens,) * 2, plan, 1, split_rows))
+                    if num_steps > 1:
+                        specs.append(self._decode_spec(host + (z(rows),), (self._no_prev_tokens,) * 2, plan, num_steps,
+                                                       split_rows))
         f, i = sampling.pack_rows([], s)
         serving = max_prefill_tokens is None
         prefills = [(t, False) for t in self.prefill_buckets if serving or t <= max_prefill_tokens]

@@ -103,14 +103,15 @@ def _sample_rows(state: DeviceState, counts, logits, slots, st, plan=sampling.FU
 
 
 def _decode_once(model: Transformer, plan, params, kv, counts, state: DeviceState, tokens, page_table, seq_lens,
-                 slots, st):
+                 slots, st, split_rows=None):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv and counts are the iteration's own."""
+    per-slot sampling state; kv and counts are the iteration's own. split_rows: AttentionMetadata's."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
-    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens)
+    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
+                             split_rows=split_rows)
     hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, counts, logits, slots, st, plan)
@@ -119,17 +120,18 @@ def _decode_once(model: Transformer, plan, params, kv, counts, state: DeviceStat
 
 
 def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
-                 prev_prefill_tokens, prev_decode_tokens):
+                 prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
+    """One decode iteration (split_rows: the attention's, AttentionMetadata)."""
     tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     kv, counts, out = _decode_once(model, plan, params, state.kv, state.counts, state, tokens,
-                                   page_table, seq_lens, slots, sampling.SamplingTensors(f, i))
+                                   page_table, seq_lens, slots, sampling.SamplingTensors(f, i), split_rows)
     out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
     return state.replace(kv=kv, counts=counts), out
 
 
 def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params,
-                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens):
+                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
     """`num_steps` decode iterations in one launch (a `lax.scan`, so the host issues the step once for
     all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
     after them it is inactive (no K/V write), and its later outputs repeat its last token."""
@@ -142,7 +144,7 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
         kv, counts, out = _decode_once(model, plan, params, kv, counts, state, tokens, page_table,
-                                       jnp.where(active, seq_lens + j, 0), slots, st)
+                                       jnp.where(active, seq_lens + j, 0), slots, st, split_rows)
         tokens = jnp.where(active, out.tokens, tokens)
         return (kv, counts, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 

@@ -32,6 +32,9 @@ class AttentionMetadata:
     seq_lens: jax.Array                  # [num_seqs] context length incl. this step's tokens; 0 = inactive
     query_start: jax.Array | None = None  # [num_seqs + 1] (prefill only)
     num_seqs: jax.Array | None = None     # [] int32 (prefill only)
+    # Decode only, static: the rows the attention kernel sizes its context splits for (default: every
+    # row). The engine's long-context decode program passes a few, for one or two long requests.
+    split_rows: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def is_decode(self) -> bool:
@@ -44,7 +47,8 @@ def attention(q, k_pages, v_pages, meta: AttentionMetadata, *, backend: str = "a
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]
     """
     if meta.is_decode:
-        return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, backend=backend)
+        return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, backend=backend,
+                                      split_rows=meta.split_rows)
     return ragged_paged_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start,
                                   meta.num_seqs, backend=backend)
 
@@ -58,7 +62,7 @@ def write_and_attend(q, k, v, kv, meta: AttentionMetadata, *, backend: str = "au
     """
     if meta.is_decode:
         out, k_pages, v_pages = paged_decode_attention_and_write(q, k, v, *kv, meta.page_table, meta.seq_lens,
-                                                                 backend=backend)
+                                                                 backend=backend, split_rows=meta.split_rows)
         return out, (k_pages, v_pages)
     k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
     return attention(q, k_pages, v_pages, meta, backend=backend), (k_pages, v_pages)
@@ -76,5 +80,6 @@ def rope_write_and_attend(qkv, tables, kv, meta: AttentionMetadata, *, num_heads
     * head_dim] and `rope_tables(positions, inv_freq)`: RoPE, the K/V write and attention in the
     kernel where it can (`can_fuse_rope`), else rotated first, with the same result."""
     out, k_pages, v_pages = paged_decode_attention_rope_and_write(qkv, tables, *kv, meta.page_table, meta.seq_lens,
-                                                                  num_heads=num_heads, backend=backend)
+                                                                  num_heads=num_heads, backend=backend,
+                                                                  split_rows=meta.split_rows)
     return out, (k_pages, v_pages)

@@ -299,13 +299,13 @@ def can_use_pallas(q, k_pages):
           and num_heads // num_kv_heads <= _ROWS and page_size % 8 == 0 and page_size <= 256)
 
 
-_STATIC = ("sm_scale", "backend", "interpret", "block_kv", "num_splits", "num_stages")
+_STATIC = ("sm_scale", "backend", "interpret", "block_kv", "num_splits", "num_stages", "split_rows")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
                            backend="auto", interpret=False, block_kv=None, num_splits=None,
-                           num_stages=None):
+                           num_stages=None, split_rows=None):
   """Attention of one query token per sequence over its pages.
 
   Args:
@@ -320,11 +320,15 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
     interpret: Pallas interpret mode (e.g. `plgpu.InterpretGPUParams()`), for CPU tests.
     block_kv, num_splits, num_stages: tunables (KV tokens per step, context splits, pipeline
       depth); defaults chosen from the shapes.
+    split_rows: the rows the default context splits are sized for (one wave of programs over them;
+      default num_seqs). A step with few active rows among many passes their count, so a lone long
+      context is not split as if every row were busy.
   Returns:
     [num_seqs, num_heads, head_dim] in q.dtype; zeros for inactive slots.
   """
   backend, interpret = resolve_interpret(backend, interpret)
-  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
+  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages,
+               split_rows)
   if plan is None:
     return paged_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens,
                                             sm_scale=sm_scale)
@@ -335,7 +339,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fused_write",))
 def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_lens, *, sm_scale=None,
                                      backend="auto", interpret=False, block_kv=None, num_splits=None,
-                                     num_stages=None, fused_write=True):
+                                     num_stages=None, split_rows=None, fused_write=True):
   """Writes each sequence's new K/V at position seq_lens - 1 of its pages, then attends as
   `paged_decode_attention` does (the new token included).
 
@@ -346,7 +350,8 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
   updated in place when the caller donates them.
   """
   backend, interpret = resolve_interpret(backend, interpret)
-  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
+  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages,
+               split_rows)
   if k.shape != v.shape or k.shape != (q.shape[0], k_pages.shape[0], k_pages.shape[-1]):
     raise ValueError(f"bad new K/V shapes {k.shape=} {v.shape=} for {q.shape=} {k_pages.shape=}")
   group = q.shape[1] // k_pages.shape[0]
@@ -357,7 +362,7 @@ def paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, decode_slots(page_table, seq_lens, page_size, num_pages))
     out = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale, backend=backend,
                                  interpret=interpret, block_kv=block_kv, num_splits=num_splits,
-                                 num_stages=num_stages)
+                                 num_stages=num_stages, split_rows=split_rows)
     return out, k_pages, v_pages
   return _decode_pallas(q, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, new_kv=(k, v), **plan)
@@ -380,7 +385,7 @@ def can_fuse_rope(num_heads, k_pages, head_dim):
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_heads",))
 def paged_decode_attention_rope_and_write(qkv, tables, k_pages, v_pages, page_table, seq_lens, *, num_heads,
                                           sm_scale=None, backend="auto", interpret=False, block_kv=None,
-                                          num_splits=None, num_stages=None):
+                                          num_splits=None, num_stages=None, split_rows=None):
   """RoPE, the K/V write and attention of a decode step from the raw projections.
 
   qkv: [num_seqs, (num_heads + 2 num_kv_heads) * head_dim], q | k | v as the fused qkv matmul
@@ -398,17 +403,19 @@ def paged_decode_attention_rope_and_write(qkv, tables, k_pages, v_pages, page_ta
   qkv = qkv.reshape(num_seqs, -1, head_dim)
   backend, interpret = resolve_interpret(backend, interpret)
   q, k, v = jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=1)
-  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages)
+  plan = _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages,
+               split_rows)
   if plan is None or not can_fuse_rope(num_heads, k_pages, head_dim):
     q, k = rope.rope_from_tables(q, tables), rope.rope_from_tables(k, tables)
     return paged_decode_attention_and_write(q, k, v, k_pages, v_pages, page_table, seq_lens, sm_scale=sm_scale,
                                             backend=backend, interpret=interpret, block_kv=block_kv,
-                                            num_splits=num_splits, num_stages=num_stages)
+                                            num_splits=num_splits, num_stages=num_stages, split_rows=split_rows)
   return _decode_pallas(qkv, k_pages, v_pages, page_table.astype(jnp.int32), seq_lens.astype(jnp.int32),
                         interpret=interpret, tables=tables, num_heads=num_heads, **plan)
 
 
-def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages):
+def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv, num_splits, num_stages,
+          split_rows):
   """Validates the shapes; None for the reference backend, else the Pallas kernel's settings."""
   num_seqs, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
@@ -432,7 +439,7 @@ def _plan(q, k_pages, v_pages, page_table, seq_lens, sm_scale, backend, block_kv
     raise ValueError(f"{block_kv=} must be a multiple of {page_size=} and at most 256")
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
   return dict(sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale, block_kv=block_kv,
-              num_splits=num_splits or _default_num_splits(num_seqs, num_kv_heads, max_blocks),
+              num_splits=num_splits or _default_num_splits(split_rows or num_seqs, num_kv_heads, max_blocks),
               num_stages=num_stages or 2)  # H100 sweep: 2 stages beat 3-4 (two programs fit per SM)
 
 

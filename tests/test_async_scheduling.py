@@ -123,7 +123,8 @@ def test_token_after_a_stop_is_dropped_and_the_slot_is_reused_cleanly(tiny):
 def test_decode_takes_its_tokens_from_the_device(tiny):
     engine = _engine(tiny)
     host_tokens, decode = [], engine.runner.decode
-    engine.runner.decode = lambda tokens, *a: (host_tokens.append(np.array(tokens)), decode(tokens, *a))[1]
+    engine.runner.decode = lambda tokens, *a, **kw: (host_tokens.append(np.array(tokens)),
+                                                     decode(tokens, *a, **kw))[1]
     engine.add_request("x", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6))
     x = engine.requests["x"][0]
     engine.step()                                  # prefill dispatched, nothing read back yet

@@ -25,10 +25,10 @@ def _record_decodes(engine):
     """[(rows, slots of the live rows)] per decode the engine dispatches."""
     seen, decode = [], engine.runner.decode
 
-    def record(tokens, page_table, seq_lens, *args):
+    def record(tokens, page_table, seq_lens, *args, **kw):
         slots = args[-1]
         seen.append((len(tokens), sorted(int(s) for s, n in zip(slots, seq_lens) if n > 0)))
-        return decode(tokens, page_table, seq_lens, *args)
+        return decode(tokens, page_table, seq_lens, *args, **kw)
     engine.runner.decode = record
     return seen
 

@@ -13,8 +13,9 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from models.layers import apply_rope
-from pallas_kernels.paged_attention import (can_fuse_rope, paged_decode_attention, paged_decode_attention_and_write,
-                                            paged_decode_attention_reference, paged_decode_attention_rope_and_write)
+from pallas_kernels.paged_attention import (_plan, can_fuse_rope, paged_decode_attention,
+                                            paged_decode_attention_and_write, paged_decode_attention_reference,
+                                            paged_decode_attention_rope_and_write)
 from pallas_kernels.rope import rope_from_tables, rope_tables
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -297,3 +298,17 @@ def test_rope_entry_rejects_mismatched_projections():
   with pytest.raises(ValueError, match="bad projections"):
     paged_decode_attention_rope_and_write(jnp.zeros((2, 7 * 128)), jnp.zeros((2, 2, 2, 128)), k_pages, k_pages,
                                           jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), num_heads=4)
+
+
+def test_split_rows_sizes_the_default_splits_for_the_busy_rows_interpret():
+  """A lone long context among idle rows (the engine's long-context decode program passes
+  split_rows=1-2): the default splits are sized for those rows, more than for every row, and the
+  result is still the reference's."""
+  case = make_case(8, [513, 0, 0, 0], num_kv_heads=8, group=1, head_dim=64, page_size=16)
+  every_row = _plan(*case, None, "pallas", None, None, None, None)["num_splits"]
+  busy_rows = _plan(*case, None, "pallas", None, None, None, 1)["num_splits"]
+  assert busy_rows > every_row
+  out = paged_decode_attention(*case, backend="pallas", interpret=plgpu.InterpretGPUParams(), split_rows=1)
+  out = np.asarray(out.astype(jnp.float32))
+  assert rel_err(out, np.asarray(paged_decode_attention_reference(*case))) < 1e-2
+  assert np.all(out[1:] == 0)

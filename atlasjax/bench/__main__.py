@@ -9,8 +9,8 @@ import sys
 from atlasjax.bench.gguf_layouts import LAYOUTS as GGUF_LAYOUTS
 from atlasjax.bench.presets import PRESETS, progress
 from atlasjax.__main__ import (add_attention_backend_arg, add_compilation_cache_arg, add_decode_batch_sizes_arg,
-                               add_kv_cache_dtype_arg, add_memory_utilization_arg, add_scheduler_steps_arg,
-                               add_weight_format_args)
+                               add_kv_cache_dtype_arg, add_long_context_decode_arg, add_memory_utilization_arg,
+                               add_scheduler_steps_arg, add_weight_format_args)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-async-scheduling", action="store_true", help="read each step back before the next")
     add_scheduler_steps_arg(e)
     add_attention_backend_arg(e)
+    add_long_context_decode_arg(e)
     e.add_argument("--compile-at-start", action="store_true",
                    help="compile every step shape as the engine starts, before the KV pool, as a server does")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")

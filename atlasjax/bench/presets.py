@@ -128,6 +128,7 @@ def build_engine(args, **overrides):
     """An LLMEngine from the common bench flags (`--preset` or `--model`, engine flags); overrides win."""
     import jax  # noqa: PLC0415
 
+    from atlasjax.__main__ import long_context_decode_setting  # noqa: PLC0415
     from atlasjax.engine import LLMEngine, resolve_dtype  # noqa: PLC0415
     from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
     if args.quantization and not quantization_available():
@@ -142,6 +143,7 @@ def build_engine(args, **overrides):
               page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
               enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+              long_context_decode=long_context_decode_setting(args),
               async_scheduling=not getattr(args, "no_async_scheduling", False),
               num_scheduler_steps=getattr(args, "num_scheduler_steps", None),
               quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
