@@ -98,7 +98,7 @@ class LLMEngine:
                                   attn_backend=config.attention_backend, plan=self.loaded.plan,
                                   own_params=own_params,
                                   prompt_logprobs_tokens=config.prompt_logprobs_tokens,
-                                  long_context_decode=long_context_decode.resolve(
+                                  long_context_split_rows=long_context_decode.resolve(
                                       config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
                                       attention_backend=config.attention_backend, smallest_bucket=decode_buckets[0],
                                       max_model_len=self.max_model_len))
@@ -286,8 +286,7 @@ class LLMEngine:
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
         longest = int((b["seq_lens"] + b["row_steps"] - 1).max())   # the longest context this launch reaches
-        split_rows = long_context_decode.split_rows(len(sched.decodes), longest) \
-            if self.runner.long_context_decode else None
+        split_rows = long_context_decode.split_rows(len(sched.decodes), longest, self.runner.long_context_split_rows)
         return self.runner.decode(b["tokens"], b["page_table"], b["seq_lens"], f, ints, prev_tokens, plan_rows(rows),
                                   b["row_steps"] if num_steps > 1 else None, num_steps, b["slots"],
                                   split_rows=split_rows)

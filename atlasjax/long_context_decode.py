@@ -1,36 +1,47 @@
-"""The long-context decode program: the smallest decode bucket compiled a second time, its attention
-splitting each context as if only FEW_ROWS rows were busy; a step runs it when at most FEW_ROWS
-requests decode and one of their contexts reaches MIN_CONTEXT tokens.
+"""Long-context decode programs: the smallest decode bucket compiled again with its attention's context
+splits sized for fewer busy rows (`split_rows`), run while few requests decode and one of their contexts
+is long (TIERS).
 
 Why: the decode attention kernel gives every row of a step the same number of context splits, sized so
 one wave of programs covers all of the step's rows (pallas_kernels/paged_attention.py). A lone request
-in the 8-row step then attends on 3 splits x 8 KV heads = 24 programs of the H200's 132 SMs: at 4k
-tokens 34 us per layer, 18 us with the 9 splits sized for 2 rows (docs/performance.md, session 57). With
-every row busy those 9 splits are slower, and at short contexts the default is within ~1 us of the
-best, so no one split count serves every step. The host knows each step's active rows and contexts
-and picks the program.
+in the 8-row step then attends on 3 splits x 8 KV heads = 24 programs of the H200's 132 SMs. Measured
+on an H200 (Llama-3.1-8B's heads, us per layer; docs/performance.md, sessions 57-58):
+
+| active rows, context | default (3 splits) | 9 splits (split_rows 2) | 17 splits (split_rows 1) |
+|---|---|---|---|
+| 1, 4k / 8k / 32k | 34.1 / 62.2 / 240 | 18.4 / 28.3 / 87.6 | 16.9 / 23.4 / 56.0 |
+| 2, 4k / 32k | 35.4 / 242 | 20.0 / 90.3 | 21.3 / 96.0 |
+| 3, 1k / 4k | 13.1 / 36.9 | 11.1 / 21.9 | |
+| 4, 2k / 8k | 20.7 / 66.2 | 15.9 / 50.9 | |
+
+With every row busy more splits are slower (8 rows at 4k: 41.5 us with 3, 44.4 with 8), and at short
+contexts the default is within ~1 us of the best, so no one split count serves every step. The host
+knows each step's active rows and contexts and picks the program.
 """
 from __future__ import annotations
 
-FEW_ROWS = 2         # the rows the long-context program sizes its splits for: the most active rows it runs
-MIN_CONTEXT = 1024   # tokens; below it the default splits measured within ~1-3 us of the best (session 57)
+# (most active rows, least longest context in tokens, split_rows): the first that holds picks the program
+TIERS = ((1, 4096, 1), (4, 1024, 2))
 
 
 def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, smallest_bucket: int,
-            max_model_len: int) -> bool:
-    """Whether the engine compiles and runs the long-context program: never when the smallest decode
-    bucket holds FEW_ROWS rows or fewer (it splits for them already) or no context reaches MIN_CONTEXT;
-    else as set, and when None (auto) on a GPU whose decode attention is the Pallas kernel (the reference
-    backend does not split contexts)."""
-    if smallest_bucket <= FEW_ROWS or max_model_len < MIN_CONTEXT:
-        return False
+            max_model_len: int) -> tuple[int, ...]:
+    """The split_rows the engine compiles long-context programs for (empty: none). A tier is left out
+    when the smallest decode bucket is not larger than its split_rows (it splits as well already) or no
+    context can pass its threshold. `setting` None (auto): on a GPU whose decode attention is the Pallas
+    kernel (the reference backend does not split contexts); True / False: as said."""
     if setting is None:
-        return on_gpu and attention_backend in ("auto", "pallas")
-    return setting
+        setting = on_gpu and attention_backend in ("auto", "pallas")
+    if not setting:
+        return ()
+    return tuple(split for _, context, split in TIERS if split < smallest_bucket and max_model_len > context)
 
 
-def split_rows(num_active: int, longest_context: int) -> int | None:
-    """The `split_rows` of a decode step (models/attention.py AttentionMetadata) with `num_active`
-    requests, the longest reaching `longest_context` tokens during the launch; None: the default
-    program."""
-    return FEW_ROWS if num_active <= FEW_ROWS and longest_context >= MIN_CONTEXT else None
+def split_rows(num_active: int, longest_context: int, compiled: tuple[int, ...]) -> int | None:
+    """The split_rows of a decode step (models/attention.py AttentionMetadata) with `num_active` requests,
+    the longest reaching `longest_context` tokens during the launch, among the `compiled` programs;
+    None: the default program."""
+    for rows, context, split in TIERS:
+        if num_active <= rows and longest_context >= context and split in compiled:
+            return split
+    return None

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax import program_store, sampling, steps
-from atlasjax.long_context_decode import FEW_ROWS
 from atlasjax.sharding import TP_AXIS
 from atlasjax.sampling_params import MAX_LOGIT_BIAS
 from atlasjax.step_options import step_compiler_options
@@ -53,7 +52,7 @@ class ModelRunner:
     def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int, kv_dtype=None,
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
                  attn_backend: str = "auto", plan=None, own_params: bool = False,
-                 prompt_logprobs_tokens: int | None = None, long_context_decode: bool = False):
+                 prompt_logprobs_tokens: int | None = None, long_context_split_rows: tuple[int, ...] = ()):
         """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
         from the device memory left once the params are in their execution layout.
         decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
@@ -63,8 +62,8 @@ class ModelRunner:
         kv_dtype: the KV pool's dtype (EngineConfig.kv_cache_dtype; default: `dtype`).
         plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer.
-        long_context_decode: the smallest decode bucket also compiles (warmup) and runs the long-context
-        program (atlasjax/long_context_decode.py), when `decode` is given its split_rows."""
+        long_context_split_rows: the smallest decode bucket also compiles (warmup) and runs a long-context
+        program for each of these split_rows (atlasjax/long_context_decode.py), when `decode` is given it."""
         self.cfg = cfg
         self.dtype = dtype
         self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -82,7 +81,7 @@ class ModelRunner:
         self.prefill_buckets = tuple(sorted(prefill_buckets))
         self.prompt_logprobs_tokens = prompt_logprobs_tokens or self.prefill_buckets[-1]
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
-        self.long_context_decode = long_context_decode
+        self.long_context_split_rows = tuple(long_context_split_rows)
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
         else:
@@ -275,8 +274,9 @@ class ModelRunner:
         packed, layout = steps.pack_host(host_inputs)
         args = (self.params, self._state_arg, self._host(packed), *prev)
         rows = host_inputs[0].shape[0]
-        # the long-context program (split_rows set: atlasjax/long_context_decode.py) is a step of its own name
-        name, options = ("decode_long_context", dict(split_rows=split_rows)) if split_rows else ("decode", {})
+        # a long-context program (split_rows set: atlasjax/long_context_decode.py) is a step of its own name
+        name, options = (f"decode_long_context_{split_rows}", dict(split_rows=split_rows)) if split_rows else (
+            "decode", {})
         if num_steps == 1:
             return StepSpec((name, rows, plan),
                             functools.partial(steps.decode_step, self.model, plan, layout, **options), (1,), args)
@@ -309,11 +309,12 @@ class ModelRunner:
         negative entries of `tokens` point into (see _gather_prev).
         num_steps > 1: that many decode iterations in one launch, row r running the first row_steps[r]
         (`steps.multi_decode_step`; outputs gain a leading [num_steps] axis).
-        split_rows: run the long-context program (atlasjax/long_context_decode.py; the smallest bucket
-        only, with `long_context_decode` on)."""
-        if split_rows is not None and not (self.long_context_decode and len(tokens) == self.decode_buckets[0]):
-            raise ValueError(f"no long-context decode program for {len(tokens)} rows "
-                             f"(long_context_decode={self.long_context_decode}, buckets {self.decode_buckets})")
+        split_rows: run that long-context program (atlasjax/long_context_decode.py; the smallest bucket
+        only, one of `long_context_split_rows`)."""
+        if split_rows is not None and not (split_rows in self.long_context_split_rows
+                                           and len(tokens) == self.decode_buckets[0]):
+            raise ValueError(f"no long-context decode program with split_rows={split_rows} for {len(tokens)} rows "
+                             f"(long_context_split_rows={self.long_context_split_rows}, buckets {self.decode_buckets})")
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
         slots = np.arange(len(tokens), dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
         host = (tokens, page_table, seq_lens, slots, f, i)
@@ -371,8 +372,7 @@ class ModelRunner:
         for rows in (b for b in self.decode_buckets if b <= max_decode_rows):
             f, i = sampling.pack_rows([], rows)
             host = (z(rows), z((rows, p)), z(rows), z(rows), f, i)
-            variants = (None, FEW_ROWS) if (
-                self.long_context_decode and rows == self.decode_buckets[0]) else (None,)
+            variants = (None, *self.long_context_split_rows) if rows == self.decode_buckets[0] else (None,)
             for plan in plans:
                 for split_rows in variants:
                     specs.append(self._decode_spec(host, (self._no_prev_tokens,) * 2, plan, 1, split_rows))

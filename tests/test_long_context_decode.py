@@ -1,9 +1,9 @@
-"""The long-context decode program (atlasjax/long_context_decode.py): the smallest decode bucket
-compiled again with its attention's context splits sized for 2 busy rows, run while at most 2
-requests decode and one context is long. Steps on it give the default program's results; the
-engine picks it only then; a server compiles it at start.
+"""Long-context decode programs (atlasjax/long_context_decode.py): the smallest decode bucket compiled
+again with its attention's context splits sized for fewer busy rows, run while few requests decode and
+one context is long. Steps on them give the default program's results; the engine picks them only
+then; a server compiles them at start.
 
-MIN_CONTEXT is lowered here so CI-sized prompts reach it. Its speed is a GPU figure
+TIERS' context thresholds are lowered here so CI-sized prompts reach them. Its speed is a GPU figure
 (docs/performance.md, session 58)."""
 import dataclasses
 
@@ -17,17 +17,26 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 
 
-def test_policy_runs_it_for_few_rows_with_a_long_context():
-    assert lcd.split_rows(1, lcd.MIN_CONTEXT) == lcd.split_rows(lcd.FEW_ROWS, 5000) == lcd.FEW_ROWS
-    assert lcd.split_rows(1, lcd.MIN_CONTEXT - 1) is None                  # short: the default program
-    assert lcd.split_rows(lcd.FEW_ROWS + 1, 5000) is None                  # busy: the default program
-    on = dict(on_gpu=True, attention_backend="auto", smallest_bucket=8, max_model_len=4096)
-    assert lcd.resolve(None, **on)
-    assert not lcd.resolve(None, **{**on, "on_gpu": False})                # the reference does not split
-    assert not lcd.resolve(None, **{**on, "attention_backend": "reference"})
-    assert not lcd.resolve(True, **{**on, "smallest_bucket": 2})          # already split for 2 rows
-    assert not lcd.resolve(True, **{**on, "max_model_len": 512})          # no context gets long
-    assert lcd.resolve(True, **{**on, "on_gpu": False}) and not lcd.resolve(False, **on)
+def test_policy_picks_the_tier_of_the_active_rows_and_longest_context():
+    both = (1, 2)
+    assert lcd.split_rows(1, 5000, both) == 1                      # a lone request past 4,096: one row's splits
+    assert lcd.split_rows(1, 2000, both) == 2                      # a shorter one: two rows' splits
+    assert lcd.split_rows(4, 1024, both) == 2
+    assert lcd.split_rows(1, 1023, both) is None                   # short: the default program
+    assert lcd.split_rows(5, 5000, both) is None                   # busy: the default program
+    assert lcd.split_rows(1, 5000, (2,)) == 2                      # only what was compiled
+    assert lcd.split_rows(1, 5000, ()) is None
+
+
+def test_resolve_compiles_the_tiers_a_context_can_reach():
+    on = dict(on_gpu=True, attention_backend="auto", smallest_bucket=8, max_model_len=8192)
+    assert lcd.resolve(None, **on) == (1, 2)
+    assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == (2,)      # no context passes 4,096
+    assert lcd.resolve(None, **{**on, "max_model_len": 1024}) == ()
+    assert lcd.resolve(None, **{**on, "on_gpu": False}) == ()              # the reference does not split
+    assert lcd.resolve(None, **{**on, "attention_backend": "reference"}) == ()
+    assert lcd.resolve(True, **{**on, "smallest_bucket": 2}) == (1,)       # 2 rows split for 2 already
+    assert lcd.resolve(True, **{**on, "on_gpu": False}) == (1, 2) and lcd.resolve(False, **on) == ()
 
 
 @pytest.mark.parametrize("value", ["on", 1])
@@ -49,8 +58,8 @@ def test_the_flag_reaches_the_config():
     assert args.long_context_decode == "on"
 
 
-def _engine(loaded, monkeypatch, min_context=24, **kw):
-    monkeypatch.setattr(lcd, "MIN_CONTEXT", min_context)
+def _engine(loaded, monkeypatch, one_row_context=40, two_rows_context=24, **kw):
+    monkeypatch.setattr(lcd, "TIERS", ((1, one_row_context, 1), (4, two_rows_context, 2)))
     args = dict(max_num_seqs=8, max_model_len=96, page_size=8, num_pages=8 * 12 + 1, max_num_batched_tokens=64,
                 long_context_decode=True)
     return LLMEngine(EngineConfig(**{**args, **kw}), loaded=loaded)
@@ -68,8 +77,9 @@ def _record_split_rows(engine):
 
 
 def _generate(engine, prompts, sp):
+    """Each prompt with sp (or its own of a list)."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, sp)
+        engine.add_request(f"r{i}", prompt, sp[i] if isinstance(sp, list) else sp)
     while engine.has_unfinished():
         engine.step()
     out = {rid: [(r.output_token_ids, r.logprobs) for r in seqs] for rid, seqs in engine.requests.items()}
@@ -84,28 +94,35 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, igno
 
 
 @pytest.mark.parametrize("steps", [1, 3])
-def test_a_lone_long_request_runs_it_with_the_default_programs_results(tiny, monkeypatch, steps):
-    """One request whose context passes MIN_CONTEXT as it decodes: its later steps run the long-context
-    program; tokens and logprobs match an engine without it. Three at once keep the default."""
-    prompts = [list(range(3, 23))]                 # 20 tokens: the context reaches 24 while decoding
-    want = _generate(_engine(tiny, monkeypatch, long_context_decode=False, num_scheduler_steps=steps), prompts,
-                     SAMPLED)
+def test_a_lone_long_request_runs_them_with_the_default_programs_results(tiny, monkeypatch, steps):
+    """One request whose context passes both thresholds as it decodes (24, then 40 tokens): its steps
+    run the default program, then two rows' splits, then one row's; tokens and logprobs match an engine
+    without them. Five at once keep the default program until four or fewer are left."""
+    prompts = [list(range(3, 23))]                 # 20 tokens; 30 new ones take the context past 40
+    sp = dataclasses.replace(SAMPLED, max_tokens=30)
+    want = _generate(_engine(tiny, monkeypatch, long_context_decode=False, num_scheduler_steps=steps), prompts, sp)
     engine = _engine(tiny, monkeypatch, num_scheduler_steps=steps)
+    assert engine.runner.long_context_split_rows == (1, 2)
     seen = _record_split_rows(engine)
-    assert _generate(engine, prompts, SAMPLED) == want
-    assert (1, None) in seen and (1, lcd.FEW_ROWS) in seen                # short first, then long
-    assert any(k[0] == "decode_long_context" for k in engine.runner._compiled)
+    assert _generate(engine, prompts, sp) == want
+    order = [split for _, split in seen]
+    assert order == sorted(order, key=lambda s: {None: 0, 2: 1, 1: 2}[s]) and {None, 1, 2} <= set(order)
+    assert {k[0] for k in engine.runner._compiled} >= {"decode_long_context_1", "decode_long_context_2"}
     seen.clear()
-    three = _generate(engine, [prompts[0], list(range(30, 52)), list(range(60, 85))], SAMPLED)
-    assert all(split is None for active, split in seen if active > lcd.FEW_ROWS)
-    assert three["r0"][0][0] == want["r0"][0][0]     # its tokens (logprobs round apart in a fuller batch)
+    # the other four end after 10-16 tokens, one by one: 4, then 3 active with contexts past 24
+    others = [dataclasses.replace(SAMPLED, max_tokens=10 + 2 * i) for i in range(4)]
+    five = _generate(engine, [prompts[0]] + [list(range(30 + 5 * i, 52 + 5 * i)) for i in range(4)], [sp] + others)
+    assert all(split is None for active, split in seen if active > 4)
+    assert any(split == 2 for active, split in seen if active in (3, 4))
+    assert five["r0"][0][0] == want["r0"][0][0]      # its tokens (logprobs round apart in a fuller batch)
 
 
-def test_a_server_compiles_it_at_start_for_the_smallest_bucket(tiny, monkeypatch):
+def test_a_server_compiles_them_at_start_for_the_smallest_bucket(tiny, monkeypatch):
     engine = _engine(tiny, monkeypatch, max_num_seqs=16, compile_at_start=True, num_scheduler_steps=2)
     compiled = set(engine.runner._compiled)
-    long_context = sorted((k[1], len(k)) for k in compiled if k[0] == "decode_long_context")
-    assert long_context == [(8, 3)] * 3 + [(8, 4)] * 3          # 3 sampling plans x 1 and 2 steps, 8 rows only
+    long_context = sorted((k[0], k[1], len(k)) for k in compiled if k[0].startswith("decode_long_context"))
+    # 3 sampling plans x 1 and 2 steps per launch, 8 rows only, for each tier
+    assert long_context == sorted([(f"decode_long_context_{s}", 8, n) for s in (1, 2) for n in (3, 4)] * 3)
     n = engine.runner.num_compiles
     _generate(engine, [list(range(3, 23))], SAMPLED)
     assert engine.runner.num_compiles == n                   # serving compiles nothing more
@@ -114,9 +131,10 @@ def test_a_server_compiles_it_at_start_for_the_smallest_bucket(tiny, monkeypatch
 def test_the_runner_refuses_it_for_other_buckets(tiny, monkeypatch):
     engine = _engine(tiny, monkeypatch, max_num_seqs=16)
     z = np.zeros
-    with pytest.raises(ValueError, match="no long-context decode program for 16 rows"):
-        engine.runner.decode(z(16, np.int32), z((16, 12), np.int32), z(16, np.int32), *engine_rows(16),
-                             split_rows=lcd.FEW_ROWS)
+    for rows, split in ((16, 2), (8, 4)):
+        with pytest.raises(ValueError, match=f"no long-context decode program with split_rows={split} for {rows}"):
+            engine.runner.decode(z(rows, np.int32), z((rows, 12), np.int32), z(rows, np.int32), *engine_rows(rows),
+                                 split_rows=split)
 
 
 def engine_rows(rows):
@@ -125,7 +143,7 @@ def engine_rows(rows):
 
 
 def test_through_the_kernel_in_interpret_mode(monkeypatch):
-    """The decode kernel (interpret mode) under the long-context program: a lone request's 330-token
+    """The decode kernel (interpret mode) under two rows' splits: a lone request's 330-token
     context (6 blocks of 64) is attended in 6 splits, where the 4-row step's default (5 splits for 4 rows
     x 8 KV heads) makes 3 of 2 blocks; greedy tokens as the default program's, logprobs within kernel
     rounding."""
@@ -138,12 +156,12 @@ def test_through_the_kernel_in_interpret_mode(monkeypatch):
     prompts = [list(np.random.default_rng(1).integers(0, cfg.vocab_size, 330))]
     results = []
     for on in (False, True):
-        engine = _engine(loaded, monkeypatch, min_context=256, dtype="bfloat16", attention_backend="interpret",
+        engine = _engine(loaded, monkeypatch, 1000, 256, dtype="bfloat16", attention_backend="interpret",
                          max_num_seqs=4, max_model_len=384, page_size=16, num_pages=4 * 24 + 1,
                          max_num_batched_tokens=384, long_context_decode=on, num_scheduler_steps=1)
         seen = _record_split_rows(engine)
         results.append(_generate(engine, prompts, greedy)["r0"][0])
-        assert all(split == (lcd.FEW_ROWS if on else None) for _, split in seen) and seen
+        assert all(split == (2 if on else None) for _, split in seen) and seen
     (want_tokens, want_lp), (tokens, lp) = results
     assert tokens == want_tokens
     np.testing.assert_allclose([next(iter(x.values())).logprob for x in lp],
