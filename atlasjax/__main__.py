@@ -80,7 +80,7 @@ def add_long_context_decode_arg(g) -> None:
                    help="compile the smallest decode bucket again with its attention's context splits sized "
                         "for fewer busy rows, and run that while at most 4 requests decode and one context "
                         "reaches 1,024 tokens (a lone request past 4,096 tokens: splits for one row). A lone "
-                        "4k-token request's fp8 8B step: 3.04 against 3.57 ms on an H200; max-model-len > 1024 "
+                        "4k-token request's fp8 8B step: 3.02 against 3.57 ms on an H200; max-model-len > 1024 "
                         "only (atlasjax/long_context_decode.py). auto: on a GPU with Pallas attention")
 
 
@@ -153,7 +153,8 @@ def engine_kwargs(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
-                long_context_decode=long_context_decode_setting(args), quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                long_context_decode=long_context_decode_setting(args),
+                quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                 activation_quantization=args.activation_quantization,
                 quantization_group_size=args.quantization_group_size,
                 quantization_symmetric=args.quantization_symmetric,

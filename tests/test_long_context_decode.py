@@ -137,6 +137,18 @@ def test_the_runner_refuses_it_for_other_buckets(tiny, monkeypatch):
                                  split_rows=split)
 
 
+def test_only_the_smallest_bucket_runs_them(tiny, monkeypatch):
+    """With a 3-row smallest bucket, four requests run the 8-row step on its default program (the 2-row
+    tier covers up to 4 requests, but only the smallest bucket has it)."""
+    engine = _engine(tiny, monkeypatch, decode_batch_sizes=(3,))
+    assert engine.runner.decode_buckets == (3, 8) and engine.runner.long_context_split_rows == (1, 2)
+    seen = _record_split_rows(engine)
+    out = _generate(engine, [list(range(3 + i, 30 + i)) for i in range(4)],
+                    dataclasses.replace(SAMPLED, max_tokens=6))
+    assert all(len(seqs[0][0]) == 6 for seqs in out.values())
+    assert seen and all(split is None for active, split in seen if active == 4)
+
+
 def engine_rows(rows):
     from atlasjax.sampling import pack_rows
     return pack_rows([], rows)
