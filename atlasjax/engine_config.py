@@ -82,7 +82,7 @@ class EngineConfig:
                                              # host issues the step once for them; outputs arrive in bursts);
                                              # None: `resolve_scheduler_steps` (4 on GPU, 1 elsewhere)
     long_context_decode: bool | None = None  # more programs for the smallest decode bucket, whose attention
-                                             # splits each context for fewer busy rows: a step of at most 4
+                                             # splits each context for fewer busy rows: a step of at most 6
                                              # requests runs one once a context reaches 1,024 tokens, a lone
                                              # request past 4,096 another (atlasjax/long_context_decode.py).
                                              # None: on a GPU with Pallas attention
