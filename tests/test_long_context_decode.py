@@ -3,7 +3,7 @@ again with its attention's context splits sized for fewer busy rows, run while f
 one context is long. Steps on them give the default program's results; the engine picks them only
 then; a server compiles them at start.
 
-TIERS' context thresholds are lowered here so CI-sized prompts reach them. Its speed is a GPU figure
+TIERS' context thresholds are lowered here so CI-sized prompts reach them. Their speed is a GPU figure
 (docs/performance.md, session 58)."""
 import dataclasses
 
@@ -18,13 +18,13 @@ from atlasjax.engine_config import EngineConfig
 
 
 def test_policy_picks_the_tier_of_the_active_rows_and_longest_context():
-    both = (1, 2, 4)
-    assert lcd.split_rows(1, 5000, both) == 1                      # a lone request past 4,096: one row's splits
-    assert lcd.split_rows(1, 2000, both) == 2                      # a shorter one: two rows' splits
-    assert lcd.split_rows(4, 1024, both) == 2
-    assert lcd.split_rows(6, 1024, both) == 4
-    assert lcd.split_rows(1, 1023, both) is None                   # short: the default program
-    assert lcd.split_rows(7, 5000, both) is None                   # busy: the default program
+    compiled = (1, 2, 4)
+    assert lcd.split_rows(1, 5000, compiled) == 1                      # a lone request past 4,096: one row's splits
+    assert lcd.split_rows(1, 2000, compiled) == 2                      # a shorter one: two rows' splits
+    assert lcd.split_rows(4, 1024, compiled) == 2
+    assert lcd.split_rows(6, 1024, compiled) == 4
+    assert lcd.split_rows(1, 1023, compiled) is None                   # short: the default program
+    assert lcd.split_rows(7, 5000, compiled) is None                   # busy: the default program
     assert lcd.split_rows(1, 5000, (2,)) == 2                      # only what was compiled
     assert lcd.split_rows(1, 5000, ()) is None
 
