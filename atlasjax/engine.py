@@ -285,10 +285,11 @@ class LLMEngine:
         f, ints = pack_rows(rows, n)
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
-        # the smallest bucket's long-context programs, by the active rows and the longest context this launch reaches
-        longest = int((b["seq_lens"] + b["row_steps"] - 1).max())
-        split_rows = long_context_decode.split_rows(len(sched.decodes), longest, self.runner.long_context_split_rows) \
-            if n == self.runner.decode_buckets[0] else None
+        split_rows = None   # the default program, unless the smallest bucket's long-context programs fit
+        if n == self.runner.decode_buckets[0] and self.runner.long_context_split_rows:
+            longest = int((b["seq_lens"] + b["row_steps"] - 1).max())   # the longest context this launch reaches
+            split_rows = long_context_decode.split_rows(len(sched.decodes), longest,
+                                                        self.runner.long_context_split_rows)
         return self.runner.decode(b["tokens"], b["page_table"], b["seq_lens"], f, ints, prev_tokens, plan_rows(rows),
                                   b["row_steps"] if num_steps > 1 else None, num_steps, b["slots"],
                                   split_rows=split_rows)

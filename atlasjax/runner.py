@@ -275,8 +275,8 @@ class ModelRunner:
         args = (self.params, self._state_arg, self._host(packed), *prev)
         rows = host_inputs[0].shape[0]
         # a long-context program (split_rows set: atlasjax/long_context_decode.py) is a step of its own name
-        name, options = (f"decode_long_context_{split_rows}", dict(split_rows=split_rows)) if split_rows else (
-            "decode", {})
+        name, options = ("decode", {}) if split_rows is None else (f"decode_long_context_{split_rows}",
+                                                                   dict(split_rows=split_rows))
         if num_steps == 1:
             return StepSpec((name, rows, plan),
                             functools.partial(steps.decode_step, self.model, plan, layout, **options), (1,), args)

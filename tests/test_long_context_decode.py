@@ -15,6 +15,7 @@ from atlasjax import EngineConfigError, SamplingParams
 from atlasjax import long_context_decode as lcd
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
+from atlasjax.sampling import pack_rows
 
 
 def test_policy_picks_the_tier_of_the_active_rows_and_longest_context():
@@ -134,7 +135,7 @@ def test_the_runner_refuses_it_for_other_buckets(tiny, monkeypatch):
     z = np.zeros
     for rows, split in ((16, 2), (8, 4)):
         with pytest.raises(ValueError, match=f"no long-context decode program with split_rows={split} for {rows}"):
-            engine.runner.decode(z(rows, np.int32), z((rows, 12), np.int32), z(rows, np.int32), *engine_rows(rows),
+            engine.runner.decode(z(rows, np.int32), z((rows, 12), np.int32), z(rows, np.int32), *pack_rows([], rows),
                                  split_rows=split)
 
 
@@ -148,11 +149,6 @@ def test_only_the_smallest_bucket_runs_them(tiny, monkeypatch):
                     dataclasses.replace(SAMPLED, max_tokens=6))
     assert all(len(seqs[0][0]) == 6 for seqs in out.values())
     assert seen and all(split is None for active, split in seen if active == 4)
-
-
-def engine_rows(rows):
-    from atlasjax.sampling import pack_rows
-    return pack_rows([], rows)
 
 
 def test_through_the_kernel_in_interpret_mode(monkeypatch):
