@@ -83,8 +83,8 @@ class EngineConfig:
                                              # None: `resolve_scheduler_steps` (4 on GPU, 1 elsewhere)
     long_context_decode: bool | None = None  # more programs for the smallest decode bucket, whose attention
                                              # splits each context for fewer busy rows: a step of at most 6
-                                             # requests runs one once a context reaches 1,024 tokens, a lone
-                                             # request past 4,096 another (atlasjax/long_context_decode.py).
+                                             # requests runs one once a context reaches 1,024 tokens (7: 2,048),
+                                             # a lone request past 4,096 another (atlasjax/long_context_decode.py).
                                              # None: on a GPU with Pallas attention
     compile_at_start: bool = False           # compile every step shape serving uses while the engine starts,
                                              # before the KV pool is allocated (compiles then run in threads

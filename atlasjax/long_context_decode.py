@@ -7,15 +7,15 @@ one wave of programs covers all of the step's rows (pallas_kernels/paged_attenti
 in the 8-row step then attends on 3 splits x 8 KV heads = 24 programs of the H200's 132 SMs. Measured
 on an H200 (Llama-3.1-8B's heads, us per layer; docs/performance.md, sessions 57-58):
 
-| active rows, context | default (3 splits) | 5 (split_rows 4) | 9 (split_rows 2) | 17 (split_rows 1) |
-|---|---|---|---|---|
-| 1, 4k / 8k / 32k | 34.1 / 62.2 / 240 | | 18.4 / 28.3 / 87.6 | 16.9 / 23.4 / 56.0 |
-| 2, 4k / 32k | 35.4 / 242 | | 20.0 / 90.3 | 21.3 / 96.0 |
-| 3, 1k / 4k | 13.1 / 36.9 | 12.3 / 26.6 | 11.1 / 21.9 | |
-| 4, 2k / 8k | 20.7 / 66.2 | 17.5 / 46.5 | 15.9 / 50.9 | |
-| 5, 2k / 8k | 21.0 / 66.5 | 18.3 / 50.1 | 19.9 / 55.5 | |
-| 6, 4k / 8k | 38.9 / 67.6 | 33.4 / 55.4 | 36.7 / 57.7 | |
-| 7, 4k / 8k | 39.8 / 69.1 | 46.8 / 84.6 | 39.1 / 63.7 | |
+| active rows, context | default (3 splits) | 4 (split_rows 5) | 5 (split_rows 4) | 9 (split_rows 2) | 17 (1) |
+|---|---|---|---|---|---|
+| 1, 4k / 8k / 32k | 34.1 / 62.2 / 240 | | | 18.4 / 28.3 / 87.6 | 16.9 / 23.4 / 56.0 |
+| 2, 4k / 32k | 35.4 / 242 | | | 20.0 / 90.3 | 21.3 / 96.0 |
+| 3, 1k / 4k | 13.1 / 36.9 | | 12.3 / 26.6 | 11.1 / 21.9 | |
+| 4, 2k / 8k | 20.7 / 66.2 | | 17.5 / 46.5 | 15.9 / 50.9 | |
+| 5, 2k / 8k | 21.0 / 66.5 | 18.4 / 55.5 | 18.3 / 50.1 | 19.9 / 55.5 | |
+| 6, 4k / 8k | 38.9 / 67.6 | 34.0 / 57.7 | 33.4 / 55.4 | 36.7 / 57.7 | |
+| 7, 2k / 4k / 8k | 22.9 / 39.8 / 69.1 | 21.6 / 36.7 / 62.8 | 26.6 / 46.8 / 84.6 | 24.8 / 39.1 / 63.7 | |
 
 With every row busy more splits are slower (8 rows at 4k: 41.5 us with 3, 44.4 with 8), and at short
 contexts the default is within ~1 us of the best, so no one split count serves every step. The host
@@ -24,7 +24,7 @@ knows each step's active rows and contexts and picks the program.
 from __future__ import annotations
 
 # (most active rows, least longest context in tokens, split_rows): the first that holds picks the program
-TIERS = ((1, 4096, 1), (4, 1024, 2), (6, 1024, 4))
+TIERS = ((1, 4096, 1), (4, 1024, 2), (6, 1024, 4), (7, 2048, 5))
 
 
 def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, smallest_bucket: int,

@@ -19,26 +19,29 @@ from atlasjax.sampling import pack_rows
 
 
 def test_policy_picks_the_tier_of_the_active_rows_and_longest_context():
-    compiled = (1, 2, 4)
+    compiled = (1, 2, 4, 5)
     assert lcd.split_rows(1, 5000, compiled) == 1                      # a lone request past 4,096: one row's splits
     assert lcd.split_rows(1, 2000, compiled) == 2                      # a shorter one: two rows' splits
     assert lcd.split_rows(4, 1024, compiled) == 2
     assert lcd.split_rows(6, 1024, compiled) == 4
+    assert lcd.split_rows(7, 2048, compiled) == 5                      # 7 busy rows: splits for 5
     assert lcd.split_rows(1, 1023, compiled) is None                   # short: the default program
-    assert lcd.split_rows(7, 5000, compiled) is None                   # busy: the default program
+    assert lcd.split_rows(7, 2047, compiled) is None
+    assert lcd.split_rows(8, 5000, compiled) is None                   # every row busy: the default program
     assert lcd.split_rows(1, 5000, (2,)) == 2                      # only what was compiled
     assert lcd.split_rows(1, 5000, ()) is None
 
 
 def test_resolve_compiles_the_tiers_a_context_can_reach():
     on = dict(on_gpu=True, attention_backend="auto", smallest_bucket=8, max_model_len=8192)
-    assert lcd.resolve(None, **on) == (1, 2, 4)
-    assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == (2, 4)    # no context passes 4,096
+    assert lcd.resolve(None, **on) == (1, 2, 4, 5)
+    assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == (2, 4, 5)    # no context passes 4,096
+    assert lcd.resolve(None, **{**on, "max_model_len": 2048}) == (2, 4)
     assert lcd.resolve(None, **{**on, "max_model_len": 1024}) == ()
     assert lcd.resolve(None, **{**on, "on_gpu": False}) == ()              # the reference does not split
     assert lcd.resolve(None, **{**on, "attention_backend": "reference"}) == ()
     assert lcd.resolve(True, **{**on, "smallest_bucket": 4}) == (1, 2)     # 4 rows split for 4 already
-    assert lcd.resolve(True, **{**on, "on_gpu": False}) == (1, 2, 4) and lcd.resolve(False, **on) == ()
+    assert lcd.resolve(True, **{**on, "on_gpu": False}) == (1, 2, 4, 5) and lcd.resolve(False, **on) == ()
 
 
 @pytest.mark.parametrize("value", ["on", 1])
