@@ -80,8 +80,9 @@ def add_long_context_decode_arg(g) -> None:
                    help="compile the smallest decode bucket again with its attention's context splits sized "
                         "for fewer busy rows, and run that while at most 6 requests decode and one context "
                         "reaches 1,024 tokens (7 requests: 2,048; a lone request past 4,096 tokens: splits for "
-                        "one row). A lone 4k-token request's fp8 8B step: 3.02 against 3.57 ms on an H200; max-model-len > 1024 "
-                        "only (atlasjax/long_context_decode.py). auto: on a GPU with Pallas attention")
+                        "one row). A lone 4k-token request's fp8 8B step: 3.02 against 3.57 ms on an H200; "
+                        "max-model-len > 1024 only (atlasjax/long_context_decode.py). auto: on a GPU with Pallas "
+                        "attention")
 
 
 def long_context_decode_setting(args) -> bool | None:
