@@ -100,7 +100,7 @@ class LLMEngine:
                                   prompt_logprobs_tokens=config.prompt_logprobs_tokens,
                                   long_context_split_rows=long_context_decode.resolve(
                                       config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
-                                      attention_backend=config.attention_backend, smallest_bucket=decode_buckets[0],
+                                      attention_backend=config.attention_backend, decode_buckets=decode_buckets,
                                       max_model_len=self.max_model_len))
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
@@ -285,11 +285,10 @@ class LLMEngine:
         f, ints = pack_rows(rows, n)
         prev_tokens = (None, None) if prev is None else \
             tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
-        split_rows = None   # the default program, unless the smallest bucket's long-context programs fit
-        if n == self.runner.decode_buckets[0] and self.runner.long_context_split_rows:
+        split_rows = None   # the default program, unless one of the bucket's long-context programs fits
+        if compiled := self.runner.long_context_split_rows.get(n):
             longest = int((b["seq_lens"] + b["row_steps"] - 1).max())   # the longest context this launch reaches
-            split_rows = long_context_decode.split_rows(len(sched.decodes), longest,
-                                                        self.runner.long_context_split_rows)
+            split_rows = long_context_decode.split_rows(len(sched.decodes), longest, compiled)
         return self.runner.decode(b["tokens"], b["page_table"], b["seq_lens"], f, ints, prev_tokens, plan_rows(rows),
                                   b["row_steps"] if num_steps > 1 else None, num_steps, b["slots"],
                                   split_rows=split_rows)

@@ -1,5 +1,5 @@
-"""Long-context decode programs: the smallest decode bucket compiled again with its attention's context
-splits sized for fewer busy rows (`split_rows`), run while few requests decode and one of their contexts
+"""Long-context decode programs: a decode bucket compiled again with its attention's context splits sized
+for fewer busy rows (`split_rows`), run while it holds fewer requests than rows and one of their contexts
 is long (TIERS).
 
 Why: the decode attention kernel gives every row of a step the same number of context splits, sized so
@@ -20,30 +20,46 @@ on an H200 (Llama-3.1-8B's heads, us per layer; docs/performance.md, sessions 57
 With every row busy more splits are slower (8 rows at 4k: 41.5 us with 3, 44.4 with 8), and at short
 contexts the default is within ~1 us of the best, so no one split count serves every step. The host
 knows each step's active rows and contexts and picks the program.
+
+The 16-row step (9-16 requests when the smallest bucket has 8 rows) splits a context in 2 for 16 rows.
+With 9-10 busy rows 3 splits (split_rows 8) are faster; from 12 the default is (session 59, us per layer):
+
+| active of 16 rows, context | default (2 splits) | 3 (split_rows 8) | 5 |
+|---|---|---|---|
+| 9, 2k / 4k / 8k | 30.8 / 53.7 / 99.7 | 27.4 / 45.5 / 80.3 | 32.0 / 53.1 / 95.0 |
+| 10, 2k / 4k / 8k | 31.0 / 54.4 / 100.4 | 29.0 / 48.4 / 87.2 | 33.3 / 54.2 / 96.7 |
+| 12, 4k / 8k | 57.3 / 105.7 | 73.0 / 139.0 | 58.9 / 104.3 |
 """
 from __future__ import annotations
 
 # (most active rows, least longest context in tokens, split_rows): the first that holds picks the program
-TIERS = ((1, 4096, 1), (4, 1024, 2), (6, 1024, 4), (7, 2048, 5))
+TIERS = ((1, 4096, 1), (4, 1024, 2), (6, 1024, 4), (7, 2048, 5), (10, 2048, 8))
 
 
-def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, smallest_bucket: int,
-            max_model_len: int) -> tuple[int, ...]:
-    """The split_rows the engine compiles long-context programs for (empty: none). A tier is left out
-    when the smallest decode bucket is not larger than its split_rows (it splits as well already) or no
-    context can pass its threshold. `setting` None (auto): on a GPU whose decode attention is the Pallas
-    kernel (the reference backend does not split contexts); True / False: as said."""
+def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, decode_buckets: tuple[int, ...],
+            max_model_len: int) -> dict[int, tuple[int, ...]]:
+    """The split_rows each decode bucket compiles long-context programs for (buckets without any left out).
+    A bucket runs the steps of more requests than the bucket below it holds, so it takes the tiers of such
+    request counts whose split_rows is below its rows (with as many rows or more its default splits as
+    finely already) and whose context threshold max_model_len lets a context pass. `setting` None (auto):
+    on a GPU whose decode attention is the Pallas kernel (the reference backend does not split contexts);
+    True / False: as said."""
     if setting is None:
         setting = on_gpu and attention_backend in ("auto", "pallas")
-    if not setting:
-        return ()
-    return tuple(split for _, context, split in TIERS if split < smallest_bucket and max_model_len > context)
+    programs, below = {}, 0
+    for bucket in sorted(decode_buckets) if setting else ():
+        splits = tuple(split for rows, context, split in TIERS
+                       if rows > below and split < bucket and max_model_len > context)
+        if splits:
+            programs[bucket] = splits
+        below = bucket
+    return programs
 
 
 def split_rows(num_active: int, longest_context: int, compiled: tuple[int, ...]) -> int | None:
     """The split_rows of a decode step (models/attention.py AttentionMetadata) with `num_active` requests,
-    the longest reaching `longest_context` tokens during the launch, among the `compiled` programs;
-    None: the default program."""
+    the longest reaching `longest_context` tokens during the launch, among the `compiled` programs of its
+    bucket; None: the default program."""
     for rows, context, split in TIERS:
         if num_active <= rows and longest_context >= context and split in compiled:
             return split

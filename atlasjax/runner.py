@@ -52,7 +52,8 @@ class ModelRunner:
     def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int, kv_dtype=None,
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
                  attn_backend: str = "auto", plan=None, own_params: bool = False,
-                 prompt_logprobs_tokens: int | None = None, long_context_split_rows: tuple[int, ...] = ()):
+                 prompt_logprobs_tokens: int | None = None,
+                 long_context_split_rows: dict[int, tuple[int, ...]] | None = None):
         """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
         from the device memory left once the params are in their execution layout.
         decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
@@ -62,8 +63,9 @@ class ModelRunner:
         kv_dtype: the KV pool's dtype (EngineConfig.kv_cache_dtype; default: `dtype`).
         plan: atlasjax.sharding.TensorParallel when `params` are sharded over a mesh (TP > 1).
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer.
-        long_context_split_rows: the smallest decode bucket also compiles (warmup) and runs a long-context
-        program for each of these split_rows (atlasjax/long_context_decode.py), when `decode` is given it."""
+        long_context_split_rows: {decode bucket: split_rows}: the bucket also compiles (warmup) and runs a
+        long-context program for each of these split_rows (atlasjax/long_context_decode.py), when `decode`
+        is given it."""
         self.cfg = cfg
         self.dtype = dtype
         self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -81,7 +83,7 @@ class ModelRunner:
         self.prefill_buckets = tuple(sorted(prefill_buckets))
         self.prompt_logprobs_tokens = prompt_logprobs_tokens or self.prefill_buckets[-1]
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
-        self.long_context_split_rows = tuple(long_context_split_rows)
+        self.long_context_split_rows = dict(long_context_split_rows or {})
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
         else:
@@ -309,10 +311,9 @@ class ModelRunner:
         negative entries of `tokens` point into (see _gather_prev).
         num_steps > 1: that many decode iterations in one launch, row r running the first row_steps[r]
         (`steps.multi_decode_step`; outputs gain a leading [num_steps] axis).
-        split_rows: run that long-context program (atlasjax/long_context_decode.py; the smallest bucket
-        only, one of `long_context_split_rows`)."""
-        if split_rows is not None and not (split_rows in self.long_context_split_rows
-                                           and len(tokens) == self.decode_buckets[0]):
+        split_rows: run that long-context program (atlasjax/long_context_decode.py; one of
+        `long_context_split_rows` for this bucket)."""
+        if split_rows is not None and split_rows not in self.long_context_split_rows.get(len(tokens), ()):
             raise ValueError(f"no long-context decode program with split_rows={split_rows} for {len(tokens)} rows "
                              f"(long_context_split_rows={self.long_context_split_rows}, buckets {self.decode_buckets})")
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
@@ -372,7 +373,7 @@ class ModelRunner:
         for rows in (b for b in self.decode_buckets if b <= max_decode_rows):
             f, i = sampling.pack_rows([], rows)
             host = (z(rows), z((rows, p)), z(rows), z(rows), f, i)
-            variants = (None, *self.long_context_split_rows) if rows == self.decode_buckets[0] else (None,)
+            variants = (None, *self.long_context_split_rows.get(rows, ()))
             for plan in plans:
                 for split_rows in variants:
                     specs.append(self._decode_spec(host, (self._no_prev_tokens,) * 2, plan, 1, split_rows))

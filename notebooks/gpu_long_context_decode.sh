@@ -5,7 +5,8 @@
 # writes $OUT/<quant>_bs<B>_<len>_<off|on>.json. A shared compilation cache lets the second run load
 # the programs both have.
 #
-#   QUANT=fp8 BATCHES="1 2" LENS="4096" OUTPUT_LEN=64 bash notebooks/gpu_long_context_decode.sh
+#   QUANT=fp8 BATCHES="1 2" LENS="4096" OUTPUT_LEN=64 [MAX_NUM_SEQS=16] bash notebooks/gpu_long_context_decode.sh
+# (MAX_NUM_SEQS: the engine's slots, so its decode buckets are a server's: 8, 16, ...; default the batch size)
 set -u
 OUT=${OUT:-/tmp/out}
 QUANT=${QUANT:-fp8}
@@ -19,6 +20,7 @@ for len in ${LENS:-4096}; do
       python -m atlasjax.bench latency --preset llama-3.1-8b --input-len "$len" --output-len "${OUTPUT_LEN:-64}" \
         --num-iters 2 --batch-size "$bs" --num-scheduler-steps 4 $quant_args \
         --max-model-len $((len + 128)) --long-context-decode "$mode" --compilation-cache /tmp/atlasjax_cc \
+        ${MAX_NUM_SEQS:+--max-num-seqs $MAX_NUM_SEQS} \
         --output "$OUT/${QUANT}_bs${bs}_${len}_${mode}.json" 2>&1 | grep -E "TPOT|TTFT|tok/s|Error|error" | head -8
     done
   done

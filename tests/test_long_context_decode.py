@@ -1,10 +1,10 @@
-"""Long-context decode programs (atlasjax/long_context_decode.py): the smallest decode bucket compiled
-again with its attention's context splits sized for fewer busy rows, run while few requests decode and
-one context is long. Steps on them give the default program's results; the engine picks them only
-then; a server compiles them at start.
+"""Long-context decode programs (atlasjax/long_context_decode.py): a decode bucket compiled again with its
+attention's context splits sized for fewer busy rows, run while it holds fewer requests than rows and one
+context is long. Steps on them give the default program's results; the engine picks them only then; a
+server compiles them at start.
 
 TIERS' context thresholds are lowered here so CI-sized prompts reach them. Their speed is a GPU figure
-(docs/performance.md, session 58)."""
+(docs/performance.md, sessions 58-59)."""
 import dataclasses
 
 import jax.numpy as jnp
@@ -28,20 +28,24 @@ def test_policy_picks_the_tier_of_the_active_rows_and_longest_context():
     assert lcd.split_rows(1, 1023, compiled) is None                   # short: the default program
     assert lcd.split_rows(7, 2047, compiled) is None
     assert lcd.split_rows(8, 5000, compiled) is None                   # every row busy: the default program
+    assert lcd.split_rows(9, 2048, (8,)) == 8                          # 9-10 of the 16-row step: splits for 8
+    assert lcd.split_rows(11, 8000, (8,)) is None
     assert lcd.split_rows(1, 5000, (2,)) == 2                      # only what was compiled
     assert lcd.split_rows(1, 5000, ()) is None
 
 
 def test_resolve_compiles_the_tiers_a_context_can_reach():
-    on = dict(on_gpu=True, attention_backend="auto", smallest_bucket=8, max_model_len=8192)
-    assert lcd.resolve(None, **on) == (1, 2, 4, 5)
-    assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == (2, 4, 5)    # no context passes 4,096
-    assert lcd.resolve(None, **{**on, "max_model_len": 2048}) == (2, 4)
-    assert lcd.resolve(None, **{**on, "max_model_len": 1024}) == ()
-    assert lcd.resolve(None, **{**on, "on_gpu": False}) == ()              # the reference does not split
-    assert lcd.resolve(None, **{**on, "attention_backend": "reference"}) == ()
-    assert lcd.resolve(True, **{**on, "smallest_bucket": 4}) == (1, 2)     # 4 rows split for 4 already
-    assert lcd.resolve(True, **{**on, "on_gpu": False}) == (1, 2, 4, 5) and lcd.resolve(False, **on) == ()
+    on = dict(on_gpu=True, attention_backend="auto", decode_buckets=(8, 16, 32), max_model_len=8192)
+    assert lcd.resolve(None, **on) == {8: (1, 2, 4, 5), 16: (8,)}         # 9-16 requests run the 16-row step
+    assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == {8: (2, 4, 5), 16: (8,)}   # none passes 4,096
+    assert lcd.resolve(None, **{**on, "max_model_len": 2048}) == {8: (2, 4)}
+    assert lcd.resolve(None, **{**on, "max_model_len": 1024}) == {}
+    assert lcd.resolve(None, **{**on, "on_gpu": False}) == {}              # the reference does not split
+    assert lcd.resolve(None, **{**on, "attention_backend": "reference"}) == {}
+    # 4 rows split for 4 already; the 16-row step then runs 5-16 requests
+    assert lcd.resolve(True, **{**on, "decode_buckets": (4, 16)}) == {4: (1, 2), 16: (4, 5, 8)}
+    assert lcd.resolve(True, **{**on, "on_gpu": False}) == {8: (1, 2, 4, 5), 16: (8,)}
+    assert lcd.resolve(False, **on) == {}
 
 
 @pytest.mark.parametrize("value", ["on", 1])
@@ -107,7 +111,7 @@ def test_a_lone_long_request_runs_them_with_the_default_programs_results(tiny, m
     sp = dataclasses.replace(SAMPLED, max_tokens=30)
     want = _generate(_engine(tiny, monkeypatch, long_context_decode=False, num_scheduler_steps=steps), prompts, sp)
     engine = _engine(tiny, monkeypatch, num_scheduler_steps=steps)
-    assert engine.runner.long_context_split_rows == (1, 2)
+    assert engine.runner.long_context_split_rows == {8: (1, 2)}
     seen = _record_split_rows(engine)
     assert _generate(engine, prompts, sp) == want
     order = [split for _, split in seen]
@@ -142,16 +146,35 @@ def test_the_runner_refuses_it_for_other_buckets(tiny, monkeypatch):
                                  split_rows=split)
 
 
-def test_only_the_smallest_bucket_runs_them(tiny, monkeypatch):
-    """With a 3-row smallest bucket, four requests run the 8-row step on its default program (the 2-row
-    tier covers up to 4 requests, but only the smallest bucket has it)."""
+def test_a_bucket_runs_the_tiers_of_the_requests_it_holds(tiny, monkeypatch):
+    """With a 3-row smallest bucket, four requests run the 8-row step, and on two rows' splits once a
+    context passes the threshold (the 2-row tier covers up to 4 requests); the one-row tier stays with
+    the 3-row bucket. Tokens as an engine without the programs."""
     engine = _engine(tiny, monkeypatch, decode_batch_sizes=(3,))
-    assert engine.runner.decode_buckets == (3, 8) and engine.runner.long_context_split_rows == (1, 2)
+    assert engine.runner.decode_buckets == (3, 8) and engine.runner.long_context_split_rows == {3: (1, 2), 8: (2,)}
+    prompts = [list(range(3 + i, 30 + i)) for i in range(4)]
+    sp = dataclasses.replace(SAMPLED, max_tokens=6)
+    want = _generate(_engine(tiny, monkeypatch, decode_batch_sizes=(3,), long_context_decode=False), prompts, sp)
     seen = _record_split_rows(engine)
-    out = _generate(engine, [list(range(3 + i, 30 + i)) for i in range(4)],
-                    dataclasses.replace(SAMPLED, max_tokens=6))
-    assert all(len(seqs[0][0]) == 6 for seqs in out.values())
-    assert seen and all(split is None for active, split in seen if active == 4)
+    assert _generate(engine, prompts, sp) == want
+    assert seen and all(split == 2 for active, split in seen if active == 4)
+
+
+def test_nine_requests_run_the_sixteen_row_step_on_eight_rows_splits(tiny, monkeypatch):
+    """With the 10-request tier (splits for 8 rows), 9 requests run the 16-row step on it, compiled for
+    that bucket alone; tokens as an engine without the programs."""
+    tiers = ((1, 40, 1), (4, 24, 2), (10, 24, 8))
+    prompts = [list(range(3 + i, 30 + i)) for i in range(9)]
+    sp = dataclasses.replace(SAMPLED, max_tokens=6)
+    want = _generate(_engine(tiny, monkeypatch, max_num_seqs=16, long_context_decode=False), prompts, sp)
+    monkeypatch.setattr(lcd, "TIERS", tiers)
+    engine = LLMEngine(EngineConfig(max_num_seqs=16, max_model_len=96, page_size=8, num_pages=16 * 12 + 1,
+                                    max_num_batched_tokens=64, long_context_decode=True), loaded=tiny)
+    assert engine.runner.long_context_split_rows == {8: (1, 2), 16: (8,)}
+    seen = _record_split_rows(engine)
+    assert _generate(engine, prompts, sp) == want
+    assert any(active == 9 for active, _ in seen)
+    assert all(split == 8 for active, split in seen if active == 9)
 
 
 def test_through_the_kernel_in_interpret_mode(monkeypatch):
