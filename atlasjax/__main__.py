@@ -77,9 +77,9 @@ def add_decode_batch_sizes_arg(g) -> None:
 
 def add_long_context_decode_arg(g) -> None:
     g.add_argument("--long-context-decode", default="auto", choices=["auto", "on", "off"],
-                   help="compile the 8- and 16-row decode steps (the default buckets) again with their "
+                   help="compile the 8-, 16- and 32-row decode steps (the default buckets) again with their "
                         "attention's context splits sized for fewer busy rows, and run that while at most 6 "
-                        "requests decode and one context reaches 1,024 tokens (7 or 9-10 requests: 2,048; a "
+                        "requests decode and one context reaches 1,024 tokens (7, 9-10 or 17-20: 2,048; a "
                         "lone request past 4,096 tokens: splits for one row). A lone 4k-token request's fp8 8B "
                         "step: 3.02 against 3.57 ms on an H200; max-model-len > 1024 only "
                         "(atlasjax/long_context_decode.py). auto: on a GPU with Pallas attention")

@@ -81,10 +81,10 @@ class EngineConfig:
     num_scheduler_steps: int | None = None   # decode iterations per launch when a step has only decodes (the
                                              # host issues the step once for them; outputs arrive in bursts);
                                              # None: `resolve_scheduler_steps` (4 on GPU, 1 elsewhere)
-    long_context_decode: bool | None = None  # more programs for the 8- and 16-row decode buckets, whose
+    long_context_decode: bool | None = None  # more programs for the 8-, 16- and 32-row decode buckets, whose
                                              # attention splits each context for fewer busy rows: a step of at
                                              # most 6 requests runs one once a context reaches 1,024 tokens
-                                             # (7 or 9-10: 2,048), a lone request past 4,096 another
+                                             # (7, 9-10 or 17-20: 2,048), a lone request past 4,096 another
                                              # (atlasjax/long_context_decode.py).
                                              # None: on a GPU with Pallas attention
     compile_at_start: bool = False           # compile every step shape serving uses while the engine starts,

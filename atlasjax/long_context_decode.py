@@ -21,19 +21,27 @@ With every row busy more splits are slower (8 rows at 4k: 41.5 us with 3, 44.4 w
 contexts the default is within ~1 us of the best, so no one split count serves every step. The host
 knows each step's active rows and contexts and picks the program.
 
-The 16-row step (9-16 requests when the smallest bucket has 8 rows) splits a context in 2 for 16 rows.
-With 9-10 busy rows 3 splits (split_rows 8) are faster; from 12 the default is (session 59, us per layer):
+The 16-row step (9-16 requests when the smallest bucket has 8 rows) splits a context in 2 for 16 rows,
+the 32-row step (17-32) in 1. With 9-10 busy rows of 16, or 17-20 of 32, 3 splits (split_rows 8) are
+faster; with more the default is (session 59, us per layer):
 
 | active of 16 rows, context | default (2 splits) | 3 (split_rows 8) | 5 |
 |---|---|---|---|
 | 9, 2k / 4k / 8k | 30.8 / 53.7 / 99.7 | 27.4 / 45.5 / 80.3 | 32.0 / 53.1 / 95.0 |
 | 10, 2k / 4k / 8k | 31.0 / 54.4 / 100.4 | 29.0 / 48.4 / 87.2 | 33.3 / 54.2 / 96.7 |
 | 12, 4k / 8k | 57.3 / 105.7 | 73.0 / 139.0 | 58.9 / 104.3 |
+
+| active of 32 rows, context | default (1 split) | 2 | 3 (split_rows 8) |
+|---|---|---|---|
+| 17, 2k / 4k / 8k | 54.3 / 99.4 / 189.7 | 56.6 / 105.5 / 202.1 | 47.9 / 83.6 / 154.2 |
+| 20, 2k / 4k / 8k | 54.9 / 102.9 / 192.1 | 61.5 / 114.2 / 217.9 | 52.1 / 90.9 / 164.7 |
+| 24, 4k / 8k | 105.9 / 202.4 | 116.1 / 221.0 | 120.5 / 230.2 |
 """
 from __future__ import annotations
 
-# (most active rows, least longest context in tokens, split_rows): the first that holds picks the program
-TIERS = ((1, 4096, 1), (4, 1024, 2), (6, 1024, 4), (7, 2048, 5), (10, 2048, 8))
+# (fewest active rows, most active rows, least longest context in tokens, split_rows): the first that
+# holds picks the program
+TIERS = ((1, 1, 4096, 1), (1, 4, 1024, 2), (5, 6, 1024, 4), (7, 7, 2048, 5), (9, 10, 2048, 8), (17, 20, 2048, 8))
 
 
 def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, decode_buckets: tuple[int, ...],
@@ -48,8 +56,9 @@ def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, decod
         setting = on_gpu and attention_backend in ("auto", "pallas")
     programs, below = {}, 0
     for bucket in sorted(decode_buckets) if setting else ():
-        splits = tuple(split for rows, context, split in TIERS
-                       if rows > below and split < bucket and max_model_len > context)
+        splits = tuple(dict.fromkeys(split for fewest, most, context, split in TIERS
+                                     if most > below and fewest <= bucket and split < bucket
+                                     and max_model_len > context))
         if splits:
             programs[bucket] = splits
         below = bucket
@@ -60,7 +69,7 @@ def split_rows(num_active: int, longest_context: int, compiled: tuple[int, ...])
     """The split_rows of a decode step (models/attention.py AttentionMetadata) with `num_active` requests,
     the longest reaching `longest_context` tokens during the launch, among the `compiled` programs of its
     bucket; None: the default program."""
-    for rows, context, split in TIERS:
-        if num_active <= rows and longest_context >= context and split in compiled:
+    for fewest, most, context, split in TIERS:
+        if fewest <= num_active <= most and longest_context >= context and split in compiled:
             return split
     return None

@@ -29,22 +29,24 @@ def test_policy_picks_the_tier_of_the_active_rows_and_longest_context():
     assert lcd.split_rows(7, 2047, compiled) is None
     assert lcd.split_rows(8, 5000, compiled) is None                   # every row busy: the default program
     assert lcd.split_rows(9, 2048, (8,)) == 8                          # 9-10 of the 16-row step: splits for 8
-    assert lcd.split_rows(11, 8000, (8,)) is None
+    assert lcd.split_rows(12, 8000, (8,)) is None                      # 11-16: the default program
+    assert lcd.split_rows(17, 2048, (8,)) == 8 and lcd.split_rows(21, 8000, (8,)) is None   # of the 32-row step
     assert lcd.split_rows(1, 5000, (2,)) == 2                      # only what was compiled
     assert lcd.split_rows(1, 5000, ()) is None
 
 
 def test_resolve_compiles_the_tiers_a_context_can_reach():
-    on = dict(on_gpu=True, attention_backend="auto", decode_buckets=(8, 16, 32), max_model_len=8192)
-    assert lcd.resolve(None, **on) == {8: (1, 2, 4, 5), 16: (8,)}         # 9-16 requests run the 16-row step
-    assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == {8: (2, 4, 5), 16: (8,)}   # none passes 4,096
+    on = dict(on_gpu=True, attention_backend="auto", decode_buckets=(8, 16, 32, 64), max_model_len=8192)
+    assert lcd.resolve(None, **on) == {8: (1, 2, 4, 5), 16: (8,), 32: (8,)}   # 9-16 requests run the 16-row step
+    assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == {8: (2, 4, 5), 16: (8,), 32: (8,)}   # none > 4,096
     assert lcd.resolve(None, **{**on, "max_model_len": 2048}) == {8: (2, 4)}
     assert lcd.resolve(None, **{**on, "max_model_len": 1024}) == {}
     assert lcd.resolve(None, **{**on, "on_gpu": False}) == {}              # the reference does not split
     assert lcd.resolve(None, **{**on, "attention_backend": "reference"}) == {}
     # 4 rows split for 4 already; the 16-row step then runs 5-16 requests
     assert lcd.resolve(True, **{**on, "decode_buckets": (4, 16)}) == {4: (1, 2), 16: (4, 5, 8)}
-    assert lcd.resolve(True, **{**on, "on_gpu": False}) == {8: (1, 2, 4, 5), 16: (8,)}
+    assert lcd.resolve(True, **{**on, "decode_buckets": (8, 32)}) == {8: (1, 2, 4, 5), 32: (8,)}   # 9-10 and 17-20
+    assert lcd.resolve(True, **{**on, "on_gpu": False}) == {8: (1, 2, 4, 5), 16: (8,), 32: (8,)}
     assert lcd.resolve(False, **on) == {}
 
 
@@ -68,7 +70,7 @@ def test_the_flag_reaches_the_config():
 
 
 def _engine(loaded, monkeypatch, one_row_context=40, two_rows_context=24, **kw):
-    monkeypatch.setattr(lcd, "TIERS", ((1, one_row_context, 1), (4, two_rows_context, 2)))
+    monkeypatch.setattr(lcd, "TIERS", ((1, 1, one_row_context, 1), (1, 4, two_rows_context, 2)))
     args = dict(max_num_seqs=8, max_model_len=96, page_size=8, num_pages=8 * 12 + 1, max_num_batched_tokens=64,
                 long_context_decode=True)
     return LLMEngine(EngineConfig(**{**args, **kw}), loaded=loaded)
@@ -163,7 +165,7 @@ def test_a_bucket_runs_the_tiers_of_the_requests_it_holds(tiny, monkeypatch):
 def test_nine_requests_run_the_sixteen_row_step_on_eight_rows_splits(tiny, monkeypatch):
     """With the 10-request tier (splits for 8 rows), 9 requests run the 16-row step on it, compiled for
     that bucket alone; tokens as an engine without the programs."""
-    tiers = ((1, 40, 1), (4, 24, 2), (10, 24, 8))
+    tiers = ((1, 1, 40, 1), (1, 4, 24, 2), (9, 10, 24, 8))
     prompts = [list(range(3 + i, 30 + i)) for i in range(9)]
     sp = dataclasses.replace(SAMPLED, max_tokens=6)
     want = _generate(_engine(tiny, monkeypatch, max_num_seqs=16, long_context_decode=False), prompts, sp)
