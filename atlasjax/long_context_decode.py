@@ -23,7 +23,7 @@ knows each step's active rows and contexts and picks the program.
 
 The 16-row step (9-16 requests when the smallest bucket has 8 rows) splits a context in 2 for 16 rows,
 the 32-row step (17-32) in 1. With 9-10 busy rows of 16, or 17-20 of 32, 3 splits (split_rows 8) are
-faster; with more the default is (session 59, us per layer):
+faster; with more busy rows the default is as fast or faster (session 59, us per layer):
 
 | active of 16 rows, context | default (2 splits) | 3 (split_rows 8) | 5 |
 |---|---|---|---|
