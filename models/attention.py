@@ -33,7 +33,7 @@ class AttentionMetadata:
     query_start: jax.Array | None = None  # [num_seqs + 1] (prefill only)
     num_seqs: jax.Array | None = None     # [] int32 (prefill only)
     # Decode only, static: the rows the attention kernel sizes its context splits for (default: every
-    # row). The engine's long-context decode programs pass 1, 2 or 4, for a few long requests.
+    # row). The engine's long-context decode programs pass fewer (atlasjax/long_context_decode.py TIERS).
     split_rows: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property

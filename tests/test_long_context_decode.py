@@ -69,8 +69,8 @@ def test_the_flag_reaches_the_config():
     assert args.long_context_decode == "on"
 
 
-def _engine(loaded, monkeypatch, one_row_context=40, two_rows_context=24, **kw):
-    monkeypatch.setattr(lcd, "TIERS", ((1, 1, one_row_context, 1), (1, 4, two_rows_context, 2)))
+def _engine(loaded, monkeypatch, one_row_context=40, two_rows_context=24, more_tiers=(), **kw):
+    monkeypatch.setattr(lcd, "TIERS", ((1, 1, one_row_context, 1), (1, 4, two_rows_context, 2), *more_tiers))
     args = dict(max_num_seqs=8, max_model_len=96, page_size=8, num_pages=8 * 12 + 1, max_num_batched_tokens=64,
                 long_context_decode=True)
     return LLMEngine(EngineConfig(**{**args, **kw}), loaded=loaded)
@@ -165,13 +165,11 @@ def test_a_bucket_runs_the_tiers_of_the_requests_it_holds(tiny, monkeypatch):
 def test_nine_requests_run_the_sixteen_row_step_on_eight_rows_splits(tiny, monkeypatch):
     """With the 10-request tier (splits for 8 rows), 9 requests run the 16-row step on it, compiled for
     that bucket alone; tokens as an engine without the programs."""
-    tiers = ((1, 1, 40, 1), (1, 4, 24, 2), (9, 10, 24, 8))
     prompts = [list(range(3 + i, 30 + i)) for i in range(9)]
     sp = dataclasses.replace(SAMPLED, max_tokens=6)
-    want = _generate(_engine(tiny, monkeypatch, max_num_seqs=16, long_context_decode=False), prompts, sp)
-    monkeypatch.setattr(lcd, "TIERS", tiers)
-    engine = LLMEngine(EngineConfig(max_num_seqs=16, max_model_len=96, page_size=8, num_pages=16 * 12 + 1,
-                                    max_num_batched_tokens=64, long_context_decode=True), loaded=tiny)
+    sixteen = dict(max_num_seqs=16, num_pages=16 * 12 + 1)
+    want = _generate(_engine(tiny, monkeypatch, long_context_decode=False, **sixteen), prompts, sp)
+    engine = _engine(tiny, monkeypatch, more_tiers=((9, 10, 24, 8),), **sixteen)
     assert engine.runner.long_context_split_rows == {8: (1, 2), 16: (8,)}
     seen = _record_split_rows(engine)
     assert _generate(engine, prompts, sp) == want
