@@ -5,6 +5,8 @@ import dataclasses
 import itertools
 import sys
 
+import numpy as np
+
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import InvalidRequestError
@@ -50,6 +52,43 @@ class LLM:
             raise RuntimeError("LLM.save runs on process 0 of a multi-host run (the others call llm.engine.follow())")
         params = engine.runner.checkpoint_params()
         save_checkpoint(dataclasses.replace(engine.loaded, params=params), directory)
+
+    @property
+    def params(self):
+        """The model's params as the engine runs them: a pytree of jax arrays in the execution layout
+        (q/k/v and gate/up fused, quantized weights as their pytrees), shared with the serving steps."""
+        return self.engine.runner.params
+
+    def model_fn(self, attention_backend: str | None = None, return_hidden: bool = False):
+        """The model as a pure function fn(params, tokens [B, T] int32) -> logits [B, T, vocab] f32, to
+        jit, differentiate or vmap (atlasjax/forward.py; `attention_backend="reference"` for gradients on
+        a GPU). It runs on a KV pool of its own: the engine's requests are not touched."""
+        from atlasjax.forward import model_fn  # noqa: PLC0415
+        return model_fn(self.engine.runner, attention_backend=attention_backend, return_hidden=return_hidden)
+
+    def forward(self, prompts, return_hidden: bool = False) -> list:
+        """Logits at every position of each prompt (a string, token ids, or a list of either), in one
+        batched pass: a float32 numpy array [len, vocab] per prompt, whose row i scores the token after
+        the first i + 1. return_hidden: (logits, final-norm hidden states [len, embed]) per prompt.
+        Compiled once per padded shape (lengths rounded up to 16)."""
+        from atlasjax import distributed  # noqa: PLC0415
+        from atlasjax.forward import pad_batch  # noqa: PLC0415
+        if distributed.is_multiprocess():
+            raise RuntimeError("LLM.forward runs in a single-process engine")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        seqs = [self.engine._tokenize(p) for p in prompts]
+        tokens = pad_batch(seqs, self.engine.model_config.vocab_size, self.engine.max_model_len)
+        jitted = self.__dict__.setdefault("_forward_jit", {})
+        if return_hidden not in jitted:
+            import jax  # noqa: PLC0415
+            jitted[return_hidden] = jax.jit(self.model_fn(return_hidden=return_hidden))
+        out = jitted[return_hidden](self.params, tokens)
+        if return_hidden:
+            logits, hidden = (np.asarray(x, np.float32) for x in out)
+            return [(logits[i, :len(s)], hidden[i, :len(s)]) for i, s in enumerate(seqs)]
+        logits = np.asarray(out)
+        return [logits[i, :len(s)] for i, s in enumerate(seqs)]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: the model's generation_config.json

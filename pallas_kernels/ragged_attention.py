@@ -213,7 +213,9 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, 
 
   Loops over sequences with fori_loop: each iteration gathers one sequence's pages
   ([kv_heads, context, D]), attends all packed rows to it, and keeps that sequence's rows, so
-  memory is O(num_tokens x context) for scores, never a per-token K/V gather.
+  memory is O(num_tokens x context) for scores, never a per-token K/V gather. The loop runs the
+  page table's rows (a static count, so reverse-mode differentiation works: atlasjax/forward.py)
+  and skips those past num_seqs.
   """
   num_tokens, num_heads, head_dim = q.shape  # [num_tokens, num_heads, head_dim]
   num_kv_heads, _, page_size, _ = k_pages.shape
@@ -225,6 +227,9 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, 
   rows = jnp.arange(num_tokens)
 
   def one_seq(s, out):
+    return lax.cond(s < num_seqs, attend_seq, lambda s, out: out, s, out)
+
+  def attend_seq(s, out):
     start, end = query_start[s], query_start[s + 1]
     k = k_pages[:, page_table[s]].reshape(num_kv_heads, ctx, head_dim).astype(jnp.float32)
     v = v_pages[:, page_table[s]].reshape(num_kv_heads, ctx, head_dim).astype(jnp.float32)
@@ -240,5 +245,5 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, 
     mine = (rows >= start) & (rows < end)
     return jnp.where(mine[:, None, None, None], o, out)
 
-  out = lax.fori_loop(0, num_seqs, one_seq, jnp.zeros_like(qg))
+  out = lax.fori_loop(0, page_table.shape[0], one_seq, jnp.zeros_like(qg))
   return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
