@@ -111,3 +111,14 @@ def test_forward_under_tensor_parallelism_equals_one_device(hf_model_factory):
     for a, b in zip(one, two):
         assert b.shape == a.shape
         np.testing.assert_allclose(b, a, atol=1e-4)
+
+
+def test_forward_on_int8_weights_scores_as_the_engine_does(hf_model_factory):
+    """Quantized weights (their own pytrees in `LLM.params`) go through the same matmul entry."""
+    _, path = hf_model_factory("qwen2")
+    llm = LLM(path, quantization="int8", max_num_seqs=2, max_model_len=64, page_size=16, max_num_batched_tokens=64)
+    prompt = _prompts(seed=6, lens=(30,))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    lp = _log_softmax(llm.forward(prompt)[0])
+    for i in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[i][prompt[i]].logprob - lp[i - 1, prompt[i]]) < 1e-4, i
