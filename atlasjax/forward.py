@@ -12,24 +12,30 @@ to the rows after it, so shorter sequences padded at the end read correctly up t
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 import numpy as np
 
 from atlasjax.errors import InvalidRequestError
 from models.attention import AttentionMetadata
+from models.reference import reference_kernels
 from models.transformer import Transformer, init_kv_cache
 
 
-def model_fn(runner, *, attention_backend: str | None = None, return_hidden: bool = False):
+def model_fn(runner, *, reference: bool = False, return_hidden: bool = False):
     """fn(params, tokens [B, T] int32) -> logits [B, T, vocab] f32 (and hidden [B, T, embed] after the
     final norm, with return_hidden). params: the runner's (`LLM.params`: the execution layout, q/k/v and
-    gate/up fused). attention_backend: None (the engine's), "reference" (jnp; what gradients need on a
-    GPU, where the Pallas kernels have no VJP), "pallas" or "interpret"."""
-    model = _model(runner, attention_backend)
-    cfg, page_size, kv_dtype, plan = runner.cfg, runner.page_size, runner.kv_dtype, runner.plan
+    gate/up fused). reference: trace the jnp attention and matmuls even on a GPU (`models/reference.py`):
+    what gradients need there, since the Pallas kernels have no VJP; elsewhere they run anyway."""
+    model, cfg, page_size, kv_dtype, plan = runner.model, runner.cfg, runner.page_size, runner.kv_dtype, runner.plan
     kv_heads = () if plan is None else (plan.num_kv_heads,)
 
     def fn(params, tokens):
+        with reference_kernels() if reference else contextlib.nullcontext():
+            return _forward(params, tokens)
+
+    def _forward(params, tokens):
         batch, length = tokens.shape
         pages = -(-length // page_size)
         kv = init_kv_cache(cfg, batch * pages, page_size, kv_dtype, *kv_heads)
@@ -45,17 +51,6 @@ def model_fn(runner, *, attention_backend: str | None = None, return_hidden: boo
         logits = model.apply({"params": params}, hidden, method=Transformer.logits).reshape(batch, length, -1)
         return (logits, hidden.reshape(batch, length, -1)) if return_hidden else logits
     return fn
-
-
-def _model(runner, attention_backend):
-    if attention_backend is None:
-        return runner.model
-    if runner.plan is None:
-        return runner.model.clone(attn_backend=attention_backend)
-    from atlasjax.sharding import ShardedModel  # noqa: PLC0415
-    sharded = runner.model
-    return ShardedModel(sharded.model.clone(attn_backend=attention_backend), sharded.plan,
-                        sharded.param_specs["params"])
 
 
 def pad_batch(sequences: list[list[int]], vocab_size: int, max_len: int, multiple: int = 16) -> np.ndarray:

@@ -59,12 +59,13 @@ class LLM:
         (q/k/v and gate/up fused, quantized weights as their pytrees), shared with the serving steps."""
         return self.engine.runner.params
 
-    def model_fn(self, attention_backend: str | None = None, return_hidden: bool = False):
+    def model_fn(self, reference: bool = False, return_hidden: bool = False):
         """The model as a pure function fn(params, tokens [B, T] int32) -> logits [B, T, vocab] f32, to
-        jit, differentiate or vmap (atlasjax/forward.py; `attention_backend="reference"` for gradients on
-        a GPU). It runs on a KV pool of its own: the engine's requests are not touched."""
+        jit, differentiate or vmap (atlasjax/forward.py; `reference=True` takes the jnp attention and
+        matmuls, which gradients need on a GPU). It runs on a KV pool of its own: the engine's requests
+        are not touched."""
         from atlasjax.forward import model_fn  # noqa: PLC0415
-        return model_fn(self.engine.runner, attention_backend=attention_backend, return_hidden=return_hidden)
+        return model_fn(self.engine.runner, reference=reference, return_hidden=return_hidden)
 
     def forward(self, prompts, return_hidden: bool = False) -> list:
         """Logits at every position of each prompt (a string, token ids, or a list of either), in one

@@ -12,6 +12,7 @@ import os
 import flax.struct
 import jax
 
+from models import reference
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import (paged_decode_attention, paged_decode_attention_and_write,
                                             paged_decode_attention_rope_and_write)
@@ -46,6 +47,7 @@ def attention(q, k_pages, v_pages, meta: AttentionMetadata, *, backend: str = "a
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]
     """
+    backend = reference.attention_backend(backend)
     if meta.is_decode:
         return paged_decode_attention(q, k_pages, v_pages, meta.page_table, meta.seq_lens, backend=backend,
                                       split_rows=meta.split_rows)
@@ -60,6 +62,7 @@ def write_and_attend(q, k, v, kv, meta: AttentionMetadata, *, backend: str = "au
     K/V row itself (two scatter kernels fewer per layer); prefill chunks scatter, then attend (a
     chunk attends to itself too).
     """
+    backend = reference.attention_backend(backend)
     if meta.is_decode:
         out, k_pages, v_pages = paged_decode_attention_and_write(q, k, v, *kv, meta.page_table, meta.seq_lens,
                                                                  backend=backend, split_rows=meta.split_rows)
@@ -79,6 +82,7 @@ def rope_write_and_attend(qkv, tables, kv, meta: AttentionMetadata, *, num_heads
     """A decode step's `write_and_attend` from the raw projections qkv [seqs, (num_heads + 2 kv_heads)
     * head_dim] and `rope_tables(positions, inv_freq)`: RoPE, the K/V write and attention in the
     kernel where it can (`can_fuse_rope`), else rotated first, with the same result."""
+    backend = reference.attention_backend(backend)
     out, k_pages, v_pages = paged_decode_attention_rope_and_write(qkv, tables, *kv, meta.page_table, meta.seq_lens,
                                                                   num_heads=num_heads, backend=backend,
                                                                   split_rows=meta.split_rows)

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import reference
 from models.deferred import Deferred, RMSNormed, SwiGLU, materialize, rms_norm
 from models.parallel import Parallel
 from pallas_kernels import decode_matmul, decode_matmul_rules
@@ -59,14 +60,16 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
         # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
         # (bf16 on GPU): the logits of a quantized LM head and a row-parallel projection's partial
         # sums stay f32, as they do for an unquantized weight.
-        y = quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype))
+        backend = {"backend": "reference"} if reference.active() else {}
+        y = quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype), **backend)
     else:
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
     return y if residual is None else residual + y
 
 
 def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+    """Where the GPU kernels may run: a GPU, outside `models.reference.reference_kernels()`."""
+    return jax.default_backend() == "gpu" and not reference.active()
 
 
 def given_or_param(module: nn.Module, name: str, init, axes: tuple[str, ...], shape: tuple[int, ...], dtype):

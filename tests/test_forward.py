@@ -69,7 +69,7 @@ def test_gradients_match_torch_autograd(case):
     down_proj equals torch's on the same weights."""
     hf, llm = case
     tokens = np.asarray(_prompts(seed=4, lens=(24, 24)), np.int32)
-    fn = llm.model_fn(attention_backend="reference")
+    fn = llm.model_fn(reference=True)
 
     def loss(params):
         lp = jax.nn.log_softmax(fn(params, tokens)[:, :-1])
@@ -122,3 +122,34 @@ def test_forward_on_int8_weights_scores_as_the_engine_does(hf_model_factory):
     lp = _log_softmax(llm.forward(prompt)[0])
     for i in range(1, len(prompt)):
         assert abs(out.prompt_logprobs[i][prompt[i]].logprob - lp[i - 1, prompt[i]]) < 1e-4, i
+
+
+def test_reference_traces_the_jnp_paths_where_the_engine_would_run_kernels():
+    """On a GPU the engine's Pallas kernels have no VJP: `reference=True` must trace around them. A model
+    on the kernels (`attn_backend="interpret"`, head_dim 64 in bf16, shapes they take) traces the kernel
+    by default and, with the switch, the very program of a model on the jnp references, which has a
+    gradient (tracing only)."""
+    import types
+
+    from atlasjax.config import ModelConfig
+    from atlasjax.forward import model_fn
+    from atlasjax.loader import random_params
+    from models.transformer import Transformer
+
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=128, intermediate_size=192, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+    params = random_params(cfg, jnp.bfloat16, seed=1)
+    tokens = jnp.zeros((2, 32), jnp.int32)
+
+    def runner(backend):
+        return types.SimpleNamespace(model=Transformer(cfg, attn_backend=backend, dtype=jnp.bfloat16), cfg=cfg,
+                                     page_size=16, kv_dtype=jnp.dtype(jnp.bfloat16), plan=None)
+
+    def program(fn):
+        return str(jax.make_jaxpr(fn)(params, tokens))
+    on_kernels, on_references = program(model_fn(runner("interpret"))), program(model_fn(runner("reference")))
+    assert "mpmd_map" in on_kernels and "mpmd_map" not in on_references   # the interpreted Mosaic GPU kernel
+    fn = model_fn(runner("interpret"), reference=True)
+    assert program(fn) == on_references
+    grad = jax.eval_shape(jax.grad(lambda p: fn(p, tokens).sum()), params)
+    assert jax.tree.structure(grad) == jax.tree.structure(params)
