@@ -53,19 +53,15 @@ def model_fn(runner, *, reference: bool = False, return_hidden: bool = False):
     return fn
 
 
-def pad_batch(sequences: list[list[int]], vocab_size: int, max_len: int, multiple: int = 16) -> np.ndarray:
-    """Token id lists -> [B, T] int32, T the longest rounded up to `multiple` (few shapes to compile),
-    padded at the end with token 0. Empty, over-long or out-of-vocab sequences are refused."""
+def pad_batch(sequences: list[list[int]], max_len: int, multiple: int = 16) -> np.ndarray:
+    """Token id lists (each already checked as a prompt: `LLMEngine._tokenize`) -> [B, T] int32, T the
+    longest rounded up to `multiple` (few shapes to compile), padded at the end with token 0. No
+    sequences, or one over max_len, is refused."""
     if not sequences:
         raise InvalidRequestError("forward needs at least one sequence")
     longest = max(len(s) for s in sequences)
-    if min(len(s) for s in sequences) == 0:
-        raise InvalidRequestError("forward got an empty sequence")
     if longest > max_len:
         raise InvalidRequestError(f"a sequence has {longest} tokens, more than max_model_len={max_len}")
-    for s in sequences:
-        if min(s) < 0 or max(s) >= vocab_size:
-            raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")
     out = np.zeros((len(sequences), min(-(-longest // multiple) * multiple, max_len)), np.int32)
     for row, s in zip(out, sequences):
         row[:len(s)] = s

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import sys
 
@@ -79,17 +80,18 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         seqs = [self.engine._tokenize(p) for p in prompts]
-        tokens = pad_batch(seqs, self.engine.model_config.vocab_size, self.engine.max_model_len)
-        jitted = self.__dict__.setdefault("_forward_jit", {})
-        if return_hidden not in jitted:
-            import jax  # noqa: PLC0415
-            jitted[return_hidden] = jax.jit(self.model_fn(return_hidden=return_hidden))
-        out = jitted[return_hidden](self.params, tokens)
-        if return_hidden:
-            logits, hidden = (np.asarray(x, np.float32) for x in out)
-            return [(logits[i, :len(s)], hidden[i, :len(s)]) for i, s in enumerate(seqs)]
-        logits = np.asarray(out)
-        return [logits[i, :len(s)] for i, s in enumerate(seqs)]
+        logits, hidden = self._forward_jit(self.params, pad_batch(seqs, self.engine.max_model_len))
+        logits = np.asarray(logits)
+        if not return_hidden:
+            return [logits[i, :len(s)] for i, s in enumerate(seqs)]
+        hidden = np.asarray(hidden, np.float32)
+        return [(logits[i, :len(s)], hidden[i, :len(s)]) for i, s in enumerate(seqs)]
+
+    @functools.cached_property
+    def _forward_jit(self):
+        """`forward`'s one jitted program (hidden states always come out; only asked-for ones are copied back)."""
+        import jax  # noqa: PLC0415
+        return jax.jit(self.model_fn(return_hidden=True))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: the model's generation_config.json

@@ -60,8 +60,8 @@ def matmul(x, w, out_dtype=None, residual: jax.Array | None = None, *, decode_ke
         # out_dtype goes in: the f32 accumulator is cast once to it, not first rounded to x's dtype
         # (bf16 on GPU): the logits of a quantized LM head and a row-parallel projection's partial
         # sums stay f32, as they do for an unquantized weight.
-        backend = {"backend": "reference"} if reference.active() else {}
-        y = quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype), **backend)
+        y = quantized_matmul(x, w, out_dtype=jnp.dtype(out_dtype),
+                             backend="reference" if reference.active() else "auto")
     else:
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
     return y if residual is None else residual + y
