@@ -250,8 +250,9 @@ class LLMEngine:
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device)."""
-        for req in sched.admitted:
-            self.runner.admit(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.logit_bias)
+        if sched.admitted:
+            self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.logit_bias)
+                               for req in sched.admitted])
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
         # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)
         num_steps = self.config.num_scheduler_steps if sched.num_steps > 1 else 1

@@ -31,6 +31,7 @@ from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import lowering_memo
 
 log = logging.getLogger("atlasjax.compile")
+ADMIT_ROWS = 16   # requests one admit step resets (runner.admit_rows)
 
 
 def _shape_of(key: tuple) -> list:
@@ -293,10 +294,29 @@ class ModelRunner:
                         functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (1,),
                         (self.params, self._state_arg, self._host(packed)))
 
-    def _admit_spec(self, slot, tokens, prompt_len, total_len, logit_bias=None) -> StepSpec:
-        packed, layout = steps.pack_host((np.int32(slot), tokens, np.int32(prompt_len), np.int32(total_len),
-                                          *sampling.logit_bias_row(logit_bias)))
-        return StepSpec(("admit", self.max_model_len), functools.partial(steps.admit_step, layout), (0,),
+    @property
+    def admit_rows(self) -> int:
+        """Requests one admit step takes (more admitted in one engine step run more admit steps)."""
+        return min(self.max_num_seqs, ADMIT_ROWS)
+
+    def _admit_spec(self, group) -> StepSpec:
+        """group: (slot, token ids, prompt_len, logit_bias) of up to `admit_rows` requests, distinct slots,
+        max_model_len tokens in all (`admit` packs them so)."""
+        rows = self.admit_rows
+        slots = np.full(rows, self.max_num_seqs, np.int32)
+        starts = np.zeros(rows + 1, np.int32)
+        prompt_lens = np.zeros(rows, np.int32)
+        tokens = np.zeros(self.max_model_len, np.int32)
+        bias_ids = np.zeros((rows, MAX_LOGIT_BIAS), np.int32)
+        bias_vals = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+        for r, (slot, token_ids, prompt_len, logit_bias) in enumerate(group):
+            slots[r], prompt_lens[r] = slot, prompt_len
+            starts[r + 1] = starts[r] + len(token_ids)
+            tokens[starts[r]:starts[r + 1]] = token_ids
+            bias_ids[r], bias_vals[r] = sampling.logit_bias_row(logit_bias)
+        starts[len(group) + 1:] = starts[len(group)]   # padding rows: empty
+        packed, layout = steps.pack_host((slots, starts, prompt_lens, tokens, bias_ids, bias_vals))
+        return StepSpec(("admit", self.max_model_len, rows), functools.partial(steps.admit_step, layout), (0,),
                         (self._state_arg, self._host(packed)))
 
     def _run(self, spec: StepSpec):
@@ -390,7 +410,7 @@ class ModelRunner:
                          commit=np.zeros(s, bool), next_tokens=z(t))
             specs.append(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
         if serving:
-            specs.append(self._admit_spec(0, z(self.max_model_len), 0, 0))
+            specs.append(self._admit_spec([]))
         specs = [spec for spec in specs if spec.key not in self._compiled]
         t0 = time.perf_counter()
         _ = self._program_store, self._execution_devices   # made here, not raced for in the threads
@@ -433,10 +453,19 @@ class ModelRunner:
             self._compile_lowered(spec, *lowered)
         return [(spec, lowered) for spec, lowered, _ in jobs]
 
-    def admit(self, slot: int, token_ids: list[int], prompt_len: int, logit_bias: dict[int, float] | None = None):
-        """Reset slot's sampling state for a request: its tokens so far (the first prompt_len of them its
-        prompt) and its logit bias."""
-        buf = np.zeros((self.max_model_len,), np.int32)
-        n = min(len(token_ids), self.max_model_len)
-        buf[:n] = token_ids[:n]
-        self.state = self._run(self._admit_spec(slot, buf, prompt_len, n, logit_bias))
+    def admit(self, requests) -> None:
+        """Reset the sampling state of each request's slot: requests, (slot, token ids so far, prompt_len,
+        logit_bias) each (the first prompt_len tokens its prompt; a request's tokens past max_model_len are
+        left out). They run in as few admit steps as hold them: up to `admit_rows` requests and
+        max_model_len tokens each, in order (a slot named twice starts a new step, so the later one wins)."""
+        group, used = [], 0
+        for slot, token_ids, prompt_len, logit_bias in requests:
+            token_ids = token_ids[:self.max_model_len]
+            if group and (len(group) == self.admit_rows or used + len(token_ids) > self.max_model_len
+                          or any(slot == g[0] for g in group)):
+                self.state = self._run(self._admit_spec(group))
+                group, used = [], 0
+            group.append((slot, token_ids, prompt_len, logit_bias))
+            used += len(token_ids)
+        if group:
+            self.state = self._run(self._admit_spec(group))

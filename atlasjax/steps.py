@@ -177,14 +177,21 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
 
 
 def admit_step(layout, state: DeviceState, packed):
-    slot, tokens, prompt_len, total_len, bias_ids, bias_vals = unpack_host(packed, layout)
-    # Reset a slot's sampling state for a (re)admitted request: prompt mask from tokens[:total_len]
-    # (prompt + earlier outputs after preemption), generated counts from tokens[prompt_len:total_len],
-    # and the request's logit bias.
+    """Reset the sampling state of the slots that requests admitted in one step take over (several
+    requests in one program). Host inputs: slots [A] (padding rows: max_num_seqs, dropped), starts [A + 1]
+    (request r's tokens are tokens[starts[r]:starts[r + 1]]: its prompt, then, after a preemption, its
+    earlier outputs), prompt_lens [A], tokens [L] (all the requests' tokens, one after another), and each
+    request's logit bias [A, MAX_LOGIT_BIAS] ids and values. A slot's prompt mask becomes the tokens of
+    its request, its generated counts those past its prompt, its logit bias the request's."""
+    slots, starts, prompt_lens, tokens, bias_ids, bias_vals = unpack_host(packed, layout)
+    num_slots, rows = state.counts.shape[0], slots.shape[0]
     idx = jnp.arange(tokens.shape[0])
-    vocab = state.counts.shape[1]
-    in_seq = idx < total_len
-    mask = jnp.zeros((vocab,), bool).at[tokens].max(in_seq)
-    counts = jnp.zeros((vocab,), jnp.int32).at[tokens].add((in_seq & (idx >= prompt_len)).astype(jnp.int32))
-    return state.replace(counts=state.counts.at[slot].set(counts), prompt_mask=state.prompt_mask.at[slot].set(mask),
-                         bias_ids=state.bias_ids.at[slot].set(bias_ids), bias_vals=state.bias_vals.at[slot].set(bias_vals))
+    row = jnp.searchsorted(starts[1:], idx, side="right")   # [L] each token's request; `rows` past the last
+    in_seq = row < rows
+    row = jnp.minimum(row, rows - 1)
+    token_slot = jnp.where(in_seq, slots[row], num_slots)   # out of range: dropped
+    generated = (in_seq & (idx - starts[row] >= prompt_lens[row])).astype(jnp.int32)
+    counts = state.counts.at[slots].set(0, mode="drop").at[token_slot, tokens].add(generated, mode="drop")
+    mask = state.prompt_mask.at[slots].set(False, mode="drop").at[token_slot, tokens].max(in_seq, mode="drop")
+    return state.replace(counts=counts, prompt_mask=mask, bias_ids=state.bias_ids.at[slots].set(bias_ids, mode="drop"),
+                         bias_vals=state.bias_vals.at[slots].set(bias_vals, mode="drop"))
