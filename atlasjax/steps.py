@@ -186,7 +186,8 @@ def admit_step(layout, state: DeviceState, packed):
     slots, starts, prompt_lens, tokens, bias_ids, bias_vals = unpack_host(packed, layout)
     num_slots, rows = state.counts.shape[0], slots.shape[0]
     idx = jnp.arange(tokens.shape[0])
-    row = jnp.searchsorted(starts[1:], idx, side="right")   # [L] each token's request; `rows` past the last
+    # [L] each token's request (`rows` past the last); one compare of [L, A], no loop
+    row = jnp.searchsorted(starts[1:], idx, side="right", method="compare_all")
     in_seq = row < rows
     row = jnp.minimum(row, rows - 1)
     token_slot = jnp.where(in_seq, slots[row], num_slots)   # out of range: dropped
