@@ -119,6 +119,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_memory_utilization_arg(g)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="which waiting request a free slot admits and which running one is preempted when "
+                        "pages run out: fcfs (arrival order) or priority (requests' `priority`, lower first, "
+                        "then arrival)")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step back before scheduling the next (no host/device overlap; for debugging)")
     add_scheduler_steps_arg(g)
@@ -153,6 +157,7 @@ def engine_kwargs(args) -> dict:
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
+                scheduling_policy=args.scheduling_policy,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 long_context_decode=long_context_decode_setting(args),
                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,

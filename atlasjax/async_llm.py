@@ -52,8 +52,9 @@ class StreamingLLM:
         return default_sampling_params(self.engine.generation_defaults)
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        """Stream the deltas of one request (all n completions interleaved, by .index)."""
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (all n completions interleaved, by .index). priority: see
+        `LLMEngine.add_request` (only with the priority scheduling policy)."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed: {self._error!r}")
         params = params or self.get_default_sampling_params()
@@ -61,7 +62,7 @@ class StreamingLLM:
         self._check_capacity()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request_id, prompt, params))
+        self._submit(("add", request_id, prompt, params, priority))
         remaining = params.n
         try:
             while remaining:
@@ -187,7 +188,7 @@ def apply_command(engine: LLMEngine, cmd) -> list:
     kind, request_id = cmd[0], cmd[1]
     if kind == "add":
         try:
-            engine.add_request(request_id, cmd[2], cmd[3])
+            engine.add_request(request_id, cmd[2], cmd[3], priority=cmd[4])
         except AtlasJaxError as e:
             return [(request_id, e)]
     elif kind == "abort":

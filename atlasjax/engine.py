@@ -47,6 +47,7 @@ from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.step_options import use_process_flags
 from atlasjax.step_packing import pack_decode, pack_prefill
 from atlasjax.step_readback import LaunchedStep, read_back, start_copies
+from atlasjax.waiting_queue import check_priority
 from atlasjax.tokenizer import read_chat_template
 
 log = logging.getLogger("atlasjax.engine")
@@ -118,7 +119,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_scheduler_steps=config.num_scheduler_steps,
-                                   prompt_logprobs_tokens=config.prompt_logprobs_tokens)
+                                   prompt_logprobs_tokens=config.prompt_logprobs_tokens,
+                                   policy=config.scheduling_policy)
         self._channel = None
         if distributed.is_multiprocess():   # process 0 drives; the others replay its steps (`follow`)
             self._channel = distributed.StepChannel()
@@ -153,12 +155,19 @@ class LLMEngine:
             self.runner.stop_followers()
             self._channel = None
 
+    @property
+    def scheduling_policy(self) -> str:
+        return self.config.scheduling_policy
+
     # ---- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> list[Request]:
+                    arrival_time: float | None = None, priority: int = 0) -> list[Request]:
+        """priority: with `scheduling_policy="priority"`, lower is admitted sooner and preempted later
+        (any integer; 0 by default); with fcfs it must be 0, as in vLLM."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_priority(priority, self.config.scheduling_policy)
         token_ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -169,7 +178,7 @@ class LLMEngine:
         for i in range(params.n):
             seed = base_seed if i == 0 else hash((base_seed, i)) & 0x7FFFFFFF
             req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
-                          max_tokens, self.eos_token_ids, arrival_time or time.monotonic())
+                          max_tokens, self.eos_token_ids, arrival_time or time.monotonic(), priority)
             req.index, req.parent_id = i, request_id
             self.outputs.add(req)
             seqs.append(req)

@@ -5,6 +5,7 @@ import dataclasses
 
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
+from atlasjax.waiting_queue import SCHEDULING_POLICIES
 
 # interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; for checking them on a CPU)
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "interpret")
@@ -77,6 +78,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85     # fraction of free device memory the KV pool may take (GPU)
     max_num_batched_tokens: int = 512        # token budget per step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"          # fcfs | priority: which waiting request a free slot admits
+                                             # and which running one gives way when pages run out
+                                             # (atlasjax/waiting_queue.py)
     async_scheduling: bool = True            # schedule step N+1 while step N runs (False: one step at a time)
     num_scheduler_steps: int | None = None   # decode iterations per launch when a step has only decodes (the
                                              # host issues the step once for them; outputs arrive in bursts);
@@ -143,6 +147,8 @@ class EngineConfig:
             bad(f"compile_at_start must be True or False, got {self.compile_at_start!r}")
         if self.long_context_decode is not None and not isinstance(self.long_context_decode, bool):
             bad(f"long_context_decode must be True, False or None (auto), got {self.long_context_decode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            bad(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if not isinstance(self.async_scheduling, bool):
             bad(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.quantization not in (None, "int8", "fp8", "int4"):

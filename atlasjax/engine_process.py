@@ -7,7 +7,7 @@ deltas (session 42, docs/performance.md). Here the engine runs in a child proces
 interpreter: the server's process tokenizes, renders templates and speaks HTTP; the child
 schedules, runs the device steps and detokenizes. One pipe joins them:
 
-    parent -> child  ("add", request id, prompt, SamplingParams) | ("abort", id) | ("release", id)
+    parent -> child  ("add", request id, prompt, SamplingParams, priority) | ("abort", id) | ("release", id)
                      | ("stop", drain)
     child -> parent  ("ready", EngineInfo) or ("failed", error), once, at start;
                      ("out", [(request id, StreamDelta or error), ...], EngineStats) after each step
@@ -54,6 +54,7 @@ class EngineInfo:
     tokenizer: Any
     stats: EngineStats
     generation_defaults: Any     # atlasjax.generation_config.GenerationDefaults
+    scheduling_policy: str       # fcfs | priority (atlasjax/waiting_queue.py)
 
     def stop_followers(self) -> None:
         """Multi-host runs keep their engine in the server's process (EngineProcessLLM refuses them)."""
@@ -184,7 +185,8 @@ def child_main(fd: int) -> None:
     engine.stats.refresh(engine)
     try:
         conn.send(("ready", EngineInfo(engine.max_model_len, engine.model_config, engine.weights_summary,
-                                       engine.tokenizer, _snapshot(engine.stats), engine.generation_defaults)))
+                                       engine.tokenizer, _snapshot(engine.stats), engine.generation_defaults,
+                                       engine.scheduling_policy)))
         _serve(conn, engine, max_waiting)
     except (EOFError, OSError):   # the server's process is gone
         return

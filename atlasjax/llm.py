@@ -99,8 +99,9 @@ class LLM:
         return default_sampling_params(self.engine.generation_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. One output per prompt."""
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. One output per prompt.
+        priority: one integer per prompt, with `scheduling_policy="priority"` (lower is served sooner)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -110,11 +111,13 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priority or [0] * len(prompts)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=rank)
                 ids.append((rid, prompt))
         except Exception:
             for rid, _ in ids:     # a bad prompt in the batch: nothing stays queued
@@ -138,7 +141,7 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, use_tqdm: bool = False,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of conversations.
         continue_final_message: the model continues the last (assistant) message instead of answering it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -148,7 +151,7 @@ class LLM:
             conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {})),
             add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def _output(self, rid, prompt, seqs) -> RequestOutput:
         first = seqs[0]

@@ -22,6 +22,8 @@ class Request:
     max_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
+    priority: int = 0                     # with the priority scheduling policy: lower is admitted sooner,
+                                          # preempted later (atlasjax/waiting_queue.py)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache or written by a dispatched step

@@ -2,8 +2,11 @@
 
 Plain Python, no jax. Each `schedule()` call returns which running requests decode one token
 and which requests prefill which chunk; pages are allocated here (prefix-cache hits first).
-When pages run out during decode, the newest running request is preempted: its pages are freed
-and it goes back to the front of the queue, to be recomputed from its tokens later.
+When pages run out during decode, a running request is preempted: its pages are freed and it goes
+back to the queue, to be recomputed from its tokens later. The policy (atlasjax/waiting_queue.py)
+picks which: `fcfs` (default) admits in arrival order and preempts the newest running request, which
+goes back to the front; `priority` admits by (priority, arrival), lower first, and preempts the
+running request that comes last in that order.
 
 Multi-step decoding (`num_scheduler_steps` K > 1): a step with only decodes (no prefill chunk, nobody
 admitted, and no waiting request that a free slot could take) gives each request up to K decode
@@ -24,11 +27,11 @@ such a step runs); other chunks of the step share that cap, or wait for a later 
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request, Status
+from atlasjax.waiting_queue import WaitingQueue, priority_key
 
 
 @dataclasses.dataclass
@@ -68,7 +71,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_seqs: int | None = None, num_scheduler_steps: int = 1,
-                 prompt_logprobs_tokens: int | None = None):
+                 prompt_logprobs_tokens: int | None = None, policy: str = "fcfs"):
         self.pool = pool
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
@@ -76,14 +79,14 @@ class Scheduler:
         # prefill tokens of a step with a prompt-logprob chunk (None: no cap beyond the budget)
         self.prompt_logprobs_tokens = prompt_logprobs_tokens or max_num_batched_tokens
         self.max_prefill_seqs = max_prefill_seqs or max_num_seqs
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     # ---- queue
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     @property
     def has_work(self) -> bool:
@@ -163,7 +166,7 @@ class Scheduler:
                 self.pool.free(req.pages)            # give back the cache hits; retry next step
                 req.pages, req.num_computed_tokens, req.num_registered_pages = [], 0, 0
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             req.status = Status.RUNNING
             req.slot = self.free_slots.pop()
             self.running.append(req)
@@ -188,14 +191,22 @@ class Scheduler:
         return budget
 
     def _reserve(self, req: Request, num_tokens: int, preempted: list[Request]) -> bool:
-        """Pages for `num_tokens` of req, preempting the newest running requests if needed."""
+        """Pages for `num_tokens` of req, preempting running requests (`_victim`) if needed."""
         while not self._allocate_for(req, num_tokens):
-            victim = next(r for r in reversed(self.running) if r.status is Status.RUNNING)
+            victim = self._victim()
             self.preempt(victim)
             preempted.append(victim)
             if victim is req:
                 return False
         return True
+
+    def _victim(self) -> Request:
+        """The running request to preempt: fcfs, the newest; priority, the last in (priority, arrival)
+        order (the newest of equals)."""
+        candidates = [r for r in reversed(self.running) if r.status is Status.RUNNING]
+        if self.waiting.policy == "priority":
+            return max(candidates, key=priority_key)
+        return candidates[0]
 
     def _allocate_for(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.pool.page_size) - len(req.pages)
@@ -238,7 +249,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.WAITING:

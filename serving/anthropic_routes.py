@@ -113,8 +113,8 @@ async def messages(request: Request):
                              stop_field="stop_sequences", model_defaults=state.model_defaults)
     state.check_prompt(prompt_ids, params, "messages")
     rid = new_id("msg_")
-    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params, state.thinking_budget(budget, "thinking"))],
-                         state.metrics)
+    job = Job(rid, prompt_ids, params, state.thinking_budget(budget, "thinking"), state.priority(f))
+    deltas = stream_jobs(state.llm, [job], state.metrics)
     message = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:
         first = await first_delta(request, deltas)

@@ -37,6 +37,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     thinking_budget: ThinkingBudget | None = None   # serving/thinking_budget.py
+    priority: int = 0                               # with --scheduling-policy priority: lower is served sooner
 
 
 @dataclasses.dataclass
@@ -83,8 +84,8 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
 
 def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:
     if job.thinking_budget is not None:
-        return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget)
-    return llm.generate(job.prompt_ids, job.params, job.request_id)
+        return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget, job.priority)
+    return llm.generate(job.prompt_ids, job.params, job.request_id, job.priority)
 
 
 def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:

@@ -106,7 +106,7 @@ async def chat_completions(request: Request):
     state.check_prompt(prompt_ids, params, "messages")
     budget = state.thinking_budget(f.int("thinking_token_budget", None, lo=1), "thinking_token_budget")
     rid = new_id("chatcmpl-")
-    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params, budget)], state.metrics)
+    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params, budget, state.priority(f))], state.metrics)
     head = {"id": rid, "created": int(time.time()), "model": model}
     if stream:
         first = await first_delta(request, deltas)
@@ -195,7 +195,9 @@ async def completions(request: Request):
     for ids in prompt_ids:
         state.check_prompt(ids, params, "prompt")
     rid = new_id("cmpl-")
-    jobs = [Job(rid if len(prompts) == 1 else f"{rid}-{i}", ids, params) for i, ids in enumerate(prompt_ids)]
+    priority = state.priority(f)
+    jobs = [Job(rid if len(prompts) == 1 else f"{rid}-{i}", ids, params, priority=priority)
+            for i, ids in enumerate(prompt_ids)]
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
     echoes = [_echo(state, p, ids) if echo else None for p, ids in zip(prompts, prompt_ids)]

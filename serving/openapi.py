@@ -13,7 +13,8 @@ SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "prese
             "frequency_penalty": NUM, "repetition_penalty": NUM, "seed": INT, "stop": STOP, "n": INT,
             "min_tokens": INT, "ignore_eos": BOOL, "stop_token_ids": {"type": "array", "items": INT},
             "logit_bias": {"type": "object", "additionalProperties": NUM},
-            "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}}}
+            "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
+            "priority": INT}
 MESSAGE = {"type": "object", "required": ["role", "content"],
            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": TEXT_OR_PARTS}}
 
@@ -35,7 +36,7 @@ SCHEMAS = {
                             messages={"type": "array", "items": _obj(["role", "content"], role={
                                 "enum": ["user", "assistant"]}, content=TEXT_OR_PARTS)},
                             stop_sequences={"type": "array", "items": STR}, temperature=NUM, top_p=NUM, top_k=INT,
-                            stream=BOOL, thinking=_obj(["type"], type={"enum": ["enabled", "adaptive", "disabled"]},
+                            stream=BOOL, priority=INT, thinking=_obj(["type"], type={"enum": ["enabled", "adaptive", "disabled"]},
                                                        budget_tokens=INT)),
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
                             add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),

@@ -59,6 +59,15 @@ class ServerState:
         except InvalidRequestError as e:   # min_tokens above what is left
             raise invalid(str(e), param="min_tokens") from None
 
+    def priority(self, f) -> int:
+        """A request's `priority` (vLLM's extra field; lower is served sooner): any integer on a server
+        started with --scheduling-policy priority; elsewhere only 0, as vLLM answers."""
+        value = f.int("priority", 0)
+        if value and self.llm.engine.scheduling_policy != "priority":
+            raise invalid(f"'priority' {value} needs a server started with --scheduling-policy priority "
+                          f"(this one schedules {self.llm.engine.scheduling_policy})", param="priority")
+        return value
+
     def thinking_budget(self, tokens: int | None, param: str) -> ThinkingBudget | None:
         """A request's reasoning budget (serving/thinking_budget.py); it needs the reasoning parser."""
         if tokens is None:
