@@ -49,8 +49,11 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None    # prompt tokens the prefix cache served (its first delta's)
 
     def add(self, delta: StreamDelta) -> None:
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.new_text

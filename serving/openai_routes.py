@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
-from serving.openai_shapes import CompletionLogprobs, chat_logprobs, usage
+from serving.openai_shapes import CachedTokens, CompletionLogprobs, chat_logprobs, usage
 from serving.protocol import (MAX_N, Fields, chat_render_options, check_model, completion_prompts,
                               sampling_params, text_content)
 from atlasjax.sampling_params import MAX_LOGPROBS
@@ -119,7 +119,7 @@ async def chat_completions(request: Request):
                 "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
     num_generated = sum(len(c.token_ids) for c in completions)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": usage(len(prompt_ids), num_generated)})
+                         "usage": usage(len(prompt_ids), num_generated, completions[0].num_cached_tokens or 0)})
 
 
 def _message(text: str, reasoning_parser: str | None) -> dict:
@@ -144,15 +144,16 @@ async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k
                        reasoning_parser=None):
     chunk = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
-    num_generated = 0
+    num_generated, cached = 0, CachedTokens()
     splitters = [ReasoningStream(reasoning_parser) if reasoning_parser else None for _ in range(n)]
     async with contextlib.aclosing(deltas):
         for i in range(n):
             yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}], **extra})
         try:
-            async for _, delta in with_first(first, deltas):
+            async for j, delta in with_first(first, deltas):
                 num_generated += len(delta.new_token_ids)
+                cached.add(j, delta)
                 text = _text_delta(delta.new_text, delta.finished, splitters[delta.index])
                 if not (text or delta.finished or (want_logprobs and delta.new_token_ids)):
                     continue
@@ -165,7 +166,7 @@ async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k
             yield _sse_error(e, request)
             return
     if include_usage:
-        yield sse({**chunk, "choices": [], "usage": usage(num_prompt_tokens, num_generated)})
+        yield sse({**chunk, "choices": [], "usage": usage(num_prompt_tokens, num_generated, cached.total)})
     yield "data: [DONE]\n\n"
 
 
@@ -223,7 +224,8 @@ async def completions(request: Request):
                 choice["prompt_logprobs"] = CompletionLogprobs.vllm_prompt_logprobs(c.prompt_logprobs)
             choices.append(choice)
     num_generated = sum(len(c.token_ids) for job_completions in results for c in job_completions)
-    return JSONResponse({**head, "choices": choices, "usage": usage(num_prompt_tokens, num_generated)})
+    cached = sum(job_completions[0].num_cached_tokens or 0 for job_completions in results)
+    return JSONResponse({**head, "choices": choices, "usage": usage(num_prompt_tokens, num_generated, cached)})
 
 
 def _echo(state: ServerState, prompt, ids: list[int]) -> tuple[str, list[str], list[int]]:
@@ -238,7 +240,7 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
                              include_usage, with_prompt_logprobs):
     extra = {"usage": None} if include_usage else {}
     builders: dict[int, CompletionLogprobs] = {}
-    num_generated = 0
+    num_generated, cached = 0, CachedTokens()
 
     def echo_event(j, index, entries=None):
         echo = echoes[j]
@@ -254,6 +256,7 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
         try:
             async for j, delta in with_first(first, deltas):
                 num_generated += len(delta.new_token_ids)
+                cached.add(j, delta)
                 index = j * n + delta.index
                 if logprobs is not None and echoes[j] and index not in builders:
                     yield echo_event(j, index, delta.prompt_logprobs)
@@ -274,7 +277,7 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
             yield _sse_error(e, request)
             return
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, num_generated)})
+        yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, num_generated, cached.total)})
     yield "data: [DONE]\n\n"
 
 

@@ -13,9 +13,28 @@ from atlasjax.outputs import Logprob
 MIN_LOGPROB = -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: prompt tokens the prefix cache served (`prompt_tokens_details.cached_tokens`, as
+    OpenAI reports prompt caching)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class CachedTokens:
+    """Prompt tokens served by the prefix cache, counted once per prompt (jobs' first sequence, from its
+    first delta; n > 1 siblings and a reasoning budget's continuation share or extend the prompt)."""
+
+    def __init__(self):
+        self._per_job: dict[int, int] = {}
+
+    def add(self, job_index: int, delta) -> None:
+        if delta.index == 0 and job_index not in self._per_job:
+            self._per_job[job_index] = delta.num_cached_tokens
+
+    @property
+    def total(self) -> int:
+        return sum(self._per_job.values())
 
 
 def finite(logprob: float) -> float:

@@ -116,6 +116,28 @@ def test_stop_string_cuts_text(client, llm):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, llm):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 for a prompt never seen, then the full pages
+    the prefix cache holds when the same prompt comes again (whole or streamed, chat or completion)."""
+    import uuid
+    text = f"{uuid.uuid4()} " + " ".join(f"word{i}" for i in range(60))     # a prompt no other test sends
+    page = llm.engine.config.page_size
+    first = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL_NAME, prompt=[text, text + " more"], max_tokens=2, temperature=0)
+    n_prompt = first.usage.prompt_tokens
+    assert n_prompt > 2 * page and first.usage.prompt_tokens_details.cached_tokens == 0
+    full_pages = (n_prompt - 1) // page * page              # at least one token is always computed
+    assert again.usage.prompt_tokens_details.cached_tokens == 2 * full_pages
+    messages = [{"role": "user", "content": text}]
+    chat = [client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0)
+            for _ in range(2)]
+    streamed = [c for c in client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}) if c.usage][0]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (*chat, streamed)]
+    assert cached[0] == 0 and cached[1] == cached[2] == (chat[0].usage.prompt_tokens - 1) // page * page > 0
+
+
 def test_n2_sampled_choices_and_usage(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, temperature=1.0,
                                        seed=7, logprobs=True)
