@@ -163,7 +163,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> list[Request]:
         """priority: with `scheduling_policy="priority"`, lower is admitted sooner and preempted later
-        (any integer; 0 by default); with fcfs it must be 0, as in vLLM."""
+        (any integer; 0 by default); with fcfs it must be 0, as in vLLM. arrival_time: a time.monotonic()
+        reading (default: now); it orders equal priorities and starts the request's queue time."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -260,6 +261,10 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device)."""
         if sched.admitted:
+            now = time.monotonic()
+            for req in sched.admitted:
+                if req.queue_seconds is None:
+                    req.queue_seconds = max(0.0, now - req.arrival_time)
             self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.logit_bias)
                                for req in sched.admitted])
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])

@@ -98,7 +98,8 @@ class OutputProcessor:
             self.stats.record_finish(req)
         return StreamDelta(req.parent_id, req.index, [token], new_text, bool(finish), finish, stop_reason, new_lp,
                            len(req.prompt_token_ids), num_out, req.num_cached_tokens or 0,
-                           req.prompt_logprobs if num_out == 1 else None)
+                           req.prompt_logprobs if num_out == 1 else None,
+                           req.queue_seconds if num_out == 1 else None)
 
     def _logprob_dict(self, token, lp, top_vals, top_ids, k) -> dict[int, Logprob]:
         d = {}

@@ -36,6 +36,7 @@ class Request:
     num_registered_pages: int = 0
     slot: int = -1                        # row in the device-side per-slot state
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first admission)
+    queue_seconds: float | None = None    # arrival to first admission (time.monotonic, set by the engine)
     num_preemptions: int = 0
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -67,22 +67,35 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
     """Deltas of all jobs, merged; engine errors are raised as APIError."""
     start = time.perf_counter()
     last_token_time: dict[tuple[int, int], float] = {}
+    finished: set[tuple[int, int]] = set()
+    queued: set[tuple[int, int]] = set()
+    failed = False
     merged = _merge(llm, jobs)
     try:
         async with contextlib.aclosing(merged):
             async for job_index, delta in merged:
                 now = time.perf_counter()
                 key = (job_index, delta.index)
+                if delta.queue_seconds is not None and key not in queued:   # (a reasoning budget's
+                    queued.add(key)                                          # continuation queues again)
+                    metrics.observe_queue(delta.queue_seconds)
                 if delta.new_token_ids:
                     metrics.observe_token(now - last_token_time[key] if key in last_token_time else None,
                                           now - start, len(delta.new_token_ids))
                     last_token_time[key] = now
+                if delta.finished and key not in finished:
+                    finished.add(key)
+                    metrics.observe_finish(delta.finish_reason or "stop", now - start)
                 yield job_index, delta
     except Exception as e:  # noqa: BLE001 (everything the engine raises becomes an HTTP error)
+        failed = True
         raise from_engine_error(e) from e
     finally:
         if last_token_time:     # the prompts were processed
             metrics.add_prompt_tokens(sum(len(job.prompt_ids) for job in jobs))
+        if not failed:          # closed early: the client went away, and its sequences were aborted
+            for _ in range(sum(job.params.n for job in jobs) - len(finished)):
+                metrics.observe_finish("abort", None)
 
 
 def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:

@@ -13,6 +13,8 @@ from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
 class EngineCollector(Collector):
@@ -54,6 +56,14 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("atlasjax_inter_token_latency_seconds", "Time between tokens of one sequence",
                              buckets=ITL_BUCKETS, registry=r)
+        self.queue_time = Histogram("atlasjax_request_queue_time_seconds",
+                                    "Arrival at the engine to first admission, per sequence",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.e2e = Histogram("atlasjax_e2e_request_latency_seconds",
+                             "Submission to the engine to the last token, per finished sequence",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.finished = Counter("atlasjax_requests_finished", "Sequences ended, by finish reason (abort: the "
+                                "client went away or the request failed)", ["finished_reason"], registry=r)
         r.register(EngineCollector(llm))
 
     def observe_request(self, endpoint: str, status: int) -> None:
@@ -66,6 +76,15 @@ class ServerMetrics:
         else:
             self.itl.observe(since_previous)
         self.generation_tokens.inc(num_tokens)
+
+    def observe_queue(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def observe_finish(self, reason: str, since_start: float | None) -> None:
+        """A sequence ended: "stop" / "length" with its end-to-end latency, or "abort" (None)."""
+        self.finished.labels(finished_reason=reason).inc()
+        if since_start is not None:
+            self.e2e.observe(since_start)
 
     def add_prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)

@@ -250,11 +250,22 @@ def test_server_admits_the_higher_priority_request_first(async_engines):
         await _until(lambda: len(engine.engine.scheduler.waiting) == 2)
         assert not engine.engine.requests["hold"][0].is_finished   # (else the test proves nothing)
         await held.aclose()                                # aborted: its slot is free
-        return finished, await asyncio.gather(low, high)
-    finished, responses = _serve(engine, fn)
+        responses = await asyncio.gather(low, high)
+        return finished, responses, (await client.get("/metrics")).text
+    finished, responses, metrics = _serve(engine, fn)
     assert all(r.status_code == 200 for r in responses)
     assert finished == ["high", "low"]
     assert engine.engine.pool.num_free_pages == engine.engine.pool.num_pages
+    # /metrics: both HTTP requests waited in the queue, then ran to their length
+    assert _sample(metrics, "atlasjax_request_queue_time_seconds_count") == 2
+    assert _sample(metrics, "atlasjax_request_queue_time_seconds_sum") > 0
+    assert _sample(metrics, 'atlasjax_requests_finished_total{finished_reason="length"}') == 2
+    assert _sample(metrics, "atlasjax_e2e_request_latency_seconds_count") == 2
+
+
+def _sample(text: str, series: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(series + " ")]
+    return float(line.rsplit(" ", 1)[1])
 
 
 async def _until(condition, timeout=60.0):

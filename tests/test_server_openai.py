@@ -276,9 +276,15 @@ def generated_tokens(url: str) -> float:
     return metric_value(metrics, "atlasjax_generation_tokens_total")
 
 
+def aborted_sequences(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    series = 'atlasjax_requests_finished_total{finished_reason="abort"} '
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(series))
+
+
 def test_client_disconnect_aborts_and_frees_pages(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    before = generated_tokens(server.url)
+    before, aborted_before = generated_tokens(server.url), aborted_sequences(server.url)
     idle = httpx.get(server.url + "/health").json()
     assert idle["kv_pages_free"] == idle["kv_pages_total"]
     body = {"model": MODEL_NAME, "prompt": "Keep talking", "max_tokens": 240, "temperature": 0, "stream": True}
@@ -296,6 +302,7 @@ def test_client_disconnect_aborts_and_frees_pages(server):
     wait_pages_back_to_idle(server.url)
     time.sleep(0.5)
     assert generated_tokens(server.url) - before < body["max_tokens"]   # neither request ran to the end
+    assert aborted_sequences(server.url) - aborted_before == 2             # and /metrics counts both
 
 
 def test_tokenize_detokenize_round_trip(server, llm):
