@@ -273,3 +273,12 @@ async def _until(condition, timeout=60.0):
     while not condition():
         assert time.monotonic() < end, "timed out"
         await asyncio.sleep(0.01)
+
+
+def test_the_cli_flag_reaches_the_engine_config():
+    from atlasjax.__main__ import build_parser, engine_kwargs
+    parse = build_parser().parse_args
+    assert engine_kwargs(parse(["serve", "--scheduling-policy", "priority"]))["scheduling_policy"] == "priority"
+    assert engine_kwargs(parse(["generate", "hi"]))["scheduling_policy"] == "fcfs"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--scheduling-policy", "lifo"])
