@@ -101,7 +101,7 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
 def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:
     if job.thinking_budget is not None:
         return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget, job.priority)
-    return llm.generate(job.prompt_ids, job.params, job.request_id, job.priority)
+    return llm.generate(job.prompt_ids, job.params, job.request_id, priority=job.priority)
 
 
 def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:

@@ -74,13 +74,25 @@ def _reject_unsupported(f: Fields) -> None:
                       param="response_format")
 
 
-def _include_usage(f: Fields, stream: bool) -> bool:
+def _include_usage(f: Fields, stream: bool) -> str | None:
+    """A stream's usage: None, "final" (one chunk at the end: `include_usage`) or "continuous" (also on
+    every chunk, counted so far: vLLM's `continuous_usage_stats` beside `include_usage`)."""
     options = f.object("stream_options")
     if options is None:
-        return False
+        return None
     if not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return Fields(options).bool("include_usage")
+    options = Fields(options)
+    if not options.bool("include_usage"):
+        return None
+    return "continuous" if options.bool("continuous_usage_stats") else "final"
+
+
+def _chunk_usage(include_usage: str | None, num_prompt_tokens: int, num_generated: int, cached) -> dict:
+    """What each content chunk of a stream carries under its usage mode."""
+    if include_usage == "continuous":
+        return {"usage": usage(num_prompt_tokens, num_generated, cached.total)}
+    return {"usage": None} if include_usage else {}
 
 
 async def chat_completions(request: Request):
@@ -143,13 +155,13 @@ def _text_delta(text: str, finished: bool, splitter: ReasoningStream | None) -> 
 async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k, want_logprobs, include_usage,
                        reasoning_parser=None):
     chunk = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
     num_generated, cached = 0, CachedTokens()
     splitters = [ReasoningStream(reasoning_parser) if reasoning_parser else None for _ in range(n)]
     async with contextlib.aclosing(deltas):
         for i in range(n):
             yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}], **extra})
+                                             "logprobs": None, "finish_reason": None}],
+                       **_chunk_usage(include_usage, num_prompt_tokens, 0, cached)})
         try:
             async for j, delta in with_first(first, deltas):
                 num_generated += len(delta.new_token_ids)
@@ -161,7 +173,8 @@ async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k
                           "logprobs": chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], top_k)
                           if want_logprobs else None,
                           "finish_reason": delta.finish_reason if delta.finished else None}
-                yield sse({**chunk, "choices": [choice], **extra})
+                yield sse({**chunk, "choices": [choice],
+                           **_chunk_usage(include_usage, num_prompt_tokens, num_generated, cached)})
         except APIError as e:
             yield _sse_error(e, request)
             return
@@ -238,7 +251,6 @@ def _echo(state: ServerState, prompt, ids: list[int]) -> tuple[str, list[str], l
 
 async def _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
                              include_usage, with_prompt_logprobs):
-    extra = {"usage": None} if include_usage else {}
     builders: dict[int, CompletionLogprobs] = {}
     num_generated, cached = 0, CachedTokens()
 
@@ -247,7 +259,7 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
         lp = builders.setdefault(index, CompletionLogprobs()).prompt(echo[1], echo[2], entries, logprobs) \
             if logprobs is not None else None
         return sse({**head, "choices": [{"index": index, "text": echo[0], "logprobs": lp, "finish_reason": None}],
-                    **extra})
+                    **_chunk_usage(include_usage, num_prompt_tokens, num_generated, cached)})
     async with contextlib.aclosing(deltas):
         if logprobs is None:     # with logprobs, each echo waits for its prompt's logprobs (on the first delta)
             for j, echo in enumerate(echoes):
@@ -272,7 +284,8 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
                           "finish_reason": delta.finish_reason if delta.finished else None}
                 if first_of_choice:
                     choice["prompt_logprobs"] = CompletionLogprobs.vllm_prompt_logprobs(delta.prompt_logprobs)
-                yield sse({**head, "choices": [choice], **extra})
+                yield sse({**head, "choices": [choice],
+                           **_chunk_usage(include_usage, num_prompt_tokens, num_generated, cached)})
         except APIError as e:
             yield _sse_error(e, request)
             return

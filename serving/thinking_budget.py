@@ -42,16 +42,16 @@ class _Completion:
 
 async def budgeted(llm, prompt_ids: list[int], params: SamplingParams, request_id: str,
                    budget: ThinkingBudget, priority: int = 0) -> AsyncIterator[StreamDelta]:
-    """`llm.generate(prompt_ids, params, request_id, priority)`, with the reasoning closed at the budget."""
+    """`llm.generate(prompt_ids, params, request_id, priority=...)`, with the reasoning closed at the budget."""
     if params.max_tokens is not None and budget.tokens >= params.max_tokens:
-        async with contextlib.aclosing(llm.generate(prompt_ids, params, request_id, priority)) as plain:
+        async with contextlib.aclosing(llm.generate(prompt_ids, params, request_id, priority=priority)) as plain:
             async for delta in plain:
                 yield delta
         return
     first = dataclasses.replace(params, max_tokens=budget.tokens, min_tokens=min(params.min_tokens, budget.tokens))
     completions = [_Completion(ReasoningStream(budget.parser)) for _ in range(params.n)]
     over: list[int] = []      # completions that ran to the budget, to continue
-    async with contextlib.aclosing(llm.generate(prompt_ids, first, request_id, priority)) as deltas:
+    async with contextlib.aclosing(llm.generate(prompt_ids, first, request_id, priority=priority)) as deltas:
         async for delta in deltas:
             c = completions[delta.index]
             c.token_ids += delta.new_token_ids
@@ -99,6 +99,6 @@ async def _continue(llm, prompt_ids: list[int], params: SamplingParams, request_
     seed = None if params.seed is None else hash((params.seed, index, done)) & 0x7FFFFFFF
     rest = dataclasses.replace(params, n=1, max_tokens=left, min_tokens=max(0, params.min_tokens - done),
                                seed=seed, prompt_logprobs=None)
-    async with contextlib.aclosing(llm.generate(prompt_ids, rest, request_id, priority)) as deltas:
+    async with contextlib.aclosing(llm.generate(prompt_ids, rest, request_id, priority=priority)) as deltas:
         async for delta in deltas:
             yield delta

@@ -138,6 +138,18 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, llm):
     assert cached[0] == 0 and cached[1] == cached[2] == (chat[0].usage.prompt_tokens - 1) // page * page > 0
 
 
+def test_continuous_usage_stats_count_tokens_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage up to it."""
+    for create, kwargs in ((client.chat.completions.create, {"messages": CHAT}),
+                           (client.completions.create, {"prompt": ["Hello world", "Numbers: one two"]})):
+        chunks = list(create(model=MODEL_NAME, max_tokens=6, temperature=0, stream=True,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}, **kwargs))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == (6 if "messages" in kwargs else 12)
+        assert max(counts[:-1]) == counts[-1]        # the last content chunk already counts every token
+
+
 def test_n2_sampled_choices_and_usage(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, temperature=1.0,
                                        seed=7, logprobs=True)
