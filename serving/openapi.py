@@ -5,6 +5,8 @@ the success shape and the error statuses a client should expect.
 """
 from __future__ import annotations
 
+from atlasjax import __version__
+
 STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 STOP = {"oneOf": [STR, {"type": "array", "items": STR}]}
 TEXT_OR_PARTS = {"oneOf": [STR, {"type": "array", "items": {"type": "object", "properties": {
@@ -55,6 +57,8 @@ OPERATIONS = {
     "/tokenize": ("post", "Text or chat messages to token ids", "TokenizeRequest", False),
     "/detokenize": ("post", "Token ids to text", "DetokenizeRequest", False),
     "/health": ("get", "Liveness and engine occupancy (no API key needed)", None, False),
+    "/ping": ("get", "Liveness as /health's status code, no body (SageMaker's probe; no API key needed)", None, False),
+    "/version": ("get", "The engine's version (no API key needed)", None, False),
     "/metrics": ("get", "Prometheus metrics (text exposition format)", None, False),
     "/openapi.json": ("get", "This document", None, False),
 }
@@ -79,7 +83,7 @@ def openapi_schema() -> dict:
     paths = {path: {method: _operation(summary, schema, streams)}
              for path, (method, summary, schema, streams) in OPERATIONS.items()}
     return {"openapi": "3.1.0",
-            "info": {"title": "atlasjax", "version": "0.1.0",
+            "info": {"title": "atlasjax", "version": __version__,
                      "description": "OpenAI- and Anthropic-compatible inference server"},
             "components": {"schemas": SCHEMAS,
                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},

@@ -1,6 +1,6 @@
-"""Operational routes: /health, /metrics, /tokenize, /detokenize, /openapi.json.
+"""Operational routes: /health, /ping, /version, /metrics, /tokenize, /detokenize, /openapi.json.
 
-/health and /openapi.json stay open when an API key is set; the others need it.
+/health, /ping, /version and /openapi.json stay open when an API key is set; the others need it.
 """
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from atlasjax import __version__
 from serving.errors import invalid
 from serving.openapi import openapi_schema
 from serving.protocol import INT32_MAX, Fields, chat_render_options, check_model, text_content
 from serving.state import read_json, server_state
 
-OPEN_PATHS = {"/health", "/openapi.json"}
+OPEN_PATHS = {"/health", "/ping", "/version", "/openapi.json"}
 
 
 async def health(request: Request) -> JSONResponse:
@@ -28,6 +29,15 @@ async def health(request: Request) -> JSONResponse:
     if failure is not None:
         body["error"] = repr(failure)
     return JSONResponse(body, status_code=200 if failure is None else 503)
+
+
+async def ping(request: Request) -> Response:
+    """SageMaker's liveness probe, as vLLM serves it: /health's status, no body."""
+    return Response(status_code=(await health(request)).status_code)
+
+
+async def version(request: Request) -> JSONResponse:
+    return JSONResponse({"version": __version__})
 
 
 async def metrics(request: Request) -> Response:
@@ -73,6 +83,8 @@ async def openapi(request: Request) -> JSONResponse:
 
 ROUTES = [
     Route("/health", health, methods=["GET"]),
+    Route("/ping", ping, methods=["GET", "POST"]),
+    Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),

@@ -354,6 +354,15 @@ def test_chat_continues_a_final_assistant_message(server, client, llm):
         assert bad.status_code == 400, bad.text
 
 
+def test_ping_and_version_answer_without_the_api_key(server):
+    import atlasjax
+    assert httpx.get(server.url + "/version").json() == {"version": atlasjax.__version__}
+    for method in ("GET", "POST"):
+        r = httpx.request(method, server.url + "/ping")
+        assert r.status_code == 200 and r.content == b""
+    assert httpx.get(server.url + "/metrics").status_code == 401      # the key still guards the rest
+
+
 def test_metrics_and_openapi(server, client):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
