@@ -47,8 +47,8 @@ from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.step_options import use_process_flags
 from atlasjax.step_packing import pack_decode, pack_prefill
 from atlasjax.step_readback import LaunchedStep, read_back, start_copies
-from atlasjax.waiting_queue import check_priority
 from atlasjax.tokenizer import read_chat_template
+from atlasjax.waiting_queue import check_priority
 
 log = logging.getLogger("atlasjax.engine")
 

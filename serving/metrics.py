@@ -63,7 +63,7 @@ class ServerMetrics:
                              "Submission to the engine to the last token, per finished sequence",
                              buckets=E2E_BUCKETS, registry=r)
         self.finished = Counter("atlasjax_requests_finished", "Sequences ended, by finish reason (abort: the "
-                                "client went away or the request failed)", ["finished_reason"], registry=r)
+                                "client went away)", ["finished_reason"], registry=r)
         r.register(EngineCollector(llm))
 
     def observe_request(self, endpoint: str, status: int) -> None:
