@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,7 +34,8 @@ def server():
         yield None
         return
     cmd = [sys.executable, "-m", "atlasjax.bench.preset_server", "--preset", "tiny", "--port", "0",
-           "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64"]
+           "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64",
+           "--scheduling-policy", "priority"]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
     state = {"proc": proc}
     yield state
@@ -274,6 +276,16 @@ def test_serve_mode_against_atlasjax_server(tmp_path, server):
     assert r["ttft_s"]["median"] < r["e2el_s"]["median"]
     assert r["request_throughput"] > 0 and r["total_token_throughput"] > r["output_throughput"] > 0
     assert rep["roofline"]["roofline_output_tokens_per_s"] > 0
+    # --priority-fraction: a seeded share of the requests carry a priority; the report splits them out
+    rep = run_bench(tmp_path, "serve", "--base-url", url, "--num-prompts", "8", "--input-len", "10",
+                    "--output-len", "6", "--num-warmups", "1", "--no-warmup-buckets", "--priority-fraction", "0.5",
+                    "--priority", "-2", "--no-ceilings")
+    classes = rep["results"]["by_priority"]
+    picked = serve.priority_classes(SimpleNamespace(priority_fraction=0.5, priority=-2, seed=0), 8)
+    assert set(classes) == {"priority -2", "others"} and rep["results"]["failed"] == 0
+    assert classes["priority -2"]["completed"] == picked.count(-2) and 0 < picked.count(-2) < 8
+    assert classes["others"]["completed"] == 8 - picked.count(-2)
+    assert all(c["ttft_s"]["n"] == c["completed"] for c in classes.values())
 
 
 class _Args:

@@ -54,6 +54,10 @@ def add_args(p) -> None:
     g.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="the served model's shape, for the roofline (ceilings measured on this machine)")
     g.add_argument("--no-ceilings", action="store_true", help="do not measure device ceilings here")
+    g.add_argument("--priority-fraction", type=float, default=0.0,
+                   help="this fraction of the requests (drawn with --seed) carry `priority` --priority, and the "
+                        "report splits TTFT and E2EL by class (the server needs --scheduling-policy priority)")
+    g.add_argument("--priority", type=int, default=-1, help="the priority those requests carry (lower first)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -118,9 +122,20 @@ async def send(client, url: str, body: dict) -> dict:
     return out
 
 
-def _body(model, prompt, n_out) -> dict:
-    return dict(model=model, prompt=prompt, max_tokens=n_out, temperature=0.0, ignore_eos=True, stream=True,
+def _body(model, prompt, n_out, priority: int | None = None) -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=n_out, temperature=0.0, ignore_eos=True, stream=True,
                 stream_options=dict(include_usage=True))
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+def priority_classes(args, num_requests: int) -> list[int | None]:
+    """Per timed request: --priority for a seeded --priority-fraction of them, else None (none sent)."""
+    if not 0.0 <= args.priority_fraction <= 1.0:
+        raise ValueError(f"--priority-fraction must be in [0, 1], got {args.priority_fraction}")
+    picked = np.random.default_rng(args.seed + 2).random(num_requests) < args.priority_fraction
+    return [args.priority if p else None for p in picked]
 
 
 async def _resolve_model(client, args) -> str:
@@ -195,14 +210,15 @@ async def _run_load(args) -> dict:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = np.random.default_rng(args.seed + 1)
         state = dict(in_flight=0, peak=0, done=0)
+        ranks = priority_classes(args, len(prompts))
 
-        async def limited(p, n):
+        async def limited(p, n, rank):
             if sem:
                 await sem.acquire()
             state["in_flight"] += 1
             state["peak"] = max(state["peak"], state["in_flight"])
             try:
-                return await send(client, url, _body(model, p, n))
+                return await send(client, url, _body(model, p, n, rank))
             finally:
                 state["in_flight"] -= 1
                 state["done"] += 1
@@ -214,7 +230,7 @@ async def _run_load(args) -> dict:
         for i, (p, _, n) in enumerate(prompts):
             if i and math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-            tasks.append(asyncio.create_task(limited(p, n)))
+            tasks.append(asyncio.create_task(limited(p, n, ranks[i])))
         pending = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=10)
@@ -223,7 +239,8 @@ async def _run_load(args) -> dict:
                          f"{time.perf_counter() - t0:.0f}s")
         duration = time.perf_counter() - t0
     outs = [t.result() for t in tasks]
-    return dict(model=model, outs=outs, prompts=prompts, duration=duration, peak_concurrency=state["peak"])
+    return dict(model=model, outs=outs, prompts=prompts, duration=duration, peak_concurrency=state["peak"],
+                ranks=ranks)
 
 
 def metrics(outs, prompts, duration) -> dict:
@@ -240,6 +257,17 @@ def metrics(outs, prompts, duration) -> dict:
                 itl_s=summarize([g for o, _ in ok for g in o["itl"]]), e2el_s=summarize([o["e2el"] for o, _ in ok]))
 
 
+def by_priority(outs, prompts, ranks, duration) -> dict:
+    """metrics() of each class: "priority P" (the requests that carried P) and "others" (none sent)."""
+    classes = {f"priority {r}": r for r in sorted({r for r in ranks if r is not None})}
+    classes["others"] = None
+    result = {}
+    for name, rank in classes.items():
+        pairs = [(o, p) for o, p, r in zip(outs, prompts, ranks) if r == rank]
+        result[name] = metrics([o for o, _ in pairs], [p for _, p in pairs], duration)
+    return result
+
+
 def run(args) -> tuple[dict, list[str], bool]:
     args.model = asyncio.run(_wait_for_server(args))
     ceilings = None
@@ -253,9 +281,11 @@ def run(args) -> tuple[dict, list[str], bool]:
     load = asyncio.run(_run_load(args))
     m = metrics(load["outs"], load["prompts"], load["duration"])
     m["peak_concurrency"] = load["peak_concurrency"]
+    if args.priority_fraction > 0:
+        m["by_priority"] = by_priority(load["outs"], load["prompts"], load["ranks"], load["duration"])
     settings = {k: getattr(args, k) for k in ("base_url", "endpoint", "num_prompts", "max_concurrency",
                                                "input_len", "output_len", "range_ratio", "prompt_format",
-                                               "num_warmups", "preset", "seed")}
+                                               "num_warmups", "preset", "seed", "priority_fraction", "priority")}
     settings.update(model=load["model"], request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf")
     roof = _roofline(args, m, ceilings)
     report = dict(mode="serve", settings=settings, results=m, roofline=roof)
@@ -282,9 +312,12 @@ def _roofline(args, m, ceilings) -> dict:
 
 
 def _table(args, m) -> str:
-    rows = stats_rows([("TTFT", m["ttft_s"], "ms", 1e3), ("TPOT", m["tpot_s"], "ms", 1e3),
-                       ("ITL", m["itl_s"], "ms", 1e3), ("E2EL", m["e2el_s"], "ms", 1e3)],
-                      cols=("mean", "median", "p90", "p99"))
+    figures = [("TTFT", m["ttft_s"], "ms", 1e3), ("TPOT", m["tpot_s"], "ms", 1e3),
+               ("ITL", m["itl_s"], "ms", 1e3), ("E2EL", m["e2el_s"], "ms", 1e3)]
+    for name, c in m.get("by_priority", {}).items():
+        figures += [(f"TTFT, {name} ({c['completed']})", c["ttft_s"], "ms", 1e3),
+                    (f"E2EL, {name} ({c['completed']})", c["e2el_s"], "ms", 1e3)]
+    rows = stats_rows(figures, cols=("mean", "median", "p90", "p99"))
     rows += [["request throughput", fmt(m["request_throughput"]), "", "", "", "req/s"],
              ["output token throughput", fmt(m["output_throughput"]), "", "", "", "tok/s"],
              ["total token throughput", fmt(m["total_token_throughput"]), "", "", "", "tok/s"],
