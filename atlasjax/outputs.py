@@ -52,4 +52,5 @@ class StreamDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # on a sequence's first delta, when asked
-    queue_seconds: float | None = None   # on a sequence's first delta: from arrival to its first admission
+    # on a sequence's first delta: from arrival to its first admission (a timing, left out of ==)
+    queue_seconds: float | None = dataclasses.field(default=None, compare=False)

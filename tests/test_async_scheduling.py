@@ -43,7 +43,9 @@ def _run(engine, work, abort_at=None):
         if abort_at and step in abort_at:
             engine.abort(abort_at[step])
         for d in engine.step():
-            deltas.setdefault((d.request_id, d.index), []).append(dataclasses.asdict(d))
+            fields = dataclasses.asdict(d)
+            fields.pop("queue_seconds")          # a timing: async and sync admit at other moments
+            deltas.setdefault((d.request_id, d.index), []).append(fields)
         step += 1
     results = {rid: [(r.output_token_ids, r.text, r.finish_reason, r.stop_reason, r.logprobs, r.prompt_logprobs)
                      for r in seqs] for rid, seqs in engine.requests.items()}
