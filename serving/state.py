@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from atlasjax.errors import InvalidRequestError
 from atlasjax.sampling_params import SamplingParams
+from atlasjax.waiting_queue import check_priority
 from serving.errors import invalid
 from serving.metrics import ServerMetrics
 from serving.protocol import parse_json_object
@@ -63,9 +64,11 @@ class ServerState:
         """A request's `priority` (vLLM's extra field; lower is served sooner): any integer on a server
         started with --scheduling-policy priority; elsewhere only 0, as vLLM answers."""
         value = f.int("priority", 0)
-        if value and self.llm.engine.scheduling_policy != "priority":
-            raise invalid(f"'priority' {value} needs a server started with --scheduling-policy priority "
-                          f"(this one schedules {self.llm.engine.scheduling_policy})", param="priority")
+        if value:       # (0 is every policy's default: no need to ask the engine)
+            try:
+                check_priority(value, self.llm.engine.scheduling_policy)
+            except InvalidRequestError as e:
+                raise invalid(str(e), param="priority") from None
         return value
 
     def thinking_budget(self, tokens: int | None, param: str) -> ThinkingBudget | None:

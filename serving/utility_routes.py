@@ -19,10 +19,15 @@ from serving.state import read_json, server_state
 OPEN_PATHS = {"/health", "/ping", "/version", "/openapi.json"}
 
 
+def _engine_failure(state):
+    """Why the engine (thread or process) stopped serving; None while it runs."""
+    return None if state.llm.is_healthy else (state.llm.error or "the engine stopped")
+
+
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     stats = state.llm.stats
-    failure = None if state.llm.is_healthy else (state.llm.error or "the engine stopped")
+    failure = _engine_failure(state)
     body = {"status": "ok" if failure is None else "error", "model": state.model_name,
             "num_running": stats.num_running, "num_waiting": stats.num_waiting,
             "kv_pages_free": stats.pages_free, "kv_pages_total": stats.pages_total}
@@ -33,7 +38,7 @@ async def health(request: Request) -> JSONResponse:
 
 async def ping(request: Request) -> Response:
     """SageMaker's liveness probe, as vLLM serves it: /health's status, no body."""
-    return Response(status_code=(await health(request)).status_code)
+    return Response(status_code=200 if _engine_failure(server_state(request)) is None else 503)
 
 
 async def version(request: Request) -> JSONResponse:
