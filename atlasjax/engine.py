@@ -169,10 +169,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduling_policy)
-        token_ids = self._tokenize(prompt)
+        token_ids = params.truncated_prompt(self._tokenize(prompt), self.max_model_len)
         vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if getattr(params, name) and max(getattr(params, name)) >= vocab:
+                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab})")
         max_tokens = self._check_length(len(token_ids), params)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         seqs = []
@@ -265,7 +266,7 @@ class LLMEngine:
             for req in sched.admitted:
                 if req.queue_seconds is None:
                     req.queue_seconds = max(0.0, now - req.arrival_time)
-            self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.logit_bias)
+            self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.bias_table())
                                for req in sched.admitted])
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
         # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)

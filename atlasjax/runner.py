@@ -300,7 +300,7 @@ class ModelRunner:
         return min(self.max_num_seqs, ADMIT_ROWS)
 
     def _admit_spec(self, group) -> StepSpec:
-        """group: (slot, token ids, prompt_len, logit_bias) of up to `admit_rows` requests, distinct slots,
+        """group: (slot, token ids, prompt_len, bias table) of up to `admit_rows` requests, distinct slots,
         max_model_len tokens in all (`admit` packs them so)."""
         rows = self.admit_rows
         slots = np.full(rows, self.max_num_seqs, np.int32)
@@ -309,11 +309,11 @@ class ModelRunner:
         tokens = np.zeros(self.max_model_len, np.int32)
         bias_ids = np.zeros((rows, MAX_LOGIT_BIAS), np.int32)
         bias_vals = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
-        for r, (slot, token_ids, prompt_len, logit_bias) in enumerate(group):
+        for r, (slot, token_ids, prompt_len, bias) in enumerate(group):
             slots[r], prompt_lens[r] = slot, prompt_len
             starts[r + 1] = starts[r] + len(token_ids)
             tokens[starts[r]:starts[r + 1]] = token_ids
-            bias_ids[r], bias_vals[r] = sampling.logit_bias_row(logit_bias)
+            bias_ids[r], bias_vals[r] = sampling.logit_bias_row(bias)
         starts[len(group) + 1:] = starts[len(group)]   # padding rows: empty
         packed, layout = steps.pack_host((slots, starts, prompt_lens, tokens, bias_ids, bias_vals))
         return StepSpec(("admit", self.max_model_len, rows), functools.partial(steps.admit_step, layout), (0,),
@@ -455,17 +455,17 @@ class ModelRunner:
 
     def admit(self, requests) -> None:
         """Reset the sampling state of each request's slot: requests, (slot, token ids so far, prompt_len,
-        logit_bias) each (the first prompt_len tokens its prompt; a request's tokens past max_model_len are
-        left out). They run in as few admit steps as hold them: up to `admit_rows` requests and
+        SamplingParams.bias_table()) each (the first prompt_len tokens its prompt; a request's tokens past
+        max_model_len are left out). They run in as few admit steps as hold them: up to `admit_rows` requests and
         max_model_len tokens each, in order (a slot named twice starts a new step, so the later one wins)."""
         group, used = [], 0
-        for slot, token_ids, prompt_len, logit_bias in requests:
+        for slot, token_ids, prompt_len, bias in requests:
             token_ids = token_ids[:self.max_model_len]
             if group and (len(group) == self.admit_rows or used + len(token_ids) > self.max_model_len
                           or any(slot == g[0] for g in group)):
                 self.state = self._run(self._admit_spec(group))
                 group, used = [], 0
-            group.append((slot, token_ids, prompt_len, logit_bias))
+            group.append((slot, token_ids, prompt_len, bias))
             used += len(token_ids)
         if group:
             self.state = self._run(self._admit_spec(group))

@@ -1,8 +1,8 @@
 """On-device sampling for a batch of rows, each with its own parameters (runs inside the jitted steps).
 
 Order per row: raw logprobs (reported) -> repetition / frequency / presence penalties -> logit
-bias -> min_tokens masking of stop ids -> greedy argmax, or temperature, top-k / top-p / min-p
-filtering and a seeded Gumbel-max draw.
+bias -> allowed_token_ids masking -> min_tokens masking of stop ids -> greedy argmax, or
+temperature, top-k / top-p / min-p filtering and a seeded Gumbel-max draw.
 
 There is no data-dependent branch (a `lax.cond` makes the GPU runtime copy its predicate to the
 host and wait, which stalls dispatch). Instead the host picks a static `SamplingPlan` per step
@@ -20,9 +20,10 @@ import numpy as np
 from atlasjax.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 # column layout of the packed per-row parameter arrays (one host->device transfer each)
-F_TEMP, F_TOP_P, F_MIN_P, F_PRES, F_FREQ, F_REP = range(6)
+F_TEMP, F_TOP_P, F_MIN_P, F_PRES, F_FREQ, F_REP, F_ONLY_LISTED = range(7)
 I_TOP_K, I_SEED, I_STEP, I_LOGPROBS, I_MIN_TOKENS = range(5)
-NUM_F, NUM_I = 6, 5 + MAX_STOP_TOKEN_IDS
+NUM_F, NUM_I = 7, 5 + MAX_STOP_TOKEN_IDS
+BIAS_PAD = 2**31 - 1   # the bias table's padding id: past any vocabulary, so it adds nothing and allows nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,8 @@ def plan_rows(rows: list[tuple[SamplingParams, int, int, tuple[int, ...]] | None
         p, _, step, _ = row
         logprobs |= p.logprobs is not None
         greedy &= (p.temperature == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0
-                   and p.presence_penalty == 0 and step >= p.min_tokens and not p.logit_bias)
+                   and p.presence_penalty == 0 and step >= p.min_tokens and not p.logit_bias
+                   and p.allowed_token_ids is None)
     return SamplingPlan(True, logprobs) if greedy else FULL
 
 
@@ -69,7 +71,8 @@ def pack_rows(rows: list[tuple[SamplingParams, int, int, tuple[int, ...]] | None
         if row is None:
             continue
         p, seed, step, eos = row
-        f[r] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        f[r] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                float(p.allowed_token_ids is not None))
         stops = ([] if p.ignore_eos else list(eos)) + list(p.stop_token_ids)
         i[r, :5] = (p.top_k, seed & 0x7FFFFFFF, step, p.logprobs or 0, p.min_tokens)
         stops = stops[:MAX_STOP_TOKEN_IDS]
@@ -119,8 +122,9 @@ def _no_logprobs(rows):
 
 
 def logit_bias_row(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray]:
-    """Host side: one request's logit_bias as [MAX_LOGIT_BIAS] token ids and values (padding: token 0, +0)."""
-    ids, vals = np.zeros(MAX_LOGIT_BIAS, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
+    """Host side: one request's bias table (`SamplingParams.bias_table`) as [MAX_LOGIT_BIAS] token ids and
+    values (padding: BIAS_PAD, +0)."""
+    ids, vals = np.full(MAX_LOGIT_BIAS, BIAS_PAD, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
     if bias:
         ids[:len(bias)] = list(bias)
         vals[:len(bias)] = list(bias.values())
@@ -130,8 +134,9 @@ def logit_bias_row(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarra
 def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan = FULL, bias=None):
     """logits: [rows, vocab] f32 -> (tokens [rows], chosen logprob [rows], top vals/ids [rows, K]).
 
-    bias: (token ids, values), each [rows, MAX_LOGIT_BIAS], added to the logits (not with a greedy plan,
-    which no biased row gets). Logprobs are zeros unless `plan.logprobs`."""
+    bias: (token ids, values), each [rows, MAX_LOGIT_BIAS], added to the logits; a row whose F_ONLY_LISTED
+    is set (allowed_token_ids) may pick only the listed ids. Neither applies with a greedy plan, which no
+    such row gets. Logprobs are zeros unless `plan.logprobs`."""
     f, i = st.floats, st.ints
     rows, vocab = logits.shape
     if plan.greedy:
@@ -141,7 +146,10 @@ def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan 
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = apply_penalties(logits, counts, prompt_mask, f)
     if bias is not None:
-        logits = logits.at[jnp.arange(rows)[:, None], bias[0]].add(bias[1], mode="drop")
+        at = (jnp.arange(rows)[:, None], bias[0])
+        logits = logits.at[at].add(bias[1], mode="drop")
+        listed = jnp.zeros((rows, vocab), bool).at[at].set(True, mode="drop")
+        logits = jnp.where((f[:, F_ONLY_LISTED:F_ONLY_LISTED + 1] > 0) & ~listed, -jnp.inf, logits)
     # min_tokens: stop ids may not be chosen yet
     stop_ids = i[:, 5:]
     block = (i[:, I_STEP] < i[:, I_MIN_TOKENS])[:, None] & (stop_ids >= 0)

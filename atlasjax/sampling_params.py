@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from atlasjax.errors import InvalidRequestError
 
@@ -31,6 +32,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling, in [-100, 100]
+    allowed_token_ids: list[int] | None = None   # sample only among these tokens (at most MAX_LOGIT_BIAS)
+    truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens; -1: as many as fit (see below)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -41,6 +44,7 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
         self.logit_bias = parse_logit_bias(self.logit_bias)
+        self.allowed_token_ids = parse_allowed_token_ids(self.allowed_token_ids)
 
     def _validate(self):
         def bad(msg):
@@ -76,10 +80,54 @@ class SamplingParams:
             bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def truncated_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt the request runs on: with `truncate_prompt_tokens` k, its last k tokens (vLLM's left
+        truncation); k = -1 keeps as many as the context holds beside max_tokens (one token if unset)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        if k == -1:
+            k = max(1, max_model_len - (self.max_tokens or 1))
+        return token_ids[-k:]
+
+    def bias_table(self) -> dict[int, float] | None:
+        """The per-slot token table the device samples with: the logit_bias entries or, with
+        allowed_token_ids, exactly the allowed ids (each with its bias, else 0), the only tokens it may pick."""
+        if self.allowed_token_ids is None:
+            return self.logit_bias
+        bias = self.logit_bias or {}
+        return {t: bias.get(t, 0.0) for t in self.allowed_token_ids}
+
+
+def check_truncate_prompt_tokens(k) -> int | None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k < 2**31)):
+        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
+    return k
+
+
+def parse_allowed_token_ids(ids) -> list[int] | None:
+    """allowed_token_ids as distinct int ids, in order, validated; None if not given."""
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids")
+    try:
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        out = list(dict.fromkeys(operator.index(t) for t in ids))    # (numpy integers too; no floats)
+    except TypeError:
+        raise InvalidRequestError("allowed_token_ids must be a list of integer token ids") from None
+    if not all(0 <= t < 2**31 for t in out):
+        raise InvalidRequestError("allowed_token_ids must be non-negative token ids")
+    if len(out) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS} allowed_token_ids are supported, got {len(out)}")
+    return out
 
 
 def parse_logit_bias(bias) -> dict[int, float] | None:

@@ -5,7 +5,8 @@ Device state (donated to every step, so it is updated in place and never copied)
   kv:          per layer (k_pages, v_pages) [kv_heads, num_pages, page_size, head_dim]
   counts:      [max_num_seqs, vocab] int32, generated-token counts per slot (penalties)
   prompt_mask: [max_num_seqs, vocab] bool, tokens seen in the prompt per slot (repetition penalty)
-  bias_ids, bias_vals: [max_num_seqs, MAX_LOGIT_BIAS] int32 / f32, each slot's logit_bias (set at admit)
+  bias_ids, bias_vals: [max_num_seqs, MAX_LOGIT_BIAS] int32 / f32, each slot's bias table (its logit_bias,
+  or its allowed_token_ids with their biases; set at admit)
 
 A step's small host inputs cross to the device as one packed int32 array (`pack_host`).
 """

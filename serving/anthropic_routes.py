@@ -111,6 +111,7 @@ async def messages(request: Request):
     stream = f.bool("stream")
     params = sampling_params(f, max_tokens=max_tokens, max_model_len=state.max_model_len,
                              stop_field="stop_sequences", model_defaults=state.model_defaults)
+    prompt_ids = params.truncated_prompt(prompt_ids, state.max_model_len)    # (vLLM's extra field)
     state.check_prompt(prompt_ids, params, "messages")
     rid = new_id("msg_")
     job = Job(rid, prompt_ids, params, state.thinking_budget(budget, "thinking"), state.priority(f))

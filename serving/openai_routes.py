@@ -112,7 +112,8 @@ async def chat_completions(request: Request):
     include_usage = _include_usage(f, stream)
     params = sampling_params(f, n=n, max_tokens=max_tokens, max_model_len=state.max_model_len,
                              logprobs=(top_k or 0) if want_logprobs else None, model_defaults=state.model_defaults)
-    prompt_ids = await state.chat_prompt(messages, **chat_render_options(f))
+    prompt_ids = params.truncated_prompt(await state.chat_prompt(messages, **chat_render_options(f)),
+                                         state.max_model_len)
     if max_tokens is None:
         params = state.default_max_tokens(params, prompt_ids)
     state.check_prompt(prompt_ids, params, "messages")
@@ -205,7 +206,8 @@ async def completions(request: Request):
     params = sampling_params(f, n=n, max_tokens=f.int("max_tokens", 16, lo=1), logprobs=logprobs,
                              max_model_len=state.max_model_len, prompt_logprobs=max(asked) if asked else None,
                              model_defaults=state.model_defaults)
-    prompt_ids = [p if isinstance(p, list) else await state.encode(p) for p in prompts]
+    prompt_ids = [params.truncated_prompt(p if isinstance(p, list) else await state.encode(p), state.max_model_len)
+                  for p in prompts]
     for ids in prompt_ids:
         state.check_prompt(ids, params, "prompt")
     rid = new_id("cmpl-")
@@ -214,7 +216,8 @@ async def completions(request: Request):
             for i, ids in enumerate(prompt_ids)]
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
-    echoes = [_echo(state, p, ids) if echo else None for p, ids in zip(prompts, prompt_ids)]
+    echoes = [_echo(state, p if params.truncate_prompt_tokens is None else ids, ids) if echo else None
+              for p, ids in zip(prompts, prompt_ids)]
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if stream:
         first = await first_delta(request, deltas)

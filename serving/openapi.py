@@ -15,6 +15,7 @@ SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "prese
             "frequency_penalty": NUM, "repetition_penalty": NUM, "seed": INT, "stop": STOP, "n": INT,
             "min_tokens": INT, "ignore_eos": BOOL, "stop_token_ids": {"type": "array", "items": INT},
             "logit_bias": {"type": "object", "additionalProperties": NUM},
+            "allowed_token_ids": {"type": "array", "items": INT}, "truncate_prompt_tokens": INT,
             "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
             "priority": INT}
 MESSAGE = {"type": "object", "required": ["role", "content"],

@@ -10,7 +10,8 @@ import json
 import math
 
 from atlasjax.errors import InvalidRequestError
-from atlasjax.sampling_params import SamplingParams, parse_logit_bias
+from atlasjax.sampling_params import (SamplingParams, check_truncate_prompt_tokens, parse_allowed_token_ids,
+                                      parse_logit_bias)
 from serving.errors import invalid
 
 INT32_MAX = 2**31 - 1
@@ -138,11 +139,16 @@ def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, lo
         ignore_eos=f.bool("ignore_eos"),
         skip_special_tokens=f.bool("skip_special_tokens", True),
         include_stop_str_in_output=f.bool("include_stop_str_in_output"),
+        truncate_prompt_tokens=f.int("truncate_prompt_tokens", None, lo=-1),   # (vLLM's; 0 is refused below)
     )
-    try:
-        kwargs["logit_bias"] = parse_logit_bias(f.object("logit_bias"))   # {"token id": bias}
-    except InvalidRequestError as e:
-        raise invalid(str(e), param="logit_bias") from None
+    for name, parse in (("logit_bias", lambda: parse_logit_bias(f.object("logit_bias"))),  # {"token id": bias}
+                        ("allowed_token_ids", lambda: parse_allowed_token_ids(f.raw("allowed_token_ids"))),
+                        ("truncate_prompt_tokens", lambda: check_truncate_prompt_tokens(
+                            kwargs["truncate_prompt_tokens"]))):
+        try:
+            kwargs[name] = parse()
+        except InvalidRequestError as e:
+            raise invalid(str(e), param=name) from None
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:

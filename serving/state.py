@@ -114,8 +114,9 @@ class ServerState:
             raise invalid(f"prompt token ids must be in [0, {self.vocab_size})", param=param)
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise invalid(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise invalid(f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if getattr(params, name) and max(getattr(params, name)) >= self.vocab_size:
+                raise invalid(f"{name} token ids must be in [0, {self.vocab_size})", param=name)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise invalid(f"the prompt has {len(ids)} tokens; max_model_len={limit} allows at most {limit - 1}",

@@ -6,6 +6,7 @@ import pytest
 from atlasjax import LLM, SamplingParams
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
+from atlasjax.sampling import BIAS_PAD
 
 VOCAB = 512   # the tiny preset's
 
@@ -26,7 +27,7 @@ def _want(requests, num_slots):
         for i, t in enumerate(tokens):
             mask[slot, t] = True
             counts[slot, t] += i >= prompt_len
-        bias[slot] = next(iter(logit_bias)) if logit_bias else 0
+        bias[slot] = next(iter(logit_bias)) if logit_bias else BIAS_PAD
     return mask, counts, bias
 
 

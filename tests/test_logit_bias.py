@@ -1,6 +1,7 @@
-"""logit_bias through the engine (the embedded SmolLM2 default): a +100 bias forces its token, a -100 bias
-bans the greedy choice, a biased request leaves no bias behind in its slot, and several decode iterations
-per launch give the same tokens as one."""
+"""logit_bias, allowed_token_ids and truncate_prompt_tokens through the engine (the embedded SmolLM2
+default): a +100 bias forces its token, a -100 bias bans the greedy choice, an allowed list confines every
+token, a biased request leaves nothing behind in its slot, several decode iterations per launch give the
+same tokens as one, and a truncated prompt runs as its own last tokens would."""
 from __future__ import annotations
 
 import pytest
@@ -50,3 +51,30 @@ def test_a_bias_on_a_token_outside_the_vocabulary_is_refused(llm):
     with pytest.raises(InvalidRequestError, match="logit_bias token ids"):
         llm.generate([PROMPT], SamplingParams(logit_bias={10**6: 1}))
     assert _ids(llm, [PROMPT])   # the engine serves on
+
+
+def test_allowed_token_ids_confine_the_output_and_leave_the_slot_free(llm):
+    (base,) = _ids(llm, [PROMPT])
+    allowed = [base[0] + 1, 13, 2022]                     # the greedy first token is not among them
+    confined, sampled = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 2, [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed,
+                       logit_bias={13: -100})])]
+    assert confined and set(confined) <= set(allowed)
+    assert sampled and set(sampled) <= {allowed[0], 2022}
+    assert _ids(llm, [PROMPT] * 4) == [base] * 4          # every slot is free again
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids token ids"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]))
+
+
+def test_a_truncated_prompt_runs_as_its_last_tokens(llm):
+    ids = llm.tokenizer.encode("One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve")
+    cut = SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=8)
+    out, = llm.generate([ids], cut)
+    assert out.prompt_token_ids == ids[-8:]
+    assert out.outputs[0].token_ids == _ids(llm, [ids[-8:]])[0]
+    too_long = ids * 12                                   # past max_model_len=128
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.generate([too_long], SamplingParams(max_tokens=4))
+    fitted, = llm.generate([too_long], SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=-1))
+    assert fitted.prompt_token_ids == too_long[-124:] and len(fitted.outputs[0].token_ids) <= 4

@@ -141,3 +141,42 @@ def test_bad_logit_bias_is_refused(bias, match):
         SamplingParams(logit_bias=bias)
     assert SamplingParams(logit_bias={"7": 2, 8: -1.5}).logit_bias == {7: 2.0, 8: -1.5}
     assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+def test_allowed_token_ids_confine_every_kind_of_row_to_the_list():
+    from atlasjax.sampling import plan_rows
+    logits = np.random.RandomState(2).randn(4, V)
+    allowed = [[3, 4], [9], [3, 4], [int(logits[3].argmax())]]
+    rows = [_row(temperature=0, allowed_token_ids=allowed[0]), _row(seed=5, temperature=2.0, allowed_token_ids=[9]),
+            _row(temperature=0, allowed_token_ids=[3, 4], logit_bias={4: 100, 5: 100}), _row(temperature=0)]
+    tokens = _sample_biased(logits, rows, [r[0].bias_table() for r in rows])
+    assert tokens[0] == [3, 4][int(logits[0, 4] > logits[0, 3])]      # the better of the two allowed
+    assert tokens[1] == 9 and tokens[2] == 4                          # a bias outside the list changes nothing
+    assert tokens[3] == logits[3].argmax()                            # the row without a list is free
+    sampled = _sample_biased(np.zeros((64, V)), [_row(seed=s, temperature=1, allowed_token_ids=[1, 2])
+                                                 for s in range(64)], [{1: 0.0, 2: 0.0}] * 64)
+    assert set(sampled.tolist()) == {1, 2}
+    assert not plan_rows([_row(temperature=0, allowed_token_ids=[1])]).greedy
+
+
+@pytest.mark.parametrize("ids, match", [([], "non-empty"), ("12", "non-empty"), ([1.5], "integer"),
+                                        ([True], "integer"), ([-1], "non-negative"),
+                                        (list(range(301)), "at most 300")])
+def test_bad_allowed_token_ids_are_refused(ids, match):
+    from atlasjax.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(allowed_token_ids=ids)
+    assert SamplingParams(allowed_token_ids=[np.int64(4), 2, 4]).allowed_token_ids == [4, 2]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end():
+    from atlasjax.errors import InvalidRequestError
+    ids = list(range(100))
+    assert SamplingParams(truncate_prompt_tokens=10).truncated_prompt(ids, 64) == ids[-10:]
+    assert SamplingParams(truncate_prompt_tokens=500).truncated_prompt(ids, 64) == ids    # (too long: refused later)
+    assert SamplingParams(max_tokens=24, truncate_prompt_tokens=-1).truncated_prompt(ids, 64) == ids[-40:]
+    assert SamplingParams(max_tokens=None, truncate_prompt_tokens=-1).truncated_prompt(ids, 64) == ids[-63:]
+    assert SamplingParams().truncated_prompt(ids, 64) == ids
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

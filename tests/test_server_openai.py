@@ -141,6 +141,25 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, llm):
     assert cached[0] == 0 and cached[1] == cached[2] == (chat[0].usage.prompt_tokens - 1) // page * page > 0
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens_as_vllm_takes_them(client, llm):
+    """vLLM's extra fields: allowed_token_ids confines the answer; truncate_prompt_tokens runs the prompt's last
+    k tokens, which usage counts and echo shows."""
+    allowed = [llm.tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no")]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0,
+                                       extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert r.choices[0].message.content.replace(" yes", "").replace(" no", "") == ""
+    text = "One, two, three, four, five, six, seven, eight, nine, ten"
+    ids = llm.tokenizer.encode(text)
+    r = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=4, temperature=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 6})
+    assert r.usage.prompt_tokens == 6
+    (want,) = greedy_reference(llm, [ids[-6:]], 4)
+    assert r.choices[0].text == llm.tokenizer.decode(ids[-6:]) + want.outputs[0].text
+    fitted = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi " * 2000}],
+                                            max_tokens=3, extra_body={"truncate_prompt_tokens": -1})
+    assert fitted.usage.prompt_tokens + 3 == llm.engine.max_model_len
+
+
 def test_continuous_usage_stats_count_tokens_so_far_on_every_chunk(client):
     """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage up to it."""
     for create, kwargs in ((client.chat.completions.create, {"messages": CHAT}),
