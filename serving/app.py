@@ -53,7 +53,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def create_app(engine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
-               reasoning_parser: str | None = None) -> Starlette:
+               reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False) -> Starlette:
     """Build the server app.
 
     Args:
@@ -65,6 +65,8 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
       cors_origins: allowed browser origins; None or empty disables CORS.
       reasoning_parser: "qwen3" or "deepseek_r1": chat answers' <think> part goes to `reasoning_content`
         (serving/reasoning.py); None: all of the text is content.
+      return_tokens_as_token_ids: logprob entries name tokens `token_id:N` by default (a request's own
+        `return_tokens_as_token_ids` field still decides for it).
     """
     metrics = ServerMetrics(engine)
     routes = openai_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
@@ -79,5 +81,6 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     middleware.append(Middleware(BodyLimitMiddleware, max_bytes=max_body_bytes))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _disconnected, Exception: _unexpected})
-    app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser)
+    app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser,
+                                   return_tokens_as_token_ids=return_tokens_as_token_ids)
     return app

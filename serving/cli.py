@@ -46,6 +46,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="put chat answers' <think>...</think> part in the message's `reasoning_content` (as "
                         "vLLM): qwen3 (the model opens <think> itself) or deepseek_r1 (the chat template opens it: "
                         "DeepSeek-R1 distills, QwQ, Qwen3 Thinking releases)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="name tokens in logprobs as `token_id:N` instead of their text (as vLLM; for tokens that "
+                        "do not decode alone); a request's `return_tokens_as_token_ids` field overrides it")
     g.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own, so that HTTP work never holds up its steps "
                         "(one host only)")
@@ -119,7 +122,8 @@ def serve(args) -> int:
         app = create_app(llm, served_model_name=args.served_model_name or served_model_name(args.model),
                          api_key=args.api_key or os.environ.get("ATLASJAX_API_KEY") or None,
                          max_body_bytes=args.max_body_bytes, cors_origins=origins,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
         server = _make_server(config, url)

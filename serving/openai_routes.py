@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
-from serving.openai_shapes import CachedTokens, CompletionLogprobs, chat_logprobs, usage
+from serving.openai_shapes import CachedTokens, CompletionLogprobs, chat_logprobs, token_text, usage
 from serving.protocol import (MAX_N, Fields, chat_render_options, check_model, completion_prompts,
                               sampling_params, text_content)
 from atlasjax.sampling_params import MAX_LOGPROBS
@@ -103,6 +103,7 @@ async def chat_completions(request: Request):
     messages = _chat_messages(f)
     n = f.int("n", 1, lo=1, hi=MAX_N)
     want_logprobs = f.bool("logprobs")
+    as_ids = state.tokens_as_ids(f)
     top_k = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_k is not None and not want_logprobs:
         raise invalid("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
@@ -124,11 +125,11 @@ async def chat_completions(request: Request):
     if stream:
         first = await first_delta(request, deltas)
         events = _chat_events(request, head, first, deltas, n, len(prompt_ids), top_k or 0, want_logprobs,
-                              include_usage, state.reasoning_parser)
+                              include_usage, state.reasoning_parser, as_ids)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     completions = (await until_disconnect(request, collect(deltas, 1, n)))[0]
     choices = [{"index": i, "message": _message(c.text, state.reasoning_parser),
-                "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_k or 0) if want_logprobs else None,
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_k or 0, as_ids) if want_logprobs else None,
                 "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
     num_generated = sum(len(c.token_ids) for c in completions)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
@@ -154,7 +155,7 @@ def _text_delta(text: str, finished: bool, splitter: ReasoningStream | None) -> 
 
 
 async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k, want_logprobs, include_usage,
-                       reasoning_parser=None):
+                       reasoning_parser=None, as_ids=False):
     chunk = {**head, "object": "chat.completion.chunk"}
     num_generated, cached = 0, CachedTokens()
     splitters = [ReasoningStream(reasoning_parser) if reasoning_parser else None for _ in range(n)]
@@ -171,7 +172,7 @@ async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k
                 if not (text or delta.finished or (want_logprobs and delta.new_token_ids)):
                     continue
                 choice = {"index": delta.index, "delta": text,
-                          "logprobs": chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], top_k)
+                          "logprobs": chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], top_k, as_ids)
                           if want_logprobs else None,
                           "finish_reason": delta.finish_reason if delta.finished else None}
                 yield sse({**chunk, "choices": [choice],
@@ -195,6 +196,7 @@ async def completions(request: Request):
         raise invalid("'best_of' is not supported", param="best_of")
     logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = f.bool("echo")
+    as_ids = state.tokens_as_ids(f)
     if f.str("suffix"):
         raise invalid("'suffix' is not supported", param="suffix")
     stream = f.bool("stream")
@@ -216,13 +218,13 @@ async def completions(request: Request):
             for i, ids in enumerate(prompt_ids)]
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
-    echoes = [_echo(state, p if params.truncate_prompt_tokens is None else ids, ids) if echo else None
+    echoes = [_echo(state, p if params.truncate_prompt_tokens is None else ids, ids, as_ids) if echo else None
               for p, ids in zip(prompts, prompt_ids)]
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if stream:
         first = await first_delta(request, deltas)
         events = _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
-                                    include_usage, vllm_prompt_logprobs is not None)
+                                    include_usage, vllm_prompt_logprobs is not None, as_ids)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await until_disconnect(request, collect(deltas, len(jobs), n))
     choices = []
@@ -230,7 +232,7 @@ async def completions(request: Request):
         for i, c in enumerate(job_completions):
             text, lp = c.text, None
             if logprobs is not None:
-                builder = CompletionLogprobs()
+                builder = CompletionLogprobs(as_ids=as_ids)
                 lp = builder.prompt(echoes[j][1], echoes[j][2], c.prompt_logprobs, logprobs) if echoes[j] else None
                 lp = CompletionLogprobs.merge(lp, builder.generated(c.token_ids, c.logprobs))
             if echoes[j]:
@@ -244,22 +246,22 @@ async def completions(request: Request):
     return JSONResponse({**head, "choices": choices, "usage": usage(num_prompt_tokens, num_generated, cached)})
 
 
-def _echo(state: ServerState, prompt, ids: list[int]) -> tuple[str, list[str], list[int]]:
+def _echo(state: ServerState, prompt, ids: list[int], as_ids: bool = False) -> tuple[str, list[str], list[int]]:
     """(prompt text, per-token texts, token ids) echoed before a completion."""
     tok = state.tokenizer
     text = prompt if isinstance(prompt, str) else (tok.decode(ids) if tok else "")
-    token_texts = [tok.decode([t], skip_special_tokens=False) if tok else f"token_id:{t}" for t in ids]
+    token_texts = [token_text(t, tok.decode([t], skip_special_tokens=False) if tok else None, as_ids) for t in ids]
     return text, token_texts, ids
 
 
 async def _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
-                             include_usage, with_prompt_logprobs):
+                             include_usage, with_prompt_logprobs, as_ids=False):
     builders: dict[int, CompletionLogprobs] = {}
     num_generated, cached = 0, CachedTokens()
 
     def echo_event(j, index, entries=None):
         echo = echoes[j]
-        lp = builders.setdefault(index, CompletionLogprobs()).prompt(echo[1], echo[2], entries, logprobs) \
+        lp = builders.setdefault(index, CompletionLogprobs(as_ids=as_ids)).prompt(echo[1], echo[2], entries, logprobs) \
             if logprobs is not None else None
         return sse({**head, "choices": [{"index": index, "text": echo[0], "logprobs": lp, "finish_reason": None}],
                     **_chunk_usage(include_usage, num_prompt_tokens, num_generated, cached)})
@@ -281,7 +283,7 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
                     continue
                 lp = None
                 if logprobs is not None:
-                    builder = builders.setdefault(index, CompletionLogprobs())
+                    builder = builders.setdefault(index, CompletionLogprobs(as_ids=as_ids))
                     lp = builder.generated(delta.new_token_ids, delta.new_logprobs or [])
                 choice = {"index": index, "text": delta.new_text, "logprobs": lp,
                           "finish_reason": delta.finish_reason if delta.finished else None}

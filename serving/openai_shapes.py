@@ -41,14 +41,17 @@ def finite(logprob: float) -> float:
     return MIN_LOGPROB if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
-def _token_text(lp: Logprob, token_id: int) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+def token_text(token_id: int, decoded: str | None, as_ids: bool = False) -> str:
+    """How a logprob entry names its token: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids,
+    and any token without a text)."""
+    return f"token_id:{token_id}" if as_ids or decoded is None else decoded
 
 
-def _chosen_and_top(entry: dict[int, Logprob], token_id: int, k: int | None = None) -> tuple[float, dict]:
+def _chosen_and_top(entry: dict[int, Logprob], token_id: int, k: int | None = None,
+                    as_ids: bool = False) -> tuple[float, dict]:
     """A logprob entry's chosen token's logprob and its top map ({token text: logprob}): every token of the
     entry, or with k the k best ranked and the chosen one."""
-    top = {_token_text(lp, t): finite(lp.logprob) for t, lp in entry.items()
+    top = {token_text(t, lp.decoded_token, as_ids): finite(lp.logprob) for t, lp in entry.items()
            if k is None or t == token_id or (lp.rank or k + 1) <= k}
     return finite(entry[token_id].logprob), top
 
@@ -58,10 +61,10 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_k: int) -> dict:
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_k: int, as_ids: bool = False) -> dict:
     """{"content": [{token, logprob, bytes, top_logprobs}]} for the given generated tokens."""
     def item(token_id: int, lp: Logprob) -> dict:
-        text = _token_text(lp, token_id)
+        text = token_text(token_id, lp.decoded_token, as_ids)
         return {"token": text, "logprob": finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
     content = []
@@ -74,8 +77,8 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_k
 class CompletionLogprobs:
     """Accumulates the legacy {tokens, token_logprobs, top_logprobs, text_offset} of one choice."""
 
-    def __init__(self, text_offset: int = 0):
-        self.offset = text_offset
+    def __init__(self, text_offset: int = 0, as_ids: bool = False):
+        self.offset, self.as_ids = text_offset, as_ids
 
     def prompt(self, token_texts: list[str], token_ids: list[int] | None = None,
                entries: list[dict[int, Logprob] | None] | None = None, k: int = 0) -> dict:
@@ -87,13 +90,14 @@ class CompletionLogprobs:
             if entry is None:
                 self._push(out, text, None, None)
             else:
-                self._push(out, text, *_chosen_and_top(entry, token_ids[i], k))
+                self._push(out, text, *_chosen_and_top(entry, token_ids[i], k, self.as_ids))
         return out
 
     def generated(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict:
         out = self._empty()
         for token_id, entry in zip(token_ids, entries):
-            self._push(out, _token_text(entry[token_id], token_id), *_chosen_and_top(entry, token_id))
+            self._push(out, token_text(token_id, entry[token_id].decoded_token, self.as_ids),
+                       *_chosen_and_top(entry, token_id, as_ids=self.as_ids))
         return out
 
     @staticmethod

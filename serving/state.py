@@ -30,6 +30,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
+    return_tokens_as_token_ids: bool = False   # logprob entries name tokens `token_id:N` unless a request says
     _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once
 
     @property
@@ -70,6 +71,11 @@ class ServerState:
             except InvalidRequestError as e:
                 raise invalid(str(e), param="priority") from None
         return value
+
+    def tokens_as_ids(self, f) -> bool:
+        """vLLM's `return_tokens_as_token_ids`: logprob entries (and echoed prompt tokens) name each token
+        `token_id:N` instead of its text, for tokens that do not decode alone (the server's default, per request)."""
+        return f.bool("return_tokens_as_token_ids", self.return_tokens_as_token_ids)
 
     def thinking_budget(self, tokens: int | None, param: str) -> ThinkingBudget | None:
         """A request's reasoning budget (serving/thinking_budget.py); it needs the reasoning parser."""

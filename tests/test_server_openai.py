@@ -224,6 +224,28 @@ def test_completion_legacy_logprobs_with_echo(client, llm):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(client, llm):
+    """vLLM's return_tokens_as_token_ids: chat and legacy logprobs (echoed prompt included, streamed or not)
+    name each token `token_id:N`, N the id the model chose or was given."""
+    ref = chat_reference(llm, CHAT, 4).outputs[0]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [f"token_id:{t}" for t in ref.token_ids]
+    assert all(t.token.startswith("token_id:") for e in content for t in e.top_logprobs)
+    prompt = "The quick brown fox"
+    ids = llm.tokenizer.encode(prompt)
+    (want,) = greedy_reference(llm, [prompt], 3)
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
+                  extra_body={"return_tokens_as_token_ids": True})
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids + want.outputs[0].token_ids]
+    streamed = [t for c in client.completions.create(stream=True, **kwargs) for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    plain = client.completions.create(**{**kwargs, "extra_body": {}}).choices[0].logprobs
+    assert not any(t.startswith("token_id:") for t in plain.tokens)
+
+
 def test_echoed_prompt_logprobs_for_several_prompts_and_choices(client):
     """Two prompts, two choices each: every choice echoes its own prompt with that prompt's logprobs,
     streamed or not."""
@@ -428,3 +450,19 @@ def test_logit_bias_steers_completions_and_chat(client, llm):
     c = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3, temperature=0,
                                        logit_bias={str(first): -100})
     assert c.choices[0].message.content != ref.outputs[0].text
+
+
+def test_serve_flag_sets_the_token_id_default_a_request_overrides():
+    """`serve --return-tokens-as-token-ids` makes `token_id:N` the default; a request's own field wins."""
+    import argparse
+
+    from serving.cli import add_server_args
+    from serving.protocol import Fields
+    from serving.state import ServerState
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    flag = parser.parse_args(["--return-tokens-as-token-ids"]).return_tokens_as_token_ids
+    assert flag and not parser.parse_args([]).return_tokens_as_token_ids
+    state = ServerState(llm=None, model_name=MODEL_NAME, metrics=None, return_tokens_as_token_ids=flag)
+    assert state.tokens_as_ids(Fields({}))
+    assert not state.tokens_as_ids(Fields({"return_tokens_as_token_ids": False}))
