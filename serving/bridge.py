@@ -67,8 +67,10 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
     """Deltas of all jobs, merged; engine errors are raised as APIError."""
     start = time.perf_counter()
     last_token_time: dict[tuple[int, int], float] = {}
+    first_token_time: dict[tuple[int, int], float] = {}
+    num_tokens: dict[tuple[int, int], int] = {}
     finished: set[tuple[int, int]] = set()
-    queued: set[tuple[int, int]] = set()
+    queued: dict[tuple[int, int], float] = {}
     failed = False
     merged = _merge(llm, jobs)
     try:
@@ -77,15 +79,20 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
                 now = time.perf_counter()
                 key = (job_index, delta.index)
                 if delta.queue_seconds is not None and key not in queued:   # (a reasoning budget's
-                    queued.add(key)                                          # continuation queues again)
+                    queued[key] = delta.queue_seconds                         # continuation queues again)
                     metrics.observe_queue(delta.queue_seconds)
                 if delta.new_token_ids:
                     metrics.observe_token(now - last_token_time[key] if key in last_token_time else None,
                                           now - start, len(delta.new_token_ids))
                     last_token_time[key] = now
+                    first_token_time.setdefault(key, now)
+                    num_tokens[key] = num_tokens.get(key, 0) + len(delta.new_token_ids)
                 if delta.finished and key not in finished:
                     finished.add(key)
                     metrics.observe_finish(delta.finish_reason or "stop", now - start)
+                    if key in first_token_time:
+                        metrics.observe_sequence(len(jobs[job_index].prompt_ids), num_tokens[key],
+                                                 first_token_time[key] - start, now - start, queued.get(key))
                 yield job_index, delta
     except Exception as e:  # noqa: BLE001 (everything the engine raises becomes an HTTP error)
         failed = True

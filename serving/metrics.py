@@ -15,6 +15,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class EngineCollector(Collector):
@@ -30,6 +32,8 @@ class EngineCollector(Collector):
             ("atlasjax_kv_pages_free", "KV cache pages free (cached prefixes included)", stats.pages_free),
             ("atlasjax_kv_pages_total", "KV cache pages in the pool", stats.pages_total),
             ("atlasjax_prefix_cache_hit_rate", "Prefix cache hits / queries, in pages", stats.prefix_cache_hit_rate),
+            ("atlasjax_kv_cache_usage_perc", "Fraction of the KV page pool in use (1 = full)",
+             (stats.pages_total - stats.pages_free) / stats.pages_total if stats.pages_total else 0.0),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -64,6 +68,21 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.finished = Counter("atlasjax_requests_finished", "Sequences ended, by finish reason (abort: the "
                                 "client went away)", ["finished_reason"], registry=r)
+        per_sequence = "per finished sequence"
+        self.seq_prompt_tokens = Histogram("atlasjax_request_prompt_tokens", f"Prompt tokens, {per_sequence}",
+                                           buckets=TOKEN_BUCKETS, registry=r)
+        self.seq_generation_tokens = Histogram("atlasjax_request_generation_tokens",
+                                               f"Generated tokens, {per_sequence}", buckets=TOKEN_BUCKETS, registry=r)
+        self.seq_tpot = Histogram("atlasjax_request_time_per_output_token_seconds",
+                                  f"First to last token over the tokens after the first, {per_sequence} of 2+ tokens",
+                                  buckets=TPOT_BUCKETS, registry=r)
+        self.seq_prefill = Histogram("atlasjax_request_prefill_time_seconds",
+                                     f"First admission to first token, {per_sequence}", buckets=E2E_BUCKETS, registry=r)
+        self.seq_decode = Histogram("atlasjax_request_decode_time_seconds",
+                                    f"First token to last token, {per_sequence}", buckets=E2E_BUCKETS, registry=r)
+        self.seq_inference = Histogram("atlasjax_request_inference_time_seconds",
+                                       f"First admission to last token, {per_sequence}", buckets=E2E_BUCKETS,
+                                       registry=r)
         r.register(EngineCollector(llm))
 
     def observe_request(self, endpoint: str, status: int) -> None:
@@ -85,6 +104,19 @@ class ServerMetrics:
         self.finished.labels(finished_reason=reason).inc()
         if since_start is not None:
             self.e2e.observe(since_start)
+
+    def observe_sequence(self, prompt_tokens: int, generated_tokens: int, first_token: float, last_token: float,
+                         queue: float | None) -> None:
+        """A sequence that finished with tokens: its lengths, and its phases in seconds since submission
+        (queue: arrival to first admission, as the engine measured it; None if it never said)."""
+        self.seq_prompt_tokens.observe(prompt_tokens)
+        self.seq_generation_tokens.observe(generated_tokens)
+        admitted = min(queue or 0.0, first_token)
+        self.seq_prefill.observe(first_token - admitted)
+        self.seq_decode.observe(last_token - first_token)
+        self.seq_inference.observe(last_token - admitted)
+        if generated_tokens > 1:
+            self.seq_tpot.observe((last_token - first_token) / (generated_tokens - 1))
 
     def add_prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)

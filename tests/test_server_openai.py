@@ -424,6 +424,33 @@ def test_metrics_and_openapi(server, client):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/metrics"} <= set(spec["paths"])
 
 
+def test_per_sequence_metrics_count_each_finished_sequence(server, client, llm):
+    """vLLM's per-request histograms: one finished request of n=2 adds two sequences, with its prompt and
+    generated lengths, and phases that add up (prefill + decode = inference)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    names = [f"atlasjax_request_{m}" for m in ("prompt_tokens_count", "prompt_tokens_sum", "generation_tokens_count",
+                                               "generation_tokens_sum", "time_per_output_token_seconds_count",
+                                               "prefill_time_seconds_sum", "decode_time_seconds_sum",
+                                               "inference_time_seconds_sum")]
+
+    def sample():
+        text = httpx.get(server.url + "/metrics", headers=headers).text
+        return {name: metric_value(text, name) for name in names}, metric_value(text, "atlasjax_kv_cache_usage_perc")
+    before, _ = sample()
+    prompt = "Counting: one two three"
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, n=2, temperature=0.7, seed=3,
+                              extra_body={"ignore_eos": True})
+    after, usage = sample()
+    grew = {name.removeprefix("atlasjax_request_"): after[name] - before[name] for name in names}
+    assert grew["prompt_tokens_count"] == grew["generation_tokens_count"] == 2
+    assert grew["prompt_tokens_sum"] == 2 * len(llm.tokenizer.encode(prompt))
+    assert grew["generation_tokens_sum"] == 10 and grew["time_per_output_token_seconds_count"] == 2
+    assert grew["prefill_time_seconds_sum"] > 0 and grew["decode_time_seconds_sum"] > 0
+    assert grew["inference_time_seconds_sum"] == pytest.approx(
+        grew["prefill_time_seconds_sum"] + grew["decode_time_seconds_sum"], abs=1e-6)
+    assert 0.0 <= usage <= 1.0
+
+
 def test_multi_step_server_streams_the_same_text_in_bursts(request, tmp_path_factory, llm):
     # --num-scheduler-steps 4: warmed up with its multi-step decodes; a greedy stream's text, logprobs
     # and usage equal one step per launch, with up to 4 tokens per chunk.
