@@ -1,7 +1,7 @@
 """`latency` mode: one fixed batch through the engine, timed step by step.
 
-Each iteration submits `batch_size` requests of `input_len` random prompt tokens (greedy,
-ignore_eos, exactly `output_len` new tokens) and drives `engine.step()` until they finish.
+Each iteration submits `batch_size` requests of `input_len` random prompt tokens (greedy unless
+--temperature says otherwise, ignore_eos, exactly `output_len` new tokens) and drives `engine.step()` until they finish.
 Each step reads its sampled tokens back to the host, so host clocks around a step time it fully.
 - TTFT: from the first step to the end of the step that gave the last request its first token
   (the prefill step or steps, with admission);
@@ -35,6 +35,11 @@ def add_args(p) -> None:
     g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--num-iters", type=int, default=5)
     g.add_argument("--num-warmup", type=int, default=1)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (the fast argmax plan); above 0 every step runs the full sampling plan "
+                        "(penalties, bias, top-k / top-p / min-p filtering and a seeded draw)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--compare-quantization", default=None, metavar="Q[,Q...]",
                    help="after the main run, the same shapes with each of these weight formats (int8, fp8, "
                         "int4, gguf-q4_k_m, gguf-q8_0, gguf-q4_0, none) in this process, one after the other; "
@@ -54,7 +59,8 @@ def engine_overrides(args) -> dict:
 
 def _iteration(engine, args, rng, tag: str) -> dict:
     from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.output_len, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     ids = [f"{tag}-{b}" for b in range(args.batch_size)]
     for rid in ids:
@@ -187,6 +193,7 @@ def _settings(engine, args) -> dict:
     import dataclasses  # noqa: PLC0415
     return dict(model=engine.loaded.source, batch_size=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, num_iters=args.num_iters, num_warmup=args.num_warmup,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 dtype=str(np.dtype(engine.dtype)), quantization=args.quantization,
                 quantize_lm_head=args.quantize_lm_head, weights=engine.weights_summary,
                 engine=dataclasses.asdict(engine.config), model_config=dataclasses.asdict(engine.model_config))
