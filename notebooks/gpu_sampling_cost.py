@@ -4,7 +4,10 @@
 ITERS times inside one `lax.fori_loop` (so launch overhead is not timed; each iteration perturbs the
 logits so XLA cannot hoist the work out). Variants: the greedy plans, the full plan (what any row
 with temperature > 0, penalties, a bias or allowed_token_ids runs), and the full plan's stages alone
-(the descending sort that top-k / top-p / min-p filtering needs, the Gumbel draw, top-20 logprobs).
+(the descending sort that top-k / top-p / min-p filtering needs, the Gumbel draw, top-20 logprobs;
+XLA's float sort and one top_k against what `sampling` uses since session 63: a sort of order keys and
+a chunked top-k). "full" returns the tokens only, so XLA drops its logprobs; "full, logprobs too" is
+what a step pays.
     JAX_PLATFORMS=cuda python notebooks/gpu_sampling_cost.py   # -> $OUT/sampling_cost.json
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax.sampling import FULL, SamplingPlan, SamplingTensors, pack_rows, sample
+from atlasjax.sampling import FULL, SamplingPlan, SamplingTensors, _sort_desc, _top_k, pack_rows, sample
 from atlasjax.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 VOCAB = int(os.environ.get("VOCAB", 128256))       # (smaller for a CPU smoke run)
@@ -30,7 +33,7 @@ def timed(fn, *args) -> float:
     def loop(logits, *rest):
         def body(i, acc):
             out = fn(logits + i.astype(jnp.float32) * 1e-6, *rest)
-            return acc + jnp.sum(jnp.asarray(out[0] if isinstance(out, tuple) else out, jnp.float32))
+            return acc + sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(out))
         return jax.lax.fori_loop(0, ITERS, body, jnp.float32(0))
     run = jax.jit(loop)
     jax.block_until_ready(run(*args))
@@ -58,8 +61,11 @@ def main():
             "greedy+logprobs": timed(lambda lg: sample(lg, counts, mask, st, SamplingPlan(True, True), bias)[0],
                                      logits),
             "full": timed(lambda lg: sample(lg, counts, mask, st, FULL, bias)[0], logits),
+            "full, logprobs too": timed(lambda lg: sample(lg, counts, mask, st, FULL, bias), logits),
             "sort only": timed(lambda lg: -jnp.sort(-lg, axis=-1), logits),
             "top_k(20) only": timed(lambda lg: jax.lax.top_k(lg, MAX_LOGPROBS)[0], logits),
+            "chunked top-20 only": timed(lambda lg: _top_k(lg, MAX_LOGPROBS), logits),
+            "key sort only": timed(_sort_desc, logits),
             "log_softmax only": timed(lambda lg: jax.nn.log_softmax(lg, axis=-1), logits),
             "gumbel draw only": timed(lambda lg: jnp.argmax(lg + jax.vmap(lambda k: jax.random.gumbel(
                 k, (VOCAB,), jnp.float32))(jax.vmap(lambda s: jax.random.key(s))(jnp.arange(rows))), -1), logits),

@@ -180,3 +180,22 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_the_fast_sort_and_top_k_equal_xla_s_own(monkeypatch):
+    """sampling's descending sort (of order keys) and chunked top-k give exactly what a float sort and one
+    lax.top_k give, ties, infinities and a ragged last chunk included."""
+    import jax
+    from atlasjax import sampling
+    rs = np.random.RandomState(4)
+    x = rs.randn(3, 100).astype(np.float32)
+    x[0, :30] = np.round(x[0, :30])                       # ties
+    x[1, ::7], x[2, 3] = -np.inf, np.inf
+    x[2, 10:14] = [0.0, -0.0, 1e-38, -1e-38]
+    np.testing.assert_array_equal(np.asarray(sampling._sort_desc(jnp.asarray(x))), -np.sort(-x, axis=-1))
+    monkeypatch.setattr(sampling, "TOP_K_CHUNK", 16)     # 7 chunks, the last of 4
+    for k in (1, 5, 16):
+        want_vals, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+        vals, ids = sampling._top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
