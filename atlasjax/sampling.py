@@ -124,12 +124,15 @@ def _top_k(x, k: int):
 
 
 def _filter(logits, f, i):
-    """top-k / top-p / min-p on temperature-scaled logits (needs one descending sort)."""
+    """top-k / top-p / min-p on temperature-scaled logits (needs one descending sort). As in Hugging Face
+    and vLLM, top-p measures its mass over the tokens top-k kept (renormalized); min-p is relative to
+    the most likely token, which every filter keeps."""
     vocab = logits.shape[-1]
     sorted_desc = _sort_desc(logits)
     k = jnp.where(i[:, I_TOP_K] > 0, jnp.minimum(i[:, I_TOP_K], vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     top_p = f[:, F_TOP_P:F_TOP_P + 1]
     keep = (cum_before < top_p) | (top_p >= 1.0)   # top_p = 1 keeps all (cumsum rounding must not cut the tail)

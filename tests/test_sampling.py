@@ -199,3 +199,15 @@ def test_the_fast_sort_and_top_k_equal_xla_s_own(monkeypatch):
         vals, ids = sampling._top_k(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+
+
+def test_top_p_measures_the_mass_top_k_kept():
+    """Hugging Face's and vLLM's order: top-k first, then top-p over the renormalized survivors. Probabilities
+    0.3, 0.3, 0.2, 0.2 with top_k=2 leave 0.5 / 0.5, so top_p=0.5 keeps only the first (over the whole
+    distribution the first holds 0.3 < 0.5, and the second would survive too)."""
+    logits = np.full((64, V), -np.inf, np.float32)
+    logits[:, :4] = np.log([0.3, 0.2999, 0.2, 0.2])
+    tokens, *_ = _sample(logits, [_row(seed=s, temperature=1.0, top_k=2, top_p=0.5) for s in range(64)])
+    assert set(tokens.tolist()) == {0}
+    tokens, *_ = _sample(logits, [_row(seed=s, temperature=1.0, top_p=0.5) for s in range(64)])
+    assert set(tokens.tolist()) == {0, 1}            # top-p alone: the first two reach 0.5
