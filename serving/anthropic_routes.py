@@ -113,8 +113,8 @@ async def messages(request: Request):
                              stop_field="stop_sequences", model_defaults=state.model_defaults)
     prompt_ids = params.truncated_prompt(prompt_ids, state.max_model_len)    # (vLLM's extra field)
     state.check_prompt(prompt_ids, params, "messages")
-    rid = new_id("msg_")
-    job = Job(rid, prompt_ids, params, state.thinking_budget(budget, "thinking"), state.priority(f))
+    rid, engine_id = new_id("msg_", request)
+    job = Job(engine_id, prompt_ids, params, state.thinking_budget(budget, "thinking"), state.priority(f))
     deltas = stream_jobs(state.llm, [job], state.metrics)
     message = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:

@@ -23,7 +23,7 @@ from serving import anthropic_routes, openai_routes, utility_routes
 from serving.bridge import ClientDisconnected
 from serving.errors import APIError, error_response
 from serving.metrics import ServerMetrics
-from serving.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
+from serving.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware, RequestMetricsMiddleware
 from serving.state import ServerState
 
 log = logging.getLogger("atlasjax.serving")
@@ -75,6 +75,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["*"]))
+    middleware.append(Middleware(RequestIdMiddleware))
     middleware.append(Middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths))
     if api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key, open_paths=utility_routes.OPEN_PATHS))

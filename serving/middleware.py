@@ -1,14 +1,47 @@
-"""Pure-ASGI middleware: request counting, API-key check, request-body size limit.
+"""Pure-ASGI middleware: request ids, request counting, API-key check, request-body size limit.
 
-Order (outermost first, see app.py): CORS (optional) -> RequestMetrics -> ApiKey -> BodyLimit
--> router. Rejections here are sent directly in the error shape of the route's API, since they
+Order (outermost first, see app.py): CORS (optional) -> RequestId -> RequestMetrics -> ApiKey ->
+BodyLimit -> router. Rejections here are sent directly in the error shape of the route's API, since they
 happen outside the router's exception handlers.
 """
 from __future__ import annotations
 
 import hmac
+import uuid
 
 from serving.errors import APIError, error_response
+
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+def client_request_id(headers: dict[bytes, bytes]) -> str | None:
+    """The client's `X-Request-Id`, if it is usable as an id: 1-128 printable ASCII characters, no spaces."""
+    raw = headers.get(b"x-request-id")
+    if raw is None or not 0 < len(raw) <= MAX_REQUEST_ID_CHARS or not all(0x21 <= c <= 0x7E for c in raw):
+        return None
+    return raw.decode("ascii")
+
+
+class RequestIdMiddleware:
+    """Every response carries `X-Request-Id`: the client's own (vLLM's behavior, for tracing through
+    proxies), or a fresh one. Routes read it as `request.state.request_id` (None: the client sent none)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = client_request_id(dict(scope["headers"]))
+        scope.setdefault("state", {})["request_id"] = given
+        header = (given or uuid.uuid4().hex).encode("ascii")
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", header)]}
+            await send(message)
+        return await self.app(scope, receive, send_wrapper)
 
 
 class RequestMetricsMiddleware:

@@ -119,8 +119,8 @@ async def chat_completions(request: Request):
         params = state.default_max_tokens(params, prompt_ids)
     state.check_prompt(prompt_ids, params, "messages")
     budget = state.thinking_budget(f.int("thinking_token_budget", None, lo=1), "thinking_token_budget")
-    rid = new_id("chatcmpl-")
-    deltas = stream_jobs(state.llm, [Job(rid, prompt_ids, params, budget, state.priority(f))], state.metrics)
+    rid, engine_id = new_id("chatcmpl-", request)
+    deltas = stream_jobs(state.llm, [Job(engine_id, prompt_ids, params, budget, state.priority(f))], state.metrics)
     head = {"id": rid, "created": int(time.time()), "model": model}
     if stream:
         first = await first_delta(request, deltas)
@@ -212,9 +212,9 @@ async def completions(request: Request):
                   for p in prompts]
     for ids in prompt_ids:
         state.check_prompt(ids, params, "prompt")
-    rid = new_id("cmpl-")
+    rid, engine_id = new_id("cmpl-", request)
     priority = state.priority(f)
-    jobs = [Job(rid if len(prompts) == 1 else f"{rid}-{i}", ids, params, priority=priority)
+    jobs = [Job(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", ids, params, priority=priority)
             for i, ids in enumerate(prompt_ids)]
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}

@@ -140,8 +140,15 @@ async def read_json(request: Request) -> dict:
     return parse_json_object(await request.body())
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
+def new_id(prefix: str, request: Request | None = None) -> tuple[str, str]:
+    """(response id, engine request id): prefix + the client's X-Request-Id when it sent one (as vLLM
+    names its responses), else + random hex. The engine's id gets a random suffix after a client's id,
+    so that a client reusing one (a retry while the first is still aborting) never collides."""
+    given = getattr(request.state, "request_id", None) if request is not None else None
+    if given is None:
+        rid = f"{prefix}{uuid.uuid4().hex}"
+        return rid, rid
+    return f"{prefix}{given}", f"{prefix}{given}-{uuid.uuid4().hex[:8]}"
 
 
 def sse(data: dict, event: str | None = None) -> str:

@@ -493,3 +493,24 @@ def test_serve_flag_sets_the_token_id_default_a_request_overrides():
     state = ServerState(llm=None, model_name=MODEL_NAME, metrics=None, return_tokens_as_token_ids=flag)
     assert state.tokens_as_ids(Fields({}))
     assert not state.tokens_as_ids(Fields({"return_tokens_as_token_ids": False}))
+
+
+def test_x_request_id_names_the_response_and_comes_back(server):
+    """vLLM's X-Request-Id: the client's id comes back as a header and names the response (`chatcmpl-<id>`),
+    even for two requests sent at once with the same id; without one (or with an unusable one) the
+    server makes one up."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 3, "temperature": 0}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-7"})
+                                          for _ in range(2)))
+    for r in asyncio.run(both()):
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7"
+        assert r.json()["id"] == "chatcmpl-trace-7"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2},
+                   headers={**headers, "X-Request-Id": "has space"}, timeout=120)
+    made_up = r.headers["x-request-id"]
+    assert r.status_code == 200 and made_up != "has space" and len(made_up) == 32
+    assert httpx.get(server.url + "/health").headers["x-request-id"]
