@@ -98,7 +98,7 @@ async def _continue(llm, prompt_ids: list[int], params: SamplingParams, request_
         return
     seed = None if params.seed is None else hash((params.seed, index, done)) & 0x7FFFFFFF
     rest = dataclasses.replace(params, n=1, max_tokens=left, min_tokens=max(0, params.min_tokens - done),
-                               seed=seed, prompt_logprobs=None)
+                               seed=seed, prompt_logprobs=None, truncate_prompt_tokens=None)   # (cut once, before)
     async with contextlib.aclosing(llm.generate(prompt_ids, rest, request_id, priority=priority)) as deltas:
         async for delta in deltas:
             yield delta

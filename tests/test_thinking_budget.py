@@ -64,9 +64,11 @@ def _assert_pages_back(engine, timeout=30.0):
     assert pool.num_free_pages == pool.num_pages and not engine.engine.has_unfinished()
 
 
-def _reference(llm, budget=BUDGET, max_tokens=MAX_TOKENS):
-    """(reasoning text, answer text, tokens in all) of a greedy answer closed at the budget, by hand."""
+def _reference(llm, budget=BUDGET, max_tokens=MAX_TOKENS, keep_last=None):
+    """(reasoning text, answer text, tokens in all) of a greedy answer closed at the budget, by hand
+    (keep_last: on the prompt's last tokens only, as truncate_prompt_tokens asks)."""
     prompt = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=1))[0].prompt_token_ids
+    prompt = prompt[-keep_last:] if keep_last else prompt
     first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=budget))[0].outputs[0]
     close = llm.tokenizer.encode(CLOSE_TEXT, add_special_tokens=False)
     rest = llm.generate([prompt + first.token_ids + close],
@@ -93,6 +95,16 @@ def test_chat_reasoning_is_closed_at_the_budget(engine, llm):
     assert free["content"] is None and free["reasoning_content"].startswith(reasoning)
     # a budget at or past max_tokens changes nothing
     assert _chat(engine, thinking_token_budget=MAX_TOKENS).json()["choices"][0]["message"] == free
+
+
+def test_a_truncated_prompt_is_cut_once_not_again_after_the_close_tag(engine, llm):
+    """truncate_prompt_tokens cuts the request's prompt; the answer after the close tag continues that
+    prompt and the reasoning, not their last k tokens."""
+    reasoning, answer, num_tokens = _reference(llm, keep_last=6)
+    body = _chat(engine, thinking_token_budget=BUDGET, truncate_prompt_tokens=6).json()
+    assert body["usage"]["prompt_tokens"] == 6 and body["usage"]["completion_tokens"] == num_tokens
+    assert body["choices"][0]["message"] == {"role": "assistant", "reasoning_content": reasoning + "\n",
+                                             "content": "\n\n" + answer}
 
 
 def test_chat_stream_equals_the_whole_answer(engine, llm):
