@@ -74,7 +74,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     middleware = []
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                                     allow_headers=["*"]))
+                                     allow_headers=["*"], expose_headers=["X-Request-Id"]))
     middleware.append(Middleware(RequestIdMiddleware))
     middleware.append(Middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths))
     if api_key:

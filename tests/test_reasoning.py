@@ -126,3 +126,19 @@ def test_server_flag(request, tmp_path_factory):
     text = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 6,
                                                              "temperature": 0}, timeout=120).json()
     assert "reasoning_content" not in text["choices"][0]   # completions stay plain text
+
+
+def test_cors_lets_a_browser_read_the_request_id():
+    """With --cors-origins a browser page may read X-Request-Id (an exposed header) besides the body.
+    (The scripted engine of this file serves the app; the route is the chat one.)"""
+    app = create_app(ScriptedLLM(["Hi"]), served_model_name=MODEL_NAME, cors_origins=["http://ui.example"])
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", headers={"Origin": "http://ui.example",
+                                                                       "X-Request-Id": "page-1"},
+                                     json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
+    r = asyncio.run(go())
+    assert r.status_code == 200 and r.headers["x-request-id"] == "page-1"
+    assert r.headers["access-control-allow-origin"] == "http://ui.example"
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
