@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.sampling_params import SamplingParams
+from serving import request_log
 from serving.errors import from_engine_error
 from serving.streams import merge
 from serving.thinking_budget import ThinkingBudget, budgeted
@@ -72,6 +73,9 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
     finished: set[tuple[int, int]] = set()
     queued: dict[tuple[int, int], float] = {}
     failed = False
+    if request_log.enabled():
+        for job in jobs:
+            request_log.submitted(job.request_id, len(job.prompt_ids), job.params, job.priority)
     merged = _merge(llm, jobs)
     try:
         async with contextlib.aclosing(merged):
@@ -93,6 +97,10 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
                     if key in first_token_time:
                         metrics.observe_sequence(len(jobs[job_index].prompt_ids), num_tokens[key],
                                                  first_token_time[key] - start, now - start, queued.get(key))
+                    if request_log.enabled():
+                        request_log.finished(jobs[job_index].request_id, delta.index, delta.finish_reason or "stop",
+                                             num_tokens.get(key, 0), first_token_time[key] - start
+                                             if key in first_token_time else None, now - start)
                 yield job_index, delta
     except Exception as e:  # noqa: BLE001 (everything the engine raises becomes an HTTP error)
         failed = True
@@ -103,6 +111,11 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
         if not failed:          # closed early: the client went away, and its sequences were aborted
             for _ in range(sum(job.params.n for job in jobs) - len(finished)):
                 metrics.observe_finish("abort", None)
+            if request_log.enabled():
+                for j, job in enumerate(jobs):
+                    left = job.params.n - sum(1 for key in finished if key[0] == j)
+                    if left:
+                        request_log.aborted(job.request_id, left, time.perf_counter() - start)
 
 
 def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:

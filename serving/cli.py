@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -49,6 +50,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name tokens in logprobs as `token_id:N` instead of their text (as vLLM; for tokens that "
                         "do not decode alone); a request's `return_tokens_as_token_ids` field overrides it")
+    g.add_argument("--log-requests", action="store_true",
+                   help="log each request at INFO (logger atlasjax.requests, as vLLM's --enable-log-requests): its "
+                        "prompt length and the sampling settings it changed when submitted, and how each of its "
+                        "sequences ended (reason, tokens, first-token and total time); no prompt or answer text")
     g.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own, so that HTTP work never holds up its steps "
                         "(one host only)")
@@ -104,6 +109,8 @@ def serve(args) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    if args.log_requests:
+        logging.getLogger("atlasjax.requests").setLevel(logging.INFO)
     if args.engine_process:
         from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
         from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415

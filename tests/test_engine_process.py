@@ -139,7 +139,24 @@ def test_a_tensor_parallel_engine_process_answers_as_one_device(model):
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    return shared_server(request, tmp_path_factory, "engine_process", "--api-key", API_KEY, "--engine-process")
+    return shared_server(request, tmp_path_factory, "engine_process", "--api-key", API_KEY, "--engine-process",
+                         "--log-requests")
+
+
+def test_log_requests_logs_each_request_without_its_text(server):
+    """`serve --log-requests` (here with the engine in its own process: the server process logs): one line
+    when a request is submitted (prompt length, the settings it changed) and one per finished sequence."""
+    prompt = "Secret words: blue giraffe"
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "log-1"},
+                   json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "n": 2, "temperature": 0.5,
+                         "seed": 1, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200
+    lines = [line for line in server.log().splitlines() if "request cmpl-log-1-" in line]
+    assert len(lines) == 3, server.log()[-2000:]
+    assert f"{r.json()['usage']['prompt_tokens']} prompt tokens" in lines[0]
+    assert "n=2" in lines[0] and "temperature=0.5" in lines[0] and "max_tokens=3" in lines[0]
+    assert all("length after 3 tokens" in line for line in lines[1:])
+    assert "giraffe" not in server.log()
 
 
 def test_a_server_with_an_engine_process_answers_as_in_process(server, tmp_path_factory):
