@@ -147,7 +147,8 @@ def test_log_requests_logs_each_request_without_its_text(server):
     """`serve --log-requests` (here with the engine in its own process: the server process logs): one line
     when a request is submitted (prompt length, the settings it changed) and one per finished sequence."""
     prompt = "Secret words: blue giraffe"
-    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "log-1"},
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "log-1"}
+    r = httpx.post(server.url + "/v1/completions", headers=headers,
                    json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "n": 2, "temperature": 0.5,
                          "seed": 1, "ignore_eos": True}, timeout=120)
     assert r.status_code == 200
