@@ -3,7 +3,7 @@
 The full sampling plan sorts every row (top-k / top-p / min-p thresholds) and takes the top 20
 (logprobs); on an H200 each costs ~0.9 ms at 32 rows (gpu_sampling_cost.py). Candidates, each checked
 for exactness against the float sort / lax.top_k on the same device, then timed in a fori_loop:
-- sort of uint32 order keys (a float's bits mapped so that unsigned order = float order): XLA may
+- sort of uint32 order keys (atlasjax.sampling._sort_desc: unsigned order = float order): XLA may
   hand unsigned-key sorts to CUB's radix sort;
 - the same with int32 indices as values (a pair sort, for top-20 with ids);
 - top_k(20) in chunks of C, then top_k(20) of the chunk winners (exact);
@@ -21,27 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from atlasjax.sampling import _from_order_key as from_key, _order_key as order_key, _sort_desc as sort_desc_keys
+
 VOCAB = int(os.environ.get("VOCAB", 128256))
 ROWS = [int(r) for r in os.environ.get("ROWS", "1,8,32,128").split(",")]
 ITERS, K = 20, 20
 
 
-def order_key(x):
-    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
-
-
-def from_key(k):
-    u = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
-    return jax.lax.bitcast_convert_type(u, jnp.float32)
-
-
 def sort_desc_float(x):
     return -jnp.sort(-x, axis=-1)
-
-
-def sort_desc_keys(x):
-    return from_key(jnp.sort(order_key(x), axis=-1))[:, ::-1]
 
 
 def top_k_pair_sort(x):
