@@ -19,10 +19,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving import anthropic_routes, openai_routes, utility_routes
+from serving import anthropic_routes, openai_routes, responses_routes, utility_routes
 from serving.bridge import ClientDisconnected
 from serving.errors import APIError, error_response
 from serving.metrics import ServerMetrics
+from serving.response_store import DEFAULT_MAX_STORED, ResponseStore
 from serving.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware, RequestMetricsMiddleware
 from serving.state import ServerState
 
@@ -53,7 +54,8 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def create_app(engine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
-               reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False) -> Starlette:
+               reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
+               max_stored_responses: int = DEFAULT_MAX_STORED) -> Starlette:
     """Build the server app.
 
     Args:
@@ -67,13 +69,16 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
         (serving/reasoning.py); None: all of the text is content.
       return_tokens_as_token_ids: logprob entries name tokens `token_id:N` by default (a request's own
         `return_tokens_as_token_ids` field still decides for it).
+      max_stored_responses: Responses API answers kept in memory for GET /v1/responses/{id} and
+        `previous_response_id` (least recently used out first; 0 keeps none).
     """
     metrics = ServerMetrics(engine)
-    routes = openai_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
+    routes = (openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES
+              + utility_routes.ROUTES)
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []
     if cors_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "DELETE"],
                                      allow_headers=["*"], expose_headers=["X-Request-Id"]))
     middleware.append(Middleware(RequestIdMiddleware))
     middleware.append(Middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths))
@@ -83,5 +88,6 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _disconnected, Exception: _unexpected})
     app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser,
-                                   return_tokens_as_token_ids=return_tokens_as_token_ids)
+                                   return_tokens_as_token_ids=return_tokens_as_token_ids,
+                                   responses=ResponseStore(max_stored_responses))
     return app

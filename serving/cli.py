@@ -21,6 +21,7 @@ import sys
 
 from serving.app import DEFAULT_MAX_BODY_BYTES, create_app
 from serving.reasoning import PARSERS
+from serving.response_store import DEFAULT_MAX_STORED
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -50,6 +51,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name tokens in logprobs as `token_id:N` instead of their text (as vLLM; for tokens that "
                         "do not decode alone); a request's `return_tokens_as_token_ids` field overrides it")
+    g.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED,
+                   help="Responses API answers kept in memory (`store`, the default) for GET /v1/responses/{id} and "
+                        "`previous_response_id`; the least recently used go first; 0 keeps none (default: %(default)s)")
     g.add_argument("--log-requests", action="store_true",
                    help="log each request at INFO (logger atlasjax.requests, as vLLM's --enable-log-requests): its "
                         "prompt length and the sampling settings it changed when submitted, and how each of its "
@@ -59,6 +63,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(one host only)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def served_model_name(model: str | None) -> str:
@@ -130,7 +141,8 @@ def serve(args) -> int:
                          api_key=args.api_key or os.environ.get("ATLASJAX_API_KEY") or None,
                          max_body_bytes=args.max_body_bytes, cors_origins=origins,
                          reasoning_parser=args.reasoning_parser,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         max_stored_responses=args.max_stored_responses)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
         server = _make_server(config, url)

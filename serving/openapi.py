@@ -42,27 +42,44 @@ SCHEMAS = {
                             stop_sequences={"type": "array", "items": STR}, temperature=NUM, top_p=NUM, top_k=INT,
                             stream=BOOL, priority=INT, thinking=_obj(["type"], type={"enum": ["enabled", "adaptive", "disabled"]},
                                                        budget_tokens=INT)),
+    "ResponseRequest": _obj(["input"], model=STR, input={"oneOf": [STR, {"type": "array", "items": _obj(
+        ["role", "content"], type={"const": "message"}, role={"enum": ["system", "developer", "user", "assistant"]},
+        content={"oneOf": [STR, {"type": "array", "items": _obj(["type", "text"], type={
+            "enum": ["input_text", "output_text", "text"]}, text=STR)}]})}]}, instructions=STR,
+        previous_response_id=STR, store=BOOL, max_output_tokens=INT, truncation={"enum": ["disabled", "auto"]},
+        include={"type": "array", "items": {"const": "message.output_text.logprobs"}}, top_logprobs=INT,
+        metadata={"type": "object", "additionalProperties": STR}, reasoning={"type": "object"},
+        text={"type": "object", "properties": {"format": {"type": "object", "properties": {
+            "type": {"const": "text"}}}}},
+        chat_template_kwargs={"type": "object"}, **SAMPLING),
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
                             add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),
     "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),
     "Error": _obj(["error"], error=_obj(["message", "type"], message=STR, type=STR, param=STR, code=STR)),
 }
 
-# path -> (method, summary, request schema or None, streams SSE?)
+# (path, method) -> (summary, request schema or None, streams SSE?)
 OPERATIONS = {
-    "/v1/models": ("get", "List the served model", None, False),
-    "/v1/models/{model}": ("get", "Describe the served model", None, False),
-    "/v1/completions": ("post", "OpenAI text completion", "CompletionRequest", True),
-    "/v1/chat/completions": ("post", "OpenAI chat completion", "ChatCompletionRequest", True),
-    "/v1/messages": ("post", "Anthropic Messages API", "MessagesRequest", True),
-    "/v1/messages/count_tokens": ("post", "Anthropic token count of a Messages request", "MessagesRequest", False),
-    "/tokenize": ("post", "Text or chat messages to token ids", "TokenizeRequest", False),
-    "/detokenize": ("post", "Token ids to text", "DetokenizeRequest", False),
-    "/health": ("get", "Liveness and engine occupancy (no API key needed)", None, False),
-    "/ping": ("get", "Liveness as /health's status code, no body (SageMaker's probe; no API key needed)", None, False),
-    "/version": ("get", "The engine's version (no API key needed)", None, False),
-    "/metrics": ("get", "Prometheus metrics (text exposition format)", None, False),
-    "/openapi.json": ("get", "This document", None, False),
+    ("/v1/models", "get"): ("List the served model", None, False),
+    ("/v1/models/{model}", "get"): ("Describe the served model", None, False),
+    ("/v1/completions", "post"): ("OpenAI text completion", "CompletionRequest", True),
+    ("/v1/chat/completions", "post"): ("OpenAI chat completion", "ChatCompletionRequest", True),
+    ("/v1/responses", "post"): ("OpenAI Responses API (text; stored for GET and previous_response_id)",
+                                "ResponseRequest", True),
+    ("/v1/responses/{response_id}", "get"): ("A stored response", None, False),
+    ("/v1/responses/{response_id}", "delete"): ("Delete a stored response", None, False),
+    ("/v1/messages", "post"): ("Anthropic Messages API", "MessagesRequest", True),
+    ("/v1/messages/count_tokens", "post"): ("Anthropic token count of a Messages request", "MessagesRequest",
+                                            False),
+    ("/tokenize", "post"): ("Text or chat messages to token ids", "TokenizeRequest", False),
+    ("/detokenize", "post"): ("Token ids to text", "DetokenizeRequest", False),
+    ("/health", "get"): ("Liveness and engine occupancy (no API key needed)", None, False),
+    ("/ping", "get"): ("Liveness as /health's status code, no body (SageMaker's probe; no API key needed)", None,
+                       False),
+    ("/ping", "post"): ("The same as GET /ping (SageMaker sends either)", None, False),
+    ("/version", "get"): ("The engine's version (no API key needed)", None, False),
+    ("/metrics", "get"): ("Prometheus metrics (text exposition format)", None, False),
+    ("/openapi.json", "get"): ("This document", None, False),
 }
 ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "413": "Request body too large",
           "503": "Queue full; retry after the Retry-After header's seconds"}
@@ -82,8 +99,9 @@ def _operation(summary: str, schema: str | None, streams: bool) -> dict:
 
 
 def openapi_schema() -> dict:
-    paths = {path: {method: _operation(summary, schema, streams)}
-             for path, (method, summary, schema, streams) in OPERATIONS.items()}
+    paths: dict[str, dict] = {}
+    for (path, method), (summary, schema, streams) in OPERATIONS.items():
+        paths.setdefault(path, {})[method] = _operation(summary, schema, streams)
     return {"openapi": "3.1.0",
             "info": {"title": "atlasjax", "version": __version__,
                      "description": "OpenAI- and Anthropic-compatible inference server"},

@@ -20,6 +20,8 @@ from atlasjax.waiting_queue import check_priority
 from serving.errors import invalid
 from serving.metrics import ServerMetrics
 from serving.protocol import parse_json_object
+from serving.reasoning import END
+from serving.response_store import ResponseStore
 from serving.thinking_budget import CLOSE_TEXT, ThinkingBudget
 
 
@@ -31,7 +33,9 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
     return_tokens_as_token_ids: bool = False   # logprob entries name tokens `token_id:N` unless a request says
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)   # the Responses API's `store`
     _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once
+    _end_ids: tuple[int, ...] | None = None     # the reasoning's end tag alone, tokenized once
 
     @property
     def tokenizer(self):
@@ -87,6 +91,14 @@ class ServerState:
         if self._close_ids is None:
             self._close_ids = tuple(self.require_tokenizer().encode(CLOSE_TEXT, add_special_tokens=False))
         return ThinkingBudget(tokens, self.reasoning_parser, self._close_ids)
+
+    def reasoning_end_ids(self) -> tuple[int, ...]:
+        """The token ids of the reasoning's end tag (empty without a reasoning parser)."""
+        if self.reasoning_parser is None or self.tokenizer is None:
+            return ()
+        if self._end_ids is None:
+            self._end_ids = tuple(self.tokenizer.encode(END, add_special_tokens=False))
+        return self._end_ids
 
     def require_tokenizer(self):
         if self.tokenizer is None:

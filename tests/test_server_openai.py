@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -422,6 +423,16 @@ def test_metrics_and_openapi(server, client):
     assert metric_value(r.text, "atlasjax_generation_tokens_total") > 0
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/metrics"} <= set(spec["paths"])
+
+
+def test_openapi_describes_every_route():
+    from serving import anthropic_routes, openai_routes, responses_routes, utility_routes
+    from serving.openapi import openapi_schema
+    paths = openapi_schema()["paths"]
+    for route in openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES:
+        path = re.sub(r":\w+}", "}", route.path)      # {model:path} -> {model}
+        for method in route.methods - {"HEAD"}:
+            assert method.lower() in paths.get(path, {}), (path, method)
 
 
 def test_per_sequence_metrics_count_each_finished_sequence(server, client, llm):
