@@ -73,12 +73,12 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
         `previous_response_id` (least recently used out first; 0 keeps none).
     """
     metrics = ServerMetrics(engine)
-    routes = (openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES
-              + utility_routes.ROUTES)
+    routes = openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []
     if cors_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "DELETE"],
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                                     allow_methods=["GET", "POST", "DELETE"],
                                      allow_headers=["*"], expose_headers=["X-Request-Id"]))
     middleware.append(Middleware(RequestIdMiddleware))
     middleware.append(Middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths))
