@@ -6,7 +6,10 @@ temperature, top-k / top-p / min-p filtering and a seeded Gumbel-max draw.
 
 There is no data-dependent branch (a `lax.cond` makes the GPU runtime copy its predicate to the
 host and wait, which stalls dispatch). Instead the host picks a static `SamplingPlan` per step
-from its rows: the common all-greedy step is a bare argmax; anything else runs every stage.
+from its rows: the common all-greedy step is a bare argmax; anything else runs every stage. Either
+computes the reported logprobs (log-softmax, the chosen token's and the top MAX_LOGPROBS) only when
+some row asked for them: 89 us of an 8-row step over a 128k vocabulary on an H200, 234 us of a
+32-row one (session 63).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ class SamplingPlan:
 
     @staticmethod
     def variants() -> tuple[SamplingPlan, ...]:
-        return (SamplingPlan(True, False), SamplingPlan(True, True), FULL)
+        return (SamplingPlan(True, False), SamplingPlan(True, True), SamplingPlan(False, False), FULL)
 
 
 FULL = SamplingPlan(False, True)
@@ -52,7 +55,7 @@ def plan_rows(rows: list[tuple[SamplingParams, int, int, tuple[int, ...]] | None
         greedy &= (p.temperature == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0
                    and p.presence_penalty == 0 and step >= p.min_tokens and not p.logit_bias
                    and p.allowed_token_ids is None)
-    return SamplingPlan(True, logprobs) if greedy else FULL
+    return SamplingPlan(greedy, logprobs)
 
 
 @flax.struct.dataclass

@@ -83,8 +83,8 @@ def test_warmup_compiles_every_bucket_in_threads(tiny):
     engine = _engine(tiny, max_num_seqs=32, decode_batch_sizes=(8,), num_scheduler_steps=2)
     engine.runner.warmup(2, threads=3)
     decodes = sorted((k[1], len(k)) for k in engine.runner._compiled if k[0] == "decode")
-    # 3 sampling plans, one step and two per launch, at 8 and 32 rows
-    assert decodes == [(8, 3)] * 3 + [(8, 4)] * 3 + [(32, 3)] * 3 + [(32, 4)] * 3
+    # 4 sampling plans (greedy or sampled, with or without logprobs), one step and two per launch, at 8 and 32 rows
+    assert decodes == [(8, 3)] * 4 + [(8, 4)] * 4 + [(32, 3)] * 4 + [(32, 4)] * 4
     assert engine.runner.num_compiles == len(engine.runner._compiled)
     n = engine.runner.num_compiles
     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
@@ -140,7 +140,7 @@ def test_compile_at_start_compiles_before_the_pool_and_serves_the_same(tiny, mon
     engine = _engine(tiny, compile_at_start=True, num_scheduler_steps=2)
     n = engine.runner.num_compiles
     assert order[-1] == ("allocate", n) and n == len(engine.runner._compiled)
-    assert sorted(k[1] for k in engine.runner._compiled if k[0] == "decode") == [8] * 6 + [16] * 6
+    assert sorted(k[1] for k in engine.runner._compiled if k[0] == "decode") == [8] * 8 + [16] * 8   # 4 plans x 2
     shapes = engine.runner._state_shapes(engine.runner.num_pages)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype),
                                                                                engine.runner.state)

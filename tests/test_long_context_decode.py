@@ -132,8 +132,8 @@ def test_a_server_compiles_them_at_start_for_the_smallest_bucket(tiny, monkeypat
     engine = _engine(tiny, monkeypatch, max_num_seqs=16, compile_at_start=True, num_scheduler_steps=2)
     compiled = set(engine.runner._compiled)
     long_context = sorted((k[0], k[1], len(k)) for k in compiled if k[0].startswith("decode_long_context"))
-    # 3 sampling plans x 1 and 2 steps per launch, 8 rows only, for each tier
-    assert long_context == sorted([(f"decode_long_context_{s}", 8, n) for s in (1, 2) for n in (3, 4)] * 3)
+    # 4 sampling plans x 1 and 2 steps per launch, 8 rows only, for each tier
+    assert long_context == sorted([(f"decode_long_context_{s}", 8, n) for s in (1, 2) for n in (3, 4)] * 4)
     n = engine.runner.num_compiles
     _generate(engine, [list(range(3, 23))], SAMPLED)
     assert engine.runner.num_compiles == n                   # serving compiles nothing more

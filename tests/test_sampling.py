@@ -122,6 +122,27 @@ def test_logit_bias_forces_and_bans_tokens_per_row():
     assert tokens.tolist() == [5, second, best[2], 7]
 
 
+def test_logprobs_are_computed_only_when_a_row_asks_and_never_change_the_draw():
+    from atlasjax.sampling import SamplingPlan, plan_rows
+    logits = np.random.RandomState(3).randn(16, V).astype(np.float32)
+    sampled = [_row(seed=s, temperature=0.8, top_p=0.9) for s in range(16)]
+    asking = [_row(seed=s, temperature=0.8, top_p=0.9, logprobs=2) for s in range(16)]
+    assert plan_rows(sampled) == SamplingPlan(greedy=False, logprobs=False)
+    assert plan_rows(asking) == plan_rows(sampled[:15] + asking[15:]) == SamplingPlan(greedy=False, logprobs=True)
+    assert plan_rows([_row(temperature=0), None]) == SamplingPlan(greedy=True, logprobs=False)
+    f, i = pack_rows(sampled, 16)
+
+    def draw(plan):
+        return [np.asarray(x) for x in sample(jnp.asarray(logits), jnp.zeros((16, V), jnp.int32),
+                                              jnp.zeros((16, V), bool), SamplingTensors(jnp.asarray(f), jnp.asarray(i)),
+                                              plan)]
+    without, with_logprobs = draw(plan_rows(sampled)), draw(plan_rows(asking))
+    np.testing.assert_array_equal(without[0], with_logprobs[0])
+    assert not without[1].any() and not without[2].any()         # nothing computed, nothing reported
+    expected = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(with_logprobs[1], expected[np.arange(16), with_logprobs[0]], rtol=1e-5, atol=1e-6)
+
+
 def test_logit_bias_moves_a_sampled_row_and_takes_greedy_off_the_fast_path():
     from atlasjax.sampling import plan_rows
     logits = np.zeros((64, V), np.float32)

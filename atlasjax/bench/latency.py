@@ -1,7 +1,7 @@
 """`latency` mode: one fixed batch through the engine, timed step by step.
 
 Each iteration submits `batch_size` requests of `input_len` random prompt tokens (greedy unless
---temperature says otherwise, ignore_eos, exactly `output_len` new tokens) and drives `engine.step()` until they finish.
+--temperature says otherwise, no logprobs unless --logprobs asks, ignore_eos, exactly `output_len` new tokens) and drives `engine.step()` until they finish.
 Each step reads its sampled tokens back to the host, so host clocks around a step time it fully.
 - TTFT: from the first step to the end of the step that gave the last request its first token
   (the prefill step or steps, with admission);
@@ -40,6 +40,9 @@ def add_args(p) -> None:
                         "(penalties, bias, top-k / top-p / min-p filtering and a seeded draw)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="every request asks for the logprobs of its tokens and the K likeliest (default: none), "
+                        "which the sampling then computes")
     g.add_argument("--compare-quantization", default=None, metavar="Q[,Q...]",
                    help="after the main run, the same shapes with each of these weight formats (int8, fp8, "
                         "int4, gguf-q4_k_m, gguf-q8_0, gguf-q4_0, none) in this process, one after the other; "
@@ -60,7 +63,7 @@ def engine_overrides(args) -> dict:
 def _iteration(engine, args, rng, tag: str) -> dict:
     from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.output_len, ignore_eos=True)
+                            logprobs=getattr(args, "logprobs", None), max_tokens=args.output_len, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     ids = [f"{tag}-{b}" for b in range(args.batch_size)]
     for rid in ids:
