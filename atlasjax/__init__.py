@@ -6,6 +6,7 @@
                    SamplingParams(temperature=0))
     print(out[0].outputs[0].text)
 """
+from atlasjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from atlasjax.errors import (AtlasJaxError, CheckpointError, EngineConfigError, InvalidRequestError,
                              UnsupportedModelError)
 from atlasjax.outputs import CompletionOutput, Logprob, RequestOutput
@@ -27,5 +28,6 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
            "AtlasJaxError", "CheckpointError", "EngineConfigError", "InvalidRequestError", "UnsupportedModelError"]
 __version__ = "0.1.0"

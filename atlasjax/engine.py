@@ -169,7 +169,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduling_policy)
-        token_ids = params.truncated_prompt(self._tokenize(prompt), self.max_model_len)
+        token_ids = params.truncated_prompt(self.tokenize_prompt(prompt), self.max_model_len)
         vocab = self.model_config.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):
             if getattr(params, name) and max(getattr(params, name)) >= vocab:
@@ -189,7 +189,8 @@ class LLMEngine:
         self.stats.num_requests += 1
         return seqs
 
-    def _tokenize(self, prompt) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids (text is tokenized; ids are checked against the vocabulary)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids instead of text")

@@ -55,6 +55,7 @@ class EngineInfo:
     stats: EngineStats
     generation_defaults: Any     # atlasjax.generation_config.GenerationDefaults
     scheduling_policy: str       # fcfs | priority (atlasjax/waiting_queue.py)
+    eos_token_ids: tuple[int, ...] = ()   # the model's end tokens (beam search completes a beam on them)
 
     def stop_followers(self) -> None:
         """Multi-host runs keep their engine in the server's process (EngineProcessLLM refuses them)."""
@@ -186,7 +187,7 @@ def child_main(fd: int) -> None:
     try:
         conn.send(("ready", EngineInfo(engine.max_model_len, engine.model_config, engine.weights_summary,
                                        engine.tokenizer, _snapshot(engine.stats), engine.generation_defaults,
-                                       engine.scheduling_policy)))
+                                       engine.scheduling_policy, engine.eos_token_ids)))
         _serve(conn, engine, max_waiting)
     except (EOFError, OSError):   # the server's process is gone
         return

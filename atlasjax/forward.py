@@ -54,7 +54,7 @@ def model_fn(runner, *, reference: bool = False, return_hidden: bool = False):
 
 
 def pad_batch(sequences: list[list[int]], max_len: int, multiple: int = 16) -> np.ndarray:
-    """Token id lists (each already checked as a prompt: `LLMEngine._tokenize`) -> [B, T] int32, T the
+    """Token id lists (each already checked as a prompt: `LLMEngine.tokenize_prompt`) -> [B, T] int32, T the
     longest rounded up to `multiple` (few shapes to compile), padded at the end with token 0. No
     sequences, or one over max_len, is refused."""
     if not sequences:

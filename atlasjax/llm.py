@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from atlasjax.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import InvalidRequestError
@@ -79,7 +80,7 @@ class LLM:
             raise RuntimeError("LLM.forward runs in a single-process engine")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        seqs = [self.engine._tokenize(p) for p in prompts]
+        seqs = [self.engine.tokenize_prompt(p) for p in prompts]
         logits, hidden = self._forward_jit(self.params, pad_batch(seqs, self.engine.max_model_len))
         logits = np.asarray(logits)
         if not return_hidden:
@@ -138,6 +139,26 @@ class LLM:
         for rid, _ in ids:
             self.engine.release(rid)
         return outputs
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (atlasjax/beam_search.py): per prompt (a string or token ids, or a list of
+        either), the params.beam_width best sequences, best first. Each round extends every prompt's live
+        beams by one token in one batch through the engine."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        searches = [BeamSearch(self.engine.tokenize_prompt(p), params, self.engine.eos_token_ids,
+                               self.engine.max_model_len) for p in prompts]
+        step = searches[0].step_params() if searches else None
+        while live := [s for s in searches if not s.done]:
+            outputs = iter(self.generate([beam.tokens for s in live for beam in s.beams], step))
+            for s in live:
+                s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
+            if use_tqdm:
+                print(f"\rbeam search: round {max(s.rounds for s in searches)}/{params.max_tokens}", end="",
+                      file=sys.stderr, flush=True)
+        if use_tqdm:
+            print(file=sys.stderr)
+        return [s.output(self.tokenizer) for s in searches]
 
     def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, use_tqdm: bool = False,

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from serving.beam_requests import beam_params, run_beam_search
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
 from serving.openai_shapes import CachedTokens, CompletionLogprobs, chat_logprobs, token_text, usage
@@ -120,6 +121,12 @@ async def chat_completions(request: Request):
     state.check_prompt(prompt_ids, params, "messages")
     budget = state.thinking_budget(f.int("thinking_token_budget", None, lo=1), "thinking_token_budget")
     rid, engine_id = new_id("chatcmpl-", request)
+    if (beams := beam_params(f, n, params.max_tokens or state.max_model_len - len(prompt_ids))) is not None:
+        outputs = await run_beam_search(request, state, [(engine_id, prompt_ids)], beams, state.priority(f))
+        choices = [{"index": i, "message": _message(seq.text, state.reasoning_parser), "logprobs": None,
+                    "finish_reason": seq.finish_reason} for i, seq in enumerate(outputs[0].sequences)]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                             "choices": choices, "usage": usage(len(prompt_ids), _beam_tokens(outputs))})
     deltas = stream_jobs(state.llm, [Job(engine_id, prompt_ids, params, budget, state.priority(f))], state.metrics)
     head = {"id": rid, "created": int(time.time()), "model": model}
     if stream:
@@ -134,6 +141,11 @@ async def chat_completions(request: Request):
     num_generated = sum(len(c.token_ids) for c in completions)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": usage(len(prompt_ids), num_generated, completions[0].num_cached_tokens or 0)})
+
+
+def _beam_tokens(outputs) -> int:
+    """Completion tokens of a beam search: those of the sequences returned."""
+    return sum(len(seq.output_token_ids) for out in outputs for seq in out.sequences)
 
 
 def _message(text: str, reasoning_parser: str | None) -> dict:
@@ -214,13 +226,20 @@ async def completions(request: Request):
         state.check_prompt(ids, params, "prompt")
     rid, engine_id = new_id("cmpl-", request)
     priority = state.priority(f)
+    num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
+    if (beams := beam_params(f, n, params.max_tokens)) is not None:
+        outputs = await run_beam_search(request, state, [(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", ids)
+                                                         for i, ids in enumerate(prompt_ids)], beams, priority)
+        choices = [{"index": j * n + i, "text": seq.text, "logprobs": None, "finish_reason": seq.finish_reason}
+                   for j, out in enumerate(outputs) for i, seq in enumerate(out.sequences)]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                             "choices": choices, "usage": usage(num_prompt_tokens, _beam_tokens(outputs))})
     jobs = [Job(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", ids, params, priority=priority)
             for i, ids in enumerate(prompt_ids)]
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
     echoes = [_echo(state, p if params.truncate_prompt_tokens is None else ids, ids, as_ids) if echo else None
               for p, ids in zip(prompts, prompt_ids)]
-    num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if stream:
         first = await first_delta(request, deltas)
         events = _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,

@@ -17,7 +17,7 @@ SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "prese
             "logit_bias": {"type": "object", "additionalProperties": NUM},
             "allowed_token_ids": {"type": "array", "items": INT}, "truncate_prompt_tokens": INT,
             "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
-            "priority": INT}
+            "priority": INT, "use_beam_search": BOOL, "length_penalty": NUM}
 MESSAGE = {"type": "object", "required": ["role", "content"],
            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": TEXT_OR_PARTS}}
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from atlasjax import LLM, SamplingParams
+from atlasjax import LLM, BeamSearchParams, SamplingParams
 from atlasjax.engine_config import EngineConfig
 from atlasjax.engine_process import EngineProcessLLM
 from atlasjax.errors import InvalidRequestError, QueueFullError
@@ -169,6 +169,11 @@ def test_a_server_with_an_engine_process_answers_as_in_process(server, tmp_path_
                                                        "temperature": 0}).json()
             assert body["choices"][0]["text"] == r.outputs[0].text
             assert body["usage"]["prompt_tokens"] == len(r.prompt_token_ids)
+        # beam search runs its rounds as requests through the engine process, its end tokens known here
+        beams = reference_llm(tmp_path_factory).beam_search(ref[0].prompt, BeamSearchParams(beam_width=2, max_tokens=3))
+        body = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ref[0].prompt, "max_tokens": 3,
+                                                   "n": 2, "use_beam_search": True}).json()
+        assert [c["text"] for c in body["choices"]] == [s.text for s in beams[0].sequences]
         health = http.get("/health").json()
         assert health["status"] == "ok" and health["kv_pages_free"] == health["kv_pages_total"] > 0
         metrics = http.get("/metrics").text
