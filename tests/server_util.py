@@ -148,6 +148,15 @@ def reference_llm(tmp_path_factory):
     return _cache["llm"]
 
 
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+
+
+def chat_reference(llm, messages, max_tokens: int, **kwargs):
+    """The greedy answer of LLM.chat to one conversation."""
+    from atlasjax import SamplingParams
+    return llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs))[0]
+
+
 def greedy_reference(llm, prompts, max_tokens: int, **kwargs):
     """Greedy outputs of LLM.generate for prompts (strings or token-id lists)."""
     from atlasjax import SamplingParams

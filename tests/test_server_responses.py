@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from serving.app import create_app
-from tests.server_util import API_KEY, MODEL_NAME, main_server, reference_llm
+from tests.server_util import API_KEY, MODEL_NAME, chat_reference, main_server, reference_llm
 from tests.test_reasoning import ScriptedLLM
 
 QUESTION = "Name three colors."
@@ -36,11 +36,6 @@ def llm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def chat_reference(llm, messages, max_tokens, **kwargs):
-    from atlasjax import SamplingParams
-    return llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs))[0]
 
 
 def test_response_equals_chat_with_usage(client, llm):
