@@ -61,6 +61,37 @@ class LLM:
         (q/k/v and gate/up fused, quantized weights as their pytrees), shared with the serving steps."""
         return self.engine.runner.params
 
+    def update_params(self, params) -> None:
+        """Run the engine on new weights: `params` shaped as `LLM.params` (the same tree, shapes and dtypes:
+        say, after a gradient step on them), placed where the current ones are. The compiled steps stay (the
+        weights are their arguments), and the prefix cache is cleared, since its K/V came from the old
+        weights. Between requests only: requests in flight would mix the two."""
+        import jax  # noqa: PLC0415
+
+        from atlasjax import distributed  # noqa: PLC0415
+        if distributed.is_multiprocess():
+            raise RuntimeError("LLM.update_params runs in a single-process engine")
+        if self.engine.has_unfinished():
+            raise RuntimeError("requests are in flight: update the params between requests")
+        old, treedef = jax.tree_util.tree_flatten_with_path(self.engine.runner.params)
+        new, new_treedef = jax.tree_util.tree_flatten_with_path(params)
+        if new_treedef != treedef:
+            raise InvalidRequestError("the params' tree differs from LLM.params' (update with a tree shaped as "
+                                      "LLM.params: the execution layout, q/k/v and gate/up fused)")
+        for (path, a), (_, b) in zip(old, new):
+            dtype = b.dtype if hasattr(b, "dtype") else np.asarray(b).dtype
+            if np.shape(b) != a.shape or dtype != a.dtype:
+                given = f"{dtype}{list(np.shape(b))}"
+                raise InvalidRequestError(f"params{jax.tree_util.keystr(path)}: {given}, but the engine runs "
+                                          f"{a.dtype}{list(a.shape)}")
+        placed = [jax.device_put(b, a.sharding) for (_, a), (_, b) in zip(old, new)]
+        self.engine.runner.params = jax.tree.unflatten(treedef, placed)
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt pages (vLLM's `LLM.reset_prefix_cache`); later prompts compute theirs again."""
+        self.engine.pool.reset_prefix_cache()
+
     def model_fn(self, reference: bool = False, return_hidden: bool = False):
         """The model as a pure function fn(params, tokens [B, T] int32) -> logits [B, T, vocab] f32, to
         jit, differentiate or vmap (atlasjax/forward.py; `reference=True` takes the jnp attention and
