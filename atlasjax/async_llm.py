@@ -30,7 +30,7 @@ log = logging.getLogger("atlasjax.async")
 class StreamingLLM:
     """The asyncio side of an engine that runs elsewhere (a thread: AsyncLLM; a process:
     atlasjax.engine_process.EngineProcessLLM): per-request queues fed by `_deliver`, and commands
-    ("add" / "abort" / "release") sent through `_submit`."""
+    ("add" / "abort" / "release" / "reset_prefix_cache") sent through `_submit`, carried out in order."""
 
     def __init__(self):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -79,6 +79,11 @@ class StreamingLLM:
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt pages no running request holds (vLLM's); requests submitted after this
+        call compute their prompts again."""
+        self._submit(("reset_prefix_cache", None))
 
     # ---- for subclasses
     def _check_capacity(self) -> None:
@@ -195,6 +200,8 @@ def apply_command(engine: LLMEngine, cmd) -> list:
         engine.abort(request_id)
     elif kind == "release":
         engine.release(request_id)
+    elif kind == "reset_prefix_cache":
+        engine.pool.reset_prefix_cache()
     return []
 
 

@@ -78,6 +78,8 @@ OPERATIONS = {
                        False),
     ("/ping", "post"): ("The same as GET /ping (SageMaker sends either)", None, False),
     ("/version", "get"): ("The engine's version (no API key needed)", None, False),
+    ("/reset_prefix_cache", "post"): ("Forget the cached prompt pages no running request holds (vLLM's)", None,
+                                      False),
     ("/metrics", "get"): ("Prometheus metrics (text exposition format)", None, False),
     ("/openapi.json", "get"): ("This document", None, False),
 }

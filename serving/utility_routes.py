@@ -1,4 +1,5 @@
-"""Operational routes: /health, /ping, /version, /metrics, /tokenize, /detokenize, /openapi.json.
+"""Operational routes: /health, /ping, /version, /metrics, /tokenize, /detokenize, /reset_prefix_cache,
+/openapi.json.
 
 /health, /ping, /version and /openapi.json stay open when an API key is set; the others need it.
 """
@@ -82,6 +83,13 @@ async def detokenize(request: Request) -> JSONResponse:
     return JSONResponse({"prompt": text})
 
 
+async def reset_prefix_cache(request: Request) -> Response:
+    """vLLM's POST /reset_prefix_cache: cached prompt pages no running request holds are forgotten before
+    any later request is admitted (benchmarks measure cold prompts with it)."""
+    server_state(request).llm.reset_prefix_cache()
+    return Response(status_code=200)
+
+
 async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(openapi_schema())
 
@@ -93,5 +101,6 @@ ROUTES = [
     Route("/metrics", metrics, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     Route("/openapi.json", openapi, methods=["GET"]),
 ]

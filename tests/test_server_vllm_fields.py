@@ -169,3 +169,18 @@ def test_x_request_id_names_the_response_and_comes_back(server):
     made_up = r.headers["x-request-id"]
     assert r.status_code == 200 and made_up != "has space" and len(made_up) == 32
     assert httpx.get(server.url + "/health").headers["x-request-id"]
+
+
+def test_reset_prefix_cache_makes_the_next_request_compute_its_prompt(server, client):
+    """vLLM's POST /reset_prefix_cache: a prompt cached by the request before is computed again after it."""
+    messages = [{"role": "user", "content": "Cache me: " + "alpha beta gamma " * 12}]
+
+    def cached():
+        r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+        return r.usage.prompt_tokens_details.cached_tokens
+    cached()
+    assert cached() > 0
+    r = httpx.post(server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200
+    assert cached() == 0
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 401      # the key guards it
