@@ -10,6 +10,8 @@ the server keeps serving.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from starlette.applications import Starlette
@@ -26,6 +28,7 @@ from serving.metrics import ServerMetrics
 from serving.response_store import DEFAULT_MAX_STORED, ResponseStore
 from serving.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware, RequestMetricsMiddleware
 from serving.state import ServerState
+from serving.stats_log import StatsLogger
 
 log = logging.getLogger("atlasjax.serving")
 
@@ -55,7 +58,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def create_app(engine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
                reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
-               max_stored_responses: int = DEFAULT_MAX_STORED) -> Starlette:
+               max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0) -> Starlette:
     """Build the server app.
 
     Args:
@@ -71,6 +74,7 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
         `return_tokens_as_token_ids` field still decides for it).
       max_stored_responses: Responses API answers kept in memory for GET /v1/responses/{id} and
         `previous_response_id` (least recently used out first; 0 keeps none).
+      log_stats_interval: seconds between the engine's stats lines in the log (serving/stats_log.py; 0: none).
     """
     metrics = ServerMetrics(engine)
     routes = openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
@@ -85,7 +89,16 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     if api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key, open_paths=utility_routes.OPEN_PATHS))
     middleware.append(Middleware(BodyLimitMiddleware, max_bytes=max_body_bytes))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(StatsLogger(engine, log_stats_interval).run()) if log_stats_interval > 0 else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _disconnected, Exception: _unexpected})
     app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser,
                                    return_tokens_as_token_ids=return_tokens_as_token_ids,

@@ -54,6 +54,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED,
                    help="Responses API answers kept in memory (`store`, the default) for GET /v1/responses/{id} and "
                         "`previous_response_id`; the least recently used go first; 0 keeps none (default: %(default)s)")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log the engine's throughput, running / waiting requests and KV cache use every SECONDS while "
+                        "busy (logger atlasjax.stats at INFO, as vLLM's stats logger; default: %(default)s)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines (vLLM's flag)")
     g.add_argument("--log-requests", action="store_true",
                    help="log each request at INFO (logger atlasjax.requests, as vLLM's --enable-log-requests): its "
                         "prompt length and the sampling settings it changed when submitted, and how each of its "
@@ -122,6 +126,9 @@ def serve(args) -> int:
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     if args.log_requests:
         logging.getLogger("atlasjax.requests").setLevel(logging.INFO)
+    stats_interval = 0.0 if args.disable_log_stats else max(args.log_stats_interval, 0.0)
+    if stats_interval:
+        logging.getLogger("atlasjax.stats").setLevel(logging.INFO)
     if args.engine_process:
         from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
         from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415
@@ -142,7 +149,7 @@ def serve(args) -> int:
                          max_body_bytes=args.max_body_bytes, cors_origins=origins,
                          reasoning_parser=args.reasoning_parser,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         max_stored_responses=args.max_stored_responses)
+                         max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
         server = _make_server(config, url)

@@ -140,6 +140,12 @@ def main_server(request, tmp_path_factory) -> ServerProcess:
     return shared_server(request, tmp_path_factory, "main", "--api-key", API_KEY, "--max-body-bytes", str(1 << 20))
 
 
+def engine_process_server(request, tmp_path_factory) -> ServerProcess:
+    """The server with its engine in a process of its own, logging requests and stats (every 0.5 s)."""
+    return shared_server(request, tmp_path_factory, "engine_process", "--api-key", API_KEY, "--engine-process",
+                         "--log-requests", "--log-stats-interval", "0.5")
+
+
 def reference_llm(tmp_path_factory):
     """An in-process LLM over the same model and engine settings (greedy references)."""
     if "llm" not in _cache:

@@ -19,7 +19,8 @@ from atlasjax import LLM, BeamSearchParams, SamplingParams
 from atlasjax.engine_config import EngineConfig
 from atlasjax.engine_process import EngineProcessLLM
 from atlasjax.errors import InvalidRequestError, QueueFullError
-from tests.server_util import API_KEY, MODEL_NAME, greedy_reference, metric_value, reference_llm, shared_server
+from tests.server_util import (API_KEY, MODEL_NAME, engine_process_server, greedy_reference, metric_value,
+                               reference_llm)
 
 ENGINE = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -139,8 +140,7 @@ def test_a_tensor_parallel_engine_process_answers_as_one_device(model):
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    return shared_server(request, tmp_path_factory, "engine_process", "--api-key", API_KEY, "--engine-process",
-                         "--log-requests")
+    return engine_process_server(request, tmp_path_factory)
 
 
 def test_log_requests_logs_each_request_without_its_text(server):
