@@ -73,7 +73,7 @@ def _thinking(f: Fields, state: ServerState) -> dict | None:
 
 async def _prepare(request: Request, state: ServerState) -> tuple[Fields, str, list[int], dict | None]:
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_name)
+    model = check_model(f, state.model_names)
     messages = _messages(f)
     thinking = _thinking(f, state)
     switch = {} if thinking is None else {"enable_thinking": thinking["type"] != "disabled"}

@@ -55,7 +55,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(APIError(500, f"internal server error: {type(exc).__name__}"), request.url.path)
 
 
-def create_app(engine, *, served_model_name: str, api_key: str | None = None,
+def create_app(engine, *, served_model_name: str | list[str], api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
                reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
                max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0) -> Starlette:
@@ -64,7 +64,8 @@ def create_app(engine, *, served_model_name: str, api_key: str | None = None,
     Args:
       engine: a running atlasjax.AsyncLLM, or an EngineProcessLLM (atlasjax/engine_process.py); the
         caller owns it and shuts it down.
-      served_model_name: the only value accepted in requests' "model" field.
+      served_model_name: the values accepted in requests' "model" field: one name, or several (vLLM's
+        `--served-model-name a b`: /v1/models lists each, the first is the default).
       api_key: when set, every route except /health and /openapi.json needs it.
       max_body_bytes: larger request bodies get 413.
       cors_origins: allowed browser origins; None or empty disables CORS.

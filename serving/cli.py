@@ -36,8 +36,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (0: pick a free one, printed when ready)")
     g.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer or x-api-key); default: $ATLASJAX_API_KEY")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: from the model path)")
+    g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="the model name(s) clients send; with several, each is accepted and listed, and the first "
+                        "is the default (default: from the model path)")
     g.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     g.add_argument("--cors-origins", default=None,

@@ -28,19 +28,19 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 async def list_models(request: Request) -> JSONResponse:
     state = server_state(request)
-    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+    return JSONResponse({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
 
 
 async def get_model(request: Request) -> JSONResponse:
     state = server_state(request)
-    if request.path_params["model"] != state.model_name:
+    if request.path_params["model"] not in state.model_names:
         raise APIError(404, f"the model '{request.path_params['model']}' does not exist", code="model_not_found")
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(state, request.path_params["model"]))
 
 
-def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "atlasjax",
-            "max_model_len": state.max_model_len}
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "atlasjax",
+            "root": state.model_names[0], "max_model_len": state.max_model_len}
 
 
 # ---- /v1/chat/completions
@@ -99,7 +99,7 @@ def _chunk_usage(include_usage: str | None, num_prompt_tokens: int, num_generate
 async def chat_completions(request: Request):
     state = server_state(request)
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_name)
+    model = check_model(f, state.model_names)
     _reject_unsupported(f)
     messages = _chat_messages(f)
     n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -201,7 +201,7 @@ async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k
 async def completions(request: Request):
     state = server_state(request)
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_name)
+    model = check_model(f, state.model_names)
     prompts = completion_prompts(f)
     n = f.int("n", 1, lo=1, hi=MAX_N)
     if f.body.get("best_of") not in (None, n):

@@ -108,11 +108,14 @@ def _check_range(name, value, lo, hi) -> None:
         raise invalid(f"'{name}' must be in {bounds}, got {value}", param=name)
 
 
-def check_model(f: Fields, served_model_name: str) -> str:
-    model = f.str("model", served_model_name)
-    if model != served_model_name:
-        raise invalid(f"the model '{model}' does not exist; this server serves '{served_model_name}'",
-                      param="model", code="model_not_found")
+def check_model(f: Fields, served_model_names: tuple[str, ...]) -> str:
+    """The request's `model`: one of the served names (vLLM's `--served-model-name` may give several), or the
+    first when left out."""
+    model = f.str("model", served_model_names[0])
+    if model not in served_model_names:
+        names = ", ".join(f"'{name}'" for name in served_model_names)
+        raise invalid(f"the model '{model}' does not exist; this server serves {names}", param="model",
+                      code="model_not_found")
     return model
 
 

@@ -71,7 +71,7 @@ def _head(f: Fields, rid: str, model: str, params, previous: str | None) -> dict
 async def create_response(request: Request):
     state = server_state(request)
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_name)
+    model = check_model(f, state.model_names)
     check_supported(f)
     conversation = _previous_conversation(f, state) + input_messages(f)
     instructions = instructions_message(f)

@@ -28,14 +28,21 @@ from serving.thinking_budget import CLOSE_TEXT, ThinkingBudget
 @dataclasses.dataclass
 class ServerState:
     llm: object                     # atlasjax.AsyncLLM
-    model_name: str
+    model_name: str | tuple[str, ...]   # the served name, or several (the first is the main one)
     metrics: ServerMetrics
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
     return_tokens_as_token_ids: bool = False   # logprob entries name tokens `token_id:N` unless a request says
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)   # the Responses API's `store`
+    model_names: tuple[str, ...] = dataclasses.field(init=False, default=())   # every served name, main first
     _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once
     _end_ids: tuple[int, ...] | None = None     # the reasoning's end tag alone, tokenized once
+
+    def __post_init__(self):
+        self.model_names = (self.model_name,) if isinstance(self.model_name, str) else tuple(self.model_name)
+        if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
+            raise ValueError(f"served model names must be non-empty strings, got {self.model_name!r}")
+        self.model_name = self.model_names[0]
 
     @property
     def tokenizer(self):

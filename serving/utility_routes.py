@@ -55,7 +55,7 @@ async def tokenize(request: Request) -> JSONResponse:
     """{"prompt": text} or {"messages": [...]} (rendered with the chat template) -> token ids."""
     state = server_state(request)
     f = Fields(await read_json(request))
-    check_model(f, state.model_name)
+    check_model(f, state.model_names)
     if f.body.get("messages") is not None:
         messages = f.body["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -72,7 +72,7 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     state = server_state(request)
     f = Fields(await read_json(request))
-    check_model(f, state.model_name)
+    check_model(f, state.model_names)
     tokens = f.raw("tokens", [])
     vocab = state.vocab_size
     if not isinstance(tokens, list) or not all(

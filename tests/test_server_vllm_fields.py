@@ -184,3 +184,29 @@ def test_reset_prefix_cache_makes_the_next_request_compute_its_prompt(server, cl
     assert r.status_code == 200
     assert cached() == 0
     assert httpx.post(server.url + "/reset_prefix_cache").status_code == 401      # the key guards it
+
+
+def test_several_served_model_names_are_each_accepted_and_listed():
+    """vLLM's `--served-model-name a b`: /v1/models lists both, a request may name either (its response
+    says which), the first is the default, and another name is refused naming the served ones."""
+    from serving.app import create_app
+    from tests.test_reasoning import ScriptedLLM
+    app = create_app(ScriptedLLM(["Hi", "!"]), served_model_name=["main-name", "alias"])
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            models = (await c.get("/v1/models")).json()["data"]
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+            answers = [await c.post("/v1/chat/completions", json={**body, **extra})
+                       for extra in ({"model": "alias"}, {}, {"model": "other"})]
+            return models, answers, await c.get("/v1/models/alias")
+    models, (alias, default, other), card = asyncio.run(go())
+    assert [m["id"] for m in models] == ["main-name", "alias"] and card.json()["root"] == "main-name"
+    assert alias.json()["model"] == "alias" and default.json()["model"] == "main-name"
+    assert other.status_code == 400 and "'main-name', 'alias'" in other.json()["error"]["message"]
+    import argparse
+
+    from serving.cli import add_server_args
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert parser.parse_args(["--served-model-name", "main-name", "alias"]).served_model_name == ["main-name", "alias"]
