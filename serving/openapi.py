@@ -68,6 +68,8 @@ OPERATIONS = {
                                 "ResponseRequest", True),
     ("/v1/responses/{response_id}", "get"): ("A stored response", None, False),
     ("/v1/responses/{response_id}", "delete"): ("Delete a stored response", None, False),
+    ("/v1/responses/{response_id}/input_items", "get"): ("A stored response's input items (paginated: order, after, "
+                                                         "limit)", None, False),
     ("/v1/messages", "post"): ("Anthropic Messages API", "MessagesRequest", True),
     ("/v1/messages/count_tokens", "post"): ("Anthropic token count of a Messages request", "MessagesRequest",
                                             False),

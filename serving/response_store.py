@@ -2,7 +2,8 @@
 /v1/responses/{id}` returns and what `previous_response_id` continues.
 
 In the server's memory, least recently used first out past `--max-stored-responses` (0 stores none),
-lost on restart. Each entry keeps the response object and the conversation so far as chat messages:
+lost on restart. Each entry keeps the response object, its request's input items (GET
+/v1/responses/{id}/input_items) and the conversation so far as chat messages:
 the earlier turns, this request's input and its answer (its text, not its reasoning), without the
 request's `instructions`, which a chained request does not inherit.
 """
@@ -18,6 +19,7 @@ DEFAULT_MAX_STORED = 1024
 class StoredResponse:
     response: dict
     conversation: tuple[dict, ...]
+    input_items: tuple[dict, ...] = ()   # the request's own input, as message items with ids
 
 
 class ResponseStore:
@@ -34,10 +36,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] = ()) -> None:
         if not self.enabled:
             return
-        self._entries[response["id"]] = StoredResponse(response, tuple(conversation))
+        self._entries[response["id"]] = StoredResponse(response, tuple(conversation), tuple(input_items))
         self._entries.move_to_end(response["id"])
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

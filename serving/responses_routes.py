@@ -1,4 +1,5 @@
-"""OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{response_id}.
+"""OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{response_id}, GET
+/v1/responses/{response_id}/input_items.
 
 A request's `instructions`, the stored conversation its `previous_response_id` names and its own
 `input` (responses_input.py) render with the chat template like a chat; the answer comes back as
@@ -23,7 +24,7 @@ from serving.bridge import Job, first_delta, stream_jobs, until_disconnect, with
 from serving.errors import APIError, invalid
 from serving.protocol import Fields, chat_render_options, check_model, sampling_params
 from serving.responses_input import check_supported, input_messages, instructions_message, wants_logprobs
-from serving.responses_output import ResponseOutput
+from serving.responses_output import ResponseOutput, item_id
 from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
 
 
@@ -73,7 +74,8 @@ async def create_response(request: Request):
     f = Fields(await read_json(request))
     model = check_model(f, state.model_names)
     check_supported(f)
-    conversation = _previous_conversation(f, state) + input_messages(f)
+    own_input = input_messages(f)
+    conversation = _previous_conversation(f, state) + own_input
     instructions = instructions_message(f)
     top_logprobs = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     logprobs = (top_logprobs or 0) if wants_logprobs(f) else None
@@ -104,7 +106,8 @@ async def create_response(request: Request):
                               "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens},
                               "total_tokens": len(prompt_ids) + out.num_tokens}}
         if head["store"]:
-            state.responses.put(response, conversation + [{"role": "assistant", "content": out.conversation_text}])
+            state.responses.put(response, conversation + [{"role": "assistant", "content": out.conversation_text}],
+                                input_items(own_input))
         return response
 
     first = await first_delta(request, deltas)
@@ -146,6 +149,39 @@ async def get_response(request: Request) -> JSONResponse:
     return JSONResponse(_stored(request).response)
 
 
+def input_items(messages: list[dict]) -> list[dict]:
+    """A request's input messages as the message items GET .../input_items lists."""
+    return [{"id": item_id("msg"), "type": "message", "role": m["role"], "status": "completed",
+             "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"],
+                          **({"annotations": []} if m["role"] == "assistant" else {})}]} for m in messages]
+
+
+async def list_input_items(request: Request) -> JSONResponse:
+    """OpenAI's paginated list of a stored response's input items: `order` (desc by default), `after` (an
+    item id), `limit` (1-100, default 20)."""
+    items = list(_stored(request).input_items)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("'order' must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise invalid("'limit' must be an integer in [1, 100]", param="limit")
+    if order == "desc":
+        items.reverse()
+    if "after" in query:
+        ids = [item["id"] for item in items]
+        if query["after"] not in ids:
+            raise invalid(f"no input item has the id '{query['after']}'", param="after")
+        items = items[ids.index(query["after"]) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+
 async def delete_response(request: Request) -> JSONResponse:
     state, response_id = server_state(request), request.path_params["response_id"]
     _stored(request)
@@ -165,4 +201,5 @@ ROUTES = [
     Route("/v1/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
 ]

@@ -107,6 +107,21 @@ def test_stored_responses_can_be_read_and_deleted(client):
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_list_the_requests_own_input_in_pages(client):
+    turns = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
+             {"role": "user", "content": "Three?"}]
+    r = client.responses.create(model=MODEL_NAME, input=turns, instructions=INSTRUCTIONS, max_output_tokens=2)
+    newest_first = client.responses.input_items.list(r.id)
+    assert [item.content[0].text for item in newest_first.data] == ["Three?", "Two.", "One."]
+    assert [item.role for item in newest_first.data] == ["user", "assistant", "user"]   # no instructions
+    first = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [item.content[0].text for item in first.data] == ["One.", "Two."] and first.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=first.last_id)
+    assert [item.content[0].text for item in rest.data] == ["Three?"] and not rest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(r.id, limit=101)
+
+
 def test_logprobs_of_each_output_token(client):
     r = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=5, temperature=0,
                                 include=["message.output_text.logprobs"], top_logprobs=2)
