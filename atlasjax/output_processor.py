@@ -31,7 +31,7 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         """Start the request's detokenizer (none for a model without a tokenizer)."""
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and req.params.detokenize:
             self._detok[req] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                       req.params.skip_special_tokens)
 
@@ -67,7 +67,7 @@ class OutputProcessor:
         new_lp = None
         if p.logprobs is not None:
             new_lp = [self._logprob_dict(token, float(host.logprob[j, row]), host.top_vals[j, row],
-                                         host.top_ids[j, row], p.logprobs)]
+                                         host.top_ids[j, row], p.logprobs, p.detokenize)]
             req.logprobs.extend(new_lp)
         num_out = len(req.output_token_ids)
         finish, stop_reason = None, None
@@ -101,16 +101,16 @@ class OutputProcessor:
                            req.prompt_logprobs if num_out == 1 else None,
                            req.queue_seconds if num_out == 1 else None)
 
-    def _logprob_dict(self, token, lp, top_vals, top_ids, k) -> dict[int, Logprob]:
+    def _logprob_dict(self, token, lp, top_vals, top_ids, k, detokenize: bool = True) -> dict[int, Logprob]:
         d = {}
         for rank, (tid, val) in enumerate(zip(top_ids[:k], top_vals[:k]), start=1):
-            d[int(tid)] = Logprob(float(val), rank, self._tok_str(tid))
+            d[int(tid)] = Logprob(float(val), rank, self._tok_str(tid, detokenize))
         if token not in d:
-            d[token] = Logprob(lp, None, self._tok_str(token))
+            d[token] = Logprob(lp, None, self._tok_str(token, detokenize))
         return d
 
-    def _tok_str(self, tid):
-        return self.tokenizer.decode([int(tid)], skip_special_tokens=False) if self.tokenizer else None
+    def _tok_str(self, tid, detokenize: bool = True):
+        return self.tokenizer.decode([int(tid)], skip_special_tokens=False) if self.tokenizer and detokenize else None
 
     def _record_prompt_logprobs(self, req: Request, c, prompt_out, row: int) -> None:
         """Append the logprobs of the prompt tokens that chunk c's rows (from `row`) predict, those not recorded
@@ -124,7 +124,7 @@ class OutputProcessor:
         for pos in range(len(req.prompt_logprobs), min(c.start + c.num_tokens + 1, len(req.prompt_token_ids))):
             r = row + pos - 1 - c.start      # the row that predicts prompt token pos
             req.prompt_logprobs.append(self._logprob_dict(req.prompt_token_ids[pos], float(chosen[r]), vals[r],
-                                                          ids[r], k))
+                                                          ids[r], k, req.params.detokenize))
 
 
 def merged(a: StreamDelta | None, b: StreamDelta) -> StreamDelta:

@@ -30,6 +30,7 @@ class SamplingParams:
     logprobs: int | None = None      # top-k logprobs per generated token (the chosen one is always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True          # False: token ids only (no text, no stop strings), as vLLM's
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling, in [-100, 100]
     allowed_token_ids: list[int] | None = None   # sample only among these tokens (at most MAX_LOGIT_BIAS)
@@ -51,6 +52,8 @@ class SamplingParams:
             raise InvalidRequestError(msg)
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
+        if not self.detokenize and self.stop:
+            bad("stop strings need detokenize=True (without text there is nothing to match them in)")
         if not 0.0 <= self.temperature <= 100.0:
             bad(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

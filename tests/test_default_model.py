@@ -21,6 +21,25 @@ def test_stop_strings_are_not_emitted(smollm2):
     assert cut.finish_reason == "stop" and cut.stop_reason == "Paris"
 
 
+def test_detokenize_false_returns_the_same_tokens_without_text(smollm2):
+    """vLLM's detokenize=False (token ids only, as RL rollouts want them): the same ids and logprobs, no text,
+    no decoded logprob tokens; stop strings, which need text, are refused."""
+    import pytest
+
+    from atlasjax.errors import InvalidRequestError
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = dict(temperature=0, max_tokens=12, logprobs=2)
+    full = smollm2.chat(msgs, SamplingParams(**kw))[0].outputs[0]
+    ids = smollm2.chat(msgs, SamplingParams(detokenize=False, **kw))[0].outputs[0]
+    assert ids.token_ids == full.token_ids and ids.text == "" and full.text
+    for got, want in zip(ids.logprobs, full.logprobs):   # (the second run's prompt comes from the prefix cache)
+        assert got.keys() == want.keys()
+        assert [lp.logprob for lp in got.values()] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-4)
+    assert all(lp.decoded_token is None for d in ids.logprobs for lp in d.values())
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["Paris"])
+
+
 def test_text_prompts_share_a_batch(smollm2):
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
     together = smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
