@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from atlasjax import distributed, long_context_decode, metrics, weights_summary
+from atlasjax import bad_words, distributed, long_context_decode, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
@@ -175,13 +175,14 @@ class LLMEngine:
             if getattr(params, name) and max(getattr(params, name)) >= vocab:
                 raise InvalidRequestError(f"{name} token ids must be in [0, {vocab})")
         max_tokens = self._check_length(len(token_ids), params)
+        bad_seqs = bad_words.token_sequences(params.bad_words, self.tokenizer)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         seqs = []
         for i in range(params.n):
             seed = base_seed if i == 0 else hash((base_seed, i)) & 0x7FFFFFFF
             req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
                           max_tokens, self.eos_token_ids, arrival_time or time.monotonic(), priority)
-            req.index, req.parent_id = i, request_id
+            req.index, req.parent_id, req.bad_word_ids = i, request_id, bad_seqs
             self.outputs.add(req)
             seqs.append(req)
             self.scheduler.add(req)
@@ -267,8 +268,8 @@ class LLMEngine:
             for req in sched.admitted:
                 if req.queue_seconds is None:
                     req.queue_seconds = max(0.0, now - req.arrival_time)
-            self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.bias_table())
-                               for req in sched.admitted])
+            self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.bias_table(),
+                                req.bad_word_ids) for req in sched.admitted])
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
         # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)
         num_steps = self.config.num_scheduler_steps if sched.num_steps > 1 else 1

@@ -35,6 +35,7 @@ class Request:
     page_keys: list[tuple] = dataclasses.field(default_factory=list)
     num_registered_pages: int = 0
     slot: int = -1                        # row in the device-side per-slot state
+    bad_word_ids: list[list[int]] = dataclasses.field(default_factory=list)   # params.bad_words tokenized
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first admission)
     queue_seconds: float | None = None    # arrival to first admission (time.monotonic, set by the engine)
     num_preemptions: int = 0

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import program_store, sampling, steps
+from atlasjax import bad_words, program_store, sampling, steps
+from atlasjax.bad_words import HISTORY, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS
 from atlasjax.sharding import TP_AXIS
 from atlasjax.sampling_params import MAX_LOGIT_BIAS
 from atlasjax.step_options import step_compiler_options
@@ -128,7 +129,10 @@ class ModelRunner:
         return DeviceState(kv=kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
                            prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
                            bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),
-                           bias_vals=jax.ShapeDtypeStruct(bias, jnp.float32, **extra))
+                           bias_vals=jax.ShapeDtypeStruct(bias, jnp.float32, **extra),
+                           bad_words=jax.ShapeDtypeStruct((self.max_num_seqs, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS),
+                                                          jnp.int32, **extra),
+                           recent=jax.ShapeDtypeStruct((self.max_num_seqs, HISTORY), jnp.int32, **extra))
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""
@@ -300,8 +304,8 @@ class ModelRunner:
         return min(self.max_num_seqs, ADMIT_ROWS)
 
     def _admit_spec(self, group) -> StepSpec:
-        """group: (slot, token ids, prompt_len, bias table) of up to `admit_rows` requests, distinct slots,
-        max_model_len tokens in all (`admit` packs them so)."""
+        """group: (slot, token ids, prompt_len, bias table, bad-word sequences) of up to `admit_rows` requests,
+        distinct slots, max_model_len tokens in all (`admit` packs them so)."""
         rows = self.admit_rows
         slots = np.full(rows, self.max_num_seqs, np.int32)
         starts = np.zeros(rows + 1, np.int32)
@@ -309,13 +313,15 @@ class ModelRunner:
         tokens = np.zeros(self.max_model_len, np.int32)
         bias_ids = np.zeros((rows, MAX_LOGIT_BIAS), np.int32)
         bias_vals = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
-        for r, (slot, token_ids, prompt_len, bias) in enumerate(group):
+        bad = np.full((rows, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS), -1, np.int32)
+        for r, (slot, token_ids, prompt_len, bias, bad_seqs) in enumerate(group):
             slots[r], prompt_lens[r] = slot, prompt_len
             starts[r + 1] = starts[r] + len(token_ids)
             tokens[starts[r]:starts[r + 1]] = token_ids
             bias_ids[r], bias_vals[r] = sampling.logit_bias_row(bias)
+            bad[r] = bad_words.table(bad_seqs)
         starts[len(group) + 1:] = starts[len(group)]   # padding rows: empty
-        packed, layout = steps.pack_host((slots, starts, prompt_lens, tokens, bias_ids, bias_vals))
+        packed, layout = steps.pack_host((slots, starts, prompt_lens, tokens, bias_ids, bias_vals, bad))
         return StepSpec(("admit", self.max_model_len, rows), functools.partial(steps.admit_step, layout), (0,),
                         (self._state_arg, self._host(packed)))
 
@@ -455,17 +461,18 @@ class ModelRunner:
 
     def admit(self, requests) -> None:
         """Reset the sampling state of each request's slot: requests, (slot, token ids so far, prompt_len,
-        SamplingParams.bias_table()) each (the first prompt_len tokens its prompt; a request's tokens past
-        max_model_len are left out). They run in as few admit steps as hold them: up to `admit_rows` requests and
-        max_model_len tokens each, in order (a slot named twice starts a new step, so the later one wins)."""
+        SamplingParams.bias_table(), bad-word token sequences) each (the first prompt_len tokens its prompt; a
+        request's tokens past max_model_len are left out). They run in as few admit steps as hold them: up to
+        `admit_rows` requests and max_model_len tokens each, in order (a slot named twice starts a new step, so
+        the later one wins)."""
         group, used = [], 0
-        for slot, token_ids, prompt_len, bias in requests:
+        for slot, token_ids, prompt_len, bias, bad_seqs in requests:
             token_ids = token_ids[:self.max_model_len]
             if group and (len(group) == self.admit_rows or used + len(token_ids) > self.max_model_len
                           or any(slot == g[0] for g in group)):
                 self.state = self._run(self._admit_spec(group))
                 group, used = [], 0
-            group.append((slot, token_ids, prompt_len, bias))
+            group.append((slot, token_ids, prompt_len, bias, bad_seqs))
             used += len(token_ids)
         if group:
             self.state = self._run(self._admit_spec(group))

@@ -1,7 +1,7 @@
 """On-device sampling for a batch of rows, each with its own parameters (runs inside the jitted steps).
 
 Order per row: raw logprobs (reported) -> repetition / frequency / presence penalties -> logit
-bias -> allowed_token_ids masking -> min_tokens masking of stop ids -> greedy argmax, or
+bias -> allowed_token_ids masking -> bad_words masking -> min_tokens masking of stop ids -> greedy argmax, or
 temperature, top-k / top-p / min-p filtering and a seeded Gumbel-max draw.
 
 There is no data-dependent branch (a `lax.cond` makes the GPU runtime copy its predicate to the
@@ -54,7 +54,7 @@ def plan_rows(rows: list[tuple[SamplingParams, int, int, tuple[int, ...]] | None
         logprobs |= p.logprobs is not None
         greedy &= (p.temperature == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0
                    and p.presence_penalty == 0 and step >= p.min_tokens and not p.logit_bias
-                   and p.allowed_token_ids is None)
+                   and p.allowed_token_ids is None and not p.bad_words)
     return SamplingPlan(greedy, logprobs)
 
 
@@ -171,12 +171,23 @@ def logit_bias_row(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarra
     return ids, vals
 
 
-def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan = FULL, bias=None):
+def banned_by_bad_words(table, recent, vocab: int):
+    """[rows, vocab] bool: the last token of each bad-word sequence whose earlier tokens the row generated last.
+    table [rows, S, L]: sequences right-aligned, -1 before them; recent [rows, L - 1]: the row's last
+    generated tokens, -1 where it has fewer (atlasjax/bad_words.py)."""
+    prefix, last = table[..., :-1], table[..., -1]
+    match = jnp.all((prefix < 0) | (prefix == recent[:, None, :]), axis=-1) & (last >= 0)
+    rows = table.shape[0]
+    return jnp.zeros((rows, vocab), bool).at[jnp.arange(rows)[:, None], jnp.maximum(last, 0)].max(match)
+
+
+def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan = FULL, bias=None, bad=None):
     """logits: [rows, vocab] f32 -> (tokens [rows], chosen logprob [rows], top vals/ids [rows, K]).
 
     bias: (token ids, values), each [rows, MAX_LOGIT_BIAS], added to the logits; a row whose F_ONLY_LISTED
-    is set (allowed_token_ids) may pick only the listed ids. Neither applies with a greedy plan, which no
-    such row gets. Logprobs are zeros unless `plan.logprobs`."""
+    is set (allowed_token_ids) may pick only the listed ids. bad: (bad-word table, recent tokens) per row
+    (`banned_by_bad_words`). None applies with a greedy plan, which no such row gets. Logprobs are zeros
+    unless `plan.logprobs`."""
     f, i = st.floats, st.ints
     rows, vocab = logits.shape
     if plan.greedy:
@@ -190,6 +201,8 @@ def sample(logits, counts, prompt_mask, st: SamplingTensors, plan: SamplingPlan 
         logits = logits.at[at].add(bias[1], mode="drop")
         listed = jnp.zeros((rows, vocab), bool).at[at].set(True, mode="drop")
         logits = jnp.where((f[:, F_ONLY_LISTED:F_ONLY_LISTED + 1] > 0) & ~listed, -jnp.inf, logits)
+    if bad is not None:
+        logits = jnp.where(banned_by_bad_words(*bad, vocab), -jnp.inf, logits)
     # min_tokens: stop ids may not be chosen yet
     stop_ids = i[:, 5:]
     block = (i[:, I_STEP] < i[:, I_MIN_TOKENS])[:, None] & (stop_ids >= 0)

@@ -35,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling, in [-100, 100]
     allowed_token_ids: list[int] | None = None   # sample only among these tokens (at most MAX_LOGIT_BIAS)
     truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens; -1: as many as fit (see below)
+    bad_words: list[str] | None = None           # words never generated (atlasjax/bad_words.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +47,7 @@ class SamplingParams:
         self._validate()
         self.logit_bias = parse_logit_bias(self.logit_bias)
         self.allowed_token_ids = parse_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = parse_bad_words(self.bad_words)
 
     def _validate(self):
         def bad(msg):
@@ -106,6 +108,20 @@ class SamplingParams:
             return self.logit_bias
         bias = self.logit_bias or {}
         return {t: bias.get(t, 0.0) for t in self.allowed_token_ids}
+
+
+MAX_BAD_WORDS = 16
+
+
+def parse_bad_words(words) -> list[str] | None:
+    if words is None:
+        return None
+    if isinstance(words, str) or not isinstance(words, list | tuple) or not all(isinstance(w, str) and w.strip()
+                                                                                for w in words):
+        raise InvalidRequestError("bad_words must be a list of non-empty strings")
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequestError(f"bad_words has {len(words)} entries; at most {MAX_BAD_WORDS} are supported")
+    return list(words) or None
 
 
 def check_truncate_prompt_tokens(k) -> int | None:

@@ -7,6 +7,11 @@ Device state (donated to every step, so it is updated in place and never copied)
   prompt_mask: [max_num_seqs, vocab] bool, tokens seen in the prompt per slot (repetition penalty)
   bias_ids, bias_vals: [max_num_seqs, MAX_LOGIT_BIAS] int32 / f32, each slot's bias table (its logit_bias,
   or its allowed_token_ids with their biases; set at admit)
+  bad_words:   [max_num_seqs, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS] int32, each slot's bad-word sequences
+               (atlasjax/bad_words.py; set at admit)
+  recent:      [max_num_seqs, MAX_BAD_WORD_TOKENS - 1] int32, each slot's last generated tokens (-1: none yet),
+               which bad words of several tokens match; set at admit, advanced by every step that samples with
+               the full plan (a request with bad words never runs a greedy-plan step)
 
 A step's small host inputs cross to the device as one packed int32 array (`pack_host`).
 """
@@ -29,6 +34,8 @@ class DeviceState:
     prompt_mask: jax.Array
     bias_ids: jax.Array
     bias_vals: jax.Array
+    bad_words: jax.Array
+    recent: jax.Array
 
 
 @flax.struct.dataclass
@@ -96,18 +103,26 @@ def _padded_to_slots(tokens, num_slots: int):
     return jnp.pad(tokens, (0, num_slots - tokens.shape[0]))
 
 
-def _sample_rows(state: DeviceState, counts, logits, slots, st, plan=sampling.FULL):
-    """Sample each row with its slot's penalty state and logit bias (the greedy plans read neither, and XLA
-    drops these gathers from them)."""
+def _sample_rows(state: DeviceState, counts, recent, logits, slots, st, plan=sampling.FULL):
+    """Sample each row with its slot's penalty state, logit bias and bad words (the greedy plans read none,
+    and XLA drops these gathers from them)."""
     bias = (_slot_rows(state.bias_ids, slots), _slot_rows(state.bias_vals, slots))
-    return sampling.sample(logits, _slot_rows(counts, slots), _slot_rows(state.prompt_mask, slots), st, plan, bias)
+    bad = (_slot_rows(state.bad_words, slots), _slot_rows(recent, slots))
+    return sampling.sample(logits, _slot_rows(counts, slots), _slot_rows(state.prompt_mask, slots), st, plan, bias,
+                           bad)
 
 
-def _decode_once(model: Transformer, plan, params, kv, counts, state: DeviceState, tokens, page_table, seq_lens,
-                 slots, st, split_rows=None):
+def _advance_recent(recent, slots, new_tokens):
+    """Each sampled row's slot history with its new token last (rows whose slot is out of range: dropped)."""
+    rows = _slot_rows(recent, slots)
+    return recent.at[slots].set(jnp.concatenate([rows[:, 1:], new_tokens[:, None]], axis=1), mode="drop")
+
+
+def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: DeviceState, tokens, page_table,
+                 seq_lens, slots, st, split_rows=None):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv and counts are the iteration's own. split_rows: AttentionMetadata's."""
+    per-slot sampling state; kv, counts and recent are the iteration's own. split_rows: AttentionMetadata's."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
@@ -115,9 +130,11 @@ def _decode_once(model: Transformer, plan, params, kv, counts, state: DeviceStat
                              split_rows=split_rows)
     hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
-    new_tokens, lp, tv, ti = _sample_rows(state, counts, logits, slots, st, plan)
+    new_tokens, lp, tv, ti = _sample_rows(state, counts, recent, logits, slots, st, plan)
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
-    return kv, counts, StepOutput(new_tokens, lp, tv, ti)
+    if not plan.greedy:
+        recent = _advance_recent(recent, jnp.where(seq_lens > 0, slots, counts.shape[0]), new_tokens)
+    return kv, counts, recent, StepOutput(new_tokens, lp, tv, ti)
 
 
 def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
@@ -125,10 +142,10 @@ def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     """One decode iteration (split_rows: the attention's, AttentionMetadata)."""
     tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    kv, counts, out = _decode_once(model, plan, params, state.kv, state.counts, state, tokens,
-                                   page_table, seq_lens, slots, sampling.SamplingTensors(f, i), split_rows)
+    kv, counts, recent, out = _decode_once(model, plan, params, state.kv, state.counts, state.recent, state, tokens,
+                                           page_table, seq_lens, slots, sampling.SamplingTensors(f, i), split_rows)
     out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
-    return state.replace(kv=kv, counts=counts), out
+    return state.replace(kv=kv, counts=counts, recent=recent), out
 
 
 def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params,
@@ -140,17 +157,18 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
 
     def body(carry, j):
-        kv, counts, tokens = carry
+        kv, counts, recent, tokens = carry
         active = (seq_lens > 0) & (j < row_steps)
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
-        kv, counts, out = _decode_once(model, plan, params, kv, counts, state, tokens, page_table,
-                                       jnp.where(active, seq_lens + j, 0), slots, st, split_rows)
+        kv, counts, recent, out = _decode_once(model, plan, params, kv, counts, recent, state, tokens, page_table,
+                                               jnp.where(active, seq_lens + j, 0), slots, st, split_rows)
         tokens = jnp.where(active, out.tokens, tokens)
-        return (kv, counts, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
+        return (kv, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
-    (kv, counts, tokens), outs = jax.lax.scan(body, (state.kv, state.counts, tokens), jnp.arange(num_steps))
-    return state.replace(kv=kv, counts=counts), StepOutput(
+    (kv, counts, recent, tokens), outs = jax.lax.scan(body, (state.kv, state.counts, state.recent, tokens),
+                                                      jnp.arange(num_steps))
+    return state.replace(kv=kv, counts=counts, recent=recent), StepOutput(
         *outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
 
 
@@ -168,8 +186,9 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
     hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
     slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
-    new_tokens, lp, tv, ti = _sample_rows(state, state.counts, logits, slots, st)
+    new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, slots, st)
     counts = state.counts.at[slots, new_tokens].add(1, mode="drop")
+    state = state.replace(recent=_advance_recent(state.recent, slots, new_tokens))
     out = StepOutput(new_tokens, lp, tv, ti)
     if with_prompt_logprobs:
         all_logits = model.apply({"params": params}, hidden, method=Transformer.logits)
@@ -182,9 +201,10 @@ def admit_step(layout, state: DeviceState, packed):
     requests in one program). Host inputs: slots [A] (padding rows: max_num_seqs, dropped), starts [A + 1]
     (request r's tokens are tokens[starts[r]:starts[r + 1]]: its prompt, then, after a preemption, its
     earlier outputs), prompt_lens [A], tokens [L] (all the requests' tokens, one after another), and each
-    request's logit bias [A, MAX_LOGIT_BIAS] ids and values. A slot's prompt mask becomes the tokens of
-    its request, its generated counts those past its prompt, its logit bias the request's."""
-    slots, starts, prompt_lens, tokens, bias_ids, bias_vals = unpack_host(packed, layout)
+    request's logit bias [A, MAX_LOGIT_BIAS] ids and values and bad-word table [A, MAX_BAD_WORD_SEQS,
+    MAX_BAD_WORD_TOKENS]. A slot's prompt mask becomes the tokens of its request, its generated counts those past
+    its prompt, its logit bias and bad words the request's, its recent tokens the last it generated."""
+    slots, starts, prompt_lens, tokens, bias_ids, bias_vals, bad_words = unpack_host(packed, layout)
     num_slots, rows = state.counts.shape[0], slots.shape[0]
     idx = jnp.arange(tokens.shape[0])
     # [L] each token's request (`rows` past the last); one compare of [L, A], no loop
@@ -195,5 +215,11 @@ def admit_step(layout, state: DeviceState, packed):
     generated = (in_seq & (idx - starts[row] >= prompt_lens[row])).astype(jnp.int32)
     counts = state.counts.at[slots].set(0, mode="drop").at[token_slot, tokens].add(generated, mode="drop")
     mask = state.prompt_mask.at[slots].set(False, mode="drop").at[token_slot, tokens].max(in_seq, mode="drop")
+    history = state.recent.shape[1]
+    at = starts[1:, None] - history + jnp.arange(history)[None, :]          # [A, H] each request's last H tokens
+    generated = at >= (starts[:-1] + prompt_lens)[:, None]
+    recent = jnp.where(generated, tokens[jnp.clip(at, 0, tokens.shape[0] - 1)], -1)
     return state.replace(counts=counts, prompt_mask=mask, bias_ids=state.bias_ids.at[slots].set(bias_ids, mode="drop"),
-                         bias_vals=state.bias_vals.at[slots].set(bias_vals, mode="drop"))
+                         bias_vals=state.bias_vals.at[slots].set(bias_vals, mode="drop"),
+                         bad_words=state.bad_words.at[slots].set(bad_words, mode="drop"),
+                         recent=state.recent.at[slots].set(recent, mode="drop"))

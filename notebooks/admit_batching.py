@@ -27,7 +27,8 @@ engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=SLOTS, max_model_
                                 max_num_batched_tokens=512), load_preset(PRESET, jnp.bfloat16))
 runner = engine.runner
 rng = np.random.default_rng(0)
-requests = [(slot, rng.integers(0, engine.model_config.vocab_size, PROMPT).tolist(), PROMPT, None) for slot in range(N)]
+requests = [(slot, rng.integers(0, engine.model_config.vocab_size, PROMPT).tolist(), PROMPT, None, [])
+            for slot in range(N)]
 
 
 def timed(admit):

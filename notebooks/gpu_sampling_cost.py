@@ -18,7 +18,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from atlasjax.sampling import FULL, SamplingPlan, SamplingTensors, _sort_desc, _top_k, pack_rows, sample
 from atlasjax.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams

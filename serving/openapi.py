@@ -16,6 +16,7 @@ SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "prese
             "min_tokens": INT, "ignore_eos": BOOL, "stop_token_ids": {"type": "array", "items": INT},
             "logit_bias": {"type": "object", "additionalProperties": NUM},
             "allowed_token_ids": {"type": "array", "items": INT}, "truncate_prompt_tokens": INT,
+            "bad_words": {"type": "array", "items": STR},
             "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
             "priority": INT, "use_beam_search": BOOL, "length_penalty": NUM}
 MESSAGE = {"type": "object", "required": ["role", "content"],

@@ -11,7 +11,7 @@ import math
 
 from atlasjax.errors import InvalidRequestError
 from atlasjax.sampling_params import (SamplingParams, check_truncate_prompt_tokens, parse_allowed_token_ids,
-                                      parse_logit_bias)
+                                      parse_bad_words, parse_logit_bias)
 from serving.errors import invalid
 
 INT32_MAX = 2**31 - 1
@@ -146,6 +146,7 @@ def sampling_params(f: Fields, *, max_tokens: int | None, max_model_len: int, lo
     )
     for name, parse in (("logit_bias", lambda: parse_logit_bias(f.object("logit_bias"))),  # {"token id": bias}
                         ("allowed_token_ids", lambda: parse_allowed_token_ids(f.raw("allowed_token_ids"))),
+                        ("bad_words", lambda: parse_bad_words(f.raw("bad_words"))),
                         ("truncate_prompt_tokens", lambda: check_truncate_prompt_tokens(
                             kwargs["truncate_prompt_tokens"]))):
         try:

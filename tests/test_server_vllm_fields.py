@@ -210,3 +210,15 @@ def test_several_served_model_names_are_each_accepted_and_listed():
     parser = argparse.ArgumentParser()
     add_server_args(parser)
     assert parser.parse_args(["--served-model-name", "main-name", "alias"]).served_model_name == ["main-name", "alias"]
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(client, llm):
+    """vLLM's bad_words: the greedy answer's first word, banned, is not its first token any more."""
+    ref = chat_reference(llm, CHAT, 4).outputs[0]
+    word = llm.tokenizer.decode(ref.token_ids[:1]).strip()
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0,
+                                       logprobs=True, extra_body={"bad_words": [word]})
+    first = r.choices[0].logprobs.content[0].token
+    assert first.strip() != word and r.choices[0].message.content != ref.text
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"bad_words": "x"})
