@@ -9,6 +9,7 @@ from atlasjax.errors import InvalidRequestError
 MAX_LOGPROBS = 20          # top-k logprobs computed on device (static shape)
 MAX_STOP_TOKEN_IDS = 16    # per-request stop ids masked on device while min_tokens is not reached
 MAX_LOGIT_BIAS = 300       # logit_bias entries per request (OpenAI's limit; kept per slot on device)
+MAX_BAD_WORDS = 16         # bad_words per request (their token sequences: atlasjax/bad_words.py)
 
 
 @dataclasses.dataclass
@@ -108,9 +109,6 @@ class SamplingParams:
             return self.logit_bias
         bias = self.logit_bias or {}
         return {t: bias.get(t, 0.0) for t in self.allowed_token_ids}
-
-
-MAX_BAD_WORDS = 16
 
 
 def parse_bad_words(words) -> list[str] | None:
