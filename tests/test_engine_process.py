@@ -160,6 +160,21 @@ def test_log_requests_logs_each_request_without_its_text(server):
     assert "giraffe" not in server.log()
 
 
+def test_the_server_logs_stats_lines_with_the_tokens_it_generated(server):
+    """`serve --log-stats-interval` (0.5 s here): a stats line counts the tokens the engine process made."""
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": MODEL_NAME, "prompt": "Count with me", "max_tokens": 8, "ignore_eos": True},
+                   timeout=120)
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [line for line in server.log().splitlines() if "generation throughput" in line]
+        if any("generation throughput 0.0 " not in line for line in lines):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no stats line with generated tokens:\n{server.log()[-2000:]}")
+
+
 def test_a_server_with_an_engine_process_answers_as_in_process(server, tmp_path_factory):
     ref = greedy_reference(reference_llm(tmp_path_factory), ["Hello there", "Count: 1 2 3"], 6)
     headers = {"Authorization": f"Bearer {API_KEY}"}
