@@ -109,8 +109,7 @@ class LLM:
         from atlasjax.forward import pad_batch  # noqa: PLC0415
         if distributed.is_multiprocess():
             raise RuntimeError("LLM.forward runs in a single-process engine")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         seqs = [self.engine.tokenize_prompt(p) for p in prompts]
         logits, hidden = self._forward_jit(self.params, pad_batch(seqs, self.engine.max_model_len))
         logits = np.asarray(logits)
@@ -134,9 +133,7 @@ class LLM:
                  use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. One output per prompt.
         priority: one integer per prompt, with `scheduling_policy="priority"` (lower is served sooner)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
@@ -175,8 +172,7 @@ class LLM:
         """vLLM's beam search (atlasjax/beam_search.py): per prompt (a string or token ids, or a list of
         either), the params.beam_width best sequences, best first. Each round extends every prompt's live
         beams by one token in one batch through the engine."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         searches = [BeamSearch(self.engine.tokenize_prompt(p), params, self.engine.eos_token_ids,
                                self.engine.max_model_len) for p in prompts]
         step = searches[0].step_params() if searches else None
@@ -216,3 +212,10 @@ class LLM:
         return RequestOutput(rid, prompt if isinstance(prompt, str) else None, list(first.prompt_token_ids), outs,
                              finished=True, num_cached_tokens=first.num_cached_tokens or 0,
                              prompt_logprobs=first.prompt_logprobs)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string or a list of token ids) or a list of them, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

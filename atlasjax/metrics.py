@@ -44,5 +44,10 @@ class EngineStats:
         self.cached_prompt_tokens += req.num_cached_tokens or 0
 
     @property
+    def kv_cache_usage(self) -> float:
+        """Pages in use (free ones, cached prefixes included, not counted) over the pool, 0 to 1."""
+        return (self.pages_total - self.pages_free) / self.pages_total if self.pages_total else 0.0
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

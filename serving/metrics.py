@@ -33,7 +33,7 @@ class EngineCollector(Collector):
             ("atlasjax_kv_pages_total", "KV cache pages in the pool", stats.pages_total),
             ("atlasjax_prefix_cache_hit_rate", "Prefix cache hits / queries, in pages", stats.prefix_cache_hit_rate),
             ("atlasjax_kv_cache_usage_perc", "Fraction of the KV page pool in use (1 = full)",
-             (stats.pages_total - stats.pages_free) / stats.pages_total if stats.pages_total else 0.0),
+             stats.kv_cache_usage),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

@@ -20,27 +20,24 @@ log = logging.getLogger("atlasjax.stats")
 class StatsLogger:
     def __init__(self, llm, interval: float):
         self.llm, self.interval = llm, interval
-        self._last = self._read(time.monotonic())
+        stats = llm.stats
+        self._last = (time.monotonic(), stats.prompt_tokens, stats.generation_tokens)
         self._was_busy = False
-
-    def _read(self, now: float) -> tuple[float, int, int]:
-        stats = self.llm.stats
-        return now, stats.prompt_tokens, stats.generation_tokens
 
     def line(self, now: float) -> str | None:
         """The line for the interval ending now (None: idle then and before)."""
-        stats = self.llm.stats
-        (then, prompt0, gen0), (_, prompt1, gen1) = self._last, self._read(now)
+        stats = self.llm.stats     # (an engine thread's stats are refreshed on each read: read them once)
+        (then, prompt0, gen0), prompt1, gen1 = self._last, stats.prompt_tokens, stats.generation_tokens
         self._last = (now, prompt1, gen1)
         busy = bool(stats.num_running or stats.num_waiting or prompt1 > prompt0 or gen1 > gen0)
         if not (busy or self._was_busy):
             return None
         self._was_busy = busy
         seconds = max(now - then, 1e-9)
-        used = (stats.pages_total - stats.pages_free) / stats.pages_total if stats.pages_total else 0.0
         return (f"prompt throughput {(prompt1 - prompt0) / seconds:.1f} tokens/s, generation throughput "
                 f"{(gen1 - gen0) / seconds:.1f} tokens/s, running {stats.num_running}, waiting {stats.num_waiting}, "
-                f"KV cache {100 * used:.1f}% used, prefix cache hit rate {100 * stats.prefix_cache_hit_rate:.1f}%")
+                f"KV cache {100 * stats.kv_cache_usage:.1f}% used, "
+                f"prefix cache hit rate {100 * stats.prefix_cache_hit_rate:.1f}%")
 
     async def run(self) -> None:
         while True:
