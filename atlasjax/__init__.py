@@ -9,7 +9,9 @@
 from atlasjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from atlasjax.errors import (AtlasJaxError, CheckpointError, EngineConfigError, InvalidRequestError,
                              UnsupportedModelError)
-from atlasjax.outputs import CompletionOutput, Logprob, RequestOutput
+from atlasjax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
+from atlasjax.pooling import PoolingParams
 from atlasjax.sampling_params import SamplingParams
 
 
@@ -28,6 +30,7 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
            "AtlasJaxError", "CheckpointError", "EngineConfigError", "InvalidRequestError", "UnsupportedModelError"]
 __version__ = "0.1.0"

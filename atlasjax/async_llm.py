@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -30,7 +31,7 @@ log = logging.getLogger("atlasjax.async")
 class StreamingLLM:
     """The asyncio side of an engine that runs elsewhere (a thread: AsyncLLM; a process:
     atlasjax.engine_process.EngineProcessLLM): per-request queues fed by `_deliver`, and commands
-    ("add" / "abort" / "release" / "reset_prefix_cache") sent through `_submit`, carried out in order."""
+    ("add" / "abort" / "release" / "reset_prefix_cache" / "embed") sent through `_submit`, carried out in order."""
 
     def __init__(self):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -76,6 +77,22 @@ class StreamingLLM:
             self._streams.pop(request_id, None)
             # Finished: forget it. Not finished (consumer left): abort, which frees its pages.
             self._submit(("release" if remaining == 0 else "abort", request_id))
+
+    async def embed(self, prompts: list, params, request_id: str | None = None) -> list:
+        """`LLMEngine.embed` on the engine's side, between its steps: (token ids, vector) per prompt."""
+        if self._error is not None:
+            raise RuntimeError(f"the engine failed: {self._error!r}")
+        request_id = request_id or f"embd-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._submit(("embed", request_id, prompts, params))
+        try:
+            item = await queue.get()
+        finally:
+            self._streams.pop(request_id, None)
+        if isinstance(item, BaseException):
+            raise item
+        return item.results
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -202,7 +219,21 @@ def apply_command(engine: LLMEngine, cmd) -> list:
         engine.release(request_id)
     elif kind == "reset_prefix_cache":
         engine.pool.reset_prefix_cache()
+    elif kind == "embed":
+        try:
+            return [(request_id, Embeddings(engine.embed(cmd[2], cmd[3])))]
+        except AtlasJaxError as e:
+            return [(request_id, e)]
+        except Exception as e:  # noqa: BLE001 (embedding leaves the engine's state alone: report it, keep serving)
+            log.exception("embedding request %s failed", request_id)
+            return [(request_id, RuntimeError(f"embedding failed: {type(e).__name__}: {e}"))]
     return []
+
+
+@dataclasses.dataclass
+class Embeddings:
+    """An embed command's answer on its way to the caller: (token ids, vector) per input."""
+    results: list
 
 
 def _put_all(batch) -> None:

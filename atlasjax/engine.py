@@ -25,12 +25,14 @@ the stop checks token by token, drops what follows a stop, and returns one delta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from atlasjax import bad_words, distributed, long_context_decode, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
@@ -39,6 +41,7 @@ from atlasjax.kv_budget import auto_num_pages
 from atlasjax.output_processor import OutputProcessor
 from atlasjax.outputs import StreamDelta
 from atlasjax.page_pool import PagePool
+from atlasjax.pooling import PoolingParams, read_pooler_config
 from atlasjax.request import Request
 from atlasjax.runner import ModelRunner
 from atlasjax.sampling import pack_rows, plan_rows
@@ -51,6 +54,7 @@ from atlasjax.tokenizer import read_chat_template
 from atlasjax.waiting_queue import check_priority
 
 log = logging.getLogger("atlasjax.engine")
+EMBED_TOKEN_BUDGET = 2048     # padded tokens per embedding batch (at least max_num_batched_tokens)
 
 
 def resolve_dtype(name: str):
@@ -133,6 +137,7 @@ class LLMEngine:
         self.stats = metrics.EngineStats()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
         self._async_scheduling = config.async_scheduling
+        self.pooler = read_pooler_config(config.model, config.pooling_type)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
     def _check_num_pages(self, num_pages: int) -> None:
@@ -204,6 +209,28 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
+
+    def embed(self, prompts: list, params: PoolingParams | list[PoolingParams] | None = None
+              ) -> list[tuple[list[int], np.ndarray]]:
+        """(token ids embedded, float32 vector) per prompt (text or token ids), pooled as `self.pooler` says
+        (atlasjax/embedding.py). Runs between steps, beside the requests in flight, without touching them."""
+        if distributed.is_multiprocess():
+            raise RuntimeError("embeddings run in a single-process engine")
+        params = params if isinstance(params, list) else [params or PoolingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(params)} pooling params for {len(prompts)} inputs")
+        ids = self.embedder.check([self.tokenize_prompt(p) for p in prompts], params)
+        vectors = self.embedder.embed(ids, params)
+        self.stats.num_embedding_inputs += len(ids)
+        self.stats.embedding_tokens += sum(len(t) for t in ids)
+        return list(zip(ids, vectors))
+
+    @functools.cached_property
+    def embedder(self):
+        from atlasjax.embedding import Embedder  # noqa: PLC0415
+        log.info("embeddings: %s", self.pooler.describe())
+        return Embedder(self.runner, self.pooler, self.max_model_len,
+                        token_budget=max(self.config.max_num_batched_tokens, EMBED_TOKEN_BUDGET))
 
     def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len

@@ -5,6 +5,7 @@ import dataclasses
 
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
+from atlasjax.pooling import POOLING_TYPES
 from atlasjax.waiting_queue import SCHEDULING_POLICIES
 
 # interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; for checking them on a CPU)
@@ -114,6 +115,9 @@ class EngineConfig:
                                              # (read and checked by the engine before the model loads)
     generation_config: str = "auto"          # the model's generation_config.json (atlasjax/generation_config.py):
                                              # auto (beside the checkpoint) | vllm (ignored) | a directory or file
+    pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
+                                             # None: the model's sentence-transformers config, else last
+                                             # (atlasjax/pooling.py)
 
     def __post_init__(self):
         def bad(msg):
@@ -156,6 +160,8 @@ class EngineConfig:
         if not isinstance(self.quantize_lm_head, bool):
             bad(f"quantize_lm_head must be True or False, got {self.quantize_lm_head!r}")
         check_setting(self.generation_config)
+        if self.pooling_type not in (None, *POOLING_TYPES):
+            bad(f"pooling_type must be None or one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
         check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)

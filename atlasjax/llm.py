@@ -13,7 +13,9 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import InvalidRequestError
 from atlasjax.generation_config import default_sampling_params
-from atlasjax.outputs import CompletionOutput, RequestOutput
+from atlasjax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
+from atlasjax.pooling import PoolingParams
 from atlasjax.sampling_params import SamplingParams
 
 
@@ -123,6 +125,36 @@ class LLM:
         """`forward`'s one jitted program (hidden states always come out; only asked-for ones are copied back)."""
         import jax  # noqa: PLC0415
         return jax.jit(self.model_fn(return_hidden=True))
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, token ids, or a list of either), vLLM's `LLM.embed`: the
+        model's final hidden states pooled as `llm.engine.pooler` says (last token unless the model's
+        sentence-transformers config or `pooling_type` says otherwise), normalized unless asked not to.
+        truncate_prompt_tokens: keep each prompt's last N tokens (shorthand for the PoolingParams field)."""
+        prompts = _prompt_list(prompts)
+        if truncate_prompt_tokens is not None:
+            given = pooling_params if isinstance(pooling_params, list) else [pooling_params or PoolingParams()]
+            given = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in given]
+            pooling_params = given if isinstance(pooling_params, list) else given[0]
+        results = self.engine.embed(prompts, pooling_params)
+        return [EmbeddingRequestOutput(str(next(self._ids)), ids, EmbeddingOutput(vector.tolist()))
+                for ids, vector in results]
+
+    def score(self, text_1, text_2, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for embedding models: the cosine similarity of text_1's and text_2's embeddings.
+        One text against many (1 -> N), or pairwise (N -> N); each a string or token ids."""
+        first, second = _prompt_list(text_1), _prompt_list(text_2)
+        if not first or not second or len(first) not in (1, len(second)):
+            raise InvalidRequestError(f"score pairs one text with many or N texts with N; got {len(first)} and "
+                                      f"{len(second)}")
+        plain = dataclasses.replace(pooling_params or PoolingParams(), normalize=True)
+        results = self.engine.embed(first + second, plain)
+        left, right = results[:len(first)] * (len(second) // len(first)), results[len(first):]
+        out = []
+        for (ids_1, a), (ids_2, b) in zip(left, right):
+            out.append(ScoringRequestOutput(str(next(self._ids)), ids_1 + ids_2, ScoringOutput(float(a @ b))))
+        return out
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: the model's generation_config.json

@@ -228,11 +228,33 @@ def load_hf(model_dir: str, dtype, convert=None, mesh=None,
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
     cfg = from_hf_config(hf_config)
-    tensors = fold_kv_scales(iter_safetensors(model_dir), cfg, kv_cache_fp8)
+    tensors = fold_kv_scales(as_causal_lm(iter_safetensors(model_dir), cfg), cfg, kv_cache_fp8)
     scheme = prequantized.scheme_of(hf_config.get("quantization_config"), model_dir)
     if scheme is not None:   # saved quantized: weights as QuantizedWeight (floats when re-quantizing)
         tensors = prequantized.quantized_tensors(scheme, tensors, as_floats=convert is not None)
     return cfg, assemble_params(cfg, tensors, dtype, convert, _plan_for(cfg, mesh))
+
+
+_BASE_MODEL_NAMES = ("layers.", "embed_tokens.", "norm.")
+
+
+def as_causal_lm(tensors: Iterator[NamedTensor], cfg: ModelConfig) -> Iterator[NamedTensor]:
+    """A base-model checkpoint (saved from Qwen3Model or LlamaModel, as embedding models such as
+    Qwen3-Embedding ship: `layers.0...`, `embed_tokens.weight`, no `model.` prefix) read as the causal LM's
+    names. Such a checkpoint has no LM head: an untied one is taken from the embedding table (with a
+    warning: embeddings never use it, generation then means little)."""
+    renamed, embed, head = False, None, False
+    for name, reader in tensors:
+        if name.startswith(_BASE_MODEL_NAMES):
+            name, renamed = "model." + name, True
+        if name == "model.embed_tokens.weight":
+            embed = reader
+        head = head or name == "lm_head.weight"
+        yield name, reader
+    if renamed and not head and not cfg.tie_word_embeddings and embed is not None:
+        log.warning("the checkpoint is a base model without an LM head (an embedding model?): the head is the "
+                    "embedding table, so generation means little; embeddings are not affected")
+        yield "lm_head.weight", embed
 
 
 def _flatten(tree, prefix=()):

@@ -13,6 +13,8 @@ class EngineStats:
     prompt_tokens: int = 0          # prompt tokens computed (cache hits excluded)
     cached_prompt_tokens: int = 0   # prompt tokens served by the prefix cache
     generation_tokens: int = 0
+    num_embedding_inputs: int = 0   # inputs embedded (`LLMEngine.embed`)
+    embedding_tokens: int = 0       # their tokens
     num_steps: int = 0
     num_preemptions: int = 0
     num_running: int = 0

@@ -54,3 +54,35 @@ class StreamDelta:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # on a sequence's first delta, when asked
     # on a sequence's first delta: from arrival to its first admission (a timing, left out of ==)
     queue_seconds: float | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding (vLLM's): `outputs.embedding` is the vector, a list of floats."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """One pair's score (vLLM's, for embedding models): the cosine similarity of the two embeddings."""
+    request_id: str
+    prompt_token_ids: list[int]      # the first text's, then the second's
+    outputs: ScoringOutput
+    finished: bool = True

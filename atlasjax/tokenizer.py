@@ -19,6 +19,17 @@ def _token_str(tok) -> str | None:
     return tok
 
 
+def _appended_ids(tok: tokenizers.Tokenizer) -> tuple[int, ...]:
+    """Ids the tokenizer's post-processor appends to every text (an embedding model's EOS: Qwen3-Embedding
+    pools the `<|endoftext|>` it appends, as Hugging Face's tokenizer adds it); () for most models."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(full[start + len(plain):])
+    return ()
+
+
 class Tokenizer:
     def __init__(self, tok: tokenizers.Tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
                  eos_token_ids=(), add_bos: bool = False, chat_template: str | None = None):
@@ -33,6 +44,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.suffix_ids = _appended_ids(tok)
         self._template = None
 
     # ---- construction
@@ -76,6 +88,8 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None and \
                 (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
+        if add_special_tokens and self.suffix_ids and tuple(ids[-len(self.suffix_ids):]) != self.suffix_ids:
+            ids = ids + list(self.suffix_ids)
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

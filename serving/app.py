@@ -21,7 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving import anthropic_routes, openai_routes, responses_routes, utility_routes
+from serving import anthropic_routes, embeddings_routes, openai_routes, responses_routes, utility_routes
 from serving.bridge import ClientDisconnected
 from serving.errors import APIError, error_response
 from serving.metrics import ServerMetrics
@@ -78,7 +78,8 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
       log_stats_interval: seconds between the engine's stats lines in the log (serving/stats_log.py; 0: none).
     """
     metrics = ServerMetrics(engine)
-    routes = openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
+    routes = (openai_routes.ROUTES + responses_routes.ROUTES + embeddings_routes.ROUTES + anthropic_routes.ROUTES
+              + utility_routes.ROUTES)
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []
     if cors_origins:

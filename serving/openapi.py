@@ -19,6 +19,8 @@ SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "prese
             "bad_words": {"type": "array", "items": STR},
             "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
             "priority": INT, "use_beam_search": BOOL, "length_penalty": NUM}
+PROMPT = {"oneOf": [STR, {"type": "array", "items": STR}, {"type": "array", "items": INT},
+                    {"type": "array", "items": {"type": "array", "items": INT}}]}
 MESSAGE = {"type": "object", "required": ["role", "content"],
            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": TEXT_OR_PARTS}}
 
@@ -28,9 +30,7 @@ def _obj(required: list[str], **properties) -> dict:
 
 
 SCHEMAS = {
-    "CompletionRequest": _obj(["prompt"], model=STR, prompt={"oneOf": [
-        STR, {"type": "array", "items": STR}, {"type": "array", "items": INT},
-        {"type": "array", "items": {"type": "array", "items": INT}}]}, max_tokens=INT, logprobs=INT, echo=BOOL,
+    "CompletionRequest": _obj(["prompt"], model=STR, prompt=PROMPT, max_tokens=INT, logprobs=INT, echo=BOOL,
         prompt_logprobs=INT, return_tokens_as_token_ids=BOOL, **SAMPLING),
     "ChatCompletionRequest": _obj(["messages"], model=STR, messages={"type": "array", "items": MESSAGE},
                                   max_tokens=INT, max_completion_tokens=INT, logprobs=BOOL, top_logprobs=INT,
@@ -53,6 +53,12 @@ SCHEMAS = {
         text={"type": "object", "properties": {"format": {"type": "object", "properties": {
             "type": {"const": "text"}}}}},
         chat_template_kwargs={"type": "object"}, **SAMPLING),
+    "EmbeddingRequest": _obj([], model=STR, input=PROMPT, messages={"type": "array", "items": MESSAGE},
+                             encoding_format={"enum": ["float", "base64"]}, dimensions=INT, user=STR,
+                             truncate_prompt_tokens=INT, add_special_tokens=BOOL, normalize=BOOL,
+                             add_generation_prompt=BOOL, chat_template_kwargs={"type": "object"}),
+    "ScoreRequest": _obj(["text_1", "text_2"], model=STR, text_1=PROMPT, text_2=PROMPT, truncate_prompt_tokens=INT,
+                         add_special_tokens=BOOL),
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
                             add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),
     "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),
@@ -74,6 +80,11 @@ OPERATIONS = {
     ("/v1/messages", "post"): ("Anthropic Messages API", "MessagesRequest", True),
     ("/v1/messages/count_tokens", "post"): ("Anthropic token count of a Messages request", "MessagesRequest",
                                             False),
+    ("/v1/embeddings", "post"): ("OpenAI embeddings (pooled final hidden states; input or chat messages)",
+                                 "EmbeddingRequest", False),
+    ("/v1/score", "post"): ("vLLM's score for embedding models: cosine similarity of text_1 and text_2",
+                            "ScoreRequest", False),
+    ("/score", "post"): ("The same as /v1/score", "ScoreRequest", False),
     ("/tokenize", "post"): ("Text or chat messages to token ids", "TokenizeRequest", False),
     ("/detokenize", "post"): ("Token ids to text", "DetokenizeRequest", False),
     ("/health", "get"): ("Liveness and engine occupancy (no API key needed)", None, False),

@@ -193,9 +193,10 @@ def _is_token_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
 
 
-def completion_prompts(f: Fields) -> list[str | list[int]]:
-    """`prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
-    value = f.body.get("prompt")
+def completion_prompts(f: Fields, name: str = "prompt") -> list[str | list[int]]:
+    """`prompt` (or the embeddings' `input`): a string, a list of strings, a list of token ids, or a list of
+    token-id lists."""
+    value = f.body.get(name)
     if isinstance(value, str):
         prompts = [value]
     elif isinstance(value, list) and value and all(_is_token_id(t) for t in value):
@@ -206,10 +207,10 @@ def completion_prompts(f: Fields) -> list[str | list[int]]:
             isinstance(p, list) and all(_is_token_id(t) for t in p) for p in value):
         prompts = value
     else:
-        raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of "
-                      "token-id lists", param="prompt")
+        raise invalid(f"'{name}' must be a string, a list of strings, a list of token ids or a list of "
+                      "token-id lists", param=name)
     if any(len(p) == 0 for p in prompts):
-        raise invalid("'prompt' must not be empty", param="prompt")
+        raise invalid(f"'{name}' must not be empty", param=name)
     return prompts
 
 

@@ -67,3 +67,21 @@ def test_template_variables_a_template_cannot_take_are_request_errors(qwen3):
     tok = qwen3.with_chat_template("{% for d in documents %}{{ d }}{% endfor %}")
     with pytest.raises(InvalidRequestError, match="TypeError"):
         tok.apply_chat_template([{"role": "user", "content": "x"}], documents=5)
+
+
+@needs_assets
+def test_an_eos_the_post_processor_appends_is_kept(qwen3):
+    """Qwen3-Embedding's tokenizer.json appends <|endoftext|> to every text (the token it pools): encode
+    with special tokens must append it as Hugging Face's tokenizer does; without them, and for the plain
+    Qwen3 tokenizer, nothing is appended."""
+    import tokenizers
+    inner = tokenizers.Tokenizer.from_str(qwen3.tok.to_str())
+    eos = inner.token_to_id("<|endoftext|>")
+    inner.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos)])
+    embedding = Tokenizer(inner)
+    plain = qwen3.encode("hello world")
+    assert qwen3.suffix_ids == () and plain[-1] != eos
+    assert embedding.encode("hello world") == plain + [eos]
+    assert embedding.encode("hello world", add_special_tokens=False) == plain
+    assert embedding.encode("hello world<|endoftext|>") == plain + [eos]      # not twice

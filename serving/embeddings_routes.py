@@ -1,0 +1,145 @@
+"""Embeddings and scores: POST /v1/embeddings (OpenAI's), POST /v1/score and /score (vLLM's, for embedding
+models: the cosine similarity of two texts' embeddings).
+
+Inputs are tokenized here and embedded by the engine between its steps (`LLMEngine.embed`,
+atlasjax/embedding.py), pooled as the model says (atlasjax/pooling.py). /v1/embeddings takes OpenAI's
+fields (`input`: a string, strings, token ids or lists of them; `encoding_format` float or base64;
+`dimensions`), vLLM's extras (`truncate_prompt_tokens`, `add_special_tokens`, `normalize`) and, instead of
+`input`, chat `messages` rendered with the model's template (vLLM's chat embeddings).
+"""
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from atlasjax.errors import AtlasJaxError
+from atlasjax.pooling import PoolingParams
+from serving.bridge import until_disconnect
+from serving.errors import from_engine_error, invalid
+from serving.protocol import Fields, chat_render_options, check_model, completion_prompts, text_content
+from serving.state import ServerState, new_id, read_json, server_state
+
+MAX_INPUTS = 2048          # OpenAI's limit on inputs per embeddings request
+ENCODINGS = ("float", "base64")
+
+
+async def embeddings(request: Request) -> JSONResponse:
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    model = check_model(f, state.model_names)
+    encoding = f.str("encoding_format", "float")
+    if encoding not in ENCODINGS:
+        raise invalid(f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got '{encoding}'",
+                      param="encoding_format")
+    f.str("user")
+    params = _pooling_params(f)
+    if f.body.get("messages") is not None:
+        if f.body.get("input") is not None:
+            raise invalid("send either 'input' or 'messages', not both", param="messages")
+        options = chat_render_options(f)
+        options["add_generation_prompt"] = f.bool("add_generation_prompt", False)
+        ids = [await state.chat_prompt(_messages(f), **options)]
+        param = "messages"
+    else:
+        prompts = completion_prompts(f, "input")
+        if len(prompts) > MAX_INPUTS:
+            raise invalid(f"'input' has {len(prompts)} entries; at most {MAX_INPUTS} are allowed", param="input")
+        add_special = f.bool("add_special_tokens", True)
+        ids = [p if isinstance(p, list) else await state.encode(p, add_special) for p in prompts]
+        param = "input"
+    _check_lengths(state, ids, params, param)
+    rid, engine_id = new_id("embd-", request)
+    results = await _embed(request, state, ids, params)
+    data = [{"object": "embedding", "index": i, "embedding": _encode(vector, encoding)}
+            for i, (_, vector) in enumerate(results)]
+    tokens = sum(len(t) for t, _ in results)
+    return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def score(request: Request) -> JSONResponse:
+    """vLLM's score API for embedding models: `text_1` (one text, or a list) against `text_2` (a list, or one
+    text); one score per pair: 1 -> N or N -> N."""
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    model = check_model(f, state.model_names)
+    first, second = _texts(f, "text_1"), _texts(f, "text_2")
+    if len(first) not in (1, len(second)):
+        raise invalid(f"'text_1' has {len(first)} entries and 'text_2' {len(second)}: send one text_1 or as many "
+                      "as text_2", param="text_1")
+    if len(first) + len(second) > MAX_INPUTS:
+        raise invalid(f"at most {MAX_INPUTS} texts in all", param="text_2")
+    params = PoolingParams(normalize=True, truncate_prompt_tokens=f.int("truncate_prompt_tokens", None, lo=-1))
+    ids = [p if isinstance(p, list) else await state.encode(p, f.bool("add_special_tokens", True))
+           for p in first + second]
+    _check_lengths(state, ids, params, "text_1")
+    rid, _ = new_id("score-", request)
+    results = await _embed(request, state, ids, params)
+    left, right = results[:len(first)] * (len(second) // len(first)), results[len(first):]
+    data = [{"index": i, "object": "score", "score": float(a @ b)} for i, ((_, a), (_, b)) in enumerate(zip(left, right))]
+    tokens = sum(len(t) for t, _ in results)
+    return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _pooling_params(f: Fields) -> PoolingParams:
+    dimensions = f.int("dimensions", None, lo=1)
+    truncate = f.int("truncate_prompt_tokens", None, lo=-1)
+    if truncate == 0:
+        raise invalid("'truncate_prompt_tokens' must be -1 or a positive integer", param="truncate_prompt_tokens")
+    normalize = f.body.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise invalid("'normalize' must be true or false", param="normalize")
+    return PoolingParams(dimensions=dimensions, normalize=normalize, truncate_prompt_tokens=truncate)
+
+
+def _messages(f: Fields) -> list[dict]:
+    messages = f.body["messages"]
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise invalid("'messages' must be a non-empty list of objects", param="messages")
+    return [{"role": m.get("role"), "content": text_content(m.get("content"), f"messages[{i}].content")}
+            for i, m in enumerate(messages)]
+
+
+def _texts(f: Fields, name: str) -> list[str | list[int]]:
+    if f.body.get(name) is None:
+        raise invalid(f"'{name}' is required", param=name)
+    return completion_prompts(f, name)
+
+
+def _check_lengths(state: ServerState, ids: list[list[int]], params: PoolingParams, param: str) -> None:
+    """Empty and over-long inputs, answered before anything reaches the engine (the engine checks again)."""
+    limit = state.max_model_len
+    for i, t in enumerate(ids):
+        if not t:
+            raise invalid(f"{param} {i} is empty (no tokens)", param=param)
+        if max(t) >= state.vocab_size:
+            raise invalid(f"token ids must be in [0, {state.vocab_size})", param=param)
+        if params.truncate_prompt_tokens is None and len(t) > limit:
+            raise invalid(f"{param} {i} has {len(t)} tokens; max_model_len={limit} (truncate_prompt_tokens keeps "
+                          "the last N)", param=param, code="context_length_exceeded")
+
+
+async def _embed(request: Request, state: ServerState, ids: list[list[int]], params: PoolingParams) -> list:
+    try:
+        return await until_disconnect(request, state.llm.embed(ids, params))
+    except (AtlasJaxError, RuntimeError) as e:   # a request the engine refuses, or an engine-side failure
+        raise from_engine_error(e) from None
+
+
+def _encode(vector: np.ndarray, encoding: str):
+    if encoding == "base64":    # little-endian float32, as OpenAI sends it
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+ROUTES = [
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/v1/score", score, methods=["POST"]),
+    Route("/score", score, methods=["POST"]),
+]
