@@ -141,6 +141,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "server's defaults for requests that leave them out (auto: the file beside the "
                         "checkpoint; vllm: ignore it; PATH: that directory or file). The generate / chat "
                         "commands take its end ids; their sampling comes from their own flags")
+    g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls", "max"],
+                   help="how embeddings (/v1/embeddings, /v1/score) pool the final hidden states (default: the "
+                        "model's sentence-transformers config, else the last token)")
     add_compilation_cache_arg(g)
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
@@ -166,6 +169,7 @@ def engine_kwargs(args) -> dict:
                 quantization_symmetric=args.quantization_symmetric,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                 chat_template=args.chat_template, generation_config=args.generation_config,
+                pooling_type=args.pooling_type,
                 # a server compiles at start (every process of a multi-host one, too)
                 compile_at_start=getattr(args, "command", None) == "serve")
 

@@ -189,6 +189,10 @@ def test_a_server_with_an_engine_process_answers_as_in_process(server, tmp_path_
         body = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ref[0].prompt, "max_tokens": 3,
                                                    "n": 2, "use_beam_search": True}).json()
         assert [c["text"] for c in body["choices"]] == [s.text for s in beams[0].sequences]
+        # embeddings run in the engine process and come back through the pipe
+        want = reference_llm(tmp_path_factory).embed(["Hello there"])[0].outputs.embedding
+        body = http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": "Hello there"}).json()
+        assert body["data"][0]["embedding"] == pytest.approx(want, abs=1e-5)
         health = http.get("/health").json()
         assert health["status"] == "ok" and health["kv_pages_free"] == health["kv_pages_total"] > 0
         metrics = http.get("/metrics").text
