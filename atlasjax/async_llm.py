@@ -192,8 +192,7 @@ class AsyncLLM(StreamingLLM):
                     commands = list(self._inbox)
                     self._inbox.clear()
                     stopping = self._stopping
-                for cmd in commands:
-                    self._deliver(apply_command(engine, cmd))
+                self._deliver(apply_commands(engine, commands))
                 if commands:
                     engine.stats.refresh(engine)   # gauges stay true after aborts with no step
                 if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
@@ -203,6 +202,25 @@ class AsyncLLM(StreamingLLM):
         except BaseException as e:  # noqa: BLE001 (report to every waiter, then stop)
             log.exception("engine thread failed")
             self._fail_all(e)
+
+
+def apply_commands(engine: LLMEngine, commands: list) -> list:
+    """Carry out commands in order on the engine's thread, the embed commands among them together (their
+    inputs share batches: concurrent embedding requests cost one pass); (request id, item) pairs to deliver."""
+    out, embeds = [], []
+    for cmd in commands:
+        if cmd[0] == "embed":
+            embeds.append(cmd)
+        else:
+            out += apply_command(engine, cmd)
+    if embeds:
+        try:
+            results = engine.embed_requests([(cmd[2], cmd[3]) for cmd in embeds])
+        except Exception as e:  # noqa: BLE001 (embedding leaves the engine's state alone: report it, keep serving)
+            log.exception("embedding requests failed")
+            results = [RuntimeError(f"embedding failed: {type(e).__name__}: {e}")] * len(embeds)
+        out += [(cmd[1], r if isinstance(r, BaseException) else Embeddings(r)) for cmd, r in zip(embeds, results)]
+    return out
 
 
 def apply_command(engine: LLMEngine, cmd) -> list:
@@ -219,14 +237,6 @@ def apply_command(engine: LLMEngine, cmd) -> list:
         engine.release(request_id)
     elif kind == "reset_prefix_cache":
         engine.pool.reset_prefix_cache()
-    elif kind == "embed":
-        try:
-            return [(request_id, Embeddings(engine.embed(cmd[2], cmd[3])))]
-        except AtlasJaxError as e:
-            return [(request_id, e)]
-        except Exception as e:  # noqa: BLE001 (embedding leaves the engine's state alone: report it, keep serving)
-            log.exception("embedding request %s failed", request_id)
-            return [(request_id, RuntimeError(f"embedding failed: {type(e).__name__}: {e}"))]
     return []
 
 

@@ -43,7 +43,8 @@ class Embedder:
     def __init__(self, runner, pooler: PoolerConfig, max_model_len: int, token_budget: int):
         self.runner, self.pooler = runner, pooler
         self.max_model_len, self.token_budget = max_model_len, token_budget
-        self.num_programs = 0
+        self.num_programs = 0     # programs compiled (one per batch shape)
+        self.num_batches = 0      # batches run
 
     @functools.cached_property
     def _program(self):
@@ -91,6 +92,7 @@ class Embedder:
                 batch[row, :len(token_lists[i])] = token_lists[i]
                 lengths[row] = len(token_lists[i])
             vectors = np.asarray(self._program(self.runner.params, batch, lengths))
+            self.num_batches += 1
             for row, i in enumerate(indices):
                 pooled[i] = vectors[row]
         if self.num_programs > compiled:

@@ -36,7 +36,7 @@ import numpy as np
 
 from atlasjax import bad_words, distributed, long_context_decode, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
-from atlasjax.errors import EngineConfigError, InvalidRequestError
+from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
 from atlasjax.output_processor import OutputProcessor
 from atlasjax.outputs import StreamDelta
@@ -214,16 +214,34 @@ class LLMEngine:
               ) -> list[tuple[list[int], np.ndarray]]:
         """(token ids embedded, float32 vector) per prompt (text or token ids), pooled as `self.pooler` says
         (atlasjax/embedding.py). Runs between steps, beside the requests in flight, without touching them."""
+        result = self.embed_requests([(prompts, params)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def embed_requests(self, requests: list[tuple[list, object]]) -> list:
+        """Several callers' (prompts, params) in shared batches: per request its `embed` result, or the error
+        that refuses it (each is checked alone, so one bad request fails only itself)."""
         if distributed.is_multiprocess():
             raise RuntimeError("embeddings run in a single-process engine")
-        params = params if isinstance(params, list) else [params or PoolingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"got {len(params)} pooling params for {len(prompts)} inputs")
-        ids = self.embedder.check([self.tokenize_prompt(p) for p in prompts], params)
-        vectors = self.embedder.embed(ids, params)
-        self.stats.num_embedding_inputs += len(ids)
-        self.stats.embedding_tokens += sum(len(t) for t in ids)
-        return list(zip(ids, vectors))
+        out: list = [None] * len(requests)
+        ready = []
+        for i, (prompts, params) in enumerate(requests):
+            try:
+                params = params if isinstance(params, list) else [params or PoolingParams()] * len(prompts)
+                if len(params) != len(prompts):
+                    raise InvalidRequestError(f"got {len(params)} pooling params for {len(prompts)} inputs")
+                ready.append((i, self.embedder.check([self.tokenize_prompt(p) for p in prompts], params), params))
+            except AtlasJaxError as e:
+                out[i] = e
+        if ready:
+            ids = [t for _, toks, _ in ready for t in toks]
+            vectors = iter(self.embedder.embed(ids, [p for _, _, ps in ready for p in ps]))
+            for i, toks, _ in ready:
+                out[i] = [(t, next(vectors)) for t in toks]
+            self.stats.num_embedding_inputs += len(ids)
+            self.stats.embedding_tokens += sum(len(t) for t in ids)
+        return out
 
     @functools.cached_property
     def embedder(self):

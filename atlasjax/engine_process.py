@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from atlasjax.async_llm import StreamingLLM, apply_command
+from atlasjax.async_llm import StreamingLLM, apply_command, apply_commands
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import QueueFullError
 from atlasjax.metrics import EngineStats
@@ -216,7 +216,7 @@ def _send_if_open(conn, message) -> None:
 def _serve(conn, engine, max_waiting: int) -> None:
     stopping = None
     while True:
-        out = []
+        out, embeds = [], []
         # block for the next command only when there is nothing to step
         commands = had_commands = conn.poll(None if not engine.has_unfinished() and stopping is None else 0)
         while commands:
@@ -225,9 +225,12 @@ def _serve(conn, engine, max_waiting: int) -> None:
                 stopping = "drain" if cmd[1] else "now"
             elif cmd[0] == "add" and len(engine.scheduler.waiting) >= max_waiting:
                 out.append((cmd[1], QueueFullError(f"{max_waiting} requests are already waiting")))
+            elif cmd[0] == "embed":
+                embeds.append(cmd)     # run together once the pipe is read
             else:
                 out += apply_command(engine, cmd)
             commands = conn.poll(0)
+        out += apply_commands(engine, embeds)
         if had_commands:
             engine.stats.refresh(engine)   # gauges stay true after aborts with no step (a step refreshes them itself)
         if stopping == "now" or (stopping == "drain" and not engine.has_unfinished()):

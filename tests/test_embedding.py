@@ -18,7 +18,7 @@ from atlasjax.embedding import plan_batches
 from atlasjax.errors import EngineConfigError, InvalidRequestError, UnsupportedModelError
 from atlasjax.pooling import read_pooler_config
 
-KW = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
+KW = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, dtype="float32")   # float32 on a GPU too
 PROMPTS = [list(range(3, 20)), list(range(40, 45)), list(range(100, 170)), [7]]
 
 
@@ -165,3 +165,20 @@ def test_batches_cover_every_input_within_the_budget():
         assert all(lengths[i] <= tokens for i in indices) and len(indices) <= rows
         assert rows & (rows - 1) == 0 and tokens & (tokens - 1) == 0 and tokens >= 16
         assert rows * tokens <= 256 or rows == 1
+
+
+def test_concurrent_requests_share_batches_and_a_bad_one_fails_alone(qwen3):
+    """The engine thread (or process) runs the embed commands it finds waiting together."""
+    from atlasjax.async_llm import Embeddings, apply_commands
+    _, _, llm = qwen3
+    engine = llm.engine
+    want = _vectors(llm.embed([PROMPTS[0]]))[0]
+    before = engine.embedder.num_batches
+    out = dict(apply_commands(engine, [("embed", "a", [PROMPTS[0]], None), ("embed", "bad", [[]], None),
+                                       ("embed", "b", [PROMPTS[1]], PoolingParams(dimensions=8))]))
+    assert engine.embedder.num_batches == before + 1
+    assert isinstance(out["bad"], InvalidRequestError)
+    assert isinstance(out["a"], Embeddings) and out["a"].results[0][0] == PROMPTS[0]
+    np.testing.assert_allclose(out["a"].results[0][1], want, atol=1e-6)
+    raw = _vectors(llm.embed([PROMPTS[1]], PoolingParams(normalize=False)))[0]
+    np.testing.assert_allclose(out["b"].results[0][1], _unit(raw[:8]), atol=1e-5)
