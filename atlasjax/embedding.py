@@ -1,8 +1,9 @@
 """`Embedder`: batches of token lists -> one pooled vector each, through the engine's model and params.
 
 Inputs are sorted by length and cut into batches of at most `token_budget` padded tokens (a longer input
-runs alone). Each batch pads its rows to a power of two of tokens (at least 16) and its row count to a
-power of two, so a server compiles few programs: about log2(max_model_len) x log2(budget / 16). Each
+runs alone). Each batch pads its rows to a width of 16, 32, 48, ... 128 tokens, then eight steps per
+doubling (160, 192, 224, 256, 320, ...: under 1/8 of padding past 64 tokens), and its row count to a
+power of two, so a server compiles few programs: a few dozen widths x log2(budget / 16) row counts. Each
 program runs the model over its own small KV pool (atlasjax/forward.py's `hidden_fn`; the engine's
 pool and slots are not touched) and pools on the device, so only [B, embed] floats come back.
 """
@@ -24,13 +25,19 @@ def _pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
+def padded_width(n: int) -> int:
+    """The tokens a row of n tokens is padded to: a multiple of 16, then of an eighth of the next power of two."""
+    step = max(MIN_TOKENS, _pow2_at_least(n) // 8)
+    return -(-n // step) * step
+
+
 def plan_batches(lengths: list[int], token_budget: int, max_len: int) -> list[tuple[list[int], int, int]]:
     """(indices into lengths, padded rows, padded tokens) per batch: longest inputs first, each batch at
     most token_budget padded tokens unless one input alone is longer."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches, start = [], 0
     while start < len(order):
-        tokens = min(_pow2_at_least(lengths[order[start]], MIN_TOKENS), max(max_len, MIN_TOKENS))
+        tokens = min(padded_width(lengths[order[start]]), max(max_len, MIN_TOKENS))
         fits = max(1, token_budget // tokens)
         rows = 1 << (fits.bit_length() - 1)          # a power of two: few shapes
         take = order[start:start + rows]

@@ -201,6 +201,17 @@ def test_throughput_mode_random_prompts(tmp_path):
     assert rep["roofline"]["run"]["frac_copy_bandwidth"] > 0
 
 
+def test_embed_mode(tmp_path):
+    rep = run_bench(tmp_path, "embed", "--preset", "tiny", "--num-prompts", "12", "--input-len", "20",
+                    "--range-ratio", "0.5", "--num-iters", "2")
+    check_common(rep, "embed")
+    r = rep["results"]
+    assert r["num_inputs"] == 12 and 12 * 10 <= r["tokens"] <= 12 * 30 and r["tokens"] <= r["padded_tokens"]
+    assert r["inputs_per_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["median_s"])
+    assert 1 <= r["num_programs"] <= r["batches_per_pass"] and r["num_compiles_while_timed"] == 0
+    assert rep["roofline"]["run"]["frac_matmul_rate"] > 0
+
+
 def test_throughput_warm_up_compiles_every_decode_bucket_the_run_reaches(tmp_path):
     # the warm-up's short requests decode a few rows at a time; the run fills every bucket up to 16
     rep = run_bench(tmp_path, "throughput", "--preset", "tiny", "--num-prompts", "20", "--input-len", "6",

@@ -1,4 +1,4 @@
-"""`python -m atlasjax.bench latency|throughput|serve|kernels ...` (each mode has --help)."""
+"""`python -m atlasjax.bench latency|throughput|embed|serve|kernels ...` (each mode has --help)."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +51,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from atlasjax.bench import kernels, latency, serve, throughput  # noqa: PLC0415
+    from atlasjax.bench import embed, kernels, latency, serve, throughput  # noqa: PLC0415
     parser = argparse.ArgumentParser(prog="python -m atlasjax.bench", description="atlasjax benchmarks")
     sub = parser.add_subparsers(dest="mode", required=True)
     p = sub.add_parser("latency", help="one fixed batch: TTFT, TPOT, tok/s (median, p10, p90)")
@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("throughput", help="N requests through the engine at once: requests/s, tok/s")
     _add_model_args(p)
     throughput.add_args(p)
+    _add_common(p)
+    p = sub.add_parser("embed", help="N inputs through LLMEngine.embed: inputs/s, tokens/s, matmul roofline")
+    _add_model_args(p)
+    embed.add_args(p)
     _add_common(p)
     p = sub.add_parser("serve", help="load generator against an OpenAI-compatible server (HTTP streaming)")
     serve.add_args(p)
@@ -103,6 +107,8 @@ def main(argv=None) -> int:
     if args.mode == "latency":
         from atlasjax.bench import latency  # noqa: PLC0415
         latency.compare_formats(args)   # a bad --compare-quantization fails before any device work
+    if args.mode == "embed" and args.compare:
+        raise SystemExit("--compare hf compares generation; the embed mode has no Hugging Face run")
     hf = _hf_comparison(args) if getattr(args, "compare", None) == "hf" else None
     from atlasjax.step_options import use_process_flags  # noqa: PLC0415
     use_process_flags(getattr(args, "tensor_parallel_size", 1))   # before measuring starts the backend
@@ -119,6 +125,9 @@ def main(argv=None) -> int:
     elif args.mode == "latency":
         from atlasjax.bench import latency  # noqa: PLC0415
         rep, tables = latency.run(args, ceilings, hf)
+    elif args.mode == "embed":
+        from atlasjax.bench import embed  # noqa: PLC0415
+        rep, tables = embed.run(args, ceilings)
     else:
         from atlasjax.bench import throughput  # noqa: PLC0415
         rep, tables = throughput.run(args, ceilings, hf)

@@ -35,6 +35,11 @@ PRESETS: dict[str, ModelConfig] = {
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                             rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
                             qk_norm=True, eos_token_ids=(151645,)),
+    # Qwen3-Embedding-0.6B (Qwen3-0.6B's architecture; its vocabulary)
+    "qwen3-embedding-0.6b": ModelConfig(family="qwen3", vocab_size=151669, hidden_size=1024, intermediate_size=3072,
+                                        num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                                        rope_theta=1000000.0, max_position_embeddings=32768,
+                                        tie_word_embeddings=True, qk_norm=True, eos_token_ids=(151643,)),
     # the embedded default (SmolLM2-135M-Instruct)
     "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
