@@ -1,11 +1,11 @@
 """`Embedder`: batches of token lists -> one pooled vector each, through the engine's model and params.
 
-Inputs are sorted by length and cut into batches of at most `token_budget` padded tokens (a longer input
-runs alone). Each batch pads its rows to a width of 16, 32, 48, ... 128 tokens, then eight steps per
-doubling (160, 192, 224, 256, 320, ...: under 1/8 of padding past 64 tokens), and its row count to a
-power of two, so a server compiles few programs: a few dozen widths x log2(budget / 16) row counts. Each
-program runs the model over its own small KV pool (atlasjax/forward.py's `hidden_fn`; the engine's
-pool and slots are not touched) and pools on the device, so only [B, embed] floats come back.
+Inputs are packed end to end (ragged, as the engine's prefill packs prompts) into batches of at most
+`token_budget` tokens and MAX_SEQS inputs, longest first; an input longer than the budget runs alone.
+A batch is padded to a power of two of tokens (at least 16), so a server compiles one program per size:
+about log2(budget / 16) of them, plus one per longer size a lone input reaches. Each program runs the
+model over a KV pool of its own, sized for the batch (the engine's pool and slots are not touched), and
+pools on the device per input (atlasjax/pooling.py), so only [MAX_SEQS, embed] floats come back.
 """
 from __future__ import annotations
 
@@ -15,54 +15,91 @@ import logging
 import numpy as np
 
 from atlasjax.errors import InvalidRequestError, UnsupportedModelError
-from atlasjax.pooling import PoolerConfig, PoolingParams, finish, pool
+from atlasjax.pooling import PoolerConfig, PoolingParams, finish, pool_ragged
 
 log = logging.getLogger("atlasjax.embedding")
 MIN_TOKENS = 16
+MAX_SEQS = 64      # inputs per batch (the attention metadata's rows)
 
 
-def _pow2_at_least(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, n - 1).bit_length())
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
-def padded_width(n: int) -> int:
-    """The tokens a row of n tokens is padded to: a multiple of 16, then of an eighth of the next power of two."""
-    step = max(MIN_TOKENS, _pow2_at_least(n) // 8)
-    return -(-n // step) * step
+def batch_tokens(total: int, token_budget: int) -> int:
+    """The padded size of a batch of `total` tokens: a power of two from 16, the budget at most (unless a lone
+    input is longer)."""
+    size = max(MIN_TOKENS, _pow2_at_least(total))
+    return size if total > token_budget else min(size, token_budget)
 
 
-def plan_batches(lengths: list[int], token_budget: int, max_len: int) -> list[tuple[list[int], int, int]]:
-    """(indices into lengths, padded rows, padded tokens) per batch: longest inputs first, each batch at
-    most token_budget padded tokens unless one input alone is longer."""
+def plan_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices into lengths per batch: longest first, each batch at most token_budget tokens and MAX_SEQS
+    inputs, except a lone input longer than the budget."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, start = [], 0
-    while start < len(order):
-        tokens = min(padded_width(lengths[order[start]]), max(max_len, MIN_TOKENS))
-        fits = max(1, token_budget // tokens)
-        rows = 1 << (fits.bit_length() - 1)          # a power of two: few shapes
-        take = order[start:start + rows]
-        batches.append((take, min(rows, _pow2_at_least(len(take))), tokens))
-        start += len(take)
+    batches: list[list[int]] = []
+    total = 0
+    for i in order:
+        if not batches or total + lengths[i] > token_budget or len(batches[-1]) == MAX_SEQS:
+            batches.append([])
+            total = 0
+        batches[-1].append(i)
+        total += lengths[i]
     return batches
+
+
+def pack(token_lists: list[list[int]], num_tokens: int, page_size: int) -> dict[str, np.ndarray]:
+    """One batch's arrays: tokens end to end, each input on pages of its own in a pool of
+    num_tokens / page_size + MAX_SEQS pages; padding tokens write to the slot past the pool and belong to
+    input MAX_SEQS (dropped by the pooling)."""
+    num_pages = num_tokens // page_size + MAX_SEQS
+    width = -(-num_tokens // page_size)
+    b = dict(tokens=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32),
+             slot_mapping=np.full(num_tokens, num_pages * page_size, np.int32),
+             page_table=np.zeros((MAX_SEQS, width), np.int32), seq_lens=np.zeros(MAX_SEQS, np.int32),
+             query_start=np.zeros(MAX_SEQS + 1, np.int32), num_seqs=np.int32(len(token_lists)),
+             seq_ids=np.full(num_tokens, MAX_SEQS, np.int32))
+    row = page = 0
+    for s, ids in enumerate(token_lists):
+        n = len(ids)
+        pos = np.arange(n)
+        pages = np.arange(page, page + -(-n // page_size), dtype=np.int32)
+        page += len(pages)
+        b["tokens"][row:row + n] = ids
+        b["positions"][row:row + n] = pos
+        b["slot_mapping"][row:row + n] = pages[pos // page_size] * page_size + pos % page_size
+        b["page_table"][s, :len(pages)] = pages
+        b["seq_lens"][s] = n
+        b["seq_ids"][row:row + n] = s
+        row += n
+        b["query_start"][s + 1:] = row
+    return b
 
 
 class Embedder:
     def __init__(self, runner, pooler: PoolerConfig, max_model_len: int, token_budget: int):
         self.runner, self.pooler = runner, pooler
         self.max_model_len, self.token_budget = max_model_len, token_budget
-        self.num_programs = 0     # programs compiled (one per batch shape)
+        self.num_programs = 0     # programs compiled (one per batch size)
         self.num_batches = 0      # batches run
 
     @functools.cached_property
     def _program(self):
         import jax  # noqa: PLC0415
 
-        from atlasjax.forward import hidden_fn  # noqa: PLC0415
-        hidden_states, pooling_type = hidden_fn(self.runner), self.pooler.pooling_type
+        from models.attention import AttentionMetadata  # noqa: PLC0415
+        from models.transformer import init_kv_cache  # noqa: PLC0415
+        runner, pooling_type = self.runner, self.pooler.pooling_type
+        kv_heads = () if runner.plan is None else (runner.plan.num_kv_heads,)
 
-        def run(params, tokens, lengths):
+        def run(params, b):
             self.num_programs += 1     # (runs once per traced shape)
-            return pool(hidden_states(params, tokens), lengths, pooling_type)
+            num_pages = b["tokens"].shape[0] // runner.page_size + MAX_SEQS
+            kv = init_kv_cache(runner.cfg, num_pages, runner.page_size, runner.kv_dtype, *kv_heads)
+            meta = AttentionMetadata(slot_mapping=b["slot_mapping"], page_table=b["page_table"],
+                                     seq_lens=b["seq_lens"], query_start=b["query_start"], num_seqs=b["num_seqs"])
+            hidden, _ = runner.model.apply({"params": params}, b["tokens"], b["positions"], kv, meta)
+            return pool_ragged(hidden, b["seq_ids"], b["query_start"], b["seq_lens"], pooling_type)
         return jax.jit(run)
 
     def check(self, token_lists: list[list[int]], params: list[PoolingParams]) -> list[list[int]]:
@@ -91,14 +128,10 @@ class Embedder:
         """One float32 vector per token list (already `check`ed), in order."""
         pooled: list[np.ndarray | None] = [None] * len(token_lists)
         compiled = self.num_programs
-        for indices, rows, tokens in plan_batches([len(t) for t in token_lists], self.token_budget,
-                                                  self.max_model_len):
-            batch = np.zeros((rows, tokens), np.int32)
-            lengths = np.ones((rows,), np.int32)
-            for row, i in enumerate(indices):
-                batch[row, :len(token_lists[i])] = token_lists[i]
-                lengths[row] = len(token_lists[i])
-            vectors = np.asarray(self._program(self.runner.params, batch, lengths))
+        for indices in plan_batches([len(t) for t in token_lists], self.token_budget):
+            batch = [token_lists[i] for i in indices]
+            size = batch_tokens(sum(map(len, batch)), self.token_budget)
+            vectors = np.asarray(self._program(self.runner.params, pack(batch, size, self.runner.page_size)))
             self.num_batches += 1
             for row, i in enumerate(indices):
                 pooled[i] = vectors[row]

@@ -54,7 +54,7 @@ from atlasjax.tokenizer import read_chat_template
 from atlasjax.waiting_queue import check_priority
 
 log = logging.getLogger("atlasjax.engine")
-EMBED_TOKEN_BUDGET = 2048     # padded tokens per embedding batch (at least max_num_batched_tokens)
+EMBED_TOKEN_BUDGET = 8192     # tokens per embedding batch on a GPU (elsewhere: max_num_batched_tokens)
 
 
 def resolve_dtype(name: str):
@@ -248,7 +248,8 @@ class LLMEngine:
         from atlasjax.embedding import Embedder  # noqa: PLC0415
         log.info("embeddings: %s", self.pooler.describe())
         return Embedder(self.runner, self.pooler, self.max_model_len,
-                        token_budget=max(self.config.max_num_batched_tokens, EMBED_TOKEN_BUDGET))
+                        token_budget=max(self.config.max_num_batched_tokens,
+                                         EMBED_TOKEN_BUDGET if jax.default_backend() == "gpu" else 0))
 
     def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len

@@ -45,7 +45,7 @@ def model_fn(runner, *, reference: bool = False, return_hidden: bool = False):
 
 def hidden_fn(runner):
     """fn(params, tokens [B, T] int32) -> final-norm hidden states [B, T, embed]: `model_fn` without the LM
-    head (what embeddings pool), on a KV pool of its own sized for the batch."""
+    head, on a KV pool of its own sized for the batch."""
     model, cfg, page_size, kv_dtype, plan = runner.model, runner.cfg, runner.page_size, runner.kv_dtype, runner.plan
     kv_heads = () if plan is None else (plan.num_kv_heads,)
 

@@ -101,19 +101,22 @@ def _sentence_transformers_config(model_dir: str) -> PoolerConfig:
     return PoolerConfig(pooling_type=modes[0] if modes else "last", normalize=normalize, source=source)
 
 
-def pool(hidden, lengths, pooling_type: str):
-    """hidden [B, T, E] (rows padded at the end), lengths [B] -> [B, E] float32 (traced inside jit)."""
+def pool_ragged(hidden, seq_ids, query_start, seq_lens, pooling_type: str):
+    """hidden [T, E] of inputs packed end to end (input s owns rows query_start[s]:query_start[s + 1];
+    seq_ids[t] = s, padding rows = the count of inputs) -> [inputs, E] float32 (traced inside jit)."""
+    import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
+    num, last_row = seq_lens.shape[0], hidden.shape[0] - 1
     hidden = hidden.astype(jnp.float32)
     if pooling_type == "last":
-        return hidden[jnp.arange(hidden.shape[0]), lengths - 1]
+        return hidden[jnp.clip(query_start[1:] - 1, 0, last_row)]
     if pooling_type == "cls":
-        return hidden[:, 0]
-    mask = (jnp.arange(hidden.shape[1])[None, :] < lengths[:, None])[..., None]
+        return hidden[jnp.clip(query_start[:-1], 0, last_row)]
     if pooling_type == "mean":
-        return jnp.sum(jnp.where(mask, hidden, 0.0), axis=1) / lengths[:, None].astype(jnp.float32)
+        sums = jax.ops.segment_sum(hidden, seq_ids, num_segments=num + 1)[:num]
+        return sums / jnp.maximum(seq_lens, 1)[:, None].astype(jnp.float32)
     if pooling_type == "max":
-        return jnp.max(jnp.where(mask, hidden, -jnp.inf), axis=1)
+        return jax.ops.segment_max(hidden, seq_ids, num_segments=num + 1)[:num]
     raise ValueError(f"unknown pooling type {pooling_type!r}")
 
 

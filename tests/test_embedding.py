@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from atlasjax import LLM, PoolingParams, SamplingParams
-from atlasjax.embedding import padded_width, plan_batches
+from atlasjax.embedding import MAX_SEQS, batch_tokens, plan_batches
 from atlasjax.errors import EngineConfigError, InvalidRequestError, UnsupportedModelError
 from atlasjax.pooling import read_pooler_config
 
@@ -157,16 +157,15 @@ def test_a_base_model_checkpoint_embeds_as_the_causal_lm(hf_model_factory, tmp_p
 
 
 def test_batches_cover_every_input_within_the_budget():
-    lengths = [5, 300, 17, 16, 1, 64, 65, 2000, 33]
-    batches = plan_batches(lengths, token_budget=256, max_len=2048)
-    seen = sorted(i for indices, _, _ in batches for i in indices)
-    assert seen == list(range(len(lengths)))
-    for indices, rows, tokens in batches:
-        longest = max(lengths[i] for i in indices)
-        assert longest <= tokens < longest + max(16, tokens // 4) and tokens % 16 == 0   # little padding
-        assert len(indices) <= rows and rows & (rows - 1) == 0
-        assert rows * tokens <= 256 or rows == 1
-    assert [padded_width(n) for n in (1, 16, 17, 65, 129, 200, 600, 1000)] == [16, 16, 32, 80, 160, 224, 640, 1024]
+    lengths = [5, 300, 17, 16, 1, 64, 65, 2000, 33] + [3] * 100
+    batches = plan_batches(lengths, token_budget=256)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        total = sum(lengths[i] for i in b)
+        assert (total <= 256 or len(b) == 1) and len(b) <= MAX_SEQS
+        size = batch_tokens(total, 256)
+        assert total <= size and size & (size - 1) == 0 and (size <= 256 or len(b) == 1)
+    assert [batch_tokens(n, 256) for n in (1, 16, 17, 200, 256, 2000)] == [16, 16, 32, 256, 256, 2048]   # a lone long input: a power of two too
 
 
 def test_concurrent_requests_share_batches_and_a_bad_one_fails_alone(qwen3):

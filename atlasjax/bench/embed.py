@@ -4,7 +4,7 @@ N concurrent ones, costs the engine): inputs/s, tokens/s, and the fraction of th
 Inputs are random token ids with lengths uniform in input_len * (1 -/+ range_ratio). A first pass compiles
 every batch shape (counted apart); then `--num-iters` timed passes over the same inputs (median, best).
 The FLOPs are the projections' and attention's of each input at its own length (no LM head: embeddings pool
-the hidden states); the padding each batch adds is counted as waste, not as work.
+the hidden states); the padding each batch adds (to a power of two of tokens) is counted as waste, not work.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from atlasjax.bench import roofline
 from atlasjax.bench.presets import args_weights_label, build_engine, progress
 from atlasjax.bench.report import fmt, roofline_rows, table
 from atlasjax.bench.throughput import sample_lengths
+from atlasjax.embedding import batch_tokens, plan_batches
 
 
 def add_args(p) -> None:
@@ -49,7 +50,7 @@ def run(args, ceilings) -> tuple[dict, list[str]]:
     tokens = sum(len(t) for t in inputs)
     attn = 2 * float(sum(n * n for n in map(len, inputs))) * cfg.num_layers * cfg.num_heads * cfg.head_dim
     flops = 2 * tokens * roofline._projection_params(cfg) + attn
-    padded = sum(rows * width for _, rows, width in _plan(embedder, inputs))
+    padded = sum(batch_tokens(sum(len(inputs[i]) for i in b), embedder.token_budget) for b in _plan(embedder, inputs))
     item = np.dtype(engine.dtype).itemsize
     weights = roofline.weight_bytes_per_step(engine.runner.params, cfg, 1, item) * batches   # once per batch
     kv = tokens * roofline.kv_bytes_per_token(cfg, np.dtype(engine.kv_dtype).itemsize)      # written, then read
@@ -75,5 +76,4 @@ def run(args, ceilings) -> tuple[dict, list[str]]:
 
 
 def _plan(embedder, inputs):
-    from atlasjax.embedding import plan_batches  # noqa: PLC0415
-    return plan_batches([len(t) for t in inputs], embedder.token_budget, embedder.max_model_len)
+    return plan_batches([len(t) for t in inputs], embedder.token_budget)
