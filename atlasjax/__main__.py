@@ -141,6 +141,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "server's defaults for requests that leave them out (auto: the file beside the "
                         "checkpoint; vllm: ignore it; PATH: that directory or file). The generate / chat "
                         "commands take its end ids; their sampling comes from their own flags")
+    g.add_argument("--runner", default="generate", choices=["generate", "pooling"],
+                   help="pooling: serve embeddings and scores only (an embedding model: Qwen3-Embedding, ...): no "
+                        "generation steps compiled, a KV pool of one sequence, the embedding batch sizes compiled "
+                        "at start instead")
     g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls", "max"],
                    help="how embeddings (/v1/embeddings, /v1/score) pool the final hidden states (default: the "
                         "model's sentence-transformers config, else the last token)")
@@ -169,7 +173,7 @@ def engine_kwargs(args) -> dict:
                 quantization_symmetric=args.quantization_symmetric,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                 chat_template=args.chat_template, generation_config=args.generation_config,
-                pooling_type=args.pooling_type,
+                pooling_type=args.pooling_type, runner=args.runner,
                 # a server compiles at start (every process of a multi-host one, too)
                 compile_at_start=getattr(args, "command", None) == "serve")
 

@@ -102,6 +102,18 @@ class Embedder:
             return pool_ragged(hidden, b["seq_ids"], b["query_start"], b["seq_lens"], pooling_type)
         return jax.jit(run)
 
+    def batch_sizes(self) -> list[int]:
+        """Every padded size a batch can have: the powers of two from 16 to the budget (and the budget), then
+        on to max_model_len's for a lone longer input."""
+        limit = max(self.token_budget, self.max_model_len)
+        totals = [1 << k for k in range(MIN_TOKENS.bit_length() - 1, limit.bit_length())] + [self.token_budget, limit]
+        return sorted({batch_tokens(t, self.token_budget) for t in totals if t <= limit})
+
+    def warmup(self) -> None:
+        """Compile every batch size (each run once, on a one-token input)."""
+        for size in self.batch_sizes():
+            self._program(self.runner.params, pack([[0]], size, self.runner.page_size)).block_until_ready()
+
     def check(self, token_lists: list[list[int]], params: list[PoolingParams]) -> list[list[int]]:
         """The token lists as they will be embedded (truncated where asked), or a clear error."""
         if self.pooler.unsupported:

@@ -109,11 +109,21 @@ class LLMEngine:
                                       max_model_len=self.max_model_len))
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
-        num_pages = distributed.broadcast_int(   # all hosts agree
-            config.num_pages or auto_num_pages(config, cfg, self.kv_dtype, self.max_model_len, self.runner.params,
-                                               self.loaded.plan))
+        self.pooler = read_pooler_config(config.model, config.pooling_type)
+        self.pooling_only = config.runner == "pooling"
+        if self.pooling_only:   # no generation: the pool holds one sequence, the memory goes to embedding batches
+            num_pages = config.num_pages or -(-self.max_model_len // config.page_size)
+        else:
+            num_pages = distributed.broadcast_int(   # all hosts agree
+                config.num_pages or auto_num_pages(config, cfg, self.kv_dtype, self.max_model_len,
+                                                   self.runner.params, self.loaded.plan))
         self._check_num_pages(num_pages)
-        if config.compile_at_start:
+        if config.compile_at_start and self.pooling_only:
+            t0 = time.perf_counter()
+            self.embedder.warmup()
+            log.info("compiled %d embedding batch sizes in %.1f s", self.embedder.num_programs,
+                     time.perf_counter() - t0)
+        elif config.compile_at_start:
             t0 = time.perf_counter()
             self.runner.warmup(config.num_scheduler_steps, num_pages=num_pages)
             log.info("compiled %d step shapes and loaded %d from the program store in %.1f s",
@@ -137,7 +147,6 @@ class LLMEngine:
         self.stats = metrics.EngineStats()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
         self._async_scheduling = config.async_scheduling
-        self.pooler = read_pooler_config(config.model, config.pooling_type)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
     def _check_num_pages(self, num_pages: int) -> None:
@@ -171,6 +180,9 @@ class LLMEngine:
         (any integer; 0 by default); with fcfs it must be 0, as in vLLM. arrival_time: a time.monotonic()
         reading (default: now); it orders equal priorities and starts the request's queue time."""
         params = params or SamplingParams()
+        if self.pooling_only:
+            raise InvalidRequestError("this engine runs its model for embeddings only (runner='pooling'): it "
+                                      "does not generate")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduling_policy)

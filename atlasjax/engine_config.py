@@ -6,6 +6,8 @@ import dataclasses
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
 from atlasjax.pooling import POOLING_TYPES
+
+RUNNERS = ("generate", "pooling")
 from atlasjax.waiting_queue import SCHEDULING_POLICIES
 
 # interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; for checking them on a CPU)
@@ -115,6 +117,9 @@ class EngineConfig:
                                              # (read and checked by the engine before the model loads)
     generation_config: str = "auto"          # the model's generation_config.json (atlasjax/generation_config.py):
                                              # auto (beside the checkpoint) | vllm (ignored) | a directory or file
+    runner: str = "generate"                 # generate | pooling (vLLM's --runner): pooling serves embeddings
+                                             # and scores only: a KV pool of one sequence, no generation steps
+                                             # compiled; compile_at_start compiles the embedding batch sizes
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)
@@ -160,6 +165,8 @@ class EngineConfig:
         if not isinstance(self.quantize_lm_head, bool):
             bad(f"quantize_lm_head must be True or False, got {self.quantize_lm_head!r}")
         check_setting(self.generation_config)
+        if self.runner not in RUNNERS:
+            bad(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.pooling_type not in (None, *POOLING_TYPES):
             bad(f"pooling_type must be None or one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, str):

@@ -93,11 +93,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def warm_up(llm) -> None:
-    """One tiny greedy request end to end (every step shape compiled as the engine started:
-    `engine_kwargs` sets `compile_at_start` for serve)."""
+async def warm_up(llm, pooling: bool = False) -> None:
+    """One tiny greedy request end to end, or one embedding on a pooling runner (every step shape or
+    embedding batch size compiled as the engine started: `engine_kwargs` sets `compile_at_start` for serve)."""
     from atlasjax.sampling_params import SamplingParams  # noqa: PLC0415
     ids = (llm.tokenizer.encode("Hello", add_special_tokens=False) if llm.tokenizer else [])[:4] or [0]
+    if pooling:
+        await llm.embed([ids], None, "atlasjax-warmup")
+        return
     async for _ in llm.generate(ids, SamplingParams(max_tokens=2, temperature=0.0), "atlasjax-warmup"):
         pass
 
@@ -143,7 +146,7 @@ def serve(args) -> int:
         print(f"atlasjax: defaults for requests that leave them out, from {defaults.source}: {defaults.describe()} "
               "(--generation-config vllm ignores them)", file=sys.stderr, flush=True)
     try:
-        asyncio.run(warm_up(llm))
+        asyncio.run(warm_up(llm, pooling=args.runner == "pooling"))
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
         app = create_app(llm, served_model_name=args.served_model_name or served_model_name(args.model),
                          api_key=args.api_key or os.environ.get("ATLASJAX_API_KEY") or None,

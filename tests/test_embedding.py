@@ -189,3 +189,20 @@ def test_concurrent_requests_share_batches_and_a_bad_one_fails_alone(qwen3):
     np.testing.assert_allclose(out["a"].results[0][1], want, atol=SAME_TOL)
     raw = _vectors(llm.embed([PROMPTS[1]], PoolingParams(normalize=False)))[0]
     np.testing.assert_allclose(out["b"].results[0][1], _unit(raw[:8]), atol=SAME_TOL)
+
+
+def test_the_pooling_runner_embeds_alone(qwen3):
+    """runner='pooling' (vLLM's --runner pooling): the embedding batch sizes compile at start instead of the
+    generation steps, the KV pool holds one sequence, the vectors are the generate runner's, and a
+    generation request is refused."""
+    _, d, llm = qwen3
+    pooling = LLM(d, runner="pooling", compile_at_start=True, **KW)
+    embedder = pooling.engine.embedder
+    assert embedder.num_programs == len(embedder.batch_sizes()) and pooling.engine.runner.num_compiles == 0
+    assert pooling.engine.pool.num_pages == KW["max_model_len"] // 16
+    for got, want in zip(_vectors(pooling.embed(PROMPTS)), _vectors(llm.embed(PROMPTS))):
+        np.testing.assert_allclose(got, want, atol=SAME_TOL)
+    assert embedder.num_programs == len(embedder.batch_sizes())      # nothing compiled while serving
+    with pytest.raises(InvalidRequestError, match="embeddings only"):
+        pooling.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+    assert not pooling.engine.has_unfinished()

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from atlasjax import PoolingParams
-from tests.server_util import API_KEY, MODEL_NAME, main_server, reference_llm
+from tests.server_util import API_KEY, MODEL_NAME, main_server, reference_llm, shared_server
 
 TEXTS = ["The capital of France is Paris.", "A cat sat on the mat.", "Embeddings pool hidden states."]
 
@@ -112,3 +112,17 @@ def test_too_long_or_too_many_dimensions_is_refused_and_the_server_serves_on(htt
     assert ok["usage"]["prompt_tokens"] == llm.engine.max_model_len
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["kv_pages_free"] == health["kv_pages_total"]
+
+
+def test_a_pooling_server_embeds_and_refuses_generation(request, tmp_path_factory, llm):
+    """`serve --runner pooling`: embeddings as the generate server's; chat and completions get a 400."""
+    server = shared_server(request, tmp_path_factory, "pooling", "--runner", "pooling")
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        body = http.post("/v1/embeddings", json={"input": TEXTS[:2]}).json()
+        for d, w in zip(body["data"], _ref(llm, TEXTS[:2])):
+            np.testing.assert_allclose(d["embedding"], w, atol=1e-5)
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert r.status_code == 400 and "embeddings only" in r.text
+        assert http.get("/health").json()["status"] == "ok"
