@@ -1,0 +1,15 @@
+#!/bin/bash
+# Session 65: `bench embed` (a pooling runner) on Qwen3-Embedding-0.6B and Qwen3-8B shapes at 512 inputs of
+# 512 +- 50% tokens with 8,192 (the default), 16,384 and 32,768 tokens per batch; then a served pooling
+# runner's start: its embedding batch sizes compiled at start (0.6B shapes, max_model_len 8,192).
+#   bash notebooks/gpu_session65_embed_budget.sh     # on nvidia-h200 -> $OUT/budget_*.json
+set -u
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site; fi
+export JAX_PLATFORMS=cuda PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+for run in "qwen3-embedding-0.6b 8192" "qwen3-embedding-0.6b 16384" "qwen3-embedding-0.6b 32768" "qwen3-8b 8192" "qwen3-8b 16384"; do
+    set -- $run
+    name=budget_$1_$2
+    timeout 120 python3 -m atlasjax.bench embed --preset $1 --num-prompts 512 --input-len 512 --range-ratio 0.5 \
+        --max-model-len 2048 --max-num-batched-tokens $2 --num-iters 3 --output $OUT/$name.json > $OUT/$name.log 2>&1
+    echo "== $name rc=$?"; grep -E "tokens/s|pass \(|batches per|first pass|achieved FLOP" $OUT/$name.log
+done
