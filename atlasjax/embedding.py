@@ -9,8 +9,10 @@ pools on the device per input (atlasjax/pooling.py), so only [MAX_SEQS, embed] f
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import os
 
 import numpy as np
 
@@ -81,10 +83,11 @@ class Embedder:
         self.runner, self.pooler = runner, pooler
         self.max_model_len, self.token_budget = max_model_len, token_budget
         self.num_programs = 0     # programs compiled (one per batch size)
+        self._programs: dict = {}
         self.num_batches = 0      # batches run
 
     @functools.cached_property
-    def _program(self):
+    def _jit(self):
         import jax  # noqa: PLC0415
 
         from models.attention import AttentionMetadata  # noqa: PLC0415
@@ -93,7 +96,6 @@ class Embedder:
         kv_heads = () if runner.plan is None else (runner.plan.num_kv_heads,)
 
         def run(params, b):
-            self.num_programs += 1     # (runs once per traced shape)
             num_pages = b["tokens"].shape[0] // runner.page_size + MAX_SEQS
             kv = init_kv_cache(runner.cfg, num_pages, runner.page_size, runner.kv_dtype, *kv_heads)
             meta = AttentionMetadata(slot_mapping=b["slot_mapping"], page_table=b["page_table"],
@@ -102,6 +104,16 @@ class Embedder:
             return pool_ragged(hidden, b["seq_ids"], b["query_start"], b["seq_lens"], pooling_type)
         return jax.jit(run)
 
+    def _lower(self, size: int):
+        return self._jit.lower(self.runner.params, pack([[0]], size, self.runner.page_size))
+
+    def _program(self, size: int):
+        """The compiled program for batches of `size` tokens (compiled on first use)."""
+        if size not in self._programs:
+            self._programs[size] = self._lower(size).compile()
+            self.num_programs += 1
+        return self._programs[size]
+
     def batch_sizes(self) -> list[int]:
         """Every padded size a batch can have: the powers of two from 16 to the budget (and the budget), then
         on to max_model_len's for a lone longer input."""
@@ -109,10 +121,15 @@ class Embedder:
         totals = [1 << k for k in range(MIN_TOKENS.bit_length() - 1, limit.bit_length())] + [self.token_budget, limit]
         return sorted({batch_tokens(t, self.token_budget) for t in totals if t <= limit})
 
-    def warmup(self) -> None:
-        """Compile every batch size (each run once, on a one-token input)."""
-        for size in self.batch_sizes():
-            self._program(self.runner.params, pack([[0]], size, self.runner.page_size)).block_until_ready()
+    def warmup(self, threads: int | None = None) -> None:
+        """Compile every batch size: each lowered here, the XLA compiles in `threads` threads (outside the GIL;
+        default $ATLASJAX_COMPILE_THREADS, else up to 8)."""
+        todo = [(size, self._lower(size)) for size in self.batch_sizes() if size not in self._programs]
+        threads = threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+            for (size, _), compiled in zip(todo, pool.map(lambda item: item[1].compile(), todo)):
+                self._programs[size] = compiled
+                self.num_programs += 1
 
     def check(self, token_lists: list[list[int]], params: list[PoolingParams]) -> list[list[int]]:
         """The token lists as they will be embedded (truncated where asked), or a clear error."""
@@ -143,7 +160,7 @@ class Embedder:
         for indices in plan_batches([len(t) for t in token_lists], self.token_budget):
             batch = [token_lists[i] for i in indices]
             size = batch_tokens(sum(map(len, batch)), self.token_budget)
-            vectors = np.asarray(self._program(self.runner.params, pack(batch, size, self.runner.page_size)))
+            vectors = np.asarray(self._program(size)(self.runner.params, pack(batch, size, self.runner.page_size)))
             self.num_batches += 1
             for row, i in enumerate(indices):
                 pooled[i] = vectors[row]

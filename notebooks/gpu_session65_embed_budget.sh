@@ -13,3 +13,14 @@ for run in "qwen3-embedding-0.6b 8192" "qwen3-embedding-0.6b 16384" "qwen3-embed
         --max-model-len 2048 --max-num-batched-tokens $2 --num-iters 3 --output $OUT/$name.json > $OUT/$name.log 2>&1
     echo "== $name rc=$?"; grep -E "tokens/s|pass \(|batches per|first pass|achieved FLOP" $OUT/$name.log
 done
+# a served pooling runner (0.6B shapes): time to ready, then concurrent single-input requests
+t0=$(date +%s.%N)
+python3 -m atlasjax.bench.preset_server --preset qwen3-embedding-0.6b --runner pooling --max-model-len 8192 \
+    --port 8123 > $OUT/served.log 2>&1 &
+for i in $(seq 1 240); do grep -q "ready on" $OUT/served.log && break; sleep 0.5; done
+echo "== served pooling runner ready after $(echo "$(date +%s.%N) - $t0" | bc) s"; tail -3 $OUT/served.log
+for c in 1 16 64; do
+    timeout 120 python3 notebooks/gpu_embed_served.py http://127.0.0.1:8123 --concurrency $c --requests $((c * 16 + 32)) \
+        --input-len 256 --output $OUT/served_c$c.json | grep -E "requests_per_s|tokens_per_s|latency_ms_p50|latency_ms_p99"
+done
+kill %1; wait
