@@ -54,7 +54,10 @@ from atlasjax.tokenizer import read_chat_template
 from atlasjax.waiting_queue import check_priority
 
 log = logging.getLogger("atlasjax.engine")
-EMBED_TOKEN_BUDGET = 8192     # tokens per embedding batch on a GPU (elsewhere: max_num_batched_tokens)
+# tokens per embedding batch on a GPU, beside generation / on a pooling runner (elsewhere: max_num_batched_tokens;
+# a larger max_num_batched_tokens raises it): 0.6B shapes on an H200 ran 291k / 315k / 305k tok/s at 8 / 16 / 32k
+EMBED_TOKEN_BUDGET = 8192
+POOLING_TOKEN_BUDGET = 16384
 
 
 def resolve_dtype(name: str):
@@ -260,8 +263,8 @@ class LLMEngine:
         from atlasjax.embedding import Embedder  # noqa: PLC0415
         log.info("embeddings: %s", self.pooler.describe())
         return Embedder(self.runner, self.pooler, self.max_model_len,
-                        token_budget=max(self.config.max_num_batched_tokens,
-                                         EMBED_TOKEN_BUDGET if jax.default_backend() == "gpu" else 0))
+                        token_budget=max(self.config.max_num_batched_tokens, 0 if jax.default_backend() != "gpu"
+                                         else POOLING_TOKEN_BUDGET if self.pooling_only else EMBED_TOKEN_BUDGET))
 
     def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len
