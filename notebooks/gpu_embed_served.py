@@ -24,11 +24,12 @@ async def main() -> None:
     p.add_argument("--inputs", type=int, default=1)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--vocab", type=int, default=151669)
+    p.add_argument("--encoding-format", default="float", choices=["float", "base64"])
     p.add_argument("--output", default=None)
     args = p.parse_args()
     rng = random.Random(0)
-    bodies = [{"input": [[rng.randrange(args.vocab) for _ in range(args.input_len)] for _ in range(args.inputs)]}
-              for _ in range(args.requests)]
+    bodies = [{"input": [[rng.randrange(args.vocab) for _ in range(args.input_len)] for _ in range(args.inputs)],
+               "encoding_format": args.encoding_format} for _ in range(args.requests)]
     latencies, queue = [], asyncio.Queue()
     for b in bodies:
         queue.put_nowait(b)

@@ -24,4 +24,9 @@ for c in 1 16 64; do
     timeout 120 python3 notebooks/gpu_embed_served.py http://127.0.0.1:8123 --concurrency $c --requests $((c * 16 + 32)) \
         --input-len 256 --output $OUT/served_c$c.json | grep -E "requests_per_s|tokens_per_s|latency_ms_p50|latency_ms_p99"
 done
+# per-request cost apart: base64 answers, and 16 inputs per request
+timeout 120 python3 notebooks/gpu_embed_served.py http://127.0.0.1:8123 --concurrency 64 --requests 1056 \
+    --input-len 256 --encoding-format base64 --output $OUT/served_c64_b64.json | grep -E "requests_per_s|tokens_per_s|latency_ms_p50"
+timeout 120 python3 notebooks/gpu_embed_served.py http://127.0.0.1:8123 --concurrency 16 --requests 96 --inputs 16 \
+    --input-len 256 --output $OUT/served_c16_x16.json | grep -E "requests_per_s|tokens_per_s|latency_ms_p50"
 kill %1; wait
