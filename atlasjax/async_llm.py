@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
@@ -192,7 +192,7 @@ class AsyncLLM(StreamingLLM):
                     commands = list(self._inbox)
                     self._inbox.clear()
                     stopping = self._stopping
-                self._deliver(apply_commands(engine, commands))
+                apply_commands(engine, commands, self._deliver)
                 if commands:
                     engine.stats.refresh(engine)   # gauges stay true after aborts with no step
                 if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
@@ -204,23 +204,30 @@ class AsyncLLM(StreamingLLM):
             self._fail_all(e)
 
 
-def apply_commands(engine: LLMEngine, commands: list) -> list:
-    """Carry out commands in order on the engine's thread, the embed commands among them together (their
-    inputs share batches: concurrent embedding requests cost one pass); (request id, item) pairs to deliver."""
+def apply_commands(engine: LLMEngine, commands: list, deliver: Callable[[list], None]) -> None:
+    """Carry out commands in order on the engine's thread and deliver their (request id, item) pairs; the
+    embed commands among them run together (their inputs share batches: concurrent embedding requests cost
+    one pass), each delivered as soon as its last batch lands."""
     out, embeds = [], []
     for cmd in commands:
         if cmd[0] == "embed":
             embeds.append(cmd)
         else:
             out += apply_command(engine, cmd)
-    if embeds:
-        try:
-            results = engine.embed_requests([(cmd[2], cmd[3]) for cmd in embeds])
-        except Exception as e:  # noqa: BLE001 (embedding leaves the engine's state alone: report it, keep serving)
-            log.exception("embedding requests failed")
-            results = [RuntimeError(f"embedding failed: {type(e).__name__}: {e}")] * len(embeds)
-        out += [(cmd[1], r if isinstance(r, BaseException) else Embeddings(r)) for cmd, r in zip(embeds, results)]
-    return out
+    deliver(out)
+    if not embeds:
+        return
+    sent = set()
+
+    def done(i, result):
+        sent.add(i)
+        deliver([(embeds[i][1], result if isinstance(result, BaseException) else Embeddings(result))])
+    try:
+        engine.embed_requests([(cmd[2], cmd[3]) for cmd in embeds], on_done=done)
+    except Exception as e:  # noqa: BLE001 (embedding leaves the engine's state alone: report it, keep serving)
+        log.exception("embedding requests failed")
+        error = RuntimeError(f"embedding failed: {type(e).__name__}: {e}")
+        deliver([(cmd[1], error) for i, cmd in enumerate(embeds) if i not in sent])
 
 
 def apply_command(engine: LLMEngine, cmd) -> list:

@@ -1,7 +1,8 @@
 """`Embedder`: batches of token lists -> one pooled vector each, through the engine's model and params.
 
-Inputs are packed end to end (ragged, as the engine's prefill packs prompts) into batches of at most
-`token_budget` tokens and MAX_SEQS inputs, longest first; an input longer than the budget runs alone.
+Inputs are packed end to end (ragged, as the engine's prefill packs prompts), in order, into batches of at
+most `token_budget` tokens and MAX_SEQS inputs; an input longer than the budget runs alone. Each batch is
+dispatched before the previous one is read back, and `on_ready` hears as each one lands.
 A batch is padded to a power of two of tokens (at least 16), so a server compiles one program per size:
 about log2(budget / 16) of them, plus one per longer size a lone input reaches. Each program runs the
 model over a KV pool of its own, sized for the batch (the engine's pool and slots are not touched), and
@@ -13,6 +14,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,17 +38,16 @@ def batch_tokens(total: int, token_budget: int) -> int:
 
 
 def plan_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Indices into lengths per batch: longest first, each batch at most token_budget tokens and MAX_SEQS
-    inputs, except a lone input longer than the budget."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    """Indices into lengths per batch, in order (requests that came first finish first): each batch at most
+    token_budget tokens and MAX_SEQS inputs, except a lone input longer than the budget."""
     batches: list[list[int]] = []
     total = 0
-    for i in order:
-        if not batches or total + lengths[i] > token_budget or len(batches[-1]) == MAX_SEQS:
+    for i, n in enumerate(lengths):
+        if not batches or total + n > token_budget or len(batches[-1]) == MAX_SEQS:
             batches.append([])
             total = 0
         batches[-1].append(i)
-        total += lengths[i]
+        total += n
     return batches
 
 
@@ -153,18 +154,31 @@ class Embedder:
             out.append(ids)
         return out
 
-    def embed(self, token_lists: list[list[int]], params: list[PoolingParams]) -> list[np.ndarray]:
-        """One float32 vector per token list (already `check`ed), in order."""
-        pooled: list[np.ndarray | None] = [None] * len(token_lists)
+    def embed(self, token_lists: list[list[int]], params: list[PoolingParams],
+              on_ready: Callable[[list[np.ndarray]], None] | None = None) -> list[np.ndarray]:
+        """One float32 vector per token list (already `check`ed), in order. on_ready(vectors): the vectors
+        final so far, the first ones (called as each batch is read back, while the next one runs)."""
+        pooled: list[np.ndarray] = []
         compiled = self.num_programs
-        for indices in plan_batches([len(t) for t in token_lists], self.token_budget):
-            batch = [token_lists[i] for i in indices]
-            size = batch_tokens(sum(map(len, batch)), self.token_budget)
-            vectors = np.asarray(self._program(size)(self.runner.params, pack(batch, size, self.runner.page_size)))
-            self.num_batches += 1
-            for row, i in enumerate(indices):
-                pooled[i] = vectors[row]
+        in_flight = None
+        for indices in plan_batches([len(t) for t in token_lists], self.token_budget) + [None]:
+            launched = None
+            if indices is not None:     # dispatched (asynchronously) before the previous batch is read
+                batch = [token_lists[i] for i in indices]
+                size = batch_tokens(sum(map(len, batch)), self.token_budget)
+                out = self._program(size)(self.runner.params, pack(batch, size, self.runner.page_size))
+                launched = (out, len(indices))
+                self.num_batches += 1
+            if in_flight is not None:
+                out, count = in_flight
+                vectors = np.asarray(out)
+                for row in range(count):
+                    i = len(pooled)
+                    pooled.append(finish(vectors[row], params[i], self.pooler))
+                if on_ready is not None:
+                    on_ready(pooled)
+            in_flight = launched
         if self.num_programs > compiled:
             log.info("embeddings: compiled %d more program(s) (%d in all)", self.num_programs - compiled,
                      self.num_programs)
-        return [finish(v, p, self.pooler) for v, p in zip(pooled, params)]
+        return pooled

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -234,9 +236,10 @@ class LLMEngine:
             raise result
         return result
 
-    def embed_requests(self, requests: list[tuple[list, object]]) -> list:
-        """Several callers' (prompts, params) in shared batches: per request its `embed` result, or the error
-        that refuses it (each is checked alone, so one bad request fails only itself)."""
+    def embed_requests(self, requests: list[tuple[list, object]], on_done: Callable | None = None) -> list:
+        """Several callers' (prompts, params) in shared batches, in order: per request its `embed` result, or
+        the error that refuses it (each is checked alone, so one bad request fails only itself).
+        on_done(i, result): request i's result as soon as its last batch is read back (the others still run)."""
         if distributed.is_multiprocess():
             raise RuntimeError("embeddings run in a single-process engine")
         out: list = [None] * len(requests)
@@ -249,13 +252,25 @@ class LLMEngine:
                 ready.append((i, self.embedder.check([self.tokenize_prompt(p) for p in prompts], params), params))
             except AtlasJaxError as e:
                 out[i] = e
-        if ready:
-            ids = [t for _, toks, _ in ready for t in toks]
-            vectors = iter(self.embedder.embed(ids, [p for _, _, ps in ready for p in ps]))
-            for i, toks, _ in ready:
-                out[i] = [(t, next(vectors)) for t in toks]
-            self.stats.num_embedding_inputs += len(ids)
-            self.stats.embedding_tokens += sum(len(t) for t in ids)
+                if on_done is not None:
+                    on_done(i, e)
+        if not ready:
+            return out
+        ids = [t for _, toks, _ in ready for t in toks]
+        ends = list(itertools.accumulate(len(toks) for _, toks, _ in ready))
+        done = 0
+
+        def landed(vectors: list) -> None:     # the first len(vectors) are final
+            nonlocal done
+            while done < len(ready) and ends[done] <= len(vectors):
+                i, toks, _ = ready[done]
+                out[i] = list(zip(toks, vectors[ends[done] - len(toks):ends[done]]))
+                if on_done is not None:
+                    on_done(i, out[i])
+                done += 1
+        self.embedder.embed(ids, [p for _, _, ps in ready for p in ps], on_ready=landed)
+        self.stats.num_embedding_inputs += len(ids)
+        self.stats.embedding_tokens += sum(len(t) for t in ids)
         return out
 
     @functools.cached_property

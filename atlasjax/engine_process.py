@@ -230,7 +230,8 @@ def _serve(conn, engine, max_waiting: int) -> None:
             else:
                 out += apply_command(engine, cmd)
             commands = conn.poll(0)
-        out += apply_commands(engine, embeds)
+        if embeds:    # each answer is sent as it lands
+            apply_commands(engine, embeds, lambda items: conn.send(("out", items, _snapshot(engine.stats))))
         if had_commands:
             engine.stats.refresh(engine)   # gauges stay true after aborts with no step (a step refreshes them itself)
         if stopping == "now" or (stopping == "drain" and not engine.has_unfinished()):

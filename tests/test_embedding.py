@@ -181,14 +181,29 @@ def test_concurrent_requests_share_batches_and_a_bad_one_fails_alone(qwen3):
     engine = llm.engine
     want = _vectors(llm.embed([PROMPTS[0]]))[0]
     before = engine.embedder.num_batches
-    out = dict(apply_commands(engine, [("embed", "a", [PROMPTS[0]], None), ("embed", "bad", [[]], None),
-                                       ("embed", "b", [PROMPTS[1]], PoolingParams(dimensions=8))]))
+    delivered = []
+    apply_commands(engine, [("embed", "a", [PROMPTS[0]], None), ("embed", "bad", [[]], None),
+                            ("embed", "b", [PROMPTS[1]], PoolingParams(dimensions=8))], delivered.append)
+    out = dict(item for items in delivered for item in items)
     assert engine.embedder.num_batches == before + 1
     assert isinstance(out["bad"], InvalidRequestError)
     assert isinstance(out["a"], Embeddings) and out["a"].results[0][0] == PROMPTS[0]
     np.testing.assert_allclose(out["a"].results[0][1], want, atol=SAME_TOL)
     raw = _vectors(llm.embed([PROMPTS[1]], PoolingParams(normalize=False)))[0]
     np.testing.assert_allclose(out["b"].results[0][1], _unit(raw[:8]), atol=SAME_TOL)
+
+
+def test_each_request_is_answered_as_soon_as_its_last_batch_lands(qwen3):
+    """Requests are batched in order, the next batch dispatched before the last is read back: the first
+    request's answer goes out while the later ones still run."""
+    _, _, llm = qwen3
+    engine = llm.engine
+    long_input = list(range(1, 61))                      # 60 tokens: one batch each at a 64-token budget
+    order = []
+    engine.embed_requests([([long_input], None), ([long_input[:50]], None), ([long_input[:40]], None)],
+                          on_done=lambda i, result: order.append((i, engine.embedder.num_batches)))
+    assert [i for i, _ in order] == [0, 1, 2]
+    assert order[0][1] < order[2][1]                       # request 0 was out before the last batch ran
 
 
 def test_the_pooling_runner_embeds_alone(qwen3):
