@@ -3,7 +3,7 @@
 # 512 +- 50% tokens with 8,192 (the default), 16,384 and 32,768 tokens per batch; then a served pooling
 # runner's start: its embedding batch sizes compiled at start (0.6B shapes, max_model_len 8,192).
 #   bash notebooks/gpu_session65_embed_budget.sh     # on nvidia-h200 -> $OUT/budget_*.json
-#   SERVED_ONLY=1 bash notebooks/gpu_session65_embed_budget.sh     # the served runner alone
+#   SERVED_ONLY=1 [EXTRA=--engine-process] bash notebooks/gpu_session65_embed_budget.sh     # the served runner alone
 set -u
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site; fi
 export JAX_PLATFORMS=cuda PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -17,7 +17,7 @@ done
 # a served pooling runner (0.6B shapes): time to ready, then concurrent single-input requests
 t0=$(date +%s)
 python3 -m atlasjax.bench.preset_server --preset qwen3-embedding-0.6b --runner pooling --max-model-len 8192 \
-    --port 8123 > $OUT/served.log 2>&1 &
+    --port 8123 ${EXTRA:-} > $OUT/served.log 2>&1 &
 for i in $(seq 1 240); do grep -q "ready on" $OUT/served.log && break; sleep 0.5; done
 echo "== served pooling runner ready after $(( $(date +%s) - t0 )) s"; tail -3 $OUT/served.log
 for c in 1 16 64; do
