@@ -126,10 +126,13 @@ def _check_lengths(state: ServerState, ids: list[list[int]], params: PoolingPara
 
 
 async def _embed(request: Request, state: ServerState, ids: list[list[int]], params: PoolingParams) -> list:
+    start = time.monotonic()
     try:
-        return await until_disconnect(request, state.llm.embed(ids, params))
+        results = await until_disconnect(request, state.llm.embed(ids, params))
     except (AtlasJaxError, RuntimeError) as e:   # a request the engine refuses, or an engine-side failure
         raise from_engine_error(e) from None
+    state.metrics.observe_embedding(len(results), sum(len(t) for t, _ in results), time.monotonic() - start)
+    return results
 
 
 def _encode(vector: np.ndarray, encoding: str):

@@ -83,6 +83,12 @@ class ServerMetrics:
         self.seq_inference = Histogram("atlasjax_request_inference_time_seconds",
                                        f"First admission to last token, {per_sequence}", buckets=E2E_BUCKETS,
                                        registry=r)
+        self.embedding_inputs = Counter("atlasjax_embedding_inputs", "Inputs embedded (/v1/embeddings, /v1/score)",
+                                        registry=r)
+        self.embedding_tokens = Counter("atlasjax_embedding_tokens", "Tokens of the inputs embedded", registry=r)
+        self.embedding_latency = Histogram("atlasjax_embedding_request_latency_seconds",
+                                           "Submission to the engine to the answer, per embedding request",
+                                           buckets=E2E_BUCKETS, registry=r)
         r.register(EngineCollector(llm))
 
     def observe_request(self, endpoint: str, status: int) -> None:
@@ -117,6 +123,11 @@ class ServerMetrics:
         self.seq_inference.observe(last_token - admitted)
         if generated_tokens > 1:
             self.seq_tpot.observe((last_token - first_token) / (generated_tokens - 1))
+
+    def observe_embedding(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        self.embedding_inputs.inc(num_inputs)
+        self.embedding_tokens.inc(num_tokens)
+        self.embedding_latency.observe(seconds)
 
     def add_prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)

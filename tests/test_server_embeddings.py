@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from atlasjax import PoolingParams
-from tests.server_util import API_KEY, MODEL_NAME, main_server, reference_llm, shared_server
+from tests.server_util import API_KEY, MODEL_NAME, main_server, metric_value, reference_llm, shared_server
 
 TEXTS = ["The capital of France is Paris.", "A cat sat on the mat.", "Embeddings pool hidden states."]
 
@@ -112,6 +112,16 @@ def test_too_long_or_too_many_dimensions_is_refused_and_the_server_serves_on(htt
     assert ok["usage"]["prompt_tokens"] == llm.engine.max_model_len
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["kv_pages_free"] == health["kv_pages_total"]
+
+
+def test_metrics_count_embedded_inputs_and_tokens(http):
+    before = http.get("/metrics").text
+    ids = [[5, 6, 7], [8, 9]]
+    assert http.post("/v1/embeddings", json={"input": ids}).status_code == 200
+    after = http.get("/metrics").text
+    for name, grew in (("atlasjax_embedding_inputs_total", 2), ("atlasjax_embedding_tokens_total", 5),
+                       ("atlasjax_embedding_request_latency_seconds_count", 1)):
+        assert metric_value(after, name) - metric_value(before, name) == grew, name
 
 
 def test_a_pooling_server_embeds_and_refuses_generation(request, tmp_path_factory, llm):
