@@ -1,5 +1,6 @@
 """Embeddings and scores: POST /v1/embeddings (OpenAI's), POST /v1/score and /score (vLLM's, for embedding
-models: the cosine similarity of two texts' embeddings).
+models: the cosine similarity of two texts' embeddings), and POST /rerank, /v1/rerank, /v2/rerank (the
+rerank API vLLM serves, Jina's and Cohere's shape: documents ordered by that similarity to a query).
 
 Inputs are tokenized here and embedded by the engine between its steps (`LLMEngine.embed`,
 atlasjax/embedding.py), pooled as the model says (atlasjax/pooling.py). /v1/embeddings takes OpenAI's
@@ -87,6 +88,37 @@ async def score(request: Request) -> JSONResponse:
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
+async def rerank(request: Request) -> JSONResponse:
+    """The rerank API vLLM serves (Jina's and Cohere's shape) for embedding models: `documents` ordered by the
+    cosine similarity of their embedding to the `query`'s, the best `top_n` (default: all)."""
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    model = check_model(f, state.model_names)
+    query = f.body.get("query")
+    if not isinstance(query, str) or not query:
+        raise invalid("'query' must be a non-empty string", param="query")
+    documents = f.body.get("documents")
+    texts = [d.get("text") if isinstance(d, dict) else d for d in documents] if isinstance(documents, list) else None
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise invalid("'documents' must be a non-empty list of non-empty strings (or {\"text\": ...} objects)",
+                      param="documents")
+    if len(texts) + 1 > MAX_INPUTS:
+        raise invalid(f"at most {MAX_INPUTS - 1} documents", param="documents")
+    top_n = f.int("top_n", len(texts), lo=1)
+    return_documents = f.bool("return_documents", True)
+    params = PoolingParams(normalize=True, truncate_prompt_tokens=f.int("truncate_prompt_tokens", None, lo=-1))
+    ids = [await state.encode(t) for t in [query, *texts]]
+    _check_lengths(state, ids, params, "documents")
+    rid, _ = new_id("rerank-", request)
+    results = await _embed(request, state, ids, params)
+    q = results[0][1]
+    scored = sorted(((float(q @ v), i) for i, (_, v) in enumerate(results[1:])), key=lambda x: -x[0])[:top_n]
+    out = [{"index": i, "relevance_score": score, **({"document": {"text": texts[i]}} if return_documents else {})}
+           for score, i in scored]
+    tokens = sum(len(t) for t, _ in results)
+    return JSONResponse({"id": rid, "model": model, "results": out, "usage": {"total_tokens": tokens}})
+
+
 def _pooling_params(f: Fields) -> PoolingParams:
     dimensions = f.int("dimensions", None, lo=1)
     truncate = f.int("truncate_prompt_tokens", None, lo=-1)
@@ -145,4 +177,7 @@ ROUTES = [
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/score", score, methods=["POST"]),
     Route("/score", score, methods=["POST"]),
+    Route("/rerank", rerank, methods=["POST"]),
+    Route("/v1/rerank", rerank, methods=["POST"]),
+    Route("/v2/rerank", rerank, methods=["POST"]),
 ]

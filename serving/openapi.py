@@ -59,6 +59,8 @@ SCHEMAS = {
                              add_generation_prompt=BOOL, chat_template_kwargs={"type": "object"}),
     "ScoreRequest": _obj(["text_1", "text_2"], model=STR, text_1=PROMPT, text_2=PROMPT, truncate_prompt_tokens=INT,
                          add_special_tokens=BOOL),
+    "RerankRequest": _obj(["query", "documents"], model=STR, query=STR, documents={"type": "array", "items": {
+        "oneOf": [STR, _obj(["text"], text=STR)]}}, top_n=INT, return_documents=BOOL, truncate_prompt_tokens=INT),
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
                             add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),
     "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),
@@ -85,6 +87,10 @@ OPERATIONS = {
     ("/v1/score", "post"): ("vLLM's score for embedding models: cosine similarity of text_1 and text_2",
                             "ScoreRequest", False),
     ("/score", "post"): ("The same as /v1/score", "ScoreRequest", False),
+    ("/rerank", "post"): ("Rerank documents by their embeddings' cosine similarity to a query (Jina / Cohere "
+                          "shape, as vLLM serves it)", "RerankRequest", False),
+    ("/v1/rerank", "post"): ("The same as /rerank", "RerankRequest", False),
+    ("/v2/rerank", "post"): ("The same as /rerank", "RerankRequest", False),
     ("/tokenize", "post"): ("Text or chat messages to token ids", "TokenizeRequest", False),
     ("/detokenize", "post"): ("Token ids to text", "DetokenizeRequest", False),
     ("/health", "get"): ("Liveness and engine occupancy (no API key needed)", None, False),

@@ -85,6 +85,23 @@ def test_score_is_the_cosine_of_the_two_embeddings(http, llm):
     assert [d["score"] for d in pairs["data"]] == pytest.approx([a @ b, b @ c], abs=1e-5)
 
 
+def test_rerank_orders_documents_by_similarity_to_the_query(http, llm):
+    query, docs = TEXTS[0], TEXTS[1:] + ["Paris is the capital of France."]
+    q, *d = _ref(llm, [query, *docs])
+    want = sorted(range(len(docs)), key=lambda i: -(q @ d[i]))
+    body = http.post("/v1/rerank", json={"model": MODEL_NAME, "query": query, "documents": docs, "top_n": 2}).json()
+    assert [r["index"] for r in body["results"]] == want[:2]
+    assert [r["relevance_score"] for r in body["results"]] == pytest.approx([q @ d[i] for i in want[:2]], abs=1e-5)
+    assert body["results"][0]["document"]["text"] == docs[want[0]] and body["usage"]["total_tokens"] > 0
+    plain = http.post("/rerank", json={"query": query, "documents": [{"text": t} for t in docs],
+                                       "return_documents": False}).json()
+    assert [r["index"] for r in plain["results"]] == want and "document" not in plain["results"][0]
+    for bad, param in (({"query": "", "documents": docs}, "query"), ({"query": "q", "documents": []}, "documents"),
+                       ({"query": "q", "documents": [1]}, "documents")):
+        r = http.post("/v2/rerank", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
