@@ -241,7 +241,7 @@ class LLMEngine:
         the error that refuses it (each is checked alone, so one bad request fails only itself).
         on_done(i, result): request i's result as soon as its last batch is read back (the others still run)."""
         if distributed.is_multiprocess():
-            raise RuntimeError("embeddings run in a single-process engine")
+            raise InvalidRequestError("embeddings run in a single-process engine, not a multi-host one")
         out: list = [None] * len(requests)
         ready = []
         for i, (prompts, params) in enumerate(requests):

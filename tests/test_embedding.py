@@ -221,3 +221,15 @@ def test_the_pooling_runner_embeds_alone(qwen3):
     with pytest.raises(InvalidRequestError, match="embeddings only"):
         pooling.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
     assert not pooling.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, tol", [(dict(tensor_parallel_size=2), SAME_TOL), (dict(quantization="int8"), None)])
+def test_sharded_and_quantized_engines_embed_as_the_plain_one(qwen3, kwargs, tol):
+    """Tensor parallelism (2 devices) gives the same vectors; int8 weights nearly the same (cosine)."""
+    _, d, llm = qwen3
+    other = LLM(d, **KW, **kwargs)
+    for got, want in zip(_vectors(other.embed(PROMPTS)), _vectors(llm.embed(PROMPTS))):
+        if tol is not None:
+            np.testing.assert_allclose(got, want, atol=tol)
+        else:
+            assert got @ want > 0.995
