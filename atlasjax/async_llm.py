@@ -225,9 +225,10 @@ def apply_commands(engine: LLMEngine, commands: list, deliver: Callable[[list], 
     try:
         engine.embed_requests([(cmd[2], cmd[3]) for cmd in embeds], on_done=done)
     except Exception as e:  # noqa: BLE001 (embedding leaves the engine's state alone: report it, keep serving)
-        log.exception("embedding requests failed")
-        error = RuntimeError(f"embedding failed: {type(e).__name__}: {e}")
-        deliver([(cmd[1], error) for i, cmd in enumerate(embeds) if i not in sent])
+        if not isinstance(e, AtlasJaxError):
+            log.exception("embedding requests failed")
+            e = RuntimeError(f"embedding failed: {type(e).__name__}: {e}")
+        deliver([(cmd[1], e) for i, cmd in enumerate(embeds) if i not in sent])
 
 
 def apply_command(engine: LLMEngine, cmd) -> list:

@@ -233,3 +233,21 @@ def test_sharded_and_quantized_engines_embed_as_the_plain_one(qwen3, kwargs, tol
             np.testing.assert_allclose(got, want, atol=tol)
         else:
             assert got @ want > 0.995
+
+
+def test_a_failing_batch_answers_every_waiting_request_and_the_engine_serves_on(qwen3, monkeypatch):
+    from atlasjax.async_llm import apply_commands
+    _, _, llm = qwen3
+    engine = llm.engine
+
+    def broken(*args, **kwargs):
+        raise ValueError("device trouble")
+    monkeypatch.setattr(engine.embedder, "embed", broken)
+    delivered = []
+    apply_commands(engine, [("embed", "a", [PROMPTS[0]], None), ("embed", "b", [PROMPTS[1]], None)],
+                   delivered.append)
+    out = dict(item for items in delivered for item in items)
+    assert set(out) == {"a", "b"} and all(isinstance(e, RuntimeError) and "device trouble" in str(e)
+                                          for e in out.values())
+    monkeypatch.undo()
+    assert len(llm.embed([PROMPTS[0]])[0].outputs.embedding) == engine.model_config.hidden_size
