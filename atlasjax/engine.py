@@ -49,6 +49,7 @@ from atlasjax.runner import ModelRunner
 from atlasjax.sampling import pack_rows, plan_rows
 from atlasjax.sampling_params import SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
+from atlasjax.sleep_mode import SleepState
 from atlasjax.step_options import use_process_flags
 from atlasjax.step_packing import pack_decode, pack_prefill
 from atlasjax.step_readback import LaunchedStep, read_back, start_copies
@@ -152,6 +153,7 @@ class LLMEngine:
         self.stats = metrics.EngineStats()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
         self._async_scheduling = config.async_scheduling
+        self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
     def _check_num_pages(self, num_pages: int) -> None:
@@ -185,6 +187,7 @@ class LLMEngine:
         (any integer; 0 by default); with fcfs it must be 0, as in vLLM. arrival_time: a time.monotonic()
         reading (default: now); it orders equal priorities and starts the request's queue time."""
         params = params or SamplingParams()
+        self.sleep_state.check_awake()
         if self.pooling_only:
             raise InvalidRequestError("this engine runs its model for embeddings only (runner='pooling'): it "
                                       "does not generate")
@@ -242,6 +245,7 @@ class LLMEngine:
         on_done(i, result): request i's result as soon as its last batch is read back (the others still run)."""
         if distributed.is_multiprocess():
             raise InvalidRequestError("embeddings run in a single-process engine, not a multi-host one")
+        self.sleep_state.check_awake()
         out: list = [None] * len(requests)
         ready = []
         for i, (prompts, params) in enumerate(requests):

@@ -75,6 +75,9 @@ class LLM:
             raise RuntimeError("LLM.update_params runs in a single-process engine")
         if self.engine.has_unfinished():
             raise RuntimeError("requests are in flight: update the params between requests")
+        if "weights" in self.engine.sleep_state.asleep:
+            raise InvalidRequestError("the weights are asleep in host memory: wake_up(tags=['weights']) before "
+                                      "updating them (or sleep(level=2), which discards them)")
         old, treedef = jax.tree_util.tree_flatten_with_path(self.engine.runner.params)
         new, new_treedef = jax.tree_util.tree_flatten_with_path(params)
         if new_treedef != treedef:
@@ -88,7 +91,26 @@ class LLM:
                                           f"{a.dtype}{list(a.shape)}")
         placed = [jax.device_put(b, a.sharding) for (_, a), (_, b) in zip(old, new)]
         self.engine.runner.params = jax.tree.unflatten(treedef, placed)
+        self.engine.sleep_state.weights_discarded = False
         self.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (atlasjax/sleep_mode.py), between requests: release the device memory the engine
+        holds, for a trainer sharing the devices. level 1: the weights go to host memory and the KV pool is
+        dropped; level 2: both dropped (give new weights with `update_params` after `wake_up`). The cached
+        prompt pages are forgotten. Requests are refused until `wake_up`."""
+        from atlasjax import sleep_mode  # noqa: PLC0415
+        sleep_mode.sleep(self.engine, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what `sleep` released: tags among "weights" and "kv_cache" (default: both; vLLM's
+        `wake_up(tags=["weights"])` then `["kv_cache"]` keeps the pool's memory free while weights load)."""
+        from atlasjax import sleep_mode  # noqa: PLC0415
+        sleep_mode.wake_up(self.engine, tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.sleep_state.asleep)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prompt pages (vLLM's `LLM.reset_prefix_cache`); later prompts compute theirs again."""
@@ -111,6 +133,7 @@ class LLM:
         from atlasjax.forward import pad_batch  # noqa: PLC0415
         if distributed.is_multiprocess():
             raise RuntimeError("LLM.forward runs in a single-process engine")
+        self.engine.sleep_state.check_awake()
         prompts = _prompt_list(prompts)
         seqs = [self.engine.tokenize_prompt(p) for p in prompts]
         logits, hidden = self._forward_jit(self.params, pad_batch(seqs, self.engine.max_model_len))

@@ -1,0 +1,82 @@
+"""Sleep mode (`LLM.sleep` / `LLM.wake_up`, vLLM's): an idle engine gives its device memory back (the weights
+to host memory at level 1, discarded at level 2; the KV pool dropped), refuses requests while asleep, and
+answers after waking exactly as before, without compiling again; level 2 takes new weights through
+`update_params`."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from atlasjax import LLM, SamplingParams
+from atlasjax.errors import InvalidRequestError
+from tests.hf_models import make_hf_model
+
+KW = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
+PROMPT = list(range(5, 45))
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("sleepy"))
+    make_hf_model("llama_gqa4", d)
+    return LLM(d, **KW)
+
+
+def _device_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+
+def _tokens(llm):
+    return llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+
+def test_level_1_frees_the_device_memory_and_wakes_to_the_same_answers(llm):
+    before = _tokens(llm)
+    compiles = llm.engine.runner.num_compiles
+    params_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.params))
+    kv_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.state))
+    held = _device_bytes()
+    llm.sleep(level=1)
+    assert llm.is_sleeping
+    assert held - _device_bytes() >= params_bytes + kv_bytes
+    with pytest.raises(InvalidRequestError, match="asleep"):
+        llm.generate([PROMPT], GREEDY)
+    with pytest.raises(InvalidRequestError, match="asleep"):
+        llm.embed([PROMPT])
+    llm.wake_up(tags=["weights"])                  # vLLM's order: weights first, the pool last
+    assert llm.is_sleeping
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping
+    assert _tokens(llm) == before
+    assert llm.engine.runner.num_compiles == compiles
+    assert llm.generate([PROMPT], GREEDY)[0].num_cached_tokens > 0    # the prefix cache works again
+
+
+def test_level_2_takes_new_weights_after_waking(llm):
+    before = _tokens(llm)
+    weights = jax.device_get(llm.params)           # what a trainer would hand back
+    llm.sleep(level=2)
+    with pytest.raises(InvalidRequestError, match="asleep"):
+        llm.generate([PROMPT], GREEDY)
+    llm.wake_up()
+    assert not llm.is_sleeping
+    with pytest.raises(InvalidRequestError, match="discarded"):
+        llm.generate([PROMPT], GREEDY)
+    llm.update_params(weights)
+    assert _tokens(llm) == before
+
+
+def test_bad_sleep_calls_are_refused(llm):
+    with pytest.raises(InvalidRequestError, match="level"):
+        llm.sleep(level=3)
+    with pytest.raises(InvalidRequestError, match="tags"):
+        llm.wake_up(tags=["everything"])
+    llm.sleep(level=1)
+    llm.sleep(level=1)                              # twice: nothing more to release
+    with pytest.raises(InvalidRequestError, match="wake_up"):
+        llm.update_params(jax.tree.map(np.asarray, llm.engine.sleep_state.host_params))
+    llm.wake_up()
+    llm.wake_up()                                   # awake already: nothing to do
+    assert len(_tokens(llm)) == GREEDY.max_tokens
