@@ -31,7 +31,7 @@ log = logging.getLogger("atlasjax.async")
 class StreamingLLM:
     """The asyncio side of an engine that runs elsewhere (a thread: AsyncLLM; a process:
     atlasjax.engine_process.EngineProcessLLM): per-request queues fed by `_deliver`, and commands
-    ("add" / "abort" / "release" / "reset_prefix_cache" / "embed") sent through `_submit`, carried out in order."""
+    ("add" / "abort" / "release" / "reset_prefix_cache"; "embed", "sleep", "wake_up", "is_sleeping" answer once) sent through `_submit`, carried out in order."""
 
     def __init__(self):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -80,19 +80,32 @@ class StreamingLLM:
 
     async def embed(self, prompts: list, params, request_id: str | None = None) -> list:
         """`LLMEngine.embed` on the engine's side, between its steps: (token ids, vector) per prompt."""
+        return (await self._call("embed", request_id or f"embd-{next(self._ids)}", prompts, params)).results
+
+    async def sleep(self, level: int = 1) -> None:
+        """`LLM.sleep` on the engine's side (atlasjax/sleep_mode.py), refused while requests are in flight."""
+        await self._call("sleep", f"sleep-{next(self._ids)}", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call("wake_up", f"wake-{next(self._ids)}", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call("is_sleeping", f"sleeping-{next(self._ids)}")
+
+    async def _call(self, kind: str, request_id: str, *args):
+        """Send one command that answers once (an error is raised here) and wait for its answer."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed: {self._error!r}")
-        request_id = request_id or f"embd-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("embed", request_id, prompts, params))
+        self._submit((kind, request_id, *args))
         try:
             item = await queue.get()
         finally:
             self._streams.pop(request_id, None)
         if isinstance(item, BaseException):
             raise item
-        return item.results
+        return item
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -245,6 +258,15 @@ def apply_command(engine: LLMEngine, cmd) -> list:
         engine.release(request_id)
     elif kind == "reset_prefix_cache":
         engine.pool.reset_prefix_cache()
+    elif kind in ("sleep", "wake_up", "is_sleeping"):   # answered once, through the request id's queue
+        from atlasjax import sleep_mode  # noqa: PLC0415
+        try:
+            if kind == "is_sleeping":
+                return [(request_id, bool(engine.sleep_state.asleep))]
+            getattr(sleep_mode, kind)(engine, cmd[2])
+        except AtlasJaxError as e:
+            return [(request_id, e)]
+        return [(request_id, kind)]
     return []
 
 

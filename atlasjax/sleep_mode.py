@@ -40,7 +40,7 @@ def sleep(engine, level: int = 1) -> None:
     if level not in (1, 2):
         raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
     if engine.has_unfinished():
-        raise RuntimeError("requests are in flight: sleep between requests")
+        raise InvalidRequestError("requests are in flight: sleep between requests")
     state, runner = engine.sleep_state, engine.runner
     if "weights" not in state.asleep and not state.weights_discarded:
         leaves, treedef = jax.tree.flatten(runner.params)

@@ -58,7 +58,8 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def create_app(engine, *, served_model_name: str | list[str], api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
                reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
-               max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0) -> Starlette:
+               max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0,
+               enable_sleep_mode: bool = False) -> Starlette:
     """Build the server app.
 
     Args:
@@ -76,10 +77,11 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
       max_stored_responses: Responses API answers kept in memory for GET /v1/responses/{id} and
         `previous_response_id` (least recently used out first; 0 keeps none).
       log_stats_interval: seconds between the engine's stats lines in the log (serving/stats_log.py; 0: none).
+      enable_sleep_mode: serve /sleep, /wake_up and /is_sleeping (vLLM's, for RL loops sharing the devices).
     """
     metrics = ServerMetrics(engine)
     routes = (openai_routes.ROUTES + responses_routes.ROUTES + embeddings_routes.ROUTES + anthropic_routes.ROUTES
-              + utility_routes.ROUTES)
+              + utility_routes.ROUTES + (utility_routes.SLEEP_ROUTES if enable_sleep_mode else []))
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []
     if cors_origins:

@@ -63,6 +63,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="log each request at INFO (logger atlasjax.requests, as vLLM's --enable-log-requests): its "
                         "prompt length and the sampling settings it changed when submitted, and how each of its "
                         "sequences ended (reason, tokens, first-token and total time); no prompt or answer text")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's): the idle engine "
+                        "gives its device memory back to a trainer sharing the devices, and takes it again")
     g.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own, so that HTTP work never holds up its steps "
                         "(one host only)")
@@ -153,7 +156,8 @@ def serve(args) -> int:
                          max_body_bytes=args.max_body_bytes, cors_origins=origins,
                          reasoning_parser=args.reasoning_parser,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval)
+                         max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval,
+                         enable_sleep_mode=args.enable_sleep_mode)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
         server = _make_server(config, url)

@@ -101,6 +101,11 @@ OPERATIONS = {
     ("/reset_prefix_cache", "post"): ("Forget the cached prompt pages no running request holds (vLLM's)", None,
                                       False),
     ("/metrics", "get"): ("Prometheus metrics (text exposition format)", None, False),
+    ("/sleep", "post"): ("With --enable-sleep-mode: release the idle engine's device memory (?level=1: weights "
+                         "to host memory, 2: discarded; the KV pool dropped)", None, False),
+    ("/wake_up", "post"): ("With --enable-sleep-mode: take back what /sleep released (?tags=weights&tags=kv_cache)",
+                           None, False),
+    ("/is_sleeping", "get"): ("With --enable-sleep-mode: {\"is_sleeping\": bool}", None, False),
     ("/openapi.json", "get"): ("This document", None, False),
 }
 ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "413": "Request body too large",

@@ -1,5 +1,5 @@
 """Operational routes: /health, /ping, /version, /metrics, /tokenize, /detokenize, /reset_prefix_cache,
-/openapi.json.
+/openapi.json, and with --enable-sleep-mode /sleep, /wake_up, /is_sleeping.
 
 /health, /ping, /version and /openapi.json stay open when an API key is set; the others need it.
 """
@@ -12,7 +12,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from atlasjax import __version__
-from serving.errors import invalid
+from atlasjax.errors import AtlasJaxError
+from serving.errors import from_engine_error, invalid
 from serving.openapi import openapi_schema
 from serving.protocol import INT32_MAX, Fields, chat_render_options, check_model, text_content
 from serving.state import read_json, server_state
@@ -90,6 +91,34 @@ async def reset_prefix_cache(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def sleep(request: Request) -> Response:
+    """vLLM's POST /sleep?level=1|2 (with --enable-sleep-mode): the engine releases its device memory
+    (atlasjax/sleep_mode.py); 400 while requests are in flight."""
+    level = request.query_params.get("level", "1")
+    if level not in ("1", "2"):
+        raise invalid(f"'level' must be 1 or 2, got {level!r}", param="level")
+    await _engine_call(server_state(request).llm.sleep(int(level)))
+    return Response(status_code=200)
+
+
+async def wake_up(request: Request) -> Response:
+    """vLLM's POST /wake_up[?tags=weights&tags=kv_cache]: take back what /sleep released."""
+    tags = request.query_params.getlist("tags") or None
+    await _engine_call(server_state(request).llm.wake_up(tags))
+    return Response(status_code=200)
+
+
+async def is_sleeping(request: Request) -> JSONResponse:
+    return JSONResponse({"is_sleeping": await _engine_call(server_state(request).llm.is_sleeping())})
+
+
+async def _engine_call(call):
+    try:
+        return await call
+    except (AtlasJaxError, RuntimeError) as e:
+        raise from_engine_error(e) from None
+
+
 async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(openapi_schema())
 
@@ -103,4 +132,9 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     Route("/openapi.json", openapi, methods=["GET"]),
+]
+SLEEP_ROUTES = [   # only with --enable-sleep-mode (vLLM serves them in its dev mode)
+    Route("/sleep", sleep, methods=["POST"]),
+    Route("/wake_up", wake_up, methods=["POST"]),
+    Route("/is_sleeping", is_sleeping, methods=["GET"]),
 ]

@@ -80,3 +80,26 @@ def test_bad_sleep_calls_are_refused(llm):
     llm.wake_up()
     llm.wake_up()                                   # awake already: nothing to do
     assert len(_tokens(llm)) == GREEDY.max_tokens
+
+
+def test_a_server_with_sleep_mode_sleeps_and_wakes(request, tmp_path_factory):
+    """`serve --enable-sleep-mode`: POST /sleep, GET /is_sleeping, POST /wake_up (vLLM's); a request while
+    asleep gets a 400 naming the cause, and the answer after waking is the one before."""
+    import httpx
+
+    from tests.server_util import shared_server
+    server = shared_server(request, tmp_path_factory, "sleep", "--enable-sleep-mode")
+    body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post("/sleep", params={"level": "1"}).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400 and "asleep" in r.json()["error"]["message"]
+        assert http.post("/sleep", params={"level": "9"}).status_code == 400
+        assert http.post("/wake_up", params={"tags": "bogus"}).status_code == 400
+        assert http.post("/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")]).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+        assert http.get("/health").json()["status"] == "ok"
