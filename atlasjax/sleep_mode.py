@@ -46,7 +46,7 @@ def sleep(engine, level: int = 1) -> None:
         leaves, treedef = jax.tree.flatten(runner.params)
         state.abstract_params = jax.tree.unflatten(treedef, [
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves])
-        state.host_params = jax.device_get(runner.params) if level == 1 else None
+        state.host_params = _to_host(runner.params) if level == 1 else None
         state.weights_discarded = level == 2
         _delete(leaves)
         runner.params = state.abstract_params
@@ -73,6 +73,16 @@ def wake_up(engine, tags: list[str] | None = None) -> None:
     if "kv_cache" in tags and "kv_cache" in state.asleep:
         runner.allocate(runner.num_pages)
         state.asleep.discard("kv_cache")
+
+
+def _to_host(params):
+    """The params copied to host memory: pinned host buffers where the platform has them (a GPU: DMA, and
+    waking copies them back the same way), else numpy arrays."""
+    try:
+        pinned = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), params)
+        return jax.block_until_ready(jax.device_put(params, pinned))
+    except (ValueError, TypeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        return jax.device_get(params)
 
 
 def _delete(arrays) -> None:

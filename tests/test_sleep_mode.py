@@ -25,7 +25,9 @@ def llm(tmp_path_factory):
 
 
 def _device_bytes() -> int:
-    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+    """Bytes of the live jax arrays in device memory (a sleeping engine's weights live in host memory)."""
+    return sum(x.nbytes for x in jax.live_arrays()
+               if not x.is_deleted() and x.sharding.memory_kind in (None, "device"))
 
 
 def _tokens(llm):
