@@ -9,8 +9,8 @@
 from atlasjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from atlasjax.errors import (AtlasJaxError, CheckpointError, EngineConfigError, InvalidRequestError,
                              UnsupportedModelError)
-from atlasjax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
-                              ScoringOutput, ScoringRequestOutput)
+from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                              EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from atlasjax.pooling import PoolingParams
 from atlasjax.sampling_params import SamplingParams
 
@@ -31,6 +31,7 @@ def __getattr__(name):
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+           "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "ClassificationOutput",
+           "ClassificationRequestOutput",
            "AtlasJaxError", "CheckpointError", "EngineConfigError", "InvalidRequestError", "UnsupportedModelError"]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from atlasjax.errors import InvalidRequestError, UnsupportedModelError
-from atlasjax.pooling import PoolerConfig, PoolingParams, finish, pool_ragged
+from atlasjax.pooling import ClassifierHead, PoolerConfig, PoolingParams, finish, pool_ragged
 
 log = logging.getLogger("atlasjax.embedding")
 MIN_TOKENS = 16
@@ -80,8 +80,9 @@ def pack(token_lists: list[list[int]], num_tokens: int, page_size: int) -> dict[
 
 
 class Embedder:
-    def __init__(self, runner, pooler: PoolerConfig, max_model_len: int, token_budget: int):
-        self.runner, self.pooler = runner, pooler
+    def __init__(self, runner, pooler: PoolerConfig, max_model_len: int, token_budget: int,
+                 classifier: ClassifierHead | None = None):
+        self.runner, self.pooler, self.classifier = runner, pooler, classifier
         self.max_model_len, self.token_budget = max_model_len, token_budget
         self.num_programs = 0     # programs compiled (one per batch size)
         self._programs: dict = {}
@@ -132,12 +133,22 @@ class Embedder:
                 self._programs[size] = compiled
                 self.num_programs += 1
 
+    def _check_task(self, task: str) -> None:
+        if task == "embed" and self.pooler.unsupported:
+            raise UnsupportedModelError(f"this model cannot serve embeddings: {self.pooler.unsupported}")
+        if task == "classify" and self.classifier is None:
+            raise UnsupportedModelError("this model has no classification head (a *ForSequenceClassification "
+                                        "checkpoint's `score` layer): it cannot classify")
+        if task == "classify" and self.pooler.pooling_type != "last":
+            raise UnsupportedModelError(f"classification reads the last token's state; this engine pools "
+                                        f"{self.pooler.pooling_type} (pooling_type)")
+
     def check(self, token_lists: list[list[int]], params: list[PoolingParams]) -> list[list[int]]:
         """The token lists as they will be embedded (truncated where asked), or a clear error."""
-        if self.pooler.unsupported:
-            raise UnsupportedModelError(f"this model cannot serve embeddings: {self.pooler.unsupported}")
         if not token_lists:
             raise InvalidRequestError("embeddings need at least one input")
+        for task in {p.task for p in params}:
+            self._check_task(task)
         out = []
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             if p.truncate_prompt_tokens is not None:
@@ -145,6 +156,8 @@ class Embedder:
                 ids = ids[-keep:]
             if not ids:
                 raise InvalidRequestError(f"input {i} is empty")
+            if p.task == "classify" and (p.dimensions is not None or p.normalize):
+                raise InvalidRequestError("dimensions and normalize apply to embeddings, not to classification")
             if p.dimensions is not None and p.dimensions > self.runner.cfg.hidden_size:
                 raise InvalidRequestError(f"dimensions={p.dimensions} exceeds the model's embedding size "
                                           f"{self.runner.cfg.hidden_size}")
@@ -174,7 +187,7 @@ class Embedder:
                 vectors = np.asarray(out)
                 for row in range(count):
                     i = len(pooled)
-                    pooled.append(finish(vectors[row], params[i], self.pooler))
+                    pooled.append(finish(vectors[row], params[i], self.pooler, self.classifier))
                 if on_ready is not None:
                     on_ready(pooled)
             in_flight = launched

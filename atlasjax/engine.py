@@ -283,7 +283,13 @@ class LLMEngine:
         log.info("embeddings: %s", self.pooler.describe())
         return Embedder(self.runner, self.pooler, self.max_model_len,
                         token_budget=max(self.config.max_num_batched_tokens, 0 if jax.default_backend() != "gpu"
-                                         else POOLING_TOKEN_BUDGET if self.pooling_only else EMBED_TOKEN_BUDGET))
+                                         else POOLING_TOKEN_BUDGET if self.pooling_only else EMBED_TOKEN_BUDGET),
+                        classifier=self.loaded.classifier)
+
+    @property
+    def classifier_labels(self) -> tuple[str, ...]:
+        """The labels of the model's classification head (a *ForSequenceClassification checkpoint), else ()."""
+        return self.loaded.classifier.labels if self.loaded.classifier is not None else ()
 
     def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len

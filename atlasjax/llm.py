@@ -13,9 +13,9 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import InvalidRequestError
 from atlasjax.generation_config import default_sampling_params
-from atlasjax.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
-                              ScoringRequestOutput)
-from atlasjax.pooling import PoolingParams
+from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                              EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from atlasjax.pooling import PoolingParams, class_probs
 from atlasjax.sampling_params import SamplingParams
 
 
@@ -163,6 +163,15 @@ class LLM:
         results = self.engine.embed(prompts, pooling_params)
         return [EmbeddingRequestOutput(str(next(self._ids)), ids, EmbeddingOutput(vector.tolist()))
                 for ids, vector in results]
+
+    def classify(self, prompts, truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify`, for a *ForSequenceClassification checkpoint (classifiers, reward models): the
+        head over each prompt's last-token state; `outputs.probs` (softmax, or a sigmoid for one label) and
+        `outputs.logits` (raw: a reward model's score). Labels: `llm.engine.classifier_labels`."""
+        params = PoolingParams(task="classify", truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ClassificationRequestOutput(str(next(self._ids)), ids, ClassificationOutput(
+                    class_probs(logits).tolist(), logits.tolist()))
+                for ids, logits in self.engine.embed(_prompt_list(prompts), params)]
 
     def score(self, text_1, text_2, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score` for embedding models: the cosine similarity of text_1's and text_2's embeddings.

@@ -57,6 +57,7 @@ class LoadedModel:
     source: str
     plan: object | None = None    # atlasjax.sharding.TensorParallel when the params are sharded over a mesh
     generation: object | None = None   # atlasjax.generation_config.GenerationDefaults (None: not resolved yet)
+    classifier: object | None = None   # atlasjax.pooling.ClassifierHead of a *ForSequenceClassification checkpoint
 
 
 def model_format(path: str) -> str:
@@ -219,41 +220,63 @@ def _plan_for(cfg: ModelConfig, mesh):
     return TensorParallel(mesh, cfg)
 
 
-def load_hf(model_dir: str, dtype, convert=None, mesh=None,
-            kv_cache_fp8: bool = False) -> tuple[ModelConfig, dict]:
+def load_hf(model_dir: str, dtype, convert=None, mesh=None, kv_cache_fp8: bool = False,
+            heads: dict | None = None) -> tuple[ModelConfig, dict]:
     """kv_cache_fp8: the engine's KV cache is fp8, so the checkpoint's KV-cache scales, if any, are
-    folded into the attention weights (atlasjax/kv_scales.py); otherwise they are dropped unused."""
+    folded into the attention weights (atlasjax/kv_scales.py); otherwise they are dropped unused.
+    heads: receives a sequence classifier's head (`classifier_head`) under "classifier"."""
     from atlasjax import prequantized  # noqa: PLC0415
     from atlasjax.kv_scales import fold_kv_scales  # noqa: PLC0415
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
     cfg = from_hf_config(hf_config)
-    tensors = fold_kv_scales(as_causal_lm(iter_safetensors(model_dir), cfg), cfg, kv_cache_fp8)
+    found: dict = {}
+    tensors = fold_kv_scales(as_causal_lm(iter_safetensors(model_dir), cfg, found), cfg, kv_cache_fp8)
     scheme = prequantized.scheme_of(hf_config.get("quantization_config"), model_dir)
     if scheme is not None:   # saved quantized: weights as QuantizedWeight (floats when re-quantizing)
         tensors = prequantized.quantized_tensors(scheme, tensors, as_floats=convert is not None)
-    return cfg, assemble_params(cfg, tensors, dtype, convert, _plan_for(cfg, mesh))
+    params = assemble_params(cfg, tensors, dtype, convert, _plan_for(cfg, mesh))
+    if "score" in found and heads is not None:
+        heads["classifier"] = classifier_head(found["score"], hf_config, cfg)
+    return cfg, params
+
+
+def classifier_head(reader, hf_config: dict, cfg: ModelConfig):
+    """A `score.weight` [num_labels, hidden] as a ClassifierHead (float32, host memory), labels from id2label."""
+    from atlasjax.pooling import ClassifierHead  # noqa: PLC0415
+    weight = np.asarray(reader(), np.float32)
+    if weight.ndim != 2 or weight.shape[1] != cfg.hidden_size:
+        raise CheckpointError(f"tensor 'score.weight' has shape {weight.shape}, expected [num_labels, "
+                              f"{cfg.hidden_size}]")
+    names = hf_config.get("id2label") or {}
+    labels = tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(weight.shape[0]))
+    return ClassifierHead(weight, labels)
 
 
 _BASE_MODEL_NAMES = ("layers.", "embed_tokens.", "norm.")
 
 
-def as_causal_lm(tensors: Iterator[NamedTensor], cfg: ModelConfig) -> Iterator[NamedTensor]:
-    """A base-model checkpoint (saved from Qwen3Model or LlamaModel, as embedding models such as
-    Qwen3-Embedding ship: `layers.0...`, `embed_tokens.weight`, no `model.` prefix) read as the causal LM's
-    names. Such a checkpoint has no LM head: an untied one is taken from the embedding table (with a
-    warning: embeddings never use it, generation then means little)."""
-    renamed, embed, head = False, None, False
+def as_causal_lm(tensors: Iterator[NamedTensor], cfg: ModelConfig, heads: dict | None = None
+                 ) -> Iterator[NamedTensor]:
+    """A checkpoint read as the causal LM's names. A base model (saved from Qwen3Model or LlamaModel, as
+    embedding models such as Qwen3-Embedding ship: `layers.0...`, `embed_tokens.weight`, no `model.` prefix)
+    gets the prefix; a sequence classifier's `score.weight` (`*ForSequenceClassification`: reward models) goes
+    to `heads["score"]` instead of the param tree. Neither has an LM head: an untied one is taken from the
+    embedding table (with a warning: embeddings and classification never use it, generation means little)."""
+    renamed, embed, head, score = False, None, False, False
     for name, reader in tensors:
         if name.startswith(_BASE_MODEL_NAMES):
             name, renamed = "model." + name, True
+        if name == "score.weight" and heads is not None:
+            heads["score"], score = reader, True
+            continue
         if name == "model.embed_tokens.weight":
             embed = reader
         head = head or name == "lm_head.weight"
         yield name, reader
-    if renamed and not head and not cfg.tie_word_embeddings and embed is not None:
-        log.warning("the checkpoint is a base model without an LM head (an embedding model?): the head is the "
-                    "embedding table, so generation means little; embeddings are not affected")
+    if (renamed or score) and not head and not cfg.tie_word_embeddings and embed is not None:
+        log.warning("the checkpoint has no LM head (an embedding model or a classifier): the head is the "
+                    "embedding table, so generation means little; embeddings and classification are not affected")
         yield "lm_head.weight", embed
 
 
@@ -347,8 +370,10 @@ def load_model(path: str, dtype, convert=None, keep_gguf_quantized: bool = True,
     from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
     fmt = model_format(path)
     if fmt == "hf":
-        cfg, params = load_hf(path, dtype, convert, mesh, kv_cache_fp8)
-        return LoadedModel(cfg, params, Tokenizer.from_dir(path, cfg.eos_token_ids), path, _plan_for(cfg, mesh))
+        heads: dict = {}
+        cfg, params = load_hf(path, dtype, convert, mesh, kv_cache_fp8, heads)
+        return LoadedModel(cfg, params, Tokenizer.from_dir(path, cfg.eos_token_ids), path, _plan_for(cfg, mesh),
+                           classifier=heads.get("classifier"))
     if fmt == "gguf":
         from atlasjax.gguf_loader import load_gguf  # noqa: PLC0415
         g = load_gguf(path)

@@ -86,3 +86,22 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]      # the first text's, then the second's
     outputs: ScoringOutput
     finished: bool = True
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]               # softmax over the labels (a sigmoid for a single-label head), as vLLM's
+    logits: list[float]              # the head's raw outputs (a reward model's score)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """One input's classification (vLLM's `LLM.classify`), by a *ForSequenceClassification checkpoint's head."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True

@@ -16,6 +16,7 @@ import numpy as np
 from atlasjax.errors import InvalidRequestError, UnsupportedModelError
 
 POOLING_TYPES = ("last", "mean", "cls", "max")
+TASKS = ("embed", "classify")
 # sentence-transformers' Pooling flags -> our pooling type
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
              "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
@@ -32,8 +33,11 @@ class PoolingParams:
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    task: str = "embed"      # embed | classify: the classification head's logits over the last token's state
 
     def __post_init__(self):
+        if self.task not in TASKS:
+            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise InvalidRequestError(f"dimensions must be a positive integer, got {self.dimensions!r}")
@@ -120,8 +124,32 @@ def pool_ragged(hidden, seq_ids, query_start, seq_lens, pooling_type: str):
     raise ValueError(f"unknown pooling type {pooling_type!r}")
 
 
-def finish(vector: np.ndarray, params: PoolingParams, config: PoolerConfig) -> np.ndarray:
-    """One pooled vector as the request asked: its first `dimensions` values, then L2-normalized (or not)."""
+@dataclasses.dataclass(frozen=True)
+class ClassifierHead:
+    """A sequence-classification checkpoint's `score` layer (`*ForSequenceClassification`: reward models,
+    classifiers): logits = weight @ the last token's final hidden state."""
+    weight: np.ndarray                 # [num_labels, hidden] float32
+    labels: tuple[str, ...]            # config.json's id2label, in order
+
+    def logits(self, vector: np.ndarray) -> np.ndarray:
+        return (self.weight @ vector.astype(np.float32)).astype(np.float32)
+
+
+def class_probs(logits: np.ndarray) -> np.ndarray:
+    """vLLM's classification output: softmax over the labels, a sigmoid for a single-label head."""
+    logits = np.asarray(logits, np.float64)
+    if logits.shape[-1] == 1:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def finish(vector: np.ndarray, params: PoolingParams, config: PoolerConfig,
+           classifier: ClassifierHead | None = None) -> np.ndarray:
+    """One pooled vector as the request asked: its first `dimensions` values, then L2-normalized (or not);
+    for task="classify", the classification head's logits."""
+    if params.task == "classify":
+        return classifier.logits(vector)
     if params.dimensions is not None:
         if params.dimensions > vector.shape[-1]:
             raise InvalidRequestError(f"dimensions={params.dimensions} exceeds the model's embedding size "

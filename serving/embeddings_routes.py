@@ -1,6 +1,7 @@
 """Embeddings and scores: POST /v1/embeddings (OpenAI's), POST /v1/score and /score (vLLM's, for embedding
 models: the cosine similarity of two texts' embeddings), and POST /rerank, /v1/rerank, /v2/rerank (the
-rerank API vLLM serves, Jina's and Cohere's shape: documents ordered by that similarity to a query).
+rerank API vLLM serves, Jina's and Cohere's shape: documents ordered by that similarity to a query), and
+POST /classify (vLLM's, for a sequence classifier: labels and probabilities from its head).
 
 Inputs are tokenized here and embedded by the engine between its steps (`LLMEngine.embed`,
 atlasjax/embedding.py), pooled as the model says (atlasjax/pooling.py). /v1/embeddings takes OpenAI's
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from atlasjax.errors import AtlasJaxError
-from atlasjax.pooling import PoolingParams
+from atlasjax.pooling import PoolingParams, class_probs
 from serving.bridge import until_disconnect
 from serving.errors import from_engine_error, invalid
 from serving.protocol import Fields, chat_render_options, check_model, completion_prompts, text_content
@@ -119,11 +120,43 @@ async def rerank(request: Request) -> JSONResponse:
     return JSONResponse({"id": rid, "model": model, "results": out, "usage": {"total_tokens": tokens}})
 
 
-def _pooling_params(f: Fields) -> PoolingParams:
-    dimensions = f.int("dimensions", None, lo=1)
+async def classify(request: Request) -> JSONResponse:
+    """vLLM's /classify, for a *ForSequenceClassification checkpoint (classifiers, reward models): per input
+    its label, the probabilities (softmax; a sigmoid for one label) and, atlasjax's addition, the raw logits."""
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    model = check_model(f, state.model_names)
+    prompts = completion_prompts(f, "input")
+    if len(prompts) > MAX_INPUTS:
+        raise invalid(f"'input' has {len(prompts)} entries; at most {MAX_INPUTS} are allowed", param="input")
+    params = PoolingParams(task="classify", truncate_prompt_tokens=_truncation(f))
+    add_special = f.bool("add_special_tokens", True)
+    ids = [p if isinstance(p, list) else await state.encode(p, add_special) for p in prompts]
+    _check_lengths(state, ids, params, "input")
+    rid, _ = new_id("classify-", request)
+    results = await _embed(request, state, ids, params)
+    labels = state.llm.engine.classifier_labels
+    data = []
+    for i, (_, logits) in enumerate(results):
+        probs = class_probs(logits)
+        best = int(np.argmax(probs))        # (a single-label head: its label, as vLLM answers)
+        data.append({"index": i, "label": labels[best] if best < len(labels) else None, "probs": probs.tolist(),
+                     "logits": logits.tolist(), "num_classes": len(probs)})
+    tokens = sum(len(t) for t, _ in results)
+    return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _truncation(f: Fields) -> int | None:
     truncate = f.int("truncate_prompt_tokens", None, lo=-1)
     if truncate == 0:
         raise invalid("'truncate_prompt_tokens' must be -1 or a positive integer", param="truncate_prompt_tokens")
+    return truncate
+
+
+def _pooling_params(f: Fields) -> PoolingParams:
+    dimensions = f.int("dimensions", None, lo=1)
+    truncate = _truncation(f)
     normalize = f.body.get("normalize")
     if normalize is not None and not isinstance(normalize, bool):
         raise invalid("'normalize' must be true or false", param="normalize")
@@ -180,4 +213,5 @@ ROUTES = [
     Route("/rerank", rerank, methods=["POST"]),
     Route("/v1/rerank", rerank, methods=["POST"]),
     Route("/v2/rerank", rerank, methods=["POST"]),
+    Route("/classify", classify, methods=["POST"]),
 ]

@@ -61,6 +61,7 @@ SCHEMAS = {
                          add_special_tokens=BOOL),
     "RerankRequest": _obj(["query", "documents"], model=STR, query=STR, documents={"type": "array", "items": {
         "oneOf": [STR, _obj(["text"], text=STR)]}}, top_n=INT, return_documents=BOOL, truncate_prompt_tokens=INT),
+    "ClassifyRequest": _obj(["input"], model=STR, input=PROMPT, truncate_prompt_tokens=INT, add_special_tokens=BOOL),
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
                             add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),
     "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),
@@ -91,6 +92,8 @@ OPERATIONS = {
                           "shape, as vLLM serves it)", "RerankRequest", False),
     ("/v1/rerank", "post"): ("The same as /rerank", "RerankRequest", False),
     ("/v2/rerank", "post"): ("The same as /rerank", "RerankRequest", False),
+    ("/classify", "post"): ("vLLM's classification by a *ForSequenceClassification model's head: label, probs, "
+                            "logits per input", "ClassifyRequest", False),
     ("/tokenize", "post"): ("Text or chat messages to token ids", "TokenizeRequest", False),
     ("/detokenize", "post"): ("Token ids to text", "DetokenizeRequest", False),
     ("/health", "get"): ("Liveness and engine occupancy (no API key needed)", None, False),
