@@ -26,6 +26,7 @@ from models.transformer import abstract_params
 from pallas_kernels.quant_format import GROUP_ROWS, QuantizedWeight, layout_problem
 
 FORMAT_VERSION = 1
+CLASSIFIER_FILE = "classifier_head.npz"   # a sequence classifier's score layer and labels, when the model has one
 
 
 def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
@@ -66,6 +67,11 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
             json.dump(loaded.generation.to_json(), f, indent=1)
     elif os.path.exists(generation):   # a checkpoint replaced in place keeps no stale defaults
         os.remove(generation)
+    head = os.path.join(directory, CLASSIFIER_FILE)
+    if loaded.classifier is not None:   # a sequence classifier's head travels with it
+        np.savez(head, weight=loaded.classifier.weight, labels=np.array(loaded.classifier.labels))
+    elif os.path.exists(head):
+        os.remove(head)
     with open(os.path.join(directory, "atlasjax_checkpoint.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
@@ -105,7 +111,24 @@ def load_checkpoint(directory: str, dtype) -> LoadedModel:
         tok = Tokenizer(tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")),
                         bos_token=t["bos_token"], eos_token=t["eos_token"], eos_token_ids=t["eos_token_ids"],
                         add_bos=t["add_bos"], chat_template=t["chat_template"])
-    return LoadedModel(cfg, params, tok, directory)
+    return LoadedModel(cfg, params, tok, directory, classifier=_classifier(directory, cfg))
+
+
+def _classifier(directory: str, cfg):
+    """The classification head saved beside the params, if any (atlasjax.pooling.ClassifierHead)."""
+    from atlasjax.pooling import ClassifierHead  # noqa: PLC0415
+    path = os.path.join(directory, CLASSIFIER_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with np.load(path) as f:
+            weight, labels = np.asarray(f["weight"], np.float32), tuple(str(x) for x in f["labels"])
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    if weight.ndim != 2 or weight.shape[1] != cfg.hidden_size or len(labels) != weight.shape[0]:
+        raise CheckpointError(f"{path}: a classifier head of shape {weight.shape} with {len(labels)} labels does "
+                              f"not fit a model of hidden size {cfg.hidden_size}")
+    return ClassifierHead(weight, labels)
 
 
 def _params(leaves: dict, quantized: dict, dtype, directory: str) -> dict:

@@ -95,3 +95,12 @@ def test_the_classify_route_answers_as_llm_classify(tmp_path_factory, tmp_path):
             assert wrong.status_code == 400
     finally:
         server.stop()
+
+
+def test_a_saved_classifier_keeps_its_head(tmp_path_factory, tmp_path):
+    _, llm = _case("qwen3_3_labels", tmp_path_factory)
+    llm.save(str(tmp_path / "saved"))
+    again = LLM(str(tmp_path / "saved"), **KW)
+    assert again.engine.classifier_labels == llm.engine.classifier_labels
+    for got, want in zip(again.classify(PROMPTS), llm.classify(PROMPTS)):
+        np.testing.assert_allclose(got.outputs.logits, want.outputs.logits, atol=1e-5)
