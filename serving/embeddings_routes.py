@@ -55,7 +55,7 @@ async def embeddings(request: Request) -> JSONResponse:
         ids = [p if isinstance(p, list) else await state.encode(p, add_special) for p in prompts]
         param = "input"
     _check_lengths(state, ids, params, param)
-    rid, engine_id = new_id("embd-", request)
+    rid, _ = new_id("embd-", request)
     results = await _embed(request, state, ids, params)
     data = [{"object": "embedding", "index": i, "embedding": _encode(vector, encoding)}
             for i, (_, vector) in enumerate(results)]
