@@ -141,10 +141,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "server's defaults for requests that leave them out (auto: the file beside the "
                         "checkpoint; vllm: ignore it; PATH: that directory or file). The generate / chat "
                         "commands take its end ids; their sampling comes from their own flags")
-    g.add_argument("--runner", default="generate", choices=["generate", "pooling"],
-                   help="pooling: serve embeddings and scores only (an embedding model: Qwen3-Embedding, ...): no "
-                        "generation steps compiled, a KV pool of one sequence, the embedding batch sizes compiled "
-                        "at start instead")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: serve embeddings, scores and classification only (an embedding model: "
+                        "Qwen3-Embedding, ...): no generation steps compiled, a KV pool of one sequence, the "
+                        "embedding batch sizes compiled at start instead; auto (default): pooling for a checkpoint "
+                        "without an LM head (a base model, a classifier), else generate")
     g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls", "max"],
                    help="how embeddings (/v1/embeddings, /v1/score) pool the final hidden states (default: the "
                         "model's sentence-transformers config, else the last token)")

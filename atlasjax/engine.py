@@ -116,7 +116,11 @@ class LLMEngine:
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
         self.pooler = read_pooler_config(config.model, config.pooling_type)
-        self.pooling_only = config.runner == "pooling"
+        cannot_generate = self.loaded.pooling_model or self.loaded.classifier is not None
+        self.pooling_only = config.runner == "pooling" or (config.runner == "auto" and cannot_generate)
+        if self.pooling_only and config.runner == "auto":
+            log.info("runner: pooling (the checkpoint has no LM head: embeddings and classification only; "
+                     "runner='generate' generates anyway)")
         if self.pooling_only:   # no generation: the pool holds one sequence, the memory goes to embedding batches
             num_pages = config.num_pages or -(-self.max_model_len // config.page_size)
         else:

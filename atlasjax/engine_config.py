@@ -7,7 +7,7 @@ from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
 from atlasjax.pooling import POOLING_TYPES
 
-RUNNERS = ("generate", "pooling")
+RUNNERS = ("auto", "generate", "pooling")
 from atlasjax.waiting_queue import SCHEDULING_POLICIES
 
 # interpret: the Pallas kernels in Mosaic GPU interpret mode (slow; for checking them on a CPU)
@@ -117,9 +117,11 @@ class EngineConfig:
                                              # (read and checked by the engine before the model loads)
     generation_config: str = "auto"          # the model's generation_config.json (atlasjax/generation_config.py):
                                              # auto (beside the checkpoint) | vllm (ignored) | a directory or file
-    runner: str = "generate"                 # generate | pooling (vLLM's --runner): pooling serves embeddings
-                                             # and scores only: a KV pool of one sequence, no generation steps
-                                             # compiled; compile_at_start compiles the embedding batch sizes
+    runner: str = "auto"                     # auto | generate | pooling (vLLM's --runner): pooling serves
+                                             # embeddings, scores and classification only: a KV pool of one
+                                             # sequence, no generation steps compiled; compile_at_start compiles
+                                             # the embedding batch sizes. auto: pooling for a checkpoint that
+                                             # cannot generate (a classifier, a base model without an LM head)
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)

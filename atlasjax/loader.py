@@ -58,6 +58,7 @@ class LoadedModel:
     plan: object | None = None    # atlasjax.sharding.TensorParallel when the params are sharded over a mesh
     generation: object | None = None   # atlasjax.generation_config.GenerationDefaults (None: not resolved yet)
     classifier: object | None = None   # atlasjax.pooling.ClassifierHead of a *ForSequenceClassification checkpoint
+    pooling_model: bool = False        # the checkpoint has no LM head (a base model, a classifier): runner auto pools
 
 
 def model_format(path: str) -> str:
@@ -236,8 +237,10 @@ def load_hf(model_dir: str, dtype, convert=None, mesh=None, kv_cache_fp8: bool =
     if scheme is not None:   # saved quantized: weights as QuantizedWeight (floats when re-quantizing)
         tensors = prequantized.quantized_tensors(scheme, tensors, as_floats=convert is not None)
     params = assemble_params(cfg, tensors, dtype, convert, _plan_for(cfg, mesh))
-    if "score" in found and heads is not None:
-        heads["classifier"] = classifier_head(found["score"], hf_config, cfg)
+    if heads is not None:
+        heads["pooling_model"] = found.get("no_lm_head", False)
+        if "score" in found:
+            heads["classifier"] = classifier_head(found["score"], hf_config, cfg)
     return cfg, params
 
 
@@ -264,6 +267,8 @@ def as_causal_lm(tensors: Iterator[NamedTensor], cfg: ModelConfig, heads: dict |
     to `heads["score"]` instead of the param tree. Neither has an LM head: an untied one is taken from the
     embedding table (with a warning: embeddings and classification never use it, generation means little)."""
     renamed, embed, head, score = False, None, False, False
+    if heads is not None:
+        heads["no_lm_head"] = False
     for name, reader in tensors:
         if name.startswith(_BASE_MODEL_NAMES):
             name, renamed = "model." + name, True
@@ -274,6 +279,8 @@ def as_causal_lm(tensors: Iterator[NamedTensor], cfg: ModelConfig, heads: dict |
             embed = reader
         head = head or name == "lm_head.weight"
         yield name, reader
+    if (renamed or score) and not head and heads is not None:
+        heads["no_lm_head"] = True      # (tied or not: a checkpoint made for pooling, not for generating)
     if (renamed or score) and not head and not cfg.tie_word_embeddings and embed is not None:
         log.warning("the checkpoint has no LM head (an embedding model or a classifier): the head is the "
                     "embedding table, so generation means little; embeddings and classification are not affected")
@@ -373,7 +380,7 @@ def load_model(path: str, dtype, convert=None, keep_gguf_quantized: bool = True,
         heads: dict = {}
         cfg, params = load_hf(path, dtype, convert, mesh, kv_cache_fp8, heads)
         return LoadedModel(cfg, params, Tokenizer.from_dir(path, cfg.eos_token_ids), path, _plan_for(cfg, mesh),
-                           classifier=heads.get("classifier"))
+                           classifier=heads.get("classifier"), pooling_model=heads.get("pooling_model", False))
     if fmt == "gguf":
         from atlasjax.gguf_loader import load_gguf  # noqa: PLC0415
         g = load_gguf(path)

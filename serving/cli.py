@@ -149,7 +149,7 @@ def serve(args) -> int:
         print(f"atlasjax: defaults for requests that leave them out, from {defaults.source}: {defaults.describe()} "
               "(--generation-config vllm ignores them)", file=sys.stderr, flush=True)
     try:
-        asyncio.run(warm_up(llm, pooling=args.runner == "pooling"))
+        asyncio.run(warm_up(llm, pooling=llm.engine.pooling_only))
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
         app = create_app(llm, served_model_name=args.served_model_name or served_model_name(args.model),
                          api_key=args.api_key or os.environ.get("ATLASJAX_API_KEY") or None,

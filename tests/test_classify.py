@@ -68,6 +68,7 @@ def test_classify_matches_hugging_face(case):
     alone = llm.classify(PROMPTS[1])[0]                    # alone = in a batch
     np.testing.assert_allclose(alone.outputs.logits, outs[1].outputs.logits, atol=SAME)
     assert llm.engine.classifier_labels == tuple(f"class_{i}" for i in range(hf.config.num_labels))
+    assert llm.engine.pooling_only                  # runner auto: a classifier does not generate
 
 
 def test_a_model_without_a_head_refuses_to_classify(hf_model_factory):

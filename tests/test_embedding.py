@@ -157,9 +157,13 @@ def test_a_base_model_checkpoint_embeds_as_the_causal_lm(hf_model_factory, tmp_p
     from safetensors import safe_open
     with safe_open(os.path.join(base, "model.safetensors"), "np") as f:
         assert not any(k.startswith(("model.", "lm_head")) for k in f.keys())
-    got = _vectors(LLM(base, **KW).embed(PROMPTS[:2]))
+    embedder = LLM(base, **KW)
+    assert embedder.engine.pooling_only            # runner auto: no LM head, so a pooling runner
+    got = _vectors(embedder.embed(PROMPTS[:2]))
     for ids, v in zip(PROMPTS[:2], got):
         np.testing.assert_allclose(v, _unit(_hf_hidden(model, ids)[-1]), atol=UNIT_TOL)
+    forced = LLM(base, runner="generate", **KW)     # it may still be asked to generate
+    assert len(forced.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
 def test_batches_cover_every_input_within_the_budget():
