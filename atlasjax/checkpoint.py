@@ -56,6 +56,7 @@ def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
     ckpt.wait_until_finished()
     tok = loaded.tokenizer
     meta = dict(version=FORMAT_VERSION, config=_config_dict(loaded.config), quantized=quantized,
+                pooling_model=bool(loaded.pooling_model),
                 tokenizer=None if tok is None else dict(bos_token=tok.bos_token, eos_token=tok.eos_token,
                                                         eos_token_ids=list(tok.eos_token_ids), add_bos=tok.add_bos,
                                                         chat_template=tok.chat_template))
@@ -111,7 +112,8 @@ def load_checkpoint(directory: str, dtype) -> LoadedModel:
         tok = Tokenizer(tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")),
                         bos_token=t["bos_token"], eos_token=t["eos_token"], eos_token_ids=t["eos_token_ids"],
                         add_bos=t["add_bos"], chat_template=t["chat_template"])
-    return LoadedModel(cfg, params, tok, directory, classifier=_classifier(directory, cfg))
+    return LoadedModel(cfg, params, tok, directory, classifier=_classifier(directory, cfg),
+                       pooling_model=bool(meta.get("pooling_model", False)))
 
 
 def _classifier(directory: str, cfg):

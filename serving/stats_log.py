@@ -4,8 +4,9 @@
     prompt throughput 1520.3 tokens/s, generation throughput 210.7 tokens/s, running 6, waiting 0,
     KV cache 12.5% used, prefix cache hit rate 43.0%
 
-Throughputs are over the interval (prompt tokens computed, cache hits not counted); the rest is read
-now, the hit rate over the server's life. A line is written while requests run or wait or tokens
+Throughputs are over the interval (prompt tokens computed, cache hits not counted; embedded tokens, when an
+interval embedded any: `, embedding throughput 8192.0 tokens/s` follows the generation figure); the rest is
+read now, the hit rate over the server's life. A line is written while requests run or wait or tokens
 moved, and once more when the server turns idle; an idle server stays quiet.
 """
 from __future__ import annotations
@@ -21,21 +22,24 @@ class StatsLogger:
     def __init__(self, llm, interval: float):
         self.llm, self.interval = llm, interval
         stats = llm.stats
-        self._last = (time.monotonic(), stats.prompt_tokens, stats.generation_tokens)
+        self._last = (time.monotonic(), stats.prompt_tokens, stats.generation_tokens, stats.embedding_tokens)
         self._was_busy = False
 
     def line(self, now: float) -> str | None:
         """The line for the interval ending now (None: idle then and before)."""
         stats = self.llm.stats     # (an engine thread's stats are refreshed on each read: read them once)
-        (then, prompt0, gen0), prompt1, gen1 = self._last, stats.prompt_tokens, stats.generation_tokens
-        self._last = (now, prompt1, gen1)
-        busy = bool(stats.num_running or stats.num_waiting or prompt1 > prompt0 or gen1 > gen0)
+        then, prompt0, gen0, emb0 = self._last
+        prompt1, gen1, emb1 = stats.prompt_tokens, stats.generation_tokens, stats.embedding_tokens
+        self._last = (now, prompt1, gen1, emb1)
+        busy = bool(stats.num_running or stats.num_waiting or prompt1 > prompt0 or gen1 > gen0 or emb1 > emb0)
         if not (busy or self._was_busy):
             return None
         self._was_busy = busy
         seconds = max(now - then, 1e-9)
+        embedded = f", embedding throughput {(emb1 - emb0) / seconds:.1f} tokens/s" if emb1 > emb0 else ""
         return (f"prompt throughput {(prompt1 - prompt0) / seconds:.1f} tokens/s, generation throughput "
-                f"{(gen1 - gen0) / seconds:.1f} tokens/s, running {stats.num_running}, waiting {stats.num_waiting}, "
+                f"{(gen1 - gen0) / seconds:.1f} tokens/s{embedded}, running {stats.num_running}, "
+                f"waiting {stats.num_waiting}, "
                 f"KV cache {100 * stats.kv_cache_usage:.1f}% used, "
                 f"prefix cache hit rate {100 * stats.prefix_cache_hit_rate:.1f}%")
 

@@ -164,6 +164,10 @@ def test_a_base_model_checkpoint_embeds_as_the_causal_lm(hf_model_factory, tmp_p
         np.testing.assert_allclose(v, _unit(_hf_hidden(model, ids)[-1]), atol=UNIT_TOL)
     forced = LLM(base, runner="generate", **KW)     # it may still be asked to generate
     assert len(forced.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+    embedder.save(str(tmp_path / "saved"))          # saved and loaded back: still a model for pooling
+    again = LLM(str(tmp_path / "saved"), **KW)
+    assert again.engine.pooling_only
+    np.testing.assert_allclose(_vectors(again.embed(PROMPTS[:1]))[0], got[0], atol=SAME_TOL)
 
 
 def test_batches_cover_every_input_within_the_budget():
