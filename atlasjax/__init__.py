@@ -10,7 +10,8 @@ from atlasjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from atlasjax.errors import (AtlasJaxError, CheckpointError, EngineConfigError, InvalidRequestError,
                              UnsupportedModelError)
 from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                              EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput, ScoringRequestOutput)
+                              EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
 from atlasjax.pooling import PoolingParams
 from atlasjax.sampling_params import SamplingParams
 
@@ -32,6 +33,6 @@ def __getattr__(name):
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "EmbeddingOutput",
            "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "ClassificationOutput",
-           "ClassificationRequestOutput",
+           "ClassificationRequestOutput", "PoolingRequestOutput",
            "AtlasJaxError", "CheckpointError", "EngineConfigError", "InvalidRequestError", "UnsupportedModelError"]
 __version__ = "0.1.0"

@@ -273,12 +273,12 @@ class LLMEngine:
             while done < len(ready) and ends[done] <= len(vectors):
                 i, toks, _ = ready[done]
                 out[i] = list(zip(toks, vectors[ends[done] - len(toks):ends[done]]))
+                self.stats.num_embedding_inputs += len(toks)       # counted before the answer leaves
+                self.stats.embedding_tokens += sum(map(len, toks))
                 if on_done is not None:
                     on_done(i, out[i])
                 done += 1
         self.embedder.embed(ids, [p for _, _, ps in ready for p in ps], on_ready=landed)
-        self.stats.num_embedding_inputs += len(ids)
-        self.stats.embedding_tokens += sum(len(t) for t in ids)
         return out
 
     @functools.cached_property

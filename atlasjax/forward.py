@@ -28,28 +28,14 @@ def model_fn(runner, *, reference: bool = False, return_hidden: bool = False):
     final norm, with return_hidden). params: the runner's (`LLM.params`: the execution layout, q/k/v and
     gate/up fused). reference: trace the jnp attention and matmuls even on a GPU (`models/reference.py`):
     what gradients need there, since the Pallas kernels have no VJP; elsewhere they run anyway."""
-    model, hidden_states = runner.model, hidden_fn(runner)
+    model, cfg, page_size, kv_dtype, plan = runner.model, runner.cfg, runner.page_size, runner.kv_dtype, runner.plan
+    kv_heads = () if plan is None else (plan.num_kv_heads,)
 
     def fn(params, tokens):
         with reference_kernels() if reference else contextlib.nullcontext():
             return _forward(params, tokens)
 
     def _forward(params, tokens):
-        batch, length = tokens.shape
-        hidden = hidden_states(params, tokens)
-        logits = model.apply({"params": params}, hidden.reshape(batch * length, -1),
-                             method=Transformer.logits).reshape(batch, length, -1)
-        return (logits, hidden) if return_hidden else logits
-    return fn
-
-
-def hidden_fn(runner):
-    """fn(params, tokens [B, T] int32) -> final-norm hidden states [B, T, embed]: `model_fn` without the LM
-    head, on a KV pool of its own sized for the batch."""
-    model, cfg, page_size, kv_dtype, plan = runner.model, runner.cfg, runner.page_size, runner.kv_dtype, runner.plan
-    kv_heads = () if plan is None else (plan.num_kv_heads,)
-
-    def fn(params, tokens):
         batch, length = tokens.shape
         pages = -(-length // page_size)
         kv = init_kv_cache(cfg, batch * pages, page_size, kv_dtype, *kv_heads)
@@ -62,7 +48,8 @@ def hidden_fn(runner):
                                  num_seqs=jnp.int32(batch))
         flat = tokens.reshape(-1).astype(jnp.int32)
         hidden, _ = model.apply({"params": params}, flat, jnp.tile(positions, batch), kv, meta)
-        return hidden.reshape(batch, length, -1)
+        logits = model.apply({"params": params}, hidden, method=Transformer.logits).reshape(batch, length, -1)
+        return (logits, hidden.reshape(batch, length, -1)) if return_hidden else logits
     return fn
 
 

@@ -66,26 +66,8 @@ class EmbeddingOutput:
 
 
 @dataclasses.dataclass
-class EmbeddingRequestOutput:
-    """One input's embedding (vLLM's): `outputs.embedding` is the vector, a list of floats."""
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
-    finished: bool = True
-
-
-@dataclasses.dataclass
 class ScoringOutput:
     score: float
-
-
-@dataclasses.dataclass
-class ScoringRequestOutput:
-    """One pair's score (vLLM's, for embedding models): the cosine similarity of the two embeddings."""
-    request_id: str
-    prompt_token_ids: list[int]      # the first text's, then the second's
-    outputs: ScoringOutput
-    finished: bool = True
 
 
 @dataclasses.dataclass
@@ -99,9 +81,14 @@ class ClassificationOutput:
 
 
 @dataclasses.dataclass
-class ClassificationRequestOutput:
-    """One input's classification (vLLM's `LLM.classify`), by a *ForSequenceClassification checkpoint's head."""
+class PoolingRequestOutput:
+    """One input's result of a pooling task (vLLM's): `outputs` is an EmbeddingOutput (`LLM.embed`), a
+    ScoringOutput (`LLM.score`: prompt_token_ids are the first text's, then the second's) or a
+    ClassificationOutput (`LLM.classify`)."""
     request_id: str
     prompt_token_ids: list[int]
-    outputs: ClassificationOutput
+    outputs: EmbeddingOutput | ScoringOutput | ClassificationOutput
     finished: bool = True
+
+
+EmbeddingRequestOutput = ScoringRequestOutput = ClassificationRequestOutput = PoolingRequestOutput   # vLLM's names

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from atlasjax.errors import InvalidRequestError, UnsupportedModelError
+from atlasjax.sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("last", "mean", "cls", "max")
 TASKS = ("embed", "classify")
@@ -43,9 +44,7 @@ class PoolingParams:
             raise InvalidRequestError(f"dimensions must be a positive integer, got {self.dimensions!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError(f"normalize must be a boolean, got {self.normalize!r}")
-        t = self.truncate_prompt_tokens
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
-            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or a positive integer, got {t!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

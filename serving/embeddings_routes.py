@@ -19,10 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from atlasjax.errors import AtlasJaxError
+from atlasjax.errors import InvalidRequestError
 from atlasjax.pooling import PoolingParams, class_probs
+from atlasjax.sampling_params import check_truncate_prompt_tokens
 from serving.bridge import until_disconnect
-from serving.errors import from_engine_error, invalid
+from serving.errors import engine_answer, invalid
 from serving.protocol import Fields, chat_render_options, check_model, completion_prompts, text_content
 from serving.state import ServerState, new_id, read_json, server_state
 
@@ -51,8 +52,7 @@ async def embeddings(request: Request) -> JSONResponse:
         prompts = completion_prompts(f, "input")
         if len(prompts) > MAX_INPUTS:
             raise invalid(f"'input' has {len(prompts)} entries; at most {MAX_INPUTS} are allowed", param="input")
-        add_special = f.bool("add_special_tokens", True)
-        ids = [p if isinstance(p, list) else await state.encode(p, add_special) for p in prompts]
+        ids = await _token_ids(state, f, prompts)
         param = "input"
     _check_lengths(state, ids, params, param)
     rid, _ = new_id("embd-", request)
@@ -76,9 +76,8 @@ async def score(request: Request) -> JSONResponse:
                       "as text_2", param="text_1")
     if len(first) + len(second) > MAX_INPUTS:
         raise invalid(f"at most {MAX_INPUTS} texts in all", param="text_2")
-    params = PoolingParams(normalize=True, truncate_prompt_tokens=f.int("truncate_prompt_tokens", None, lo=-1))
-    ids = [p if isinstance(p, list) else await state.encode(p, f.bool("add_special_tokens", True))
-           for p in first + second]
+    params = PoolingParams(normalize=True, truncate_prompt_tokens=_truncation(f))
+    ids = await _token_ids(state, f, first + second)
     _check_lengths(state, ids, params, "text_1")
     rid, _ = new_id("score-", request)
     results = await _embed(request, state, ids, params)
@@ -107,8 +106,8 @@ async def rerank(request: Request) -> JSONResponse:
         raise invalid(f"at most {MAX_INPUTS - 1} documents", param="documents")
     top_n = f.int("top_n", len(texts), lo=1)
     return_documents = f.bool("return_documents", True)
-    params = PoolingParams(normalize=True, truncate_prompt_tokens=f.int("truncate_prompt_tokens", None, lo=-1))
-    ids = [await state.encode(t) for t in [query, *texts]]
+    params = PoolingParams(normalize=True, truncate_prompt_tokens=_truncation(f))
+    ids = await _token_ids(state, f, [query, *texts])
     _check_lengths(state, ids, params, "documents")
     rid, _ = new_id("rerank-", request)
     results = await _embed(request, state, ids, params)
@@ -130,8 +129,7 @@ async def classify(request: Request) -> JSONResponse:
     if len(prompts) > MAX_INPUTS:
         raise invalid(f"'input' has {len(prompts)} entries; at most {MAX_INPUTS} are allowed", param="input")
     params = PoolingParams(task="classify", truncate_prompt_tokens=_truncation(f))
-    add_special = f.bool("add_special_tokens", True)
-    ids = [p if isinstance(p, list) else await state.encode(p, add_special) for p in prompts]
+    ids = await _token_ids(state, f, prompts)
     _check_lengths(state, ids, params, "input")
     rid, _ = new_id("classify-", request)
     results = await _embed(request, state, ids, params)
@@ -147,20 +145,23 @@ async def classify(request: Request) -> JSONResponse:
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
+async def _token_ids(state: ServerState, f: Fields, prompts: list) -> list[list[int]]:
+    """Texts tokenized (with special tokens unless `add_special_tokens: false`); token-id inputs as they are."""
+    add_special = f.bool("add_special_tokens", True)
+    return [p if isinstance(p, list) else await state.encode(p, add_special) for p in prompts]
+
+
 def _truncation(f: Fields) -> int | None:
-    truncate = f.int("truncate_prompt_tokens", None, lo=-1)
-    if truncate == 0:
-        raise invalid("'truncate_prompt_tokens' must be -1 or a positive integer", param="truncate_prompt_tokens")
-    return truncate
+    try:
+        return check_truncate_prompt_tokens(f.int("truncate_prompt_tokens", None))
+    except InvalidRequestError as e:
+        raise invalid(str(e), param="truncate_prompt_tokens") from None
 
 
 def _pooling_params(f: Fields) -> PoolingParams:
     dimensions = f.int("dimensions", None, lo=1)
     truncate = _truncation(f)
-    normalize = f.body.get("normalize")
-    if normalize is not None and not isinstance(normalize, bool):
-        raise invalid("'normalize' must be true or false", param="normalize")
-    return PoolingParams(dimensions=dimensions, normalize=normalize, truncate_prompt_tokens=truncate)
+    return PoolingParams(dimensions=dimensions, normalize=f.bool("normalize", None), truncate_prompt_tokens=truncate)
 
 
 def _messages(f: Fields) -> list[dict]:
@@ -192,11 +193,8 @@ def _check_lengths(state: ServerState, ids: list[list[int]], params: PoolingPara
 
 async def _embed(request: Request, state: ServerState, ids: list[list[int]], params: PoolingParams) -> list:
     start = time.monotonic()
-    try:
-        results = await until_disconnect(request, state.llm.embed(ids, params))
-    except (AtlasJaxError, RuntimeError) as e:   # a request the engine refuses, or an engine-side failure
-        raise from_engine_error(e) from None
-    state.metrics.observe_embedding(len(results), sum(len(t) for t, _ in results), time.monotonic() - start)
+    results = await engine_answer(until_disconnect(request, state.llm.embed(ids, params)))
+    state.metrics.observe_embedding(time.monotonic() - start)
     return results
 
 

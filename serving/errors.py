@@ -55,6 +55,15 @@ def error_response(err: APIError, path: str) -> JSONResponse:
     return JSONResponse(error_body(err, path), status_code=err.status, headers=err.headers)
 
 
+async def engine_answer(call):
+    """Await a one-shot engine command (an embedding, sleep, wake_up): what the engine refuses, or an
+    engine-side failure, becomes the HTTP error from_engine_error names."""
+    try:
+        return await call
+    except (AtlasJaxError, RuntimeError) as e:
+        raise from_engine_error(e) from None
+
+
 def from_engine_error(exc: BaseException) -> APIError:
     """Map an exception raised by AsyncLLM.generate to the HTTP error the client sees."""
     if isinstance(exc, QueueFullError):

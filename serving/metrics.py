@@ -43,6 +43,8 @@ class EngineCollector(Collector):
             ("atlasjax_prefix_cache_hits", "Prompt pages served by the prefix cache", stats.prefix_cache_hits),
             ("atlasjax_num_preemptions", "Sequences preempted for lack of KV pages", stats.num_preemptions),
             ("atlasjax_engine_steps", "Engine steps run", stats.num_steps),
+            ("atlasjax_embedding_inputs", "Inputs embedded or classified", stats.num_embedding_inputs),
+            ("atlasjax_embedding_tokens", "Tokens of the inputs embedded or classified", stats.embedding_tokens),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
@@ -83,9 +85,6 @@ class ServerMetrics:
         self.seq_inference = Histogram("atlasjax_request_inference_time_seconds",
                                        f"First admission to last token, {per_sequence}", buckets=E2E_BUCKETS,
                                        registry=r)
-        self.embedding_inputs = Counter("atlasjax_embedding_inputs", "Inputs embedded (/v1/embeddings, /v1/score)",
-                                        registry=r)
-        self.embedding_tokens = Counter("atlasjax_embedding_tokens", "Tokens of the inputs embedded", registry=r)
         self.embedding_latency = Histogram("atlasjax_embedding_request_latency_seconds",
                                            "Submission to the engine to the answer, per embedding request",
                                            buckets=E2E_BUCKETS, registry=r)
@@ -124,9 +123,7 @@ class ServerMetrics:
         if generated_tokens > 1:
             self.seq_tpot.observe((last_token - first_token) / (generated_tokens - 1))
 
-    def observe_embedding(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
-        self.embedding_inputs.inc(num_inputs)
-        self.embedding_tokens.inc(num_tokens)
+    def observe_embedding(self, seconds: float) -> None:
         self.embedding_latency.observe(seconds)
 
     def add_prompt_tokens(self, num_tokens: int) -> None:

@@ -12,8 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from atlasjax import __version__
-from atlasjax.errors import AtlasJaxError
-from serving.errors import from_engine_error, invalid
+from serving.errors import engine_answer, invalid
 from serving.openapi import openapi_schema
 from serving.protocol import INT32_MAX, Fields, chat_render_options, check_model, text_content
 from serving.state import read_json, server_state
@@ -97,26 +96,19 @@ async def sleep(request: Request) -> Response:
     level = request.query_params.get("level", "1")
     if level not in ("1", "2"):
         raise invalid(f"'level' must be 1 or 2, got {level!r}", param="level")
-    await _engine_call(server_state(request).llm.sleep(int(level)))
+    await engine_answer(server_state(request).llm.sleep(int(level)))
     return Response(status_code=200)
 
 
 async def wake_up(request: Request) -> Response:
     """vLLM's POST /wake_up[?tags=weights&tags=kv_cache]: take back what /sleep released."""
     tags = request.query_params.getlist("tags") or None
-    await _engine_call(server_state(request).llm.wake_up(tags))
+    await engine_answer(server_state(request).llm.wake_up(tags))
     return Response(status_code=200)
 
 
 async def is_sleeping(request: Request) -> JSONResponse:
-    return JSONResponse({"is_sleeping": await _engine_call(server_state(request).llm.is_sleeping())})
-
-
-async def _engine_call(call):
-    try:
-        return await call
-    except (AtlasJaxError, RuntimeError) as e:
-        raise from_engine_error(e) from None
+    return JSONResponse({"is_sleeping": await engine_answer(server_state(request).llm.is_sleeping())})
 
 
 async def openapi(request: Request) -> JSONResponse:

@@ -125,6 +125,8 @@ def test_too_long_or_too_many_dimensions_is_refused_and_the_server_serves_on(htt
     assert r.status_code == 400 and "embedding size" in r.json()["error"]["message"]
     r = http.post("/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"
+    r = http.post("/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1], "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
     ok = http.post("/v1/embeddings", json={"input": list(range(1, 300)), "truncate_prompt_tokens": -1}).json()
     assert ok["usage"]["prompt_tokens"] == llm.engine.max_model_len
     health = http.get("/health").json()
