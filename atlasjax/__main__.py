@@ -149,6 +149,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls", "max"],
                    help="how embeddings (/v1/embeddings, /v1/score) pool the final hidden states (default: the "
                         "model's sentence-transformers config, else the last token)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='n-gram speculative decoding, as vLLM\'s flag: e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (drafts looked up in each '
+                        'request\'s own tokens; steps then run one at a time). docs/speculative_decoding.md')
     add_compilation_cache_arg(g)
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
@@ -175,6 +179,7 @@ def engine_kwargs(args) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                 chat_template=args.chat_template, generation_config=args.generation_config,
                 pooling_type=args.pooling_type, runner=args.runner,
+                speculative_config=getattr(args, "speculative_config", None),
                 # a server compiles at start (every process of a multi-host one, too)
                 compile_at_start=getattr(args, "command", None) == "serve")
 

@@ -116,7 +116,7 @@ class _Ref:
 
 class BroadcastingRunner:
     """On process 0: publishes every device-step call of a ModelRunner, then makes it."""
-    STEPS = ("decode", "prefill", "admit", "warmup", "checkpoint_params")   # calls every process must make
+    STEPS = ("decode", "prefill", "verify", "admit", "warmup", "checkpoint_params")   # calls every process must make
 
     def __init__(self, runner, channel: StepChannel):
         self._runner = runner

@@ -51,7 +51,7 @@ from atlasjax.sampling_params import SamplingParams
 from atlasjax.scheduler import Scheduler, SchedulerOutput
 from atlasjax.sleep_mode import SleepState
 from atlasjax.step_options import use_process_flags
-from atlasjax.step_packing import pack_decode, pack_prefill
+from atlasjax.step_packing import pack_decode, pack_prefill, pack_verify
 from atlasjax.step_readback import LaunchedStep, read_back, start_copies
 from atlasjax.tokenizer import read_chat_template
 from atlasjax.waiting_queue import check_priority
@@ -75,7 +75,8 @@ class LLMEngine:
             load_for_engine, shard_loaded, with_user_settings, with_weight_settings)
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config = dataclasses.replace(config, num_scheduler_steps=resolve_scheduler_steps(
-            config.num_scheduler_steps, jax.default_backend()))
+            config.num_scheduler_steps, jax.default_backend()) if config.speculative_config is None else 1)
+        self.speculative = config.speculative_config
         self.dtype = resolve_dtype(config.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # read before the model loads: a missing or broken template fails at once
@@ -112,7 +113,8 @@ class LLMEngine:
                                   long_context_split_rows=long_context_decode.resolve(
                                       config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
                                       attention_backend=config.attention_backend, decode_buckets=decode_buckets,
-                                      max_model_len=self.max_model_len))
+                                      max_model_len=self.max_model_len),
+                                  verify_buckets=self._verify_buckets(config))
         del params
         # The KV pool is sized from the memory left once the params are in their execution layout.
         self.pooler = read_pooler_config(config.model, config.pooling_type)
@@ -144,7 +146,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_scheduler_steps=config.num_scheduler_steps,
                                    prompt_logprobs_tokens=config.prompt_logprobs_tokens,
-                                   policy=config.scheduling_policy)
+                                   policy=config.scheduling_policy, speculative=self.speculative)
         self._channel = None
         if distributed.is_multiprocess():   # process 0 drives; the others replay its steps (`follow`)
             self._channel = distributed.StepChannel()
@@ -156,9 +158,22 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.stats = metrics.EngineStats()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
-        self._async_scheduling = config.async_scheduling
+        # a verify step's drafts come from the tokens read back: speculative steps run one at a time
+        self._async_scheduling = config.async_scheduling and self.speculative is None
+        if self.speculative is not None:
+            log.info("speculative decoding: n-gram drafts, %s (steps run one at a time)", self.speculative)
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
+
+    def _verify_buckets(self, config: EngineConfig) -> tuple[int, ...]:
+        """Token counts of the verify steps speculation can run: prefill buckets up to one that holds every slot's
+        last token and drafts (within the step budget)."""
+        if config.speculative_config is None:
+            return ()
+        most = min(self.num_slots * (1 + config.speculative_config.num_speculative_tokens),
+                   config.max_num_batched_tokens)
+        buckets = config.prefill_buckets()
+        return tuple(b for b in buckets if b < most) + (next(b for b in buckets if b >= most),)
 
     def _check_num_pages(self, num_pages: int) -> None:
         pages_per_seq = -(-self.max_model_len // self.config.page_size)
@@ -332,6 +347,8 @@ class LLMEngine:
         """Switch modes (benchmarks compare them on one engine); only between steps with none in flight."""
         if self._in_flight is not None:
             raise RuntimeError("a step is in flight: run step() until has_unfinished() is False first")
+        if on and self.speculative is not None:
+            raise EngineConfigError("speculative decoding runs its steps one at a time: no async scheduling")
         self._async_scheduling = bool(on)
 
     # ---- one iteration
@@ -360,6 +377,8 @@ class LLMEngine:
                     req.queue_seconds = max(0.0, now - req.arrival_time)
             self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.bias_table(),
                                 req.bad_word_ids) for req in sched.admitted])
+        if sched.drafts:
+            return self._launch_verify(sched)
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
         # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)
         num_steps = self.config.num_scheduler_steps if sched.num_steps > 1 else 1
@@ -372,6 +391,23 @@ class LLMEngine:
         self.scheduler.dispatched(sched)
         launched = LaunchedStep(sched, prefill_out, decode_out, record_lp, rows,
                                 any(r.params.logprobs is not None for r in rows), num_steps)
+        start_copies(launched)
+        return launched
+
+    def _launch_verify(self, sched: SchedulerOutput) -> LaunchedStep:
+        """A speculative step (only decodes, some with drafts): one verify launch samples every row; its
+        output takes the decode's place, read back by request (`LaunchedStep.spans`)."""
+        t = self.runner.bucket_for(sum(1 + len(sched.drafts.get(r, ())) for r in sched.decodes))
+        batch, rows, spans = pack_verify(sched, num_tokens=t, num_slots=self.num_slots, page_size=self.pool.page_size,
+                                         num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq)
+        f, ints = pack_rows(rows, t)
+        out = self.runner.verify(batch, f, ints, plan_rows(rows))
+        s = self.num_slots
+        for r, req in enumerate(sched.decodes):
+            req.num_pending_tokens += 1 + len(sched.drafts.get(req, ()))   # at most: read back as accepted
+        self.scheduler.dispatched(sched)
+        launched = LaunchedStep(sched, None, out, [], {req: s + r for r, req in enumerate(sched.decodes)},
+                                any(r.params.logprobs is not None for r in sched.decodes), spans=spans)
         start_copies(launched)
         return launched
 

@@ -6,6 +6,7 @@ import dataclasses
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
 from atlasjax.pooling import POOLING_TYPES
+from atlasjax.speculative import SpeculativeConfig
 
 RUNNERS = ("auto", "generate", "pooling")
 from atlasjax.waiting_queue import SCHEDULING_POLICIES
@@ -122,6 +123,11 @@ class EngineConfig:
                                              # sequence, no generation steps compiled; compile_at_start compiles
                                              # the embedding batch sizes. auto: pooling for a checkpoint that
                                              # cannot generate (a classifier, a base model without an LM head)
+    speculative_config: object = None        # n-gram speculative decoding (vLLM's speculative_config): a dict
+                                             # such as {"method": "ngram", "num_speculative_tokens": 4,
+                                             # "prompt_lookup_max": 4}, its JSON, or a SpeculativeConfig
+                                             # (atlasjax/speculative.py); steps then run one at a time
+                                             # (no async scheduling, one decode iteration per launch)
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)
@@ -174,6 +180,10 @@ class EngineConfig:
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
         check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and (self.num_scheduler_steps or 1) > 1:
+            bad(f"speculative decoding runs one decode launch per step; num_scheduler_steps="
+                f"{self.num_scheduler_steps} cannot be combined with it (leave it unset)")
         if not isinstance(self.calculate_kv_scales, bool):
             bad(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):

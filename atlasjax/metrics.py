@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from atlasjax.speculative import SpecStats
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -26,6 +28,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     last_step_seconds: float = 0.0
     read_wait_seconds: float = 0.0  # time the engine thread spent blocked reading step outputs back
+    spec: SpecStats = dataclasses.field(default_factory=SpecStats)   # speculative decoding's drafts
     step_seconds: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1000))
 
     def record_step(self, seconds: float, sched, engine) -> None:

@@ -15,6 +15,7 @@ from atlasjax.metrics import EngineStats
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.request import Request
 from atlasjax.scheduler import Scheduler
+from atlasjax.speculative import num_accepted
 from atlasjax.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -47,12 +48,21 @@ class OutputProcessor:
             self.stats.prompt_tokens += c.num_tokens
         for req, r in step.sample_rows.items():
             delta = None
-            for j in range(step.sched.steps.get(req, 1)):
+            num_tokens = step.sched.steps.get(req, 1)
+            if step.spans is not None:   # a verify step: the accepted drafts, then the token sampled after them
+                drafts = step.sched.drafts.get(req, [])
+                accepted = num_accepted(host.tokens[:, r], drafts)
+                self.stats.spec.record(len(drafts), accepted)
+                num_tokens = accepted + 1
+            for j in range(num_tokens):
                 # A request finished (or aborted) while this step ran, or at an earlier token of this
                 # step: its tokens from here on are dropped unread.
                 if req.is_finished:
                     break
                 delta = merged(delta, self._append_token(req, host, r, j))
+            if step.spans is not None:
+                req.num_pending_tokens = 0          # the rejected drafts' tokens were never sampled
+                self.scheduler.speculated(req)
             if delta is not None:
                 deltas.append(delta)
         return deltas

@@ -55,7 +55,8 @@ class ModelRunner:
                  max_model_len: int, prefill_buckets: tuple[int, ...], decode_buckets: tuple[int, ...] = (),
                  attn_backend: str = "auto", plan=None, own_params: bool = False,
                  prompt_logprobs_tokens: int | None = None,
-                 long_context_split_rows: dict[int, tuple[int, ...]] | None = None):
+                 long_context_split_rows: dict[int, tuple[int, ...]] | None = None,
+                 verify_buckets: tuple[int, ...] = ()):
         """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
         from the device memory left once the params are in their execution layout.
         decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
@@ -67,7 +68,9 @@ class ModelRunner:
         own_params: nobody else holds `params`; fusing projections may then free them layer by layer.
         long_context_split_rows: {decode bucket: split_rows}: the bucket also compiles (warmup) and runs a
         long-context program for each of these split_rows (atlasjax/long_context_decode.py), when `decode`
-        is given it."""
+        is given it.
+        verify_buckets: token counts (prefill buckets) of the speculative verify step that warmup compiles (one
+        per sampling plan); () without speculative decoding."""
         self.cfg = cfg
         self.dtype = dtype
         self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -86,6 +89,7 @@ class ModelRunner:
         self.prompt_logprobs_tokens = prompt_logprobs_tokens or self.prefill_buckets[-1]
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
         self.long_context_split_rows = dict(long_context_split_rows or {})
+        self.verify_buckets = tuple(verify_buckets)
         if plan is None:
             self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
         else:
@@ -298,6 +302,12 @@ class ModelRunner:
                         functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (1,),
                         (self.params, self._state_arg, self._host(packed)))
 
+    def _verify_spec(self, host_inputs, plan) -> StepSpec:
+        packed, layout = steps.pack_host(host_inputs)
+        return StepSpec(("verify", host_inputs[0].shape[0], plan),
+                        functools.partial(steps.verify_step, self.model, plan, layout), (1,),
+                        (self.params, self._state_arg, self._host(packed)))
+
     @property
     def admit_rows(self) -> int:
         """Requests one admit step takes (more admitted in one engine step run more admit steps)."""
@@ -359,6 +369,12 @@ class ModelRunner:
                                                        with_prompt_logprobs))
         return out
 
+    def verify(self, batch: dict, f, i, plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
+        """Speculative decoding's verify step (steps.verify_step) over a batch of `step_packing.pack_verify`:
+        one sampled token per row [T]."""
+        self.state, out = self._run(self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], plan))
+        return out
+
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None,
                plans: tuple[sampling.SamplingPlan, ...] | None = None, max_decode_rows: int | None = None,
                max_prefill_tokens: int | None = None) -> None:
@@ -417,6 +433,11 @@ class ModelRunner:
             specs.append(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
         if serving:
             specs.append(self._admit_spec([]))
+        for t in self.verify_buckets if serving else ():
+            f, i = sampling.pack_rows([], t)
+            batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
+                         query_start=z(s + 1), num_seqs=np.int32(0), row_slots=z(t))
+            specs += [self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], plan) for plan in plans]
         specs = [spec for spec in specs if spec.key not in self._compiled]
         t0 = time.perf_counter()
         _ = self._program_store, self._execution_devices   # made here, not raced for in the threads

@@ -21,6 +21,12 @@ may have *pending* tokens (sampled on the device, value unknown; up to K with mu
 writes its pages keeps them until that step completes. Its slot is free at once: the next
 request's admit step (which resets the slot's penalty row) runs after that step on the device.
 
+Speculative decoding (`speculative`, atlasjax/speculative.py; steps run one at a time, so no token is
+pending): a decode-only step gives each request up to k n-gram drafts (`SchedulerOutput.drafts`), within its
+max_tokens, the step's token budget and the pages it can get without preempting anyone. Its K/V is written
+for its last token and every draft; once the step is read back, `speculated` sets its computed tokens to
+those the accepted drafts reach. Pages are registered in the prefix cache only for known tokens, never drafts.
+
 Prompt logprobs: a step with a chunk that records them (`Request.records_prompt_logprobs`) takes at most
 `prompt_logprobs_tokens` prefill tokens in all (`EngineConfig.prompt_logprobs_tokens`: the one token count
 such a step runs); other chunks of the step share that cap, or wait for a later step.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from atlasjax import speculative
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request, Status
 from atlasjax.waiting_queue import WaitingQueue, priority_key
@@ -53,6 +60,7 @@ class SchedulerOutput:
     admitted: list[Request]           # got a slot this step (device-side slot state must be reset)
     preempted: list[Request]
     steps: dict[Request, int] = dataclasses.field(default_factory=dict)  # decode iterations (absent: 1)
+    drafts: dict[Request, list[int]] = dataclasses.field(default_factory=dict)  # speculative drafts (absent: none)
 
     @property
     def num_steps(self) -> int:
@@ -71,8 +79,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_seqs: int | None = None, num_scheduler_steps: int = 1,
-                 prompt_logprobs_tokens: int | None = None, policy: str = "fcfs"):
+                 prompt_logprobs_tokens: int | None = None, policy: str = "fcfs", speculative=None):
         self.pool = pool
+        self.speculative = speculative   # a SpeculativeConfig, or None
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,11 +125,41 @@ class Scheduler:
         if not preempted:  # admit new work only when nothing had to give way this step
             self._admit(budget, prefills, admitted)
         steps = self._multi_steps(decodes) if not prefills and not (self.waiting and self.free_slots) else {}
+        drafts = self._drafts(decodes) if self.speculative is not None and not prefills else {}
         for chunk in prefills:
             self._computed(chunk.request, chunk.start + chunk.num_tokens)
         for req in decodes:
-            self._computed(req, req.num_total_tokens + steps.get(req, 1) - 1)
-        return SchedulerOutput(decodes, prefills, admitted, preempted, steps)
+            self._computed(req, req.num_total_tokens + steps.get(req, 1) - 1 + len(drafts.get(req, ())))
+        return SchedulerOutput(decodes, prefills, admitted, preempted, steps, drafts)
+
+    def _drafts(self, decodes: list[Request]) -> dict[Request, list[int]]:
+        """n-gram drafts per request of a decode-only step (atlasjax/speculative.py): none for a request whose
+        sampling keeps per-token state on the device (penalties, bad words), which a verify step does not
+        advance, and none at all in a step of `disable_by_batch_size` requests or more."""
+        spec = self.speculative
+        if spec.disable_by_batch_size is not None and len(decodes) >= spec.disable_by_batch_size:
+            return {}
+        if any(not speculative.can_speculate(req.params) for req in decodes):
+            return {}      # their penalty counts and bad-word history advance only in a decode step
+        drafts, budget, ps = {}, self.max_num_batched_tokens - len(decodes), self.pool.page_size
+        for req in decodes:
+            room = min(spec.num_speculative_tokens, req.max_tokens - req.num_generated - 1, budget)
+            if room <= 0:
+                continue
+            proposed = speculative.propose(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            # draft j writes K/V at position num_total_tokens + j
+            if proposed and not self._allocate_for(req, req.num_total_tokens + len(proposed)):
+                proposed = proposed[:len(req.pages) * ps - req.num_total_tokens]
+            if proposed:
+                drafts[req] = proposed
+                budget -= len(proposed)
+        return drafts
+
+    def speculated(self, req: Request) -> None:
+        """After a verify step is read back: req's K/V is valid up to its last accepted draft (its newest token,
+        sampled by the step, is computed by the next one). A finished request's pages are gone already."""
+        if req.status is Status.RUNNING:
+            req.num_computed_tokens = req.num_tokens - 1
 
     def _multi_steps(self, decodes: list[Request]) -> dict[Request, int]:
         """Decode iterations per request for a decode-only launch: up to num_scheduler_steps, within

@@ -68,3 +68,37 @@ def pack_decode(sched: SchedulerOutput, pending_rows: dict, *, num_rows: int, nu
         b["row_steps"][r] = sched.steps.get(req, 1)
         rows[r] = sampling_row(req)
     return b, rows
+
+
+def pack_verify(sched: SchedulerOutput, *, num_tokens: int, num_slots: int, page_size: int, num_pages: int,
+                pages_per_seq: int) -> tuple[dict[str, np.ndarray], list, list[tuple[int, int]]]:
+    """A speculative verify step (steps.verify_step): request r of sched.decodes is a chunk of its last token and
+    its drafts at positions num_total_tokens - 1 onwards, laid end to end as prefill chunks are. Every row is
+    sampled: row j of a chunk with the request's settings at output index num_generated + j (its seed stream and
+    min_tokens), and its slot (`row_slots`; padding rows num_slots, out of range).
+    Returns the batch, the sampling rows [num_tokens] and each request's (first row, number of drafts)."""
+    t, s, ps = num_tokens, num_slots, page_size
+    b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+             slot_mapping=np.full(t, num_pages * ps, np.int32),
+             page_table=np.zeros((s, pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
+             query_start=np.zeros(s + 1, np.int32), num_seqs=np.int32(len(sched.decodes)),
+             row_slots=np.full(t, num_slots, np.int32))
+    rows, spans, row = [None] * t, [], 0
+    for i, req in enumerate(sched.decodes):
+        assert not req.num_pending_tokens, "speculative steps run one at a time: no token is on the device"
+        drafts = sched.drafts.get(req, [])
+        n, start = 1 + len(drafts), req.num_tokens - 1
+        pos = np.arange(start, start + n)
+        pages = np.asarray(req.pages, np.int32)
+        b["tokens"][row:row + n] = [req.all_token_ids[-1], *drafts]
+        b["positions"][row:row + n] = pos
+        b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
+        b["page_table"][i, :len(pages)] = pages
+        b["seq_lens"][i] = start + n
+        b["row_slots"][row:row + n] = req.slot
+        params, seed, generated, eos = sampling_row(req)
+        rows[row:row + n] = [(params, seed, generated + j, eos) for j in range(n)]
+        spans.append((row, len(drafts)))
+        row += n
+        b["query_start"][i + 1:] = row
+    return b, rows, spans

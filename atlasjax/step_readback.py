@@ -28,6 +28,8 @@ class LaunchedStep:
     sample_rows: dict[Request, int]        # request -> row of its new token in [prefill rows | decode rows]
     with_logprobs: bool                    # some sampled row asked for logprobs: read them back too
     num_steps: int = 1                     # decode iterations the launched decode runs (1, or the compiled K)
+    spans: list[tuple[int, int]] | None = None   # a speculative verify (in `decode`): per decode row, its first
+                                                 # row in the verify's output and its number of drafts
 
 
 @dataclasses.dataclass
@@ -66,6 +68,8 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
     want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
             for o in (step.prefill, step.decode)]
     got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
+    if step.spans is not None:
+        return _verify_host(step.spans, got[1], num_slots)
 
     def steps_axis(x, rows, dtype, tail=()):   # -> [n, rows, *tail]: single-step outputs are iteration 0
         if x is None:
@@ -83,4 +87,22 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
             np.concatenate([steps_axis(None if p[1] is None else p[1][j], w, dt, tail)
                             for p, w in zip(parts, widths)], axis=1)
             for j, dt, tail in ((0, np.float32, ()), (1, np.float32, (k,)), (2, np.int32, (k,))))
+    return host
+
+
+def _verify_host(spans: list[tuple[int, int]], got, num_slots: int) -> HostOutput:
+    """A verify step's flat rows [T] laid out as a multi-step decode's: [1 + most drafts, num_slots + requests],
+    request r's sampled tokens down column num_slots + r."""
+    tokens, lps = got
+    depth, width = 1 + max(n for _, n in spans), num_slots + len(spans)
+
+    def by_request(x, dtype):
+        out = np.zeros((depth, width, *x.shape[1:]), dtype)
+        for r, (start, n) in enumerate(spans):
+            out[:n + 1, num_slots + r] = x[start:start + n + 1]
+        return out
+    host = HostOutput(by_request(tokens, np.int32), None, None, None, None)
+    if lps is not None:
+        host.logprob, host.top_vals, host.top_ids = (by_request(x, dt) for x, dt in
+                                                     zip(lps, (np.float32, np.float32, np.int32)))
     return host

@@ -196,6 +196,26 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
     return state.replace(kv=kv, counts=counts), out
 
 
+VERIFY_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
+                 "row_slots")
+
+
+def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed):
+    """Speculative decoding's verify (atlasjax/speculative.py): chunks of each request's last token and its
+    drafts, packed as prefill chunks are, write their K/V and sample a token at every row with the row's
+    settings (`step_packing.pack_verify`). Only requests without penalties or bad words speculate, so the
+    per-slot counts and recent tokens are read (bias tables) but not advanced."""
+    tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, row_slots, f, i = unpack_host(
+        packed, layout)
+    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
+                             query_start=query_start, num_seqs=num_seqs)
+    hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
+    logits = model.apply({"params": params}, hidden, method=Transformer.logits)
+    new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots,
+                                          sampling.SamplingTensors(f, i), plan)
+    return state.replace(kv=kv), StepOutput(new_tokens, lp, tv, ti)
+
+
 def admit_step(layout, state: DeviceState, packed):
     """Reset the sampling state of the slots that requests admitted in one step take over (several
     requests in one program). Host inputs: slots [A] (padding rows: max_num_seqs, dropped), starts [A + 1]

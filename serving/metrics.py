@@ -45,9 +45,21 @@ class EngineCollector(Collector):
             ("atlasjax_engine_steps", "Engine steps run", stats.num_steps),
             ("atlasjax_embedding_inputs", "Inputs embedded or classified", stats.num_embedding_inputs),
             ("atlasjax_embedding_tokens", "Tokens of the inputs embedded or classified", stats.embedding_tokens),
+            ("atlasjax_spec_decode_num_drafts", "Speculative decoding: request-steps that proposed drafts",
+             stats.spec.num_drafts),
+            ("atlasjax_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed",
+             stats.spec.num_draft_tokens),
+            ("atlasjax_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted",
+             stats.spec.num_accepted_tokens),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        per_pos = CounterMetricFamily("atlasjax_spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: drafts accepted at each draft position",
+                                      labels=["position"])
+        for position, value in enumerate(stats.spec.accepted_per_pos):
+            per_pos.add_metric([str(position)], value)
+        yield per_pos
 
 
 class ServerMetrics:

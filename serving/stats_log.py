@@ -5,7 +5,8 @@
     KV cache 12.5% used, prefix cache hit rate 43.0%
 
 Throughputs are over the interval (prompt tokens computed, cache hits not counted; embedded tokens, when an
-interval embedded any: `, embedding throughput 8192.0 tokens/s` follows the generation figure); the rest is
+interval embedded any: `, embedding throughput 8192.0 tokens/s` follows the generation figure; with speculative
+decoding, when it drafted: `, drafts accepted 61.2% (mean acceptance length 2.8)`); the rest is
 read now, the hit rate over the server's life. A line is written while requests run or wait or tokens
 moved, and once more when the server turns idle; an idle server stays quiet.
 """
@@ -23,6 +24,7 @@ class StatsLogger:
         self.llm, self.interval = llm, interval
         stats = llm.stats
         self._last = (time.monotonic(), stats.prompt_tokens, stats.generation_tokens, stats.embedding_tokens)
+        self._spec = (stats.spec.num_drafts, stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens)
         self._was_busy = False
 
     def line(self, now: float) -> str | None:
@@ -38,10 +40,20 @@ class StatsLogger:
         seconds = max(now - then, 1e-9)
         embedded = f", embedding throughput {(emb1 - emb0) / seconds:.1f} tokens/s" if emb1 > emb0 else ""
         return (f"prompt throughput {(prompt1 - prompt0) / seconds:.1f} tokens/s, generation throughput "
-                f"{(gen1 - gen0) / seconds:.1f} tokens/s{embedded}, running {stats.num_running}, "
+                f"{(gen1 - gen0) / seconds:.1f} tokens/s{embedded}{self._spec_part(stats.spec)}, "
+                f"running {stats.num_running}, "
                 f"waiting {stats.num_waiting}, "
                 f"KV cache {100 * stats.kv_cache_usage:.1f}% used, "
                 f"prefix cache hit rate {100 * stats.prefix_cache_hit_rate:.1f}%")
+
+    def _spec_part(self, spec) -> str:
+        """The interval's draft acceptance ('' when it drafted nothing)."""
+        now = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        (d0, t0, a0), self._spec = self._spec, now
+        drafts, tokens, accepted = now[0] - d0, now[1] - t0, now[2] - a0
+        if not tokens:
+            return ""
+        return f", drafts accepted {100 * accepted / tokens:.1f}% (mean acceptance length {1 + accepted / drafts:.2f})"
 
     async def run(self) -> None:
         while True:

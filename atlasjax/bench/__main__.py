@@ -40,6 +40,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--compile-at-start", action="store_true",
                    help="compile every step shape as the engine starts, before the KV pool, as a server does")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(latency reports the drafts' acceptance)")
     add_compilation_cache_arg(e, default_on_gpu=False)   # its reports time cold compiles
     p.add_argument("--compare", default=None, choices=["hf"],
                    help="also run Hugging Face transformers on the same shapes and print the ratio")

@@ -17,6 +17,7 @@ Warm-up iterations run the same shapes first, so every compile happens before ti
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import time
 
@@ -160,6 +161,7 @@ def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[s
                  f"({runner.num_compiles} compiles, {runner.compile_seconds:.1f}s; "
                  f"{runner.num_loaded} loaded from the program store)")
     compiles_before = runner.num_compiles
+    spec0 = dataclasses.replace(engine.stats.spec)
     iters = []
     for i in range(args.num_iters):
         it = _iteration(engine, args, rng, f"iter{i}")
@@ -182,6 +184,13 @@ def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[s
         num_compiles_while_timed=runner.num_compiles - compiles_before,
         num_compiles=runner.num_compiles, compile_seconds=runner.compile_seconds,
         num_programs_loaded=runner.num_loaded)
+    if engine.speculative is not None:   # the timed iterations' drafts
+        spec = engine.stats.spec
+        drafts, tokens = spec.num_drafts - spec0.num_drafts, spec.num_draft_tokens - spec0.num_draft_tokens
+        accepted = spec.num_accepted_tokens - spec0.num_accepted_tokens
+        results["speculative"] = dict(num_drafts=drafts, num_draft_tokens=tokens, num_accepted_tokens=accepted,
+                                      acceptance_rate=accepted / tokens if tokens else 0.0,
+                                      mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
     roof = _roofline(engine, args, results, ceilings)
     report = dict(mode="latency", settings=_settings(engine, args), results=results, roofline=roof)
     tables = [_table(args, results, _label(engine, args))]
@@ -193,7 +202,6 @@ def _run_one(args, ceilings: dict | None, hf: dict | None) -> tuple[dict, list[s
 
 
 def _settings(engine, args) -> dict:
-    import dataclasses  # noqa: PLC0415
     return dict(model=engine.loaded.source, batch_size=args.batch_size, input_len=args.input_len,
                 output_len=args.output_len, num_iters=args.num_iters, num_warmup=args.num_warmup,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -229,6 +237,9 @@ def _table(args, r, label: str) -> str:
                        ("end-to-end latency", r["e2e_latency_s"], "s", 1),
                        ("output tok/s (end to end)", r["output_tokens_per_s"], "tok/s", 1)],
                       cols=("median", "p10", "p90", "mean"))
+    if spec := r.get("speculative"):
+        rows.append(["drafts accepted", f"{100 * spec['acceptance_rate']:.1f}", "", "", "",
+                     f"% of {spec['num_draft_tokens']} (mean acceptance length {spec['mean_acceptance_length']:.2f})"])
     title = (f"latency: {label}, batch {args.batch_size}, {args.input_len} in / {args.output_len} out, "
              f"{args.num_iters} iterations ({r['num_decode_steps']} decode steps; decode rows {r['decode_rows']})")
     return table(title, ["figure", "median", "p10", "p90", "mean", "unit"], rows)

@@ -156,6 +156,7 @@ def build_engine(args, **overrides):
               quantization_group_size=getattr(args, "quantization_group_size", None),
               quantization_symmetric=getattr(args, "quantization_symmetric", None),
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+              speculative_config=getattr(args, "speculative_config", None),
               compile_at_start=getattr(args, "compile_at_start", False) or None)
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}     # unset flags: EngineConfig's defaults

@@ -1,0 +1,136 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts, as vLLM's `speculative_config={"method": "ngram"}`.
+
+Plain Python and numpy, no jax. Each decode-only step, every running request proposes up to
+`num_speculative_tokens` draft tokens: the tokens that followed the latest earlier occurrence of its last
+n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output. The engine
+then runs one verify step (atlasjax/steps.py `verify_step`) over each request's last token and its drafts,
+samples a token at every position from the target model's own distribution, as a decode step would, and
+keeps the drafts up to the first that differs from the token sampled before it, plus that sampled token.
+
+Why that is exact, for sampling as for greedy: a draft d is a point mass, so the standard rejection rule
+accepts it with probability p(d) and otherwise samples from p with d removed; drawing x ~ p and accepting
+d when x == d does the same. Each position draws with the seed stream of its output index, so a seeded
+request yields the same tokens with and without speculation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from atlasjax.errors import EngineConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int = 4     # drafts per request and step (k): a step emits up to k + 1 tokens
+    prompt_lookup_max: int | None = None   # longest suffix n-gram looked up } vLLM's defaults: both 5, or
+    prompt_lookup_min: int | None = None   # shortest                         } the one given for both
+    disable_by_batch_size: int | None = None   # no drafts in a step of this many running requests or more
+                                               # (where the batch already fills the device)
+    method: str = "ngram"
+
+    def __post_init__(self):
+        def bad(msg):
+            raise EngineConfigError(f"speculative_config: {msg}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else hi if hi is not None else 5)
+        object.__setattr__(self, "prompt_lookup_max", hi if hi is not None else self.prompt_lookup_min)
+        if self.method not in ("ngram", "prompt_lookup"):
+            bad(f"method {self.method!r} is not supported (only 'ngram': drafts looked up in the request's own "
+                "tokens; draft models, EAGLE and MTP are not implemented)")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(f"{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            bad(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            bad(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            bad(f"disable_by_batch_size must be a positive integer or None, got {b!r}")
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, a dict of vLLM's keys, or that dict as JSON (`--speculative-config`)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise EngineConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise EngineConfigError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise EngineConfigError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        if "num_speculative_tokens" not in value:
+            raise EngineConfigError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
+
+
+MAX_SPECULATIVE_TOKENS = 15
+
+
+def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k drafts: the tokens after the latest earlier occurrence of the longest suffix n-gram
+    (max_n down to min_n) of `tokens`; [] when none recurs."""
+    t = np.asarray(tokens)
+    size = len(t)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # windows starting at 0 .. size - n - 1: every occurrence that ends before the suffix itself does
+        windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)
+        hits = np.flatnonzero((windows == t[size - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return t[start:start + k].tolist()
+    return []
+
+
+def can_speculate(params) -> bool:
+    """A request's sampling reads no per-token device state that only a decode step advances: no repetition,
+    frequency or presence penalty (the generated-token counts), no bad words (the recent tokens)."""
+    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0 and params.presence_penalty == 0
+            and not params.bad_words)
+
+
+def num_accepted(sampled, drafts: list[int]) -> int:
+    """Drafts kept: those up to the first that differs from the token sampled at the position before it
+    (sampled[j] is the model's token after the request's last token and drafts[:j])."""
+    for j, d in enumerate(drafts):
+        if int(sampled[j]) != d:
+            return j
+    return len(drafts)
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters as vLLM's spec_decode metrics name them."""
+    num_drafts: int = 0                  # request-steps that proposed drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)   # [k]: drafts kept at position j
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        if not num_drafts:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify step emits per request that proposed drafts (accepted drafts + 1)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

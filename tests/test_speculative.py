@@ -1,0 +1,201 @@
+"""n-gram speculative decoding (atlasjax/speculative.py): the drafts change how many tokens a step emits,
+never which: greedy and seeded sampling give the tokens (and logprobs) of plain decoding, stops and limits
+land where they would, every page comes back, and the prefix cache never keeps a draft's K/V."""
+import json
+
+import numpy as np
+import pytest
+
+from atlasjax import LLM, SamplingParams
+from atlasjax.engine_config import EngineConfig
+from atlasjax.errors import EngineConfigError
+from atlasjax.speculative import SpeculativeConfig, num_accepted, propose
+from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
+
+ENGINE = dict(max_num_seqs=8, max_model_len=128, page_size=8, max_num_batched_tokens=64)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# a prompt whose continuation the random model (which falls into loops) and the lookup both repeat
+LOOP = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_factory):
+    return hf_model_factory("llama_gqa4")[1]
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    return LLM(model_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir):
+    return LLM(model_dir, speculative_config=NGRAM, **ENGINE)
+
+
+# ---- the proposer and the acceptance rule
+def test_propose_takes_the_latest_occurrence_of_the_longest_suffix():
+    #            0  1  2  3  4  5  6  7  8  9 10
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2, 3]
+    assert propose(tokens, 3, 1, 3) == [4, 5, 1]           # "1 2 3" last seen at 5..7, then 4 5 1
+    assert propose(tokens, 10, 1, 3) == [4, 5, 1, 2, 3]    # no further than the sequence goes
+    assert propose([5, 6, 7, 8], 3, 1, 3) == []            # nothing recurs
+    assert propose([4, 1, 4, 2, 9, 2], 2, 1, 2) == [9, 2]  # falls back to the 1-gram "2"
+    assert propose([4, 1, 4, 2, 9, 2], 2, 2, 2) == []      # ... unless prompt_lookup_min forbids it
+    assert propose([3], 4, 1, 4) == []
+
+
+def test_num_accepted_stops_at_the_first_difference():
+    assert num_accepted([5, 6, 7, 8], [5, 6, 7]) == 3
+    assert num_accepted([5, 9, 7, 8], [5, 6, 7]) == 1
+    assert num_accepted([4, 6], [5]) == 0
+    assert num_accepted([4], []) == 0
+
+
+def test_config_parsing_and_errors():
+    assert SpeculativeConfig.parse(json.dumps(NGRAM)) == SpeculativeConfig(3, 3, 1)
+    default = SpeculativeConfig.parse({"num_speculative_tokens": 2})
+    assert (default.prompt_lookup_min, default.prompt_lookup_max) == (5, 5)      # vLLM's defaults
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    for bad, words in [({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
+                       ({"num_speculative_tokens": 0}, "positive integer"),
+                       ({"prompt_lookup_max": 3}, "needs num_speculative_tokens"),
+                       ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys"),
+                       ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
+                       ("{not json", "not valid JSON")]:
+        with pytest.raises(EngineConfigError, match=words):
+            EngineConfig(speculative_config=bad)
+    with pytest.raises(EngineConfigError, match="num_scheduler_steps"):
+        EngineConfig(speculative_config=NGRAM, num_scheduler_steps=4)
+
+
+# ---- the engine
+def test_greedy_tokens_equal_plain_decoding_with_drafts_accepted(plain, spec):
+    prompts = [LOOP, list(range(3, 40)), [5, 9, 5, 9, 5, 9]]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    before = spec.engine.stats.spec.num_accepted_tokens
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.stats.spec.num_accepted_tokens > before        # drafts did the work ...
+    steps = spec.engine.stats.num_steps
+    spec.generate([prompts[2]], params)                                # ... in fewer steps than tokens
+    assert spec.engine.stats.num_steps - steps < 24
+    _assert_idle(spec.engine)
+
+
+def test_seeded_sampling_and_logprobs_equal_plain_decoding(plain, spec):
+    prompts = [LOOP, [5, 9, 5, 9, 5]]
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True,
+                             logprobs=3),
+              SamplingParams(temperature=0.5, min_p=0.05, seed=4, max_tokens=12, min_tokens=6, logprobs=1)]
+    for a, b in zip(plain.generate(prompts, params), spec.generate(prompts, params)):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            np.testing.assert_allclose([v.logprob for v in da.values()], [v.logprob for v in db.values()], atol=1e-4)
+    _assert_idle(spec.engine)
+
+
+def test_penalties_and_bad_words_decode_plainly_and_match(plain, spec):
+    prompts = [LOOP, LOOP]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, max_tokens=10,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    drafted = spec.engine.stats.spec.num_draft_tokens
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    # a step with a penalized request proposes no drafts for anyone (its counts advance only in decode steps)
+    assert spec.engine.stats.spec.num_draft_tokens == drafted
+    _assert_idle(spec.engine)
+
+
+@pytest.mark.parametrize("stop_at", [1, 4])
+def test_stop_token_or_string_inside_accepted_drafts(plain, spec, stop_at):
+    free = plain.generate([LOOP], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop_token = free.token_ids[stop_at]
+    if stop_token in free.token_ids[:stop_at]:
+        pytest.skip("the chosen stop token occurs earlier in this model's output")
+    for params in (SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]),
+                   SamplingParams(temperature=0, max_tokens=stop_at + 1, ignore_eos=True)):
+        a = plain.generate([LOOP], params)[0].outputs[0]
+        b = spec.generate([LOOP], params)[0].outputs[0]
+        assert (b.token_ids, b.finish_reason, b.stop_reason) == (a.token_ids, a.finish_reason, a.stop_reason)
+        assert len(b.token_ids) == stop_at + 1
+    _assert_idle(spec.engine)
+
+
+def test_staggered_requests_and_preemption_equal_plain_decoding(model_dir):
+    work = _workload(n=16, seed=3)
+    want = _alone(LLM(model_dir, enable_prefix_caching=False, **ENGINE).engine, work)
+    engine = LLM(model_dir, speculative_config=NGRAM, num_pages=24, enable_prefix_caching=False, **ENGINE).engine
+    assert _run_staggered(engine, work) == want
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats.spec.num_accepted_tokens > 0
+    _assert_idle(engine)
+
+
+def test_prefix_cache_keeps_no_draft(spec, plain):
+    """Pages a verify step writes past the accepted drafts are never registered: a later request that shares
+    the first request's prompt and output reuses its pages and continues exactly as plain decoding does."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20)
+    first = spec.generate([LOOP], params)[0].outputs[0].token_ids
+    follow_up = LOOP + list(first) + [3]
+    hits = spec.engine.pool.num_hit_pages
+    got = spec.generate([follow_up], params)[0].outputs[0].token_ids
+    assert spec.engine.pool.num_hit_pages > hits
+    assert got == plain.generate([follow_up], params)[0].outputs[0].token_ids
+    _assert_idle(spec.engine)
+
+
+# ---- the server
+def test_cli_flag_reaches_the_engine_config():
+    import argparse
+
+    from atlasjax.__main__ import add_engine_args, engine_kwargs
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--speculative-config", json.dumps(NGRAM)]))
+    assert EngineConfig(**kw).speculative_config == SpeculativeConfig(3, 3, 1)
+    assert engine_kwargs(p.parse_args([]))["speculative_config"] is None
+
+
+def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_factory):
+    import asyncio
+
+    import httpx
+
+    from atlasjax.async_llm import AsyncLLM
+    from serving.app import create_app
+    from tests.server_util import ENGINE_KWARGS, MODEL_NAME, greedy_reference, metric_value, reference_llm, \
+        tiny_model_dir
+    prompt = "one two three one two three one two three one two"
+    # the random model does not repeat itself; a bias that wins the first pick does (drafts of it all accepted)
+    bias = {1603: 30.0}
+    want = greedy_reference(reference_llm(tmp_path_factory), [prompt], 24, ignore_eos=True,
+                            logit_bias=bias)[0].outputs[0].text
+    engine = AsyncLLM(tiny_model_dir(tmp_path_factory), **ENGINE_KWARGS, speculative_config=NGRAM)
+    app = create_app(engine, served_model_name=MODEL_NAME)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=120) as client:
+            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                    "logit_bias": {str(k): v for k, v in bias.items()}}
+            text = ""
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            whole = (await client.post("/v1/completions", json=body)).json()
+            return text, whole, (await client.get("/metrics")).text
+    try:
+        streamed, whole, metrics = asyncio.run(go())
+    finally:
+        engine.shutdown(drain=False)
+    assert streamed == whole["choices"][0]["text"] == want
+    assert whole["usage"]["completion_tokens"] == 24
+    drafted = metric_value(metrics, "atlasjax_spec_decode_num_draft_tokens_total")
+    accepted = metric_value(metrics, "atlasjax_spec_decode_num_accepted_tokens_total")
+    assert drafted >= accepted > 0
+    assert metric_value(metrics, 'atlasjax_spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
