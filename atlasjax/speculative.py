@@ -77,8 +77,10 @@ MAX_SPECULATIVE_TOKENS = 15
 
 
 def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k drafts: the tokens after the latest earlier occurrence of the longest suffix n-gram
-    (max_n down to min_n) of `tokens`; [] when none recurs."""
+    """Up to k drafts: the tokens after an earlier occurrence of the longest suffix n-gram (max_n down to min_n)
+    of `tokens`: the latest occurrence with k tokens after it, else the earliest (the most tokens after it; a
+    repeating stretch overlaps the suffix itself, whose latest occurrence is followed by one token only);
+    [] when none recurs."""
     t = np.asarray(tokens)
     size = len(t)
     for n in range(min(max_n, size - 1), min_n - 1, -1):
@@ -86,7 +88,8 @@ def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> l
         windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)
         hits = np.flatnonzero((windows == t[size - n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= size]
+            start = int(full[-1] if full.size else hits[0]) + n
             return t[start:start + k].tolist()
     return []
 
