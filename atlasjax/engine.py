@@ -75,7 +75,7 @@ class LLMEngine:
             load_for_engine, shard_loaded, with_user_settings, with_weight_settings)
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config = dataclasses.replace(config, num_scheduler_steps=resolve_scheduler_steps(
-            config.num_scheduler_steps, jax.default_backend()) if config.speculative_config is None else 1)
+            config.num_scheduler_steps, jax.default_backend()))
         self.speculative = config.speculative_config
         self.dtype = resolve_dtype(config.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)

@@ -127,7 +127,8 @@ class EngineConfig:
                                              # such as {"method": "ngram", "num_speculative_tokens": 4,
                                              # "prompt_lookup_max": 4}, its JSON, or a SpeculativeConfig
                                              # (atlasjax/speculative.py); steps then run one at a time
-                                             # (no async scheduling, one decode iteration per launch)
+                                             # (no async scheduling); a step without drafts decodes as
+                                             # usual (num_scheduler_steps iterations per launch)
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)
@@ -181,9 +182,6 @@ class EngineConfig:
             bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
         check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None and (self.num_scheduler_steps or 1) > 1:
-            bad(f"speculative decoding runs one decode launch per step; num_scheduler_steps="
-                f"{self.num_scheduler_steps} cannot be combined with it (leave it unset)")
         if not isinstance(self.calculate_kv_scales, bool):
             bad(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):

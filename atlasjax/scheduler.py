@@ -23,7 +23,8 @@ request's admit step (which resets the slot's penalty row) runs after that step 
 
 Speculative decoding (`speculative`, atlasjax/speculative.py; steps run one at a time, so no token is
 pending): a decode-only step gives each request up to k n-gram drafts (`SchedulerOutput.drafts`), within its
-max_tokens, the step's token budget and the pages it can get without preempting anyone. Its K/V is written
+max_tokens, the step's token budget and the pages it can get without preempting anyone; a step where no
+request has a draft is a plain (multi-step) decode. Its K/V is written
 for its last token and every draft; once the step is read back, `speculated` sets its computed tokens to
 those the accepted drafts reach. Pages are registered in the prefix cache only for known tokens, never drafts.
 
@@ -124,8 +125,9 @@ class Scheduler:
         prefills = [c for c in prefills if c.request.status is Status.RUNNING]
         if not preempted:  # admit new work only when nothing had to give way this step
             self._admit(budget, prefills, admitted)
-        steps = self._multi_steps(decodes) if not prefills and not (self.waiting and self.free_slots) else {}
         drafts = self._drafts(decodes) if self.speculative is not None and not prefills else {}
+        steps = self._multi_steps(decodes) if not prefills and not drafts and not (
+            self.waiting and self.free_slots) else {}
         for chunk in prefills:
             self._computed(chunk.request, chunk.start + chunk.num_tokens)
         for req in decodes:

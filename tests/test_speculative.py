@@ -69,8 +69,6 @@ def test_config_parsing_and_errors():
                        ("{not json", "not valid JSON")]:
         with pytest.raises(EngineConfigError, match=words):
             EngineConfig(speculative_config=bad)
-    with pytest.raises(EngineConfigError, match="num_scheduler_steps"):
-        EngineConfig(speculative_config=NGRAM, num_scheduler_steps=4)
 
 
 # ---- the engine
@@ -129,6 +127,19 @@ def test_stop_token_or_string_inside_accepted_drafts(plain, spec, stop_at):
         assert (b.token_ids, b.finish_reason, b.stop_reason) == (a.token_ids, a.finish_reason, a.stop_reason)
         assert len(b.token_ids) == stop_at + 1
     _assert_idle(spec.engine)
+
+
+def test_steps_without_drafts_run_multi_step_decodes(model_dir, plain):
+    """num_scheduler_steps K: a step where nobody has a draft decodes K tokens in one launch, a step with drafts
+    verifies them; the tokens stay plain decoding's."""
+    llm = LLM(model_dir, speculative_config=NGRAM, num_scheduler_steps=4, **ENGINE)
+    prompts = [LOOP, list(range(3, 40))]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert any(k[0] == "decode" and len(k) == 4 for k in llm.engine.runner._compiled)   # a multi-step launch
+    assert llm.engine.stats.spec.num_accepted_tokens > 0
+    _assert_idle(llm.engine)
 
 
 def test_staggered_requests_and_preemption_equal_plain_decoding(model_dir):
