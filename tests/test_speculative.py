@@ -216,3 +216,29 @@ def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_f
     accepted = metric_value(metrics, "atlasjax_spec_decode_num_accepted_tokens_total")
     assert drafted >= accepted > 0
     assert metric_value(metrics, 'atlasjax_spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
+
+
+def test_compiled_at_start_with_every_sampling_feature(tiny):
+    """A server's engine (compile_at_start) warms the verify steps up too: the mixed workload of
+    test_async_scheduling (seeded sampling with filters, penalties, logprobs, prompt logprobs, stop strings, n=2,
+    staggered arrivals) compiles nothing more and yields plain decoding's completions."""
+    from atlasjax.engine import LLMEngine
+    from tests.test_async_scheduling import _mixed_workload, _run
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(max_num_seqs=8, max_model_len=80, page_size=8, max_num_batched_tokens=64,
+                                      num_pages=81, **kw), loaded=tiny)
+
+    def completions(results):
+        return {rid: [seq[:4] for seq in seqs] for rid, seqs in results.items()}
+    work = _mixed_workload(n=12, seed=3)
+    want, _ = _run(engine(), work)
+    spec = engine(speculative_config=NGRAM, compile_at_start=True)
+    compiled = spec.runner.num_compiles
+    assert sorted(k[1] for k in spec.runner._compiled if k[0] == "verify") == [16] * 4 + [32] * 4   # 4 plans
+    got, deltas = _run(spec, work)
+    assert completions(got) == completions(want)
+    assert spec.runner.num_compiles == compiled
+    assert spec.stats.spec.num_drafts > 0
+    for (rid, index), ds in deltas.items():          # the streamed text adds up to the final one
+        assert "".join(d["new_text"] for d in ds) == got[rid][index][1]
