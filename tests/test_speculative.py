@@ -242,3 +242,51 @@ def test_compiled_at_start_with_every_sampling_feature(tiny):
     assert spec.stats.spec.num_drafts > 0
     for (rid, index), ds in deltas.items():          # the streamed text adds up to the final one
         assert "".join(d["new_text"] for d in ds) == got[rid][index][1]
+
+
+# ---- the scheduler's drafts (plain Python)
+def _decoding(scheduler, rid, tokens, max_tokens=20, **params):
+    """A running request whose prompt `tokens` is computed but its last token (as after its prefill)."""
+    from atlasjax.request import Request
+    req = Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, **params), 0, max_tokens)
+    scheduler.add(req)
+    out = scheduler.schedule()
+    assert [c.request for c in out.prefills] == [req]
+    req.output_token_ids.append(tokens[-4])          # continues the loop: the lookup finds it again
+    req.num_computed_tokens = req.num_tokens - 1
+    return req
+
+
+def _scheduler(num_pages=32, budget=64, **spec):
+    from atlasjax.page_pool import PagePool
+    from atlasjax.scheduler import Scheduler
+    return Scheduler(PagePool(num_pages, 4, True), max_num_seqs=4, max_num_batched_tokens=budget,
+                     speculative=SpeculativeConfig(**{**dict(num_speculative_tokens=3, prompt_lookup_max=3,
+                                                             prompt_lookup_min=1), **spec}))
+
+
+def test_drafts_respect_max_tokens_budget_pages_and_batch_size():
+    s = _scheduler()
+    a = _decoding(s, "a", LOOP)
+    out = s.schedule()
+    assert out.decodes == [a] and len(out.drafts[a]) == 3
+    # pages cover the last token and every draft; computed is optimistic until the verify is read back
+    assert len(a.pages) * 4 >= a.num_tokens + 3 and a.num_computed_tokens == a.num_tokens + 3
+    a.output_token_ids += [9] * 17                   # 18 of 20 generated: one more token and one draft at most
+    a.num_computed_tokens = a.num_tokens - 1
+    assert len(s.schedule().drafts[a]) == 1
+
+    s = _scheduler(budget=3)                         # the budget holds the decode and two drafts
+    b = _decoding(s, "b", LOOP)
+    assert len(s.schedule().drafts[b]) == 2
+
+    s = _scheduler(disable_by_batch_size=2)
+    c, d = _decoding(s, "c", LOOP), _decoding(s, "d", LOOP[1:])
+    assert s.schedule().drafts == {}                 # 2 running: drafting is off
+    s.finish(d, "abort")
+    c.num_computed_tokens = c.num_tokens - 1
+    assert len(s.schedule().drafts[c]) == 3
+
+    s = _scheduler(num_pages=4)                      # 16 tokens of pages: 15 known, room for one draft
+    e = _decoding(s, "e", LOOP)
+    assert e.num_tokens == 15 and s.schedule().drafts[e] == [LOOP[-3]]
