@@ -46,6 +46,7 @@ class Request:
     prompt_logprobs: list[dict | None] | None = None
     text: str = ""
     emitted_chars: int = 0                # text already streamed (the rest may still become a stop string)
+    token_history: object = None          # speculative decoding: its tokens as a numpy array (speculative.py)
     index: int = 0                        # which of the parent request's n completions
     parent_id: str = ""
 

@@ -148,7 +148,8 @@ class Scheduler:
             room = min(spec.num_speculative_tokens, req.max_tokens - req.num_generated - 1, budget)
             if room <= 0:
                 continue
-            proposed = speculative.propose(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            proposed = speculative.propose(speculative.request_tokens(req), room, spec.prompt_lookup_min,
+                                           spec.prompt_lookup_max)
             # draft j writes K/V at position num_total_tokens + j
             if proposed and not self._allocate_for(req, req.num_total_tokens + len(proposed)):
                 proposed = proposed[:len(req.pages) * ps - req.num_total_tokens]

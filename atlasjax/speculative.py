@@ -80,18 +80,52 @@ def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> l
     """Up to k drafts: the tokens after an earlier occurrence of the longest suffix n-gram (max_n down to min_n)
     of `tokens`: the latest occurrence with k tokens after it, else the earliest (the most tokens after it; a
     repeating stretch overlaps the suffix itself, whose latest occurrence is followed by one token only);
-    [] when none recurs."""
+    [] when none recurs. One pass over the tokens (the last token's earlier positions), then only those."""
     t = np.asarray(tokens)
     size = len(t)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # windows starting at 0 .. size - n - 1: every occurrence that ends before the suffix itself does
-        windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)
-        hits = np.flatnonzero((windows == t[size - n:]).all(axis=1))
-        if hits.size:
-            full = hits[hits + n + k <= size]
-            start = int(full[-1] if full.size else hits[0]) + n
-            return t[start:start + k].tolist()
-    return []
+    if size < 2:
+        return []
+    ends = np.flatnonzero(t[:-1] == t[-1])      # where an occurrence of the 1-gram suffix ends
+    found = ends if min_n <= 1 else None
+    for n in range(2, max_n + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[t[ends - (n - 1)] == t[size - n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            found = ends                          # the longest n so far with an occurrence
+    if found is None or not found.size:
+        return []
+    full = found[found + 1 + k <= size]
+    start = int(full[-1] if full.size else found[0]) + 1
+    return t[start:start + k].tolist()
+
+
+class TokenHistory:
+    """A request's tokens (prompt, then outputs) as a growing numpy array, so each step's lookup appends the new
+    tokens instead of converting the whole list (a 32k-token context costs ~1 ms to convert)."""
+
+    def __init__(self, prompt: list[int]):
+        self._buf = np.empty(max(64, 2 * len(prompt)), np.int32)
+        self._buf[:len(prompt)] = prompt
+        self.num_prompt = self.size = len(prompt)
+
+    def tokens(self, outputs: list[int]) -> np.ndarray:
+        """The prompt and `outputs` (the request's output ids, which only grow)."""
+        new = outputs[self.size - self.num_prompt:]
+        if new:
+            if self.size + len(new) > len(self._buf):
+                self._buf = np.concatenate([self._buf[:self.size], np.empty(self.size + 2 * len(new), np.int32)])
+            self._buf[self.size:self.size + len(new)] = new
+            self.size += len(new)
+        return self._buf[:self.size]
+
+
+def request_tokens(req) -> np.ndarray:
+    """req's known tokens, from its TokenHistory (made at its first lookup)."""
+    if req.token_history is None:
+        req.token_history = TokenHistory(req.prompt_token_ids)
+    return req.token_history.tokens(req.output_token_ids)
 
 
 def can_speculate(params) -> bool:

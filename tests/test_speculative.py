@@ -49,6 +49,33 @@ def test_propose_takes_the_latest_occurrence_of_the_longest_suffix():
     assert propose([1, 2, 7, 1, 2, 8, 1, 2], 4, 1, 2) == [7, 1, 2, 8]   # none has 4 after it: the earliest
 
 
+def _propose_by_windows(tokens, k, min_n, max_n):
+    """The lookup written plainly: every window of every n compared with the suffix."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        starts = [s for s in range(size - n) if tokens[s:s + n] == tokens[size - n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= size]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def test_propose_equals_the_plain_window_search_and_history_follows_outputs():
+    from atlasjax.request import Request
+    from atlasjax.speculative import request_tokens
+    rs = np.random.RandomState(0)
+    for _ in range(300):
+        tokens = rs.randint(0, rs.randint(2, 6), size=rs.randint(1, 40)).tolist()
+        k, lo = int(rs.randint(1, 6)), int(rs.randint(1, 4))
+        hi = lo + int(rs.randint(0, 3))
+        assert propose(tokens, k, lo, hi) == _propose_by_windows(tokens, k, lo, hi), (tokens, k, lo, hi)
+    req = Request("r", [1, 2, 3], SamplingParams(), 0, 100)
+    for step in range(50):                          # grows past its first buffer
+        req.output_token_ids += [step % 7] * (step % 3)
+        assert request_tokens(req).tolist() == req.all_token_ids
+
+
 def test_num_accepted_stops_at_the_first_difference():
     assert num_accepted([5, 6, 7, 8], [5, 6, 7]) == 3
     assert num_accepted([5, 9, 7, 8], [5, 6, 7]) == 1
