@@ -90,7 +90,8 @@ def pack_verify(sched: SchedulerOutput, *, num_tokens: int, num_slots: int, page
         n, start = 1 + len(drafts), req.num_tokens - 1
         pos = np.arange(start, start + n)
         pages = np.asarray(req.pages, np.int32)
-        b["tokens"][row:row + n] = [req.all_token_ids[-1], *drafts]
+        last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
+        b["tokens"][row:row + n] = [last, *drafts]
         b["positions"][row:row + n] = pos
         b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
         b["page_table"][i, :len(pages)] = pages

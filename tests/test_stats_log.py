@@ -32,3 +32,15 @@ def test_an_interval_that_embedded_reports_its_embedding_throughput():
                                 "hit rate 0.0%")
     assert "embedding" not in logger.line(4.0)                        # the idle line after it
     assert logger.line(6.0) is None
+
+
+def test_an_interval_that_drafted_reports_the_drafts_acceptance():
+    stats = EngineStats(pages_total=100, pages_free=100)
+    logger = StatsLogger(SimpleNamespace(stats=stats), interval=2.0)
+    logger._last = (0.0, 0, 0, 0)
+    stats.generation_tokens, stats.num_running = 40, 1
+    stats.spec.record(4, 3)
+    stats.spec.record(4, 1)
+    assert ", drafts accepted 50.0% (mean acceptance length 3.00), running 1" in logger.line(2.0)
+    stats.generation_tokens = 50                     # an interval that drafted nothing: no such part
+    assert "drafts" not in logger.line(4.0)
