@@ -152,7 +152,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='n-gram speculative decoding, as vLLM\'s flag: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (drafts looked up in each '
-                        'request\'s own tokens; steps then run one at a time). docs/speculative_decoding.md')
+                        'request\'s own tokens, verified in one step). docs/speculative_decoding.md')
     add_compilation_cache_arg(g)
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")

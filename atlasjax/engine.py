@@ -158,10 +158,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.stats = metrics.EngineStats()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
-        # a verify step's drafts come from the tokens read back: speculative steps run one at a time
-        self._async_scheduling = config.async_scheduling and self.speculative is None
+        self._async_scheduling = config.async_scheduling
         if self.speculative is not None:
-            log.info("speculative decoding: n-gram drafts, %s (steps run one at a time)", self.speculative)
+            log.info("speculative decoding: n-gram drafts, %s", self.speculative)
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
@@ -347,8 +346,6 @@ class LLMEngine:
         """Switch modes (benchmarks compare them on one engine); only between steps with none in flight."""
         if self._in_flight is not None:
             raise RuntimeError("a step is in flight: run step() until has_unfinished() is False first")
-        if on and self.speculative is not None:
-            raise EngineConfigError("speculative decoding runs its steps one at a time: no async scheduling")
         self._async_scheduling = bool(on)
 
     # ---- one iteration
@@ -356,15 +353,19 @@ class LLMEngine:
         """Schedule and dispatch a step; return the deltas of the step read back now: this one
         (synchronous) or the one dispatched by the previous call (asynchronous)."""
         t0 = time.perf_counter()
+        first = []
+        if self._in_flight is not None and self._in_flight.spans is not None:
+            # a verify step's accepted drafts move every later position: read it back before scheduling
+            first, self._in_flight = self._process(self._in_flight), None
         sched = self.scheduler.schedule()
         launched = None if sched.is_empty else self._launch(sched)
         if self._async_scheduling:
             done, self._in_flight = self._in_flight, launched
         else:
             done = launched
-        if launched is None and done is None:
+        if launched is None and done is None and not first:
             return []
-        deltas = self._process(done) if done is not None else []
+        deltas = first + (self._process(done) if done is not None else [])
         self.stats.record_step(time.perf_counter() - t0, sched, self)
         return deltas
 
@@ -398,10 +399,12 @@ class LLMEngine:
         """A speculative step (only decodes, some with drafts): one verify launch samples every row; its
         output takes the decode's place, read back by request (`LaunchedStep.spans`)."""
         t = self.runner.bucket_for(sum(1 + len(sched.drafts.get(r, ())) for r in sched.decodes))
-        batch, rows, spans = pack_verify(sched, num_tokens=t, num_slots=self.num_slots, page_size=self.pool.page_size,
+        prev = self._in_flight
+        batch, rows, spans = pack_verify(sched, {} if prev is None else prev.sample_rows, num_tokens=t,
+                                         num_slots=self.num_slots, page_size=self.pool.page_size,
                                          num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq)
         f, ints = pack_rows(rows, t)
-        out = self.runner.verify(batch, f, ints, plan_rows(rows))
+        out = self.runner.verify(batch, f, ints, self._prev_tokens(prev), plan_rows(rows))
         s = self.num_slots
         for r, req in enumerate(sched.decodes):
             req.num_pending_tokens += 1 + len(sched.drafts.get(req, ()))   # at most: read back as accepted
@@ -410,6 +413,12 @@ class LLMEngine:
                                 any(r.params.logprobs is not None for r in sched.decodes), spans=spans)
         start_copies(launched)
         return launched
+
+    @staticmethod
+    def _prev_tokens(prev: LaunchedStep | None) -> tuple:
+        """The in-flight step's sampled tokens a new step gathers its pending tokens from (prefill, decode)."""
+        return (None, None) if prev is None else tuple(None if o is None else o.gather_tokens
+                                                       for o in (prev.prefill, prev.decode))
 
     def _run_prefill(self, sched: SchedulerOutput):
         # decided now: a preemption before a chunk is read back must not drop its rows
@@ -427,8 +436,7 @@ class LLMEngine:
         b, rows = pack_decode(sched, {} if prev is None else prev.sample_rows, num_rows=n,
                               num_slots=self.num_slots, pages_per_seq=self.runner.pages_per_seq)
         f, ints = pack_rows(rows, n)
-        prev_tokens = (None, None) if prev is None else \
-            tuple(None if o is None else o.gather_tokens for o in (prev.prefill, prev.decode))
+        prev_tokens = self._prev_tokens(prev)
         split_rows = None   # the default program, unless one of the bucket's long-context programs fits
         if compiled := self.runner.long_context_split_rows.get(n):
             longest = int((b["seq_lens"] + b["row_steps"] - 1).max())   # the longest context this launch reaches

@@ -126,9 +126,9 @@ class EngineConfig:
     speculative_config: object = None        # n-gram speculative decoding (vLLM's speculative_config): a dict
                                              # such as {"method": "ngram", "num_speculative_tokens": 4,
                                              # "prompt_lookup_max": 4}, its JSON, or a SpeculativeConfig
-                                             # (atlasjax/speculative.py); steps then run one at a time
-                                             # (no async scheduling); a step without drafts decodes as
-                                             # usual (num_scheduler_steps iterations per launch)
+                                             # (atlasjax/speculative.py); a step without drafts decodes
+                                             # as usual (num_scheduler_steps iterations per launch); the
+                                             # step after a verify step waits for it to be read back
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)

@@ -302,11 +302,11 @@ class ModelRunner:
                         functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (1,),
                         (self.params, self._state_arg, self._host(packed)))
 
-    def _verify_spec(self, host_inputs, plan) -> StepSpec:
+    def _verify_spec(self, host_inputs, prev, plan) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
         return StepSpec(("verify", host_inputs[0].shape[0], plan),
                         functools.partial(steps.verify_step, self.model, plan, layout), (1,),
-                        (self.params, self._state_arg, self._host(packed)))
+                        (self.params, self._state_arg, self._host(packed), *prev))
 
     @property
     def admit_rows(self) -> int:
@@ -369,10 +369,12 @@ class ModelRunner:
                                                        with_prompt_logprobs))
         return out
 
-    def verify(self, batch: dict, f, i, plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
+    def verify(self, batch: dict, f, i, prev_tokens=(None, None),
+               plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
         """Speculative decoding's verify step (steps.verify_step) over a batch of `step_packing.pack_verify`:
-        one sampled token per row [T]."""
-        self.state, out = self._run(self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], plan))
+        one sampled token per row [T]. prev_tokens: as `decode`'s (negative tokens gather from them)."""
+        prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
+        self.state, out = self._run(self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], prev, plan))
         return out
 
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None,
@@ -437,7 +439,8 @@ class ModelRunner:
             f, i = sampling.pack_rows([], t)
             batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
                          query_start=z(s + 1), num_seqs=np.int32(0), row_slots=z(t))
-            specs += [self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], plan) for plan in plans]
+            specs += [self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], (self._no_prev_tokens,) * 2,
+                                        plan) for plan in plans]
         specs = [spec for spec in specs if spec.key not in self._compiled]
         t0 = time.perf_counter()
         _ = self._program_store, self._execution_devices   # made here, not raced for in the threads

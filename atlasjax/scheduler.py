@@ -21,10 +21,11 @@ may have *pending* tokens (sampled on the device, value unknown; up to K with mu
 writes its pages keeps them until that step completes. Its slot is free at once: the next
 request's admit step (which resets the slot's penalty row) runs after that step on the device.
 
-Speculative decoding (`speculative`, atlasjax/speculative.py; steps run one at a time, so no token is
-pending): a decode-only step gives each request up to k n-gram drafts (`SchedulerOutput.drafts`), within its
-max_tokens, the step's token budget and the pages it can get without preempting anyone; a step where no
-request has a draft is a plain (multi-step) decode. Its K/V is written
+Speculative decoding (`speculative`, atlasjax/speculative.py): a decode-only step gives each request up to k
+n-gram drafts (`SchedulerOutput.drafts`), within its max_tokens, the step's token budget and the pages it can
+get without preempting anyone; a step where no request has a draft is a plain (multi-step) decode. Tokens still
+pending on the device are looked up as well and passed over (the drafts follow them). The engine reads a verify
+step back before it schedules the next one: its accepted drafts move every later position. Its K/V is written
 for its last token and every draft; once the step is read back, `speculated` sets its computed tokens to
 those the accepted drafts reach. Pages are registered in the prefix cache only for known tokens, never drafts.
 
@@ -148,8 +149,10 @@ class Scheduler:
             room = min(spec.num_speculative_tokens, req.max_tokens - req.num_generated - 1, budget)
             if room <= 0:
                 continue
-            proposed = speculative.propose(speculative.request_tokens(req), room, spec.prompt_lookup_min,
-                                           spec.prompt_lookup_max)
+            # tokens still on the device (async scheduling) are predicted by the same lookup, then passed over
+            pending = req.num_pending_tokens
+            proposed = speculative.propose(speculative.request_tokens(req), room + pending, spec.prompt_lookup_min,
+                                           spec.prompt_lookup_max)[pending:]
             # draft j writes K/V at position num_total_tokens + j
             if proposed and not self._allocate_for(req, req.num_total_tokens + len(proposed)):
                 proposed = proposed[:len(req.pages) * ps - req.num_total_tokens]

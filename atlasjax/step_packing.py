@@ -70,12 +70,13 @@ def pack_decode(sched: SchedulerOutput, pending_rows: dict, *, num_rows: int, nu
     return b, rows
 
 
-def pack_verify(sched: SchedulerOutput, *, num_tokens: int, num_slots: int, page_size: int, num_pages: int,
-                pages_per_seq: int) -> tuple[dict[str, np.ndarray], list, list[tuple[int, int]]]:
+def pack_verify(sched: SchedulerOutput, pending_rows: dict, *, num_tokens: int, num_slots: int, page_size: int,
+                num_pages: int, pages_per_seq: int) -> tuple[dict[str, np.ndarray], list, list[tuple[int, int]]]:
     """A speculative verify step (steps.verify_step): request r of sched.decodes is a chunk of its last token and
-    its drafts at positions num_total_tokens - 1 onwards, laid end to end as prefill chunks are. Every row is
-    sampled: row j of a chunk with the request's settings at output index num_generated + j (its seed stream and
-    min_tokens), and its slot (`row_slots`; padding rows num_slots, out of range).
+    its drafts at positions num_total_tokens - 1 onwards, laid end to end as prefill chunks are; a last token
+    still on the device is -1 - its row in the step in flight, as in `pack_decode`. Every row is sampled: row j
+    of a chunk with the request's settings at output index num_generated + j (its seed stream and min_tokens),
+    and its slot (`row_slots`; padding rows num_slots, out of range).
     Returns the batch, the sampling rows [num_tokens] and each request's (first row, number of drafts)."""
     t, s, ps = num_tokens, num_slots, page_size
     b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
@@ -85,12 +86,14 @@ def pack_verify(sched: SchedulerOutput, *, num_tokens: int, num_slots: int, page
              row_slots=np.full(t, num_slots, np.int32))
     rows, spans, row = [None] * t, [], 0
     for i, req in enumerate(sched.decodes):
-        assert not req.num_pending_tokens, "speculative steps run one at a time: no token is on the device"
         drafts = sched.drafts.get(req, [])
-        n, start = 1 + len(drafts), req.num_tokens - 1
+        n, start = 1 + len(drafts), req.num_total_tokens - 1
         pos = np.arange(start, start + n)
         pages = np.asarray(req.pages, np.int32)
-        last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
+        if req.num_pending_tokens:
+            last = -1 - pending_rows[req]
+        else:
+            last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
         b["tokens"][row:row + n] = [last, *drafts]
         b["positions"][row:row + n] = pos
         b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps

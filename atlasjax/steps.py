@@ -200,13 +200,16 @@ VERIFY_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens"
                  "row_slots")
 
 
-def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed):
+def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
+                prev_prefill_tokens, prev_decode_tokens):
     """Speculative decoding's verify (atlasjax/speculative.py): chunks of each request's last token and its
     drafts, packed as prefill chunks are, write their K/V and sample a token at every row with the row's
-    settings (`step_packing.pack_verify`). Only requests without penalties or bad words speculate, so the
-    per-slot counts and recent tokens are read (bias tables) but not advanced."""
+    settings (`step_packing.pack_verify`); a last token still on the device is gathered as a decode's is.
+    Only requests without penalties or bad words speculate, so the per-slot counts and recent tokens are read
+    (bias tables) but not advanced."""
     tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, row_slots, f, i = unpack_host(
         packed, layout)
+    tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
     hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)

@@ -99,17 +99,32 @@ def test_config_parsing_and_errors():
 
 
 # ---- the engine
-def test_greedy_tokens_equal_plain_decoding_with_drafts_accepted(plain, spec):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_greedy_tokens_equal_plain_decoding_with_drafts_accepted(plain, spec, async_scheduling):
+    """Async scheduling (the default) drafts for a request whose newest token is still on the device, by looking
+    that token up too: the verify gathers it there, as a decode step does."""
     prompts = [LOOP, list(range(3, 40)), [5, 9, 5, 9, 5, 9]]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    before = spec.engine.stats.spec.num_accepted_tokens
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
-    assert spec.engine.stats.spec.num_accepted_tokens > before        # drafts did the work ...
-    steps = spec.engine.stats.num_steps
-    spec.generate([prompts[2]], params)                                # ... in fewer steps than tokens
-    assert spec.engine.stats.num_steps - steps < 24
-    _assert_idle(spec.engine)
+    engine = spec.engine
+    engine.async_scheduling = async_scheduling
+    verify, gathered = engine.runner.verify, []
+
+    def record(batch, *args, **kw):
+        gathered.append(int((batch["tokens"] < 0).sum()))
+        return verify(batch, *args, **kw)
+    engine.runner.verify = record
+    try:
+        before = engine.stats.spec.num_accepted_tokens
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+        assert engine.stats.spec.num_accepted_tokens > before        # drafts did the work ...
+        steps = engine.stats.num_steps
+        spec.generate([prompts[2]], params)                           # ... in fewer steps than tokens
+        assert engine.stats.num_steps - steps < 24
+    finally:
+        engine.runner.verify, engine.async_scheduling = verify, True
+    assert any(gathered) == async_scheduling                          # a token still on the device
+    _assert_idle(engine)
 
 
 def test_seeded_sampling_and_logprobs_equal_plain_decoding(plain, spec):
