@@ -149,6 +149,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls", "max"],
                    help="how embeddings (/v1/embeddings, /v1/score) pool the final hidden states (default: the "
                         "model's sentence-transformers config, else the last token)")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help='vLLM\'s, for cross-encoders: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\' serves '
+                        'Qwen3-Reranker: /score and /rerank score each pair (docs/serving.md)')
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='n-gram speculative decoding, as vLLM\'s flag: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (drafts looked up in each '
@@ -180,6 +184,7 @@ def engine_kwargs(args) -> dict:
                 chat_template=args.chat_template, generation_config=args.generation_config,
                 pooling_type=args.pooling_type, runner=args.runner,
                 speculative_config=getattr(args, "speculative_config", None),
+                hf_overrides=getattr(args, "hf_overrides", None),
                 # a server compiles at start (every process of a multi-host one, too)
                 compile_at_start=getattr(args, "command", None) == "serve")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from atlasjax.cross_encoder import parse_hf_overrides
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
 from atlasjax.pooling import POOLING_TYPES
@@ -129,6 +130,10 @@ class EngineConfig:
                                              # (atlasjax/speculative.py); a step without drafts decodes
                                              # as usual (num_scheduler_steps iterations per launch); the
                                              # step after a verify step waits for it to be read back
+    hf_overrides: object = None              # vLLM's, for cross-encoders only: {"architectures":
+                                             # ["Qwen3ForSequenceClassification"], "classifier_from_token":
+                                             # ["no", "yes"], "is_original_qwen3_reranker": true} reads a causal
+                                             # LM as a classifier / reranker (atlasjax/cross_encoder.py)
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)
@@ -182,6 +187,7 @@ class EngineConfig:
             bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
         check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if not isinstance(self.calculate_kv_scales, bool):
             bad(f"calculate_kv_scales must be True or False, got {self.calculate_kv_scales!r}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):

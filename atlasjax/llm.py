@@ -15,6 +15,7 @@ from atlasjax.errors import InvalidRequestError
 from atlasjax.generation_config import default_sampling_params
 from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                               EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from atlasjax.cross_encoder import is_cross_encoder, pair_ids
 from atlasjax.pooling import PoolingParams, class_probs
 from atlasjax.sampling_params import SamplingParams
 
@@ -174,12 +175,23 @@ class LLM:
                 for ids, logits in self.engine.embed(_prompt_list(prompts), params)]
 
     def score(self, text_1, text_2, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score` for embedding models: the cosine similarity of text_1's and text_2's embeddings.
-        One text against many (1 -> N), or pairwise (N -> N); each a string or token ids."""
+        """vLLM's `LLM.score`: for embedding models the cosine similarity of text_1's and text_2's embeddings; for a
+        cross-encoder (a classifier of one label, such as Qwen3-Reranker read through `hf_overrides`) the sigmoid
+        of its head over each pair's tokens, text_1's then text_2's. One text against many (1 -> N), or pairwise
+        (N -> N); each a string or token ids."""
         first, second = _prompt_list(text_1), _prompt_list(text_2)
         if not first or not second or len(first) not in (1, len(second)):
             raise InvalidRequestError(f"score pairs one text with many or N texts with N; got {len(first)} and "
                                       f"{len(second)}")
+        if is_cross_encoder(self.engine.classifier_labels):
+            engine = self.engine
+            lefts = [engine.tokenize_prompt(t) for t in first] * (len(second) // len(first))
+            rights = [t if isinstance(t, list) else engine.tokenizer.encode(t, add_special_tokens=False)
+                      for t in second]
+            pairs = [pair_ids(a, b) for a, b in zip(lefts, rights)]
+            params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+            return [ScoringRequestOutput(str(next(self._ids)), ids, ScoringOutput(float(class_probs(logits)[0])))
+                    for ids, logits in engine.embed(pairs, params)]
         plain = dataclasses.replace(pooling_params or PoolingParams(), normalize=True)
         results = self.engine.embed(first + second, plain)
         left, right = results[:len(first)] * (len(second) // len(first)), results[len(first):]

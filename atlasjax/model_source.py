@@ -82,6 +82,11 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
     if loaded.generation:
         logging.getLogger("atlasjax.engine").info("%s: defaults from %s: %s", loaded.source,
                                                   loaded.generation.source, loaded.generation.describe())
+    if config.hf_overrides is not None:    # a causal LM read as a classifier / reranker (atlasjax/cross_encoder.py)
+        from atlasjax.cross_encoder import head_from_tokens  # noqa: PLC0415
+        head = head_from_tokens(loaded.params, loaded.config.tie_word_embeddings, loaded.tokenizer,
+                                config.hf_overrides)
+        loaded = dataclasses.replace(loaded, classifier=head)
     return loaded
 
 

@@ -1,7 +1,9 @@
 """Embeddings and scores: POST /v1/embeddings (OpenAI's), POST /v1/score and /score (vLLM's, for embedding
 models: the cosine similarity of two texts' embeddings), and POST /rerank, /v1/rerank, /v2/rerank (the
 rerank API vLLM serves, Jina's and Cohere's shape: documents ordered by that similarity to a query), and
-POST /classify (vLLM's, for a sequence classifier: labels and probabilities from its head).
+POST /classify (vLLM's, for a sequence classifier: labels and probabilities from its head). With a cross-encoder
+(a classifier of one label, such as Qwen3-Reranker read through `--hf-overrides`: atlasjax/cross_encoder.py)
+/score and /rerank score each (text_1, text_2) or (query, document) pair with its head instead.
 
 Inputs are tokenized here and embedded by the engine between its steps (`LLMEngine.embed`,
 atlasjax/embedding.py), pooled as the model says (atlasjax/pooling.py). /v1/embeddings takes OpenAI's
@@ -19,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from atlasjax.cross_encoder import is_cross_encoder, pair_ids
 from atlasjax.errors import InvalidRequestError
 from atlasjax.pooling import PoolingParams, class_probs
 from atlasjax.sampling_params import check_truncate_prompt_tokens
@@ -76,14 +79,18 @@ async def score(request: Request) -> JSONResponse:
                       "as text_2", param="text_1")
     if len(first) + len(second) > MAX_INPUTS:
         raise invalid(f"at most {MAX_INPUTS} texts in all", param="text_2")
-    params = PoolingParams(normalize=True, truncate_prompt_tokens=_truncation(f))
-    ids = await _token_ids(state, f, first + second)
-    _check_lengths(state, ids, params, "text_1")
     rid, _ = new_id("score-", request)
-    results = await _embed(request, state, ids, params)
-    left, right = results[:len(first)] * (len(second) // len(first)), results[len(first):]
-    data = [{"index": i, "object": "score", "score": float(a @ b)} for i, ((_, a), (_, b)) in enumerate(zip(left, right))]
-    tokens = sum(len(t) for t, _ in results)
+    if is_cross_encoder(state.llm.engine.classifier_labels):
+        scores, tokens = await _cross_scores(request, state, f, first * (len(second) // len(first)), second, "text_1")
+    else:
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=_truncation(f))
+        ids = await _token_ids(state, f, first + second)
+        _check_lengths(state, ids, params, "text_1")
+        results = await _embed(request, state, ids, params)
+        left, right = results[:len(first)] * (len(second) // len(first)), results[len(first):]
+        scores = [float(a @ b) for (_, a), (_, b) in zip(left, right)]
+        tokens = sum(len(t) for t, _ in results)
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
@@ -106,16 +113,19 @@ async def rerank(request: Request) -> JSONResponse:
         raise invalid(f"at most {MAX_INPUTS - 1} documents", param="documents")
     top_n = f.int("top_n", len(texts), lo=1)
     return_documents = f.bool("return_documents", True)
-    params = PoolingParams(normalize=True, truncate_prompt_tokens=_truncation(f))
-    ids = await _token_ids(state, f, [query, *texts])
-    _check_lengths(state, ids, params, "documents")
     rid, _ = new_id("rerank-", request)
-    results = await _embed(request, state, ids, params)
-    q = results[0][1]
-    scored = sorted(((float(q @ v), i) for i, (_, v) in enumerate(results[1:])), key=lambda x: -x[0])[:top_n]
+    if is_cross_encoder(state.llm.engine.classifier_labels):
+        scores, tokens = await _cross_scores(request, state, f, [query] * len(texts), texts, "documents")
+    else:
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=_truncation(f))
+        ids = await _token_ids(state, f, [query, *texts])
+        _check_lengths(state, ids, params, "documents")
+        results = await _embed(request, state, ids, params)
+        scores = [float(results[0][1] @ v) for _, v in results[1:]]
+        tokens = sum(len(t) for t, _ in results)
+    scored = sorted(((s, i) for i, s in enumerate(scores)), key=lambda x: -x[0])[:top_n]
     out = [{"index": i, "relevance_score": score, **({"document": {"text": texts[i]}} if return_documents else {})}
            for score, i in scored]
-    tokens = sum(len(t) for t, _ in results)
     return JSONResponse({"id": rid, "model": model, "results": out, "usage": {"total_tokens": tokens}})
 
 
@@ -143,6 +153,19 @@ async def classify(request: Request) -> JSONResponse:
     tokens = sum(len(t) for t, _ in results)
     return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def _cross_scores(request: Request, state: ServerState, f: Fields, firsts: list, seconds: list,
+                        param: str) -> tuple[list[float], int]:
+    """A cross-encoder's score per (first, second) pair (atlasjax/cross_encoder.py): the sigmoid of its one-label
+    head over the pair's tokens (the second text's without special tokens), and the tokens run."""
+    params = PoolingParams(task="classify", truncate_prompt_tokens=_truncation(f))
+    lefts = await _token_ids(state, f, firsts)
+    rights = [t if isinstance(t, list) else await state.encode(t, False) for t in seconds]
+    ids = [pair_ids(a, b) for a, b in zip(lefts, rights)]
+    _check_lengths(state, ids, params, param)
+    results = await _embed(request, state, ids, params)
+    return [float(class_probs(logits)[0]) for _, logits in results], sum(len(t) for t, _ in results)
 
 
 async def _token_ids(state: ServerState, f: Fields, prompts: list) -> list[list[int]]:
