@@ -12,11 +12,11 @@ decoder model. The prompt format (Qwen3-Reranker's instruction template) is the 
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
+from atlasjax.config_json import json_dict
 from atlasjax.errors import EngineConfigError
+from atlasjax.pooling import ClassifierHead, class_probs
 
 KNOWN_KEYS = ("architectures", "classifier_from_token", "method", "is_original_qwen3_reranker")
 
@@ -25,13 +25,7 @@ def parse_hf_overrides(value) -> dict | None:
     """None, a dict or its JSON (`--hf-overrides`), checked: only the keys that make a cross-encoder."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise EngineConfigError(f"hf_overrides is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise EngineConfigError(f"hf_overrides must be a dict (or its JSON), got {type(value).__name__}")
+    value = json_dict(value, "hf_overrides")
     unknown = sorted(set(value) - set(KNOWN_KEYS))
     if unknown:
         raise EngineConfigError(f"hf_overrides: {unknown} not supported (supported: {list(KNOWN_KEYS)}: a causal "
@@ -62,7 +56,6 @@ def two_way(overrides: dict) -> bool:
 def head_from_tokens(params: dict, tie_word_embeddings: bool, tokenizer, overrides: dict):
     """The classification head `overrides` describes, from the LM head's rows (the embedding table's when tied),
     as a ClassifierHead (float32, host): one label per token, or one label (positive minus negative)."""
-    from atlasjax.pooling import ClassifierHead  # noqa: PLC0415
     if tokenizer is None:
         raise EngineConfigError("hf_overrides: classifier_from_token needs the model's tokenizer")
     tokens = overrides["classifier_from_token"]
@@ -91,6 +84,11 @@ def head_from_tokens(params: dict, tie_word_embeddings: bool, tokenizer, overrid
 def pair_ids(first: list[int], second: list[int]) -> list[int]:
     """A (query, document) pair's tokens, as one sequence."""
     return list(first) + list(second)
+
+
+def pair_score(logits: np.ndarray) -> float:
+    """A pair's score from a one-label head's logit: its sigmoid (vLLM's)."""
+    return float(class_probs(logits)[0])
 
 
 def is_cross_encoder(labels: tuple[str, ...]) -> bool:

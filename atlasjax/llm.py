@@ -15,7 +15,7 @@ from atlasjax.errors import InvalidRequestError
 from atlasjax.generation_config import default_sampling_params
 from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                               EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
-from atlasjax.cross_encoder import is_cross_encoder, pair_ids
+from atlasjax.cross_encoder import is_cross_encoder, pair_ids, pair_score
 from atlasjax.pooling import PoolingParams, class_probs
 from atlasjax.sampling_params import SamplingParams
 
@@ -190,7 +190,7 @@ class LLM:
                       for t in second]
             pairs = [pair_ids(a, b) for a, b in zip(lefts, rights)]
             params = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
-            return [ScoringRequestOutput(str(next(self._ids)), ids, ScoringOutput(float(class_probs(logits)[0])))
+            return [ScoringRequestOutput(str(next(self._ids)), ids, ScoringOutput(pair_score(logits)))
                     for ids, logits in engine.embed(pairs, params)]
         plain = dataclasses.replace(pooling_params or PoolingParams(), normalize=True)
         results = self.engine.embed(first + second, plain)

@@ -428,17 +428,17 @@ class ModelRunner:
         serving = max_prefill_tokens is None
         prefills = [(t, False) for t in self.prefill_buckets if serving or t <= max_prefill_tokens]
         prefills += [(self.prompt_logprobs_tokens, True)] if serving else []
+        def ragged(t):   # a packed-chunks step's attention inputs, empty
+            return dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
+                        query_start=z(s + 1), num_seqs=np.int32(0))
         for t, with_prompt_logprobs in prefills:
-            batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
-                         query_start=z(s + 1), num_seqs=np.int32(0), sample_rows=z(s), slot_ids=z(s),
-                         commit=np.zeros(s, bool), next_tokens=z(t))
+            batch = dict(ragged(t), sample_rows=z(s), slot_ids=z(s), commit=np.zeros(s, bool), next_tokens=z(t))
             specs.append(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
         if serving:
             specs.append(self._admit_spec([]))
         for t in self.verify_buckets if serving else ():
             f, i = sampling.pack_rows([], t)
-            batch = dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
-                         query_start=z(s + 1), num_seqs=np.int32(0), row_slots=z(t))
+            batch = dict(ragged(t), row_slots=z(t))
             specs += [self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], (self._no_prev_tokens,) * 2,
                                         plan) for plan in plans]
         specs = [spec for spec in specs if spec.key not in self._compiled]

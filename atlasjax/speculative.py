@@ -15,10 +15,10 @@ request yields the same tokens with and without speculation.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 
+from atlasjax.config_json import json_dict
 from atlasjax.errors import EngineConfigError
 
 
@@ -57,13 +57,7 @@ class SpeculativeConfig:
         """None, a SpeculativeConfig, a dict of vLLM's keys, or that dict as JSON (`--speculative-config`)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise EngineConfigError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise EngineConfigError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
+        value = json_dict(value, "speculative_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -16,37 +16,51 @@ def sampling_row(req) -> tuple:
     return (req.params, req.seed, req.num_generated, req.eos_token_ids)
 
 
+def _ragged(num_tokens: int, num_slots: int, page_size: int, num_pages: int, pages_per_seq: int,
+            num_seqs: int) -> dict[str, np.ndarray]:
+    """The attention metadata of chunks laid end to end (padding tokens write to the out-of-range KV slot
+    num_pages * page_size), empty; `_place` fills in one chunk."""
+    t, s = num_tokens, num_slots
+    return dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+                slot_mapping=np.full(t, num_pages * page_size, np.int32),
+                page_table=np.zeros((s, pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
+                query_start=np.zeros(s + 1, np.int32), num_seqs=np.int32(num_seqs))
+
+
+def _place(b: dict, i: int, row: int, pages: list[int], start: int, tokens, page_size: int) -> int:
+    """Sequence i's chunk of `tokens` at positions start onwards, from batch row `row`; returns the next row."""
+    n, ps = len(tokens), page_size
+    pos = np.arange(start, start + n)
+    pages = np.asarray(pages, np.int32)
+    b["tokens"][row:row + n] = tokens
+    b["positions"][row:row + n] = pos
+    b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
+    b["page_table"][i, :len(pages)] = pages
+    b["seq_lens"][i] = start + n
+    b["query_start"][i + 1:] = row + n
+    return row + n
+
+
 def pack_prefill(sched: SchedulerOutput, *, num_tokens: int, num_slots: int, page_size: int, num_pages: int,
                  pages_per_seq: int) -> tuple[dict[str, np.ndarray], list]:
     """Returns the prefill step's batch (padding tokens write to the out-of-range KV slot
     num_pages * page_size) and its sampling rows [num_slots] (None past the chunks)."""
-    t, s, ps = num_tokens, num_slots, page_size
-    b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-             slot_mapping=np.full(t, num_pages * ps, np.int32),
-             page_table=np.zeros((s, pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
-             query_start=np.zeros(s + 1, np.int32), num_seqs=np.int32(len(sched.prefills)),
-             sample_rows=np.zeros(s, np.int32), slot_ids=np.zeros(s, np.int32), commit=np.zeros(s, bool),
+    t, s = num_tokens, num_slots
+    b = _ragged(t, s, page_size, num_pages, pages_per_seq, len(sched.prefills))
+    b.update(sample_rows=np.zeros(s, np.int32), slot_ids=np.zeros(s, np.int32), commit=np.zeros(s, bool),
              next_tokens=np.full(t, -1, np.int32))
     rows, row = [None] * s, 0
     for i, c in enumerate(sched.prefills):
         req, n = c.request, c.num_tokens
         assert not req.num_pending_tokens, "a prefilling request has no token on the device"
         ids = req.all_token_ids
-        pos = np.arange(c.start, c.start + n)
-        pages = np.asarray(req.pages, np.int32)
-        b["tokens"][row:row + n] = ids[c.start:c.start + n]
-        b["positions"][row:row + n] = pos
-        b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
-        b["page_table"][i, :len(pages)] = pages
-        b["seq_lens"][i] = c.start + n
         b["sample_rows"][i] = row + n - 1
         b["slot_ids"][i] = req.slot
         b["commit"][i] = c.completes_prompt
         nxt = ids[c.start + 1:c.start + n + 1]
         b["next_tokens"][row:row + len(nxt)] = nxt
         rows[i] = sampling_row(req)
-        row += n
-        b["query_start"][i + 1:] = row
+        row = _place(b, i, row, req.pages, c.start, ids[c.start:c.start + n], page_size)
     return b, rows
 
 
@@ -78,31 +92,20 @@ def pack_verify(sched: SchedulerOutput, pending_rows: dict, *, num_tokens: int, 
     of a chunk with the request's settings at output index num_generated + j (its seed stream and min_tokens),
     and its slot (`row_slots`; padding rows num_slots, out of range).
     Returns the batch, the sampling rows [num_tokens] and each request's (first row, number of drafts)."""
-    t, s, ps = num_tokens, num_slots, page_size
-    b = dict(tokens=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-             slot_mapping=np.full(t, num_pages * ps, np.int32),
-             page_table=np.zeros((s, pages_per_seq), np.int32), seq_lens=np.zeros(s, np.int32),
-             query_start=np.zeros(s + 1, np.int32), num_seqs=np.int32(len(sched.decodes)),
-             row_slots=np.full(t, num_slots, np.int32))
+    t = num_tokens
+    b = _ragged(t, num_slots, page_size, num_pages, pages_per_seq, len(sched.decodes))
+    b["row_slots"] = np.full(t, num_slots, np.int32)
     rows, spans, row = [None] * t, [], 0
     for i, req in enumerate(sched.decodes):
         drafts = sched.drafts.get(req, [])
-        n, start = 1 + len(drafts), req.num_total_tokens - 1
-        pos = np.arange(start, start + n)
-        pages = np.asarray(req.pages, np.int32)
+        n = 1 + len(drafts)
         if req.num_pending_tokens:
             last = -1 - pending_rows[req]
         else:
             last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
-        b["tokens"][row:row + n] = [last, *drafts]
-        b["positions"][row:row + n] = pos
-        b["slot_mapping"][row:row + n] = pages[pos // ps] * ps + pos % ps
-        b["page_table"][i, :len(pages)] = pages
-        b["seq_lens"][i] = start + n
         b["row_slots"][row:row + n] = req.slot
         params, seed, generated, eos = sampling_row(req)
         rows[row:row + n] = [(params, seed, generated + j, eos) for j in range(n)]
         spans.append((row, len(drafts)))
-        row += n
-        b["query_start"][i + 1:] = row
+        row = _place(b, i, row, req.pages, req.num_total_tokens - 1, [last, *drafts], page_size)
     return b, rows, spans

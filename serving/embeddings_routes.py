@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from atlasjax.cross_encoder import is_cross_encoder, pair_ids
+from atlasjax.cross_encoder import is_cross_encoder, pair_ids, pair_score
 from atlasjax.errors import InvalidRequestError
 from atlasjax.pooling import PoolingParams, class_probs
 from atlasjax.sampling_params import check_truncate_prompt_tokens
@@ -165,7 +165,7 @@ async def _cross_scores(request: Request, state: ServerState, f: Fields, firsts:
     ids = [pair_ids(a, b) for a, b in zip(lefts, rights)]
     _check_lengths(state, ids, params, param)
     results = await _embed(request, state, ids, params)
-    return [float(class_probs(logits)[0]) for _, logits in results], sum(len(t) for t, _ in results)
+    return [pair_score(logits) for _, logits in results], sum(len(t) for t, _ in results)
 
 
 async def _token_ids(state: ServerState, f: Fields, prompts: list) -> list[list[int]]:
