@@ -7,6 +7,7 @@
     print(out[0].outputs[0].text)
 """
 from atlasjax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from atlasjax.lora import LoRARequest
 from atlasjax.errors import (AtlasJaxError, CheckpointError, EngineConfigError, InvalidRequestError,
                              UnsupportedModelError)
 from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
@@ -31,7 +32,8 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncLLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "EmbeddingOutput",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "LoRARequest",
+           "EmbeddingOutput",
            "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "ClassificationOutput",
            "ClassificationRequestOutput", "PoolingRequestOutput",
            "AtlasJaxError", "CheckpointError", "EngineConfigError", "InvalidRequestError", "UnsupportedModelError"]

@@ -22,6 +22,7 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import AtlasJaxError, QueueFullError  # noqa: F401 (re-exported)
 from atlasjax.generation_config import default_sampling_params
+from atlasjax.lora import LoRARequest
 from atlasjax.outputs import StreamDelta
 from atlasjax.sampling_params import SamplingParams
 
@@ -53,9 +54,10 @@ class StreamingLLM:
         return default_sampling_params(self.engine.generation_defaults)
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamDelta]:
-        """Stream the deltas of one request (all n completions interleaved, by .index). priority: see
-        `LLMEngine.add_request` (only with the priority scheduling policy)."""
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (all n completions interleaved, by .index). priority, lora_request: see
+        `LLMEngine.add_request` (priority only with the priority scheduling policy)."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed: {self._error!r}")
         params = params or self.get_default_sampling_params()
@@ -63,7 +65,7 @@ class StreamingLLM:
         self._check_capacity()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request_id, prompt, params, priority))
+        self._submit(("add", request_id, prompt, params, priority, lora_request))
         remaining = params.n
         try:
             while remaining:
@@ -249,7 +251,7 @@ def apply_command(engine: LLMEngine, cmd) -> list:
     kind, request_id = cmd[0], cmd[1]
     if kind == "add":
         try:
-            engine.add_request(request_id, cmd[2], cmd[3], priority=cmd[4])
+            engine.add_request(request_id, cmd[2], cmd[3], priority=cmd[4], lora_request=cmd[5])
         except AtlasJaxError as e:
             return [(request_id, e)]
     elif kind == "abort":

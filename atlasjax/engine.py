@@ -40,6 +40,7 @@ from atlasjax import bad_words, distributed, long_context_decode, metrics, weigh
 from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
 from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
+from atlasjax.lora import LoRAManager, LoRARequest
 from atlasjax.output_processor import OutputProcessor
 from atlasjax.outputs import StreamDelta
 from atlasjax.page_pool import PagePool
@@ -116,7 +117,11 @@ class LLMEngine:
                                       max_model_len=self.max_model_len),
                                   verify_buckets=self._verify_buckets(config))
         del params
-        # The KV pool is sized from the memory left once the params are in their execution layout.
+        self.lora = None   # LoRA adapters' device slots and host copies (atlasjax/lora.py)
+        if config.enable_lora:
+            self.lora = LoRAManager(self.runner, cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                    max_cpu_loras=config.max_cpu_loras)
+        # The KV pool is sized from the memory left once the params (and LoRA slots) are in their execution layout.
         self.pooler = read_pooler_config(config.model, config.pooling_type)
         cannot_generate = self.loaded.pooling_model or self.loaded.classifier is not None
         self.pooling_only = config.runner == "pooling" or (config.runner == "auto" and cannot_generate)
@@ -146,7 +151,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_scheduler_steps=config.num_scheduler_steps,
                                    prompt_logprobs_tokens=config.prompt_logprobs_tokens,
-                                   policy=config.scheduling_policy, speculative=self.speculative)
+                                   policy=config.scheduling_policy, speculative=self.speculative, lora=self.lora)
         self._channel = None
         if distributed.is_multiprocess():   # process 0 drives; the others replay its steps (`follow`)
             self._channel = distributed.StepChannel()
@@ -200,10 +205,12 @@ class LLMEngine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> list[Request]:
+                    arrival_time: float | None = None, priority: int = 0, lora_request: LoRARequest | None = None
+                    ) -> list[Request]:
         """priority: with `scheduling_policy="priority"`, lower is admitted sooner and preempted later
         (any integer; 0 by default); with fcfs it must be 0, as in vLLM. arrival_time: a time.monotonic()
-        reading (default: now); it orders equal priorities and starts the request's queue time."""
+        reading (default: now); it orders equal priorities and starts the request's queue time.
+        lora_request: run it with that LoRA adapter (an engine with enable_lora), read and checked now."""
         params = params or SamplingParams()
         self.sleep_state.check_awake()
         if self.pooling_only:
@@ -212,6 +219,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduling_policy)
+        adapter = self._lora_adapter(lora_request)
         token_ids = params.truncated_prompt(self.tokenize_prompt(prompt), self.max_model_len)
         vocab = self.model_config.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):
@@ -226,12 +234,24 @@ class LLMEngine:
             req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
                           max_tokens, self.eos_token_ids, arrival_time or time.monotonic(), priority)
             req.index, req.parent_id, req.bad_word_ids = i, request_id, bad_seqs
+            req.lora_request, req.lora_adapter = (lora_request, adapter) if adapter is not None else (None, None)
             self.outputs.add(req)
             seqs.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = seqs
         self.stats.num_requests += 1
         return seqs
+
+    def _lora_adapter(self, lora_request):
+        """The adapter a request names (read and checked), or None for the base model."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
+                                      "(LLM(..., enable_lora=True) / serve --enable-lora)")
+        return self.lora.check(lora_request)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids (text is tokenized; ids are checked against the vocabulary)."""
@@ -378,6 +398,8 @@ class LLMEngine:
                     req.queue_seconds = max(0.0, now - req.arrival_time)
             self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.bias_table(),
                                 req.bad_word_ids) for req in sched.admitted])
+            if self.lora is not None:
+                self.lora.assign(sched.admitted)
         if sched.drafts:
             return self._launch_verify(sched)
         prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])

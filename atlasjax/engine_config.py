@@ -6,6 +6,7 @@ import dataclasses
 from atlasjax.cross_encoder import parse_hf_overrides
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
+from atlasjax.lora import check_config as check_lora_config
 from atlasjax.pooling import POOLING_TYPES
 from atlasjax.speculative import SpeculativeConfig
 
@@ -134,6 +135,11 @@ class EngineConfig:
                                              # ["Qwen3ForSequenceClassification"], "classifier_from_token":
                                              # ["no", "yes"], "is_original_qwen3_reranker": true} reads a causal
                                              # LM as a classifier / reranker (atlasjax/cross_encoder.py)
+    enable_lora: bool = False                # serve LoRA adapters per request (vLLM's: `lora_request=LoRARequest(...)`,
+                                             # or a server's --lora-modules; atlasjax/lora.py)
+    max_loras: int = 1                       # adapters resident on the device at once (one batch mixes them)
+    max_lora_rank: int = 16                  # the largest adapter rank accepted (each slot is sized for it)
+    max_cpu_loras: int | None = None         # adapters kept read in host memory (None: max_loras)
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)
@@ -202,6 +208,10 @@ class EngineConfig:
         if acts and self.quantization_group_size is not None:
             bad(f"activation_quantization={acts} multiplies weights with one scale per output channel; "
                 f"quantization_group_size={self.quantization_group_size} makes groups")
+        check_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            bad("LoRA adapters under tensor parallelism are not supported yet: enable_lora needs "
+                "tensor_parallel_size=1")
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

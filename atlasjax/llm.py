@@ -13,6 +13,7 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import InvalidRequestError
 from atlasjax.generation_config import default_sampling_params
+from atlasjax.lora import LoRARequest
 from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                               EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from atlasjax.cross_encoder import is_cross_encoder, pair_ids, pair_score
@@ -206,9 +207,12 @@ class LLM:
         return default_sampling_params(self.engine.generation_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. One output per prompt.
-        priority: one integer per prompt, with `scheduling_policy="priority"` (lower is served sooner)."""
+        priority: one integer per prompt, with `scheduling_policy="priority"` (lower is served sooner).
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model); the engine
+        needs enable_lora=True (atlasjax/lora.py)."""
         prompts = _prompt_list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
@@ -218,11 +222,17 @@ class LLM:
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if isinstance(lora_request, list):
+            if len(lora_request) != len(prompts):
+                raise InvalidRequestError(f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts")
+            loras = lora_request
+        else:
+            loras = [lora_request] * len(prompts)
         ids = []
         try:
-            for prompt, p, rank in zip(prompts, params, priority or [0] * len(prompts)):
+            for prompt, p, rank, lora in zip(prompts, params, priority or [0] * len(prompts), loras):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, priority=rank)
+                self.engine.add_request(rid, prompt, p, priority=rank, lora_request=lora)
                 ids.append((rid, prompt))
         except Exception:
             for rid, _ in ids:     # a bad prompt in the batch: nothing stays queued
@@ -265,7 +275,8 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, use_tqdm: bool = False,
-             continue_final_message: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, priority: list[int] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of conversations.
         continue_final_message: the model continues the last (assistant) message instead of answering it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -275,7 +286,7 @@ class LLM:
             conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **(chat_template_kwargs or {})),
             add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
     def _output(self, rid, prompt, seqs) -> RequestOutput:
         first = seqs[0]

@@ -61,11 +61,12 @@ class PagePool:
                 self.free_queue[page] = None
 
     # ---- prefix cache
-    def extend_keys(self, keys: list[tuple], token_ids) -> list[tuple]:
-        """Append to `keys` the keys of every further full page of token_ids (incremental)."""
+    def extend_keys(self, keys: list[tuple], token_ids, root: int = 0) -> list[tuple]:
+        """Append to `keys` the keys of every further full page of token_ids (incremental). root: the first
+        page's parent (`Request.cache_root`: pages computed under different LoRA adapters never match)."""
         ps = self.page_size
         for i in range(len(keys), len(token_ids) // ps):
-            parent = hash(keys[-1]) if keys else 0
+            parent = hash(keys[-1]) if keys else root
             keys.append((parent, tuple(token_ids[i * ps:(i + 1) * ps])))
         return keys
 

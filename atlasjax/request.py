@@ -47,12 +47,20 @@ class Request:
     text: str = ""
     emitted_chars: int = 0                # text already streamed (the rest may still become a stop string)
     token_history: object = None          # speculative decoding: its tokens as a numpy array (speculative.py)
+    lora_request: object = None           # its LoRARequest (atlasjax/lora.py), or None: the base model
+    lora_adapter: object = None           # that adapter as read and checked when the request was added
+    lora_slot: int = -1                   # the device LoRA slot it runs with while admitted (-1: none)
     index: int = 0                        # which of the parent request's n completions
     parent_id: str = ""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def cache_root(self) -> int:
+        """The parent of its first prompt page's prefix-cache key: pages computed under different adapters differ."""
+        return 0 if self.lora_adapter is None else hash(("lora", self.lora_adapter.uid))
 
     @property
     def num_total_tokens(self) -> int:

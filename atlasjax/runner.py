@@ -35,6 +35,12 @@ log = logging.getLogger("atlasjax.compile")
 ADMIT_ROWS = 16   # requests one admit step resets (runner.admit_rows)
 
 
+@jax.jit
+def _write_slot(stacks, index, arrays):
+    """stacks with slot `index` of every leaf replaced by arrays' (the old stacks stay valid: not donated)."""
+    return jax.tree.map(lambda stack, new: stack.at[index].set(new.astype(stack.dtype)), stacks, arrays)
+
+
 def _shape_of(key: tuple) -> list:
     """A step key's shape part, as a compile log line prints it."""
     return [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
@@ -99,6 +105,7 @@ class ModelRunner:
             local = Transformer(cfg, attn_backend=attn_backend, dtype=dtype, parallel=plan.parallel)
             logical = fuse_logical_axes(logical_axes(cfg, dtype), self.params)
             self.model = ShardedModel(local, plan, plan.param_specs(self.params, logical))
+        self.lora: dict | None = None   # LoRA adapters' device slots (`enable_lora`; atlasjax/lora.py)
         self.state: DeviceState | None = None
         self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
         self.num_compiles = 0
@@ -137,6 +144,35 @@ class ModelRunner:
                            bad_words=jax.ShapeDtypeStruct((self.max_num_seqs, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS),
                                                           jnp.int32, **extra),
                            recent=jax.ShapeDtypeStruct((self.max_num_seqs, HISTORY), jnp.int32, **extra))
+
+    # ---- LoRA (atlasjax/lora.py): a tree beside the params that every step reads
+    @property
+    def lora_dtype(self):
+        return self.dtype
+
+    def enable_lora(self, layout, max_loras: int, max_rank: int) -> None:
+        """Zeroed device slots for `max_loras` adapters of rank up to `max_rank` on the linear layers of `layout`
+        (lora.targets), and every engine slot on the base model. Done before steps compile (they read it)."""
+        if self.plan is not None:
+            raise ValueError("LoRA adapters under tensor parallelism are not supported")
+        layers: dict = {}
+        for t in layout:
+            width = len(t.parts) * max_rank
+            layers.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
+                "a": jnp.zeros((max_loras, t.in_features, width), self.lora_dtype),
+                "b": jnp.zeros((max_loras, width, t.out_features), self.lora_dtype)}
+        self._adapter_of_slot = np.full(self.max_num_seqs, -1, np.int32)
+        self.lora = {"layers": layers, "adapter_of_slot": jnp.asarray(self._adapter_of_slot)}
+
+    def write_lora(self, index: int, arrays: dict) -> None:
+        """Device slot `index` takes an adapter: arrays, `lora.Adapter.slot_arrays` (host arrays, one slot's)."""
+        self.lora = dict(self.lora, layers=_write_slot(self.lora["layers"], jnp.int32(index), arrays))
+
+    def assign_adapters(self, pairs) -> None:
+        """(engine slot, LoRA slot or -1) each: what the steps read for the requests admitted to those slots."""
+        for slot, index in pairs:
+            self._adapter_of_slot[slot] = index
+        self.lora = dict(self.lora, adapter_of_slot=jax.device_put(self._adapter_of_slot.copy()))
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""
@@ -283,30 +319,30 @@ class ModelRunner:
     # names its step (StepSpec); `_compile` compiles each key once, and warmup compiles the same specs.
     def _decode_spec(self, host_inputs, prev, plan, num_steps=1, split_rows=None) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
-        args = (self.params, self._state_arg, self._host(packed), *prev)
+        args = (self.params, self.lora, self._state_arg, self._host(packed), *prev)
         rows = host_inputs[0].shape[0]
         # a long-context program (split_rows set: atlasjax/long_context_decode.py) is a step of its own name
         name, options = ("decode", {}) if split_rows is None else (f"decode_long_context_{split_rows}",
                                                                    dict(split_rows=split_rows))
         if num_steps == 1:
             return StepSpec((name, rows, plan),
-                            functools.partial(steps.decode_step, self.model, plan, layout, **options), (1,), args)
+                            functools.partial(steps.decode_step, self.model, plan, layout, **options), (2,), args)
         return StepSpec((name, rows, plan, num_steps),
                         functools.partial(steps.multi_decode_step, self.model, plan, num_steps, layout, **options),
-                        (1,), args)
+                        (2,), args)
 
     def _prefill_spec(self, host_inputs, with_prompt_logprobs) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
         t = host_inputs[0].shape[0]
         return StepSpec(("prefill", t, with_prompt_logprobs),
-                        functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (1,),
-                        (self.params, self._state_arg, self._host(packed)))
+                        functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (2,),
+                        (self.params, self.lora, self._state_arg, self._host(packed)))
 
     def _verify_spec(self, host_inputs, prev, plan) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
         return StepSpec(("verify", host_inputs[0].shape[0], plan),
-                        functools.partial(steps.verify_step, self.model, plan, layout), (1,),
-                        (self.params, self._state_arg, self._host(packed), *prev))
+                        functools.partial(steps.verify_step, self.model, plan, layout), (2,),
+                        (self.params, self.lora, self._state_arg, self._host(packed), *prev))
 
     @property
     def admit_rows(self) -> int:

@@ -81,8 +81,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_seqs: int | None = None, num_scheduler_steps: int = 1,
-                 prompt_logprobs_tokens: int | None = None, policy: str = "fcfs", speculative=None):
+                 prompt_logprobs_tokens: int | None = None, policy: str = "fcfs", speculative=None, lora=None):
         self.pool = pool
+        self.lora = lora                 # a LoRAManager (atlasjax/lora.py), or None
         self.speculative = speculative   # a SpeculativeConfig, or None
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
@@ -191,14 +192,16 @@ class Scheduler:
     def _admit(self, budget: int, prefills: list[PrefillChunk], admitted: list[Request]) -> None:
         ps = self.pool.page_size
         while self.waiting and self.free_slots and budget > 0 and len(prefills) < self.max_prefill_seqs:
-            req = self.waiting[0]
+            req = self._next_admissible()
+            if req is None:
+                break                                # every LoRA slot holds another adapter in use
             if req.num_pending_tokens:
                 break                                # preempted with a token still on the device: next step
             room = self._room(req, budget, prefills)
             if room <= 0:
                 break                                # the step's prompt-logprob cap is full: next step
             if not req.pages:
-                keys = self.pool.extend_keys(req.page_keys, req.all_token_ids)
+                keys = self.pool.extend_keys(req.page_keys, req.all_token_ids, req.cache_root)
                 # Leave at least one token to compute (its logits give the next token), starting on a page boundary.
                 hits = self.pool.lookup(keys[:(self._cacheable(req) - 1) // ps])
                 req.pages = hits
@@ -211,13 +214,22 @@ class Scheduler:
                 self.pool.free(req.pages)            # give back the cache hits; retry next step
                 req.pages, req.num_computed_tokens, req.num_registered_pages = [], 0, 0
                 break
-            self.waiting.pop()
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             req.slot = self.free_slots.pop()
+            if self.lora is not None:
+                self.lora.acquire(req)
             self.running.append(req)
             admitted.append(req)
             prefills.append(PrefillChunk(req, req.num_computed_tokens, num))
             budget -= num
+
+    def _next_admissible(self) -> Request | None:
+        """The waiting request admitted next: the first in the queue's order, or with LoRA the first whose
+        adapter can have a device slot now (requests behind one that cannot wait less)."""
+        if self.lora is None:
+            return self.waiting[0]
+        return next((req for req in self.waiting if self.lora.can_place(req)), None)
 
     @staticmethod
     def _cacheable(req: Request) -> int:
@@ -265,7 +277,7 @@ class Scheduler:
     def _register_pages(self, req: Request, num_computed_after: int) -> None:
         full = num_computed_after // self.pool.page_size
         if full > req.num_registered_pages:
-            self.pool.extend_keys(req.page_keys, req.all_token_ids[:full * self.pool.page_size])
+            self.pool.extend_keys(req.page_keys, req.all_token_ids[:full * self.pool.page_size], req.cache_root)
             self.pool.register(req.pages, req.page_keys, req.num_registered_pages, full)
             req.num_registered_pages = full
 
@@ -322,5 +334,7 @@ class Scheduler:
         req.pages, req.num_computed_tokens, req.num_registered_pages = [], 0, 0
 
     def _free_slot(self, req: Request) -> None:
+        if self.lora is not None:
+            self.lora.release(req)
         self.free_slots.append(req.slot)
         req.slot = -1

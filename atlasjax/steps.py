@@ -94,6 +94,17 @@ def _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens):
     return jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
 
 
+def _variables(params, lora) -> dict:
+    """The model's variables: its params, and with LoRA (atlasjax/lora.py) the adapters' stacks."""
+    return {"params": params} if lora is None else {"params": params, "lora": lora["layers"]}
+
+
+def _lora_ids(lora, slots):
+    """Each row's LoRA slot (-1: the base model) from the engine slot it runs (padding rows: the last slot's), or
+    None without LoRA."""
+    return None if lora is None else _slot_rows(lora["adapter_of_slot"], slots)
+
+
 def _slot_rows(state_rows, slots):
     """Per-slot state [max_num_seqs, ...] at a step's rows (padding rows, slot max_num_seqs: the last slot's)."""
     return state_rows[jnp.minimum(slots, state_rows.shape[0] - 1)]
@@ -119,16 +130,17 @@ def _advance_recent(recent, slots, new_tokens):
 
 
 def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: DeviceState, tokens, page_table,
-                 seq_lens, slots, st, split_rows=None):
+                 seq_lens, slots, st, split_rows=None, lora=None):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv, counts and recent are the iteration's own. split_rows: AttentionMetadata's."""
+    per-slot sampling state; kv, counts and recent are the iteration's own. split_rows: AttentionMetadata's.
+    lora: the runner's LoRA tree (atlasjax/lora.py), or None."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              split_rows=split_rows)
-    hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
+    hidden, kv = model.apply(_variables(params, lora), tokens, positions, kv, meta, _lora_ids(lora, slots))
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, counts, recent, logits, slots, st, plan)
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
@@ -137,19 +149,20 @@ def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: De
     return kv, counts, recent, StepOutput(new_tokens, lp, tv, ti)
 
 
-def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
-                 prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
-    """One decode iteration (split_rows: the attention's, AttentionMetadata)."""
+def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, lora, state: DeviceState, packed,
+                prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
+    """One decode iteration (split_rows: the attention's, AttentionMetadata; lora: `_decode_once`'s)."""
     tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     kv, counts, recent, out = _decode_once(model, plan, params, state.kv, state.counts, state.recent, state, tokens,
-                                           page_table, seq_lens, slots, sampling.SamplingTensors(f, i), split_rows)
+                                           page_table, seq_lens, slots, sampling.SamplingTensors(f, i), split_rows,
+                                           lora)
     out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
     return state.replace(kv=kv, counts=counts, recent=recent), out
 
 
-def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params,
-                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
+def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params, lora,
+                      state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
     """`num_steps` decode iterations in one launch (a `lax.scan`, so the host issues the step once for
     all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
     after them it is inactive (no K/V write), and its later outputs repeat its last token."""
@@ -162,7 +175,7 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
         kv, counts, recent, out = _decode_once(model, plan, params, kv, counts, recent, state, tokens, page_table,
-                                               jnp.where(active, seq_lens + j, 0), slots, st, split_rows)
+                                               jnp.where(active, seq_lens + j, 0), slots, st, split_rows, lora)
         tokens = jnp.where(active, out.tokens, tokens)
         return (kv, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
@@ -176,14 +189,17 @@ PREFILL_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens
                   "sample_rows", "slot_ids", "commit", "next_tokens")
 
 
-def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params, state: DeviceState, packed):
+def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params, lora, state: DeviceState, packed):
     (tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, sample_rows, slot_ids, commit,
      next_tokens, f, i) = unpack_host(packed, layout)
     st = sampling.SamplingTensors(f, i)
     # Packed chunks of up to S sequences: [T] tokens; logits only at each sequence's last row.
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
-    hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
+    # each token's slot: its sequence's (tokens past the sequences take the last's; their rows are not read)
+    seq = jnp.searchsorted(query_start[1:], jnp.arange(tokens.shape[0]), side="right", method="compare_all")
+    token_slots = slot_ids[jnp.minimum(seq, slot_ids.shape[0] - 1)]
+    hidden, kv = model.apply(_variables(params, lora), tokens, positions, state.kv, meta, _lora_ids(lora, token_slots))
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
     slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, slots, st)
@@ -200,7 +216,7 @@ VERIFY_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens"
                  "row_slots")
 
 
-def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, state: DeviceState, packed,
+def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, lora, state: DeviceState, packed,
                 prev_prefill_tokens, prev_decode_tokens):
     """Speculative decoding's verify (atlasjax/speculative.py): chunks of each request's last token and its
     drafts, packed as prefill chunks are, write their K/V and sample a token at every row with the row's
@@ -212,7 +228,7 @@ def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
-    hidden, kv = model.apply({"params": params}, tokens, positions, state.kv, meta)
+    hidden, kv = model.apply(_variables(params, lora), tokens, positions, state.kv, meta, _lora_ids(lora, row_slots))
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots,
                                           sampling.SamplingTensors(f, i), plan)

@@ -94,8 +94,14 @@ class Linear(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, residual=None):  # x [tokens, in]; residual None or [tokens, out]: added to y
+    def __call__(self, x, residual=None, lora_mask=None):
+        """x [tokens, in]; residual None or [tokens, out]: added to y. lora_mask [tokens, max_loras]: each token's
+        LoRA slot (one-hot; zeros: none), with the "lora" collection holding this layer's stacks (atlasjax/lora.py)."""
         kernel = given_or_param(self, "kernel", _init, self.axes, (x.shape[-1], self.features), self.dtype)
+        if lora_mask is not None and self.has_variable("lora", "a"):
+            delta = lora_delta(materialize(x), self.get_variable("lora", "a"), self.get_variable("lora", "b"),
+                               lora_mask, self.out_dtype or x.dtype)
+            residual = delta if residual is None else residual + delta
         if self.parallel.mesh_axis(self.axes[0]) is None:
             if not self.use_bias:
                 return matmul(x, kernel, self.out_dtype, residual)
@@ -109,6 +115,15 @@ class Linear(nn.Module):
             bias = given_or_param(self, "bias", nn.initializers.zeros, self.axes[1:], (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)
         return y if residual is None else residual + y
+
+
+def lora_delta(x, a, b, mask, out_dtype) -> jax.Array:
+    """Each token's LoRA term (x @ a[slot]) @ b[slot]: x [tokens, in], a [slots, in, r], b [slots, r, out] (scaling
+    folded in), mask [tokens, slots] one-hot. Every slot's x @ a is computed and masked, so the shapes stay fixed;
+    the products are rounded to x's dtype in between, as PEFT's two linear layers are."""
+    xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
+    xa = (xa * mask[:, :, None]).astype(x.dtype)
+    return jnp.einsum("tsr,sro->to", xa, b.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 class Embed(nn.Module):
@@ -151,22 +166,23 @@ class MLP(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, residual=None):  # x [tokens, embed] (or deferred); residual: added to the output
+    def __call__(self, x, residual=None, lora_mask=None):
+        """x [tokens, embed] (or deferred); residual: added to the output; lora_mask: Linear's."""
         linear = functools.partial(Linear, dtype=self.dtype, parallel=self.parallel)
-        kernels = self._int4_kernels(x)
+        kernels = None if lora_mask is not None else self._int4_kernels(x)
         if kernels is not None:   # opt-in: one persistent kernel for the MLP (pallas_kernels/int4_mlp.py)
             from pallas_kernels.int4_mlp import int4_mlp_partials  # noqa: PLC0415
             h = jax.lax.optimization_barrier(materialize(x))   # as `matmul` keeps it from XLA's fusions
             y = int4_mlp_partials(h, *kernels).sum(axis=0).astype(h.dtype)
             return y if residual is None else residual + y
         if self.has_variable("params", "gate_up_proj"):   # the runner's fused layout (models/fused.py)
-            act = SwiGLU(linear(0, ("embed", "mlp"), name="gate_up_proj")(x))   # down_proj may fuse it
+            act = SwiGLU(linear(0, ("embed", "mlp"), name="gate_up_proj")(x, lora_mask=lora_mask))  # down may fuse it
         else:
             x = materialize(x)
-            gate = linear(self.intermediate_size, ("embed", "mlp"), name="gate_proj")(x)
-            up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x)
+            gate = linear(self.intermediate_size, ("embed", "mlp"), name="gate_proj")(x, lora_mask=lora_mask)
+            up = linear(self.intermediate_size, ("embed", "mlp"), name="up_proj")(x, lora_mask=lora_mask)
             act = nn.silu(gate) * up
-        return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(act, residual)
+        return linear(self.hidden_size, ("mlp", "embed"), name="down_proj")(act, residual, lora_mask)
 
     def _int4_kernels(self, x):
         """(gate_up, down) when the persistent int4 MLP kernel takes this call (opt-in,

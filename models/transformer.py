@@ -36,8 +36,9 @@ class Attention(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, positions, kv, meta: AttentionMetadata, residual=None, rope=None):
-        """-> (o_proj output + residual (when given), kv). rope: the step's `rope_tables` (decode steps)."""
+    def __call__(self, x, positions, kv, meta: AttentionMetadata, residual=None, rope=None, lora_mask=None):
+        """-> (o_proj output + residual (when given), kv). rope: the step's `rope_tables` (decode steps);
+        lora_mask: Linear's."""
         cfg = self.cfg
         t = x.shape[0]
         hd = cfg.head_dim
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         fused = self.has_variable("params", "qkv_proj")   # the runner's fused layout (models/fused.py)
         if fused:
             # x may be a deferred RMSNormed (models/deferred.py), for the qkv matmul to compute
-            qkv = linear(0, ("embed", "heads"), cfg.qkv_bias, name="qkv_proj")(x)
+            qkv = linear(0, ("embed", "heads"), cfg.qkv_bias, name="qkv_proj")(x, lora_mask=lora_mask)
             nq = cfg.num_heads * hd // self.parallel.shards("heads")
         if fused and rope is not None and not cfg.qk_norm:   # RoPE in the attention kernel
             out, kv = rope_write_and_attend(qkv, rope, kv, meta, num_heads=nq // hd, backend=self.attn_backend)
@@ -54,9 +55,11 @@ class Attention(nn.Module):
                 q, k, v = jnp.split(qkv, [nq, nq + (qkv.shape[-1] - nq) // 2], axis=-1)
             else:
                 x = materialize(x)
-                q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x)
-                k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(x)
-                v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(x)
+                q = linear(cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias, name="q_proj")(x, lora_mask=lora_mask)
+                k = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="k_proj")(
+                    x, lora_mask=lora_mask)
+                v = linear(cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias, name="v_proj")(
+                    x, lora_mask=lora_mask)
             q = q.reshape(t, -1, hd)   # [tokens, heads (this shard's), head_dim]
             k = k.reshape(t, -1, hd)   # [tokens, kv_heads (this shard's), head_dim]
             v = v.reshape(t, -1, hd)
@@ -67,7 +70,7 @@ class Attention(nn.Module):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend)   # K/V land in the donated pool
-        out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1), residual)
+        out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1), residual, lora_mask)
         return out, kv
 
 
@@ -78,16 +81,16 @@ class DecoderLayer(nn.Module):
     parallel: Parallel = Parallel()
 
     @nn.compact
-    def __call__(self, x, positions, kv, meta, rope=None):
+    def __call__(self, x, positions, kv, meta, rope=None, lora_mask=None):
         cfg = self.cfg
         # The norms go to the projections after them as deferred activations and the residual adds
         # into the projections (x + o_proj(...), x + down(...)): a decode matmul kernel can take the
         # norm into its prologue and the add into its epilogue (models/deferred.py).
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="input_layernorm")(x, deferred=True)
         x, kv = Attention(cfg, self.attn_backend, self.dtype, self.parallel, name="self_attn")(
-            h, positions, kv, meta, residual=x, rope=rope)
+            h, positions, kv, meta, residual=x, rope=rope, lora_mask=lora_mask)
         h = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, name="post_attention_layernorm")(x, deferred=True)
-        x = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.parallel, name="mlp")(h, residual=x)
+        x = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.parallel, name="mlp")(h, x, lora_mask)
         return x, kv
 
 
@@ -107,9 +110,16 @@ class Transformer(nn.Module):
             self.lm_head = Linear(cfg.vocab_size, ("embed", "vocab"), dtype=self.dtype, out_dtype=jnp.float32,
                                   parallel=self.parallel)
 
-    def __call__(self, tokens, positions, kv_caches: KVCache, meta: AttentionMetadata):
-        """tokens, positions: [num_tokens] int32 -> (hidden [num_tokens, embed], kv_caches)."""
+    def __call__(self, tokens, positions, kv_caches: KVCache, meta: AttentionMetadata, lora_ids=None):
+        """tokens, positions: [num_tokens] int32 -> (hidden [num_tokens, embed], kv_caches). lora_ids: [num_tokens]
+        each token's LoRA slot (-1: none), with the adapters' stacks passed as the "lora" collection
+        (atlasjax/lora.py)."""
         x = self.embed_tokens(tokens)
+        lora = self.variables.get("lora") if lora_ids is not None else None
+        lora_mask = None
+        if lora is not None:
+            num_slots = jax.tree.leaves(lora)[0].shape[0]
+            lora_mask = (lora_ids[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)
         # A decode step's RoPE tables, once for all layers, for attention kernels that rotate q and k
         rope = rope_tables(positions, rope_inv_freq(self.cfg)) if meta.is_decode and rope_in_kernel() else None
         new_caches = []
@@ -118,9 +128,10 @@ class Transformer(nn.Module):
             with jax.named_scope(f"layer_{i}"):
                 if call_layer:
                     x, kv = call_layer(layer.clone(parent=None, name=None), self.variables["params"][layer.name],
-                                       x, positions, kv_caches[i], meta, rope)
+                                       None if lora is None else lora[layer.name], x, positions, kv_caches[i], meta,
+                                       rope, lora_mask)
                 else:
-                    x, kv = layer(x, positions, kv_caches[i], meta, rope)
+                    x, kv = layer(x, positions, kv_caches[i], meta, rope, lora_mask)
             new_caches.append(kv)
         return self.norm(x), tuple(new_caches)
 
@@ -150,8 +161,9 @@ def _layer_caller():
     module config and param shapes share one trace and one lowered function. Made afresh for every
     trace (a new function, so jax's trace cache cannot hand it an old trace): a step traced later
     sees the kernel routing of its own time (environment switches, patched rules)."""
-    def call_layer(layer: DecoderLayer, params, x, positions, kv, meta, rope):
-        return layer.apply({"params": params}, x, positions, kv, meta, rope)
+    def call_layer(layer: DecoderLayer, params, lora, x, positions, kv, meta, rope, lora_mask):
+        variables = {"params": params} if lora is None else {"params": params, "lora": lora}
+        return layer.apply(variables, x, positions, kv, meta, rope, lora_mask)
     return jax.jit(call_layer, static_argnums=0)
 
 

@@ -1,0 +1,304 @@
+"""LoRA adapters, vLLM's way: PEFT adapters chosen per request, several of them (and the base model) in one batch.
+
+    llm = LLM(model, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
+
+An adapter is a PEFT directory (`adapter_config.json` + `adapter_model.safetensors`) whose LoRA pairs touch the
+decoder's linear projections (q/k/v/o, gate/up/down). The engine keeps `max_loras` device slots; the runner's
+`lora` tree holds, for each projection, a stack `a` [max_loras, in, R] and `b` [max_loras, R, out] beside the
+weights (R = max_lora_rank x the projection's parts: a fused q/k/v or gate/up projection puts its parts' A
+matrices side by side and their B matrices block-diagonally, so one pair of matmuls serves the group). The
+scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b; a smaller rank, and a projection an adapter
+leaves out, are zeros. `adapter_of_slot` [max_num_seqs] gives each engine slot's LoRA slot (-1: the base model).
+
+Each linear layer then adds, per token, `(x @ a[slot]) @ b[slot]` (models/layers.py `lora_delta`: the products
+with every slot, masked to the token's, so the step keeps its fixed shapes). Adapters are read and checked on the
+host when a request names them (kept for `max_cpu_loras` adapters), and written to a free device slot when a
+request using them is admitted; a slot is reused once no running request uses its adapter. A request waits while
+every slot holds another adapter in use, and requests behind it with a placed adapter go first. Cached prompt
+pages are keyed by adapter (`Request.cache_root`), so requests share prefixes only under the same adapter.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+from atlasjax.errors import EngineConfigError, InvalidRequestError
+
+# the projections LoRA applies to: PEFT / HF module name -> (module, fused projection, part index)
+PROJECTIONS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
+               "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
+               "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
+               "down_proj": ("mlp", "down_proj", 0)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                  r"\.lora_([AB])(?:\.\w+)?\.weight$")
+MAX_RANK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """A request's adapter (vLLM's LoRARequest): a name, a positive integer id and the PEFT directory."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise InvalidRequestError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise InvalidRequestError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
+def check_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras) -> None:
+    """EngineConfig's LoRA settings (raises EngineConfigError)."""
+    if not isinstance(enable_lora, bool):
+        raise EngineConfigError(f"enable_lora must be True or False, got {enable_lora!r}")
+    for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+    if max_lora_rank > MAX_RANK:
+        raise EngineConfigError(f"max_lora_rank must be at most {MAX_RANK}, got {max_lora_rank}")
+    if max_cpu_loras is not None and (isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int)
+                                      or max_cpu_loras < max_loras):
+        raise EngineConfigError(f"max_cpu_loras must be an integer >= max_loras ({max_loras}), got {max_cpu_loras!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One linear layer of the runner's params that LoRA applies to: its path, input width and parts (HF name,
+    output width) in output order."""
+    path: tuple[str, str, str]
+    in_features: int
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(width for _, width in self.parts)
+
+
+def targets(params: dict, cfg) -> list[Target]:
+    """The linear layers of `params` (the runner's execution layout: fused or not, per layer) LoRA applies to."""
+    hd = cfg.head_dim
+    widths = {"q_proj": cfg.num_heads * hd, "k_proj": cfg.num_kv_heads * hd, "v_proj": cfg.num_kv_heads * hd,
+              "o_proj": cfg.hidden_size, "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
+              "down_proj": cfg.hidden_size}
+    out = []
+    for layer in sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1])):
+        for module in ("self_attn", "mlp"):
+            mod = params[layer][module]
+            for linear in mod:
+                if "kernel" not in mod[linear]:
+                    continue
+                parts = tuple(p for p, (m, fused, _) in PROJECTIONS.items() if m == module and fused == linear) \
+                    if linear in ("qkv_proj", "gate_up_proj") else ((linear,) if linear in PROJECTIONS else ())
+                if parts:
+                    out.append(Target((layer, module, linear), int(mod[linear]["kernel"].shape[0]),
+                                      tuple((p, widths[p]) for p in parts)))
+    return out
+
+
+@dataclasses.dataclass(eq=False)   # compared by identity: which device slot holds this very adapter
+class Adapter:
+    """An adapter read from its PEFT directory: per (layer index, projection) its A [r, in] and its B [out, r]
+    with the scaling folded in (float32)."""
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    uid: int = dataclasses.field(default_factory=itertools.count(1).__next__)   # one per reading: keys cached pages
+
+    def slot_arrays(self, layout: list[Target], max_rank: int, dtype) -> dict:
+        """{layer: {module: {linear: {"a": [in, P * max_rank], "b": [P * max_rank, out]}}}}: what one device slot
+        holds for this adapter (zeros where it has no pair)."""
+        tree: dict = {}
+        for t in layout:
+            a = np.zeros((t.in_features, len(t.parts) * max_rank), np.float32)
+            b = np.zeros((len(t.parts) * max_rank, t.out_features), np.float32)
+            offset, layer = 0, int(t.path[0].split("_")[1])
+            for p, (name, width) in enumerate(t.parts):
+                if (layer, name) in self.weights:
+                    lora_a, lora_b = self.weights[(layer, name)]
+                    r = lora_a.shape[0]
+                    a[:, p * max_rank:p * max_rank + r] = lora_a.T
+                    b[p * max_rank:p * max_rank + r, offset:offset + width] = lora_b.T
+                offset += width
+            tree.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
+                "a": a.astype(dtype), "b": b.astype(dtype)}
+        return tree
+
+
+def read_adapter(request: LoRARequest, cfg, max_rank: int) -> Adapter:
+    """The adapter of `request` read from its directory and checked against the model (InvalidRequestError
+    naming what is wrong: a missing or unreadable file, LoRA on layers other than the projections, DoRA, a rank
+    above max_rank, shapes that do not fit the model)."""
+    path = request.lora_path
+    def bad(msg):
+        raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} ({path}): {msg}")
+    config_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        bad("no adapter_config.json there (a PEFT adapter directory is expected)")
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        bad(f"adapter_config.json is unreadable: {e}")
+    if not isinstance(config, dict):
+        bad("adapter_config.json is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        bad(f"peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (full weights beside the LoRA)"),
+                     ("alpha_pattern", "per-module alpha (alpha_pattern)"),
+                     ("layers_to_transform", "layers_to_transform"), ("fan_in_fan_out", "fan_in_fan_out")):
+        if config.get(key):
+            bad(f"{why} is not supported")
+    if config.get("bias", "none") != "none":
+        bad(f"LoRA biases (bias={config.get('bias')!r}) are not supported")
+    weights_file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights_file):
+        bad("no adapter_model.safetensors there (adapters saved as .bin must be converted to safetensors)")
+    try:
+        from safetensors.numpy import load_file  # noqa: PLC0415
+        tensors = load_file(weights_file)
+    except Exception as e:   # a truncated or corrupt file: the request fails, the engine does not
+        bad(f"adapter_model.safetensors is unreadable: {e}")
+    alpha = config.get("lora_alpha", config.get("r", 8))
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = collections.defaultdict(dict)
+    for key, value in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m[3] not in PROJECTIONS or PROJECTIONS[m[3]][0] != m[2]:
+            bad(f"tensor {key!r} is not a LoRA pair of a decoder projection (q/k/v/o, gate/up/down); LoRA on "
+                "embeddings or the LM head is not supported")
+        pairs[(int(m[1]), m[3])][m[4]] = value.astype(np.float32)
+    if not pairs:
+        bad("adapter_model.safetensors holds no LoRA weights")
+    hd = cfg.head_dim
+    shapes = {"q_proj": (cfg.hidden_size, cfg.num_heads * hd), "k_proj": (cfg.hidden_size, cfg.num_kv_heads * hd),
+              "v_proj": (cfg.hidden_size, cfg.num_kv_heads * hd), "o_proj": (cfg.num_heads * hd, cfg.hidden_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    weights, rank = {}, 0
+    for (layer, name), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            bad(f"layer {layer} {name} has lora_{''.join(pair)} without its other half")
+        a, b = pair["A"], pair["B"]
+        fan_in, fan_out = shapes[name]
+        if layer >= cfg.num_layers or a.ndim != 2 or b.ndim != 2 or a.shape[1] != fan_in or b.shape[0] != fan_out \
+                or a.shape[0] != b.shape[1]:
+            bad(f"layer {layer} {name}: lora_A {a.shape} and lora_B {b.shape} do not fit the model (the layer's "
+                f"weight is [{fan_out}, {fan_in}], it has {cfg.num_layers} layers); was it trained for another model?")
+        r = a.shape[0]
+        if r > max_rank:
+            bad(f"rank {r} exceeds the engine's max_lora_rank={max_rank} (raise it: LLM(..., max_lora_rank=...))")
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        weights[(layer, name)] = (a, b * scale)
+        rank = max(rank, r)
+    return Adapter(request.lora_name, path, rank, weights)
+
+
+class LoRAManager:
+    """Which adapter each device slot holds and which running requests use it (the scheduler asks `can_place`,
+    `acquire` and `release` as it admits and frees requests); the adapters read so far, on the host."""
+
+    def __init__(self, runner, cfg, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None):
+        self.runner, self.cfg = runner, cfg
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self.layout = targets(runner.params, cfg)
+        runner.enable_lora(self.layout, max_loras, max_lora_rank)
+        self._host: collections.OrderedDict[str, tuple[LoRARequest, Adapter]] = collections.OrderedDict()
+        self.slots: list[Adapter | None] = [None] * max_loras   # the adapter each device slot holds
+        self.users = [0] * max_loras                         # running requests using each slot
+        self._last_used = [0] * max_loras
+        self._clock = 0
+        self.num_loads = 0                                    # adapters written to a device slot
+
+    # ---- host side: requests name adapters
+    def check(self, request: LoRARequest) -> Adapter:
+        """request's adapter, read once (InvalidRequestError if it is unusable) and kept among the most recently
+        named `max_cpu_loras`. Another adapter of the same name must be the same one."""
+        known = self._host.get(request.lora_name)
+        if known is not None:
+            if (known[0].lora_path, known[0].lora_int_id) != (request.lora_path, request.lora_int_id):
+                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is loaded from {known[0].lora_path} "
+                                          f"(id {known[0].lora_int_id}); unload it before reusing the name")
+            self._host.move_to_end(request.lora_name)
+            return known[1]
+        adapter = read_adapter(request, self.cfg, self.max_lora_rank)
+        self._host[request.lora_name] = (request, adapter)
+        for name in list(self._host):
+            if len(self._host) <= self.max_cpu_loras:
+                break
+            if self._host[name][1] not in self.slots:   # a resident adapter stays readable for its next request
+                del self._host[name]
+        return adapter
+
+    def remove(self, name: str) -> bool:
+        """Forget an adapter (vLLM's unload): refused while a running request uses it; requests that named it
+        and still wait keep it. True if it was known."""
+        known = self._host.get(name)
+        if known is None:
+            return False
+        if known[1] in self.slots:
+            j = self.slots.index(known[1])
+            if self.users[j]:
+                raise InvalidRequestError(f"LoRA adapter {name!r} is in use by running requests")
+            self.slots[j] = None
+        del self._host[name]
+        return True
+
+    @property
+    def adapters(self) -> list[LoRARequest]:
+        return [request for request, _ in self._host.values()]
+
+    # ---- device slots: the scheduler admits and frees requests
+    def can_place(self, req) -> bool:
+        """Whether req (its adapter, if any) can run now: its adapter is resident, or a slot is free of users."""
+        return req.lora_adapter is None or self._resident(req.lora_adapter) is not None or 0 in self.users
+
+    def acquire(self, req) -> None:
+        """req is admitted: its adapter's slot (written now if it was not resident) gains a user."""
+        if req.lora_adapter is None:
+            req.lora_slot = -1
+            return
+        j = self._resident(req.lora_adapter)
+        if j is None:
+            free = [j for j in range(self.max_loras) if self.users[j] == 0]
+            j = min(free, key=lambda j: (self.slots[j] is not None, self._last_used[j]))   # empty, else least recent
+            arrays = req.lora_adapter.slot_arrays(self.layout, self.max_lora_rank, self.runner.lora_dtype)
+            self.runner.write_lora(j, arrays)
+            self.slots[j] = req.lora_adapter
+            self.num_loads += 1
+        self.users[j] += 1
+        self._clock += 1
+        self._last_used[j] = self._clock
+        req.lora_slot = j
+
+    def release(self, req) -> None:
+        """req left its engine slot (finished or preempted)."""
+        if req.lora_slot >= 0:
+            self.users[req.lora_slot] -= 1
+        req.lora_slot = -1
+
+    def assign(self, admitted) -> None:
+        """The admitted requests' engine slots now run their LoRA slots (-1: the base model)."""
+        self.runner.assign_adapters([(req.slot, req.lora_slot) for req in admitted])
+
+    def _resident(self, adapter: Adapter) -> int | None:
+        return next((j for j, held in enumerate(self.slots) if held is adapter), None)
