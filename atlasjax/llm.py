@@ -298,7 +298,7 @@ class LLM:
                                          req.stop_reason, lps, cum))
         return RequestOutput(rid, prompt if isinstance(prompt, str) else None, list(first.prompt_token_ids), outs,
                              finished=True, num_cached_tokens=first.num_cached_tokens or 0,
-                             prompt_logprobs=first.prompt_logprobs)
+                             prompt_logprobs=first.prompt_logprobs, lora_request=first.lora_request)
 
 
 def _prompt_list(prompts) -> list:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -113,7 +112,7 @@ def targets(params: dict, cfg) -> list[Target]:
     return out
 
 
-@dataclasses.dataclass(eq=False)   # compared by identity: which device slot holds this very adapter
+@dataclasses.dataclass(eq=False)
 class Adapter:
     """An adapter read from its PEFT directory: per (layer index, projection) its A [r, in] and its B [out, r]
     with the scaling folded in (float32)."""
@@ -121,7 +120,6 @@ class Adapter:
     path: str
     rank: int
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
-    uid: int = dataclasses.field(default_factory=itertools.count(1).__next__)   # one per reading: keys cached pages
 
     def slot_arrays(self, layout: list[Target], max_rank: int, dtype) -> dict:
         """{layer: {module: {linear: {"a": [in, P * max_rank], "b": [P * max_rank, out]}}}}: what one device slot
@@ -223,7 +221,7 @@ class LoRAManager:
         self.layout = targets(runner.params, cfg)
         runner.enable_lora(self.layout, max_loras, max_lora_rank)
         self._host: collections.OrderedDict[str, tuple[LoRARequest, Adapter]] = collections.OrderedDict()
-        self.slots: list[Adapter | None] = [None] * max_loras   # the adapter each device slot holds
+        self.slots: list[LoRARequest | None] = [None] * max_loras   # the adapter each device slot holds
         self.users = [0] * max_loras                         # running requests using each slot
         self._last_used = [0] * max_loras
         self._clock = 0
@@ -245,7 +243,7 @@ class LoRAManager:
         for name in list(self._host):
             if len(self._host) <= self.max_cpu_loras:
                 break
-            if self._host[name][1] not in self.slots:   # a resident adapter stays readable for its next request
+            if self._host[name][0] not in self.slots:   # a resident adapter stays readable for its next request
                 del self._host[name]
         return adapter
 
@@ -255,8 +253,8 @@ class LoRAManager:
         known = self._host.get(name)
         if known is None:
             return False
-        if known[1] in self.slots:
-            j = self.slots.index(known[1])
+        if known[0] in self.slots:
+            j = self.slots.index(known[0])
             if self.users[j]:
                 raise InvalidRequestError(f"LoRA adapter {name!r} is in use by running requests")
             self.slots[j] = None
@@ -270,20 +268,21 @@ class LoRAManager:
     # ---- device slots: the scheduler admits and frees requests
     def can_place(self, req) -> bool:
         """Whether req (its adapter, if any) can run now: its adapter is resident, or a slot is free of users."""
-        return req.lora_adapter is None or self._resident(req.lora_adapter) is not None or 0 in self.users
+        return req.lora_request is None or req.lora_request in self.slots or 0 in self.users
 
     def acquire(self, req) -> None:
         """req is admitted: its adapter's slot (written now if it was not resident) gains a user."""
-        if req.lora_adapter is None:
+        if req.lora_request is None:
             req.lora_slot = -1
             return
-        j = self._resident(req.lora_adapter)
-        if j is None:
+        if req.lora_request in self.slots:
+            j = self.slots.index(req.lora_request)
+        else:
             free = [j for j in range(self.max_loras) if self.users[j] == 0]
             j = min(free, key=lambda j: (self.slots[j] is not None, self._last_used[j]))   # empty, else least recent
             arrays = req.lora_adapter.slot_arrays(self.layout, self.max_lora_rank, self.runner.lora_dtype)
             self.runner.write_lora(j, arrays)
-            self.slots[j] = req.lora_adapter
+            self.slots[j] = req.lora_request
             self.num_loads += 1
         self.users[j] += 1
         self._clock += 1
@@ -299,6 +298,3 @@ class LoRAManager:
     def assign(self, admitted) -> None:
         """The admitted requests' engine slots now run their LoRA slots (-1: the base model)."""
         self.runner.assign_adapters([(req.slot, req.lora_slot) for req in admitted])
-
-    def _resident(self, adapter: Adapter) -> int | None:
-        return next((j for j, held in enumerate(self.slots) if held is adapter), None)

@@ -35,6 +35,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: object = None      # the LoRARequest it ran with (None: the base model)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,152 @@
+"""LoRA adapters (atlasjax/lora.py): each request runs with its PEFT adapter, several adapters and the base model in
+one batch, and every output equals Hugging Face's model with that adapter merged into its weights (W + scale B A)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the reference models are Hugging Face transformers (torch)")
+
+from atlasjax import LLM, EngineConfigError, InvalidRequestError, LoRARequest, SamplingParams  # noqa: E402
+from tests.hf_models import hf_logprobs  # noqa: E402
+from tests.lora_adapters import make_adapter, merged_model  # noqa: E402
+
+PROMPTS = [list(range(5, 45)), [7, 3, 99, 12, 400, 8, 8, 31]]   # the first is longer than two pages
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+# (name, rank, alpha, targets, rslora)
+ADAPTERS = {"all": (4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+            "qv": (8, 16.0, ("q_proj", "v_proj"), True)}
+
+
+@pytest.fixture(scope="module")
+def setup(hf_model_factory, tmp_path_factory):
+    """(base dir, {name: LoRARequest}, {name or None: HF reference model})"""
+    model, base = hf_model_factory("llama_gqa4")
+    root = tmp_path_factory.mktemp("adapters")
+    requests, refs = {}, {None: model}
+    for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        path = str(root / name)
+        pairs = make_adapter(model, path, rank=rank, alpha=alpha, targets=targets, seed=i, rslora=rslora)
+        requests[name] = LoRARequest(name, i + 1, path)
+        refs[name] = merged_model(model, pairs, rank=rank, alpha=alpha, rslora=rslora)
+    return base, requests, refs
+
+
+@pytest.fixture(scope="module")
+def llm(setup):
+    return LLM(setup[0], enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4)
+
+
+def _reference(model, prompt, n=GREEDY.max_tokens):
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def _check(out, ref_model, prompt):
+    """Greedy tokens as the merged reference's, and each token's logprob as its distribution gives it."""
+    tokens = out.outputs[0].token_ids
+    assert tokens == _reference(ref_model, prompt)
+    ref = hf_logprobs(ref_model, prompt + tokens[:-1])[len(prompt) - 1:]
+    got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+    np.testing.assert_allclose(got, ref[np.arange(len(tokens)), tokens], atol=2e-3)
+
+
+def test_one_batch_mixes_adapters_and_the_base_model(llm, setup):
+    _, requests, refs = setup
+    names = ["all", "qv", None, "all"]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    outs = llm.generate(prompts, GREEDY, lora_request=[requests[n] if n else None for n in names])
+    for out, name, prompt in zip(outs, names, prompts):
+        _check(out, refs[name], prompt)
+        assert out.lora_request == (requests[name] if name else None)
+    assert outs[0].outputs[0].token_ids != outs[2].outputs[0].token_ids   # the adapter changes the answer
+
+
+def test_cached_prompt_pages_are_per_adapter(llm, setup):
+    """A prompt computed under the base model is not a cache hit for an adapter (its K/V differ), and is for the
+    same adapter again."""
+    _, requests, refs = setup
+    prompt = [p + 1 for p in PROMPTS[0]]
+    base = llm.generate([prompt], GREEDY)[0]
+    first = llm.generate([prompt], GREEDY, lora_request=requests["qv"])[0]
+    again = llm.generate([prompt], GREEDY, lora_request=requests["qv"])[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    _check(base, refs[None], prompt)
+    _check(again, refs["qv"], prompt)
+
+
+def test_one_device_slot_runs_adapters_in_turn(setup):
+    """max_loras=1: requests of the resident adapter are admitted past one waiting for the slot, which then swaps."""
+    base, requests, refs = setup
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_seqs=4)
+    names = ["all", "qv", "all"]
+    outs = llm.generate([PROMPTS[1]] * 3, GREEDY, lora_request=[requests[n] for n in names])
+    for out, name in zip(outs, names):
+        assert out.outputs[0].token_ids == _reference(refs[name], PROMPTS[1])
+    assert llm.engine.lora.num_loads == 2     # "all" once for both of its requests, then "qv"
+
+
+def test_unusable_adapters_fail_the_request_not_the_engine(llm, setup, tmp_path):
+    base, requests, refs = setup
+    good = requests["all"].lora_path
+    llm.generate([PROMPTS[1]], GREEDY, lora_request=requests["all"])   # "all" is known: its name is taken
+
+    def adapter(name, tensors=None, config=None, raw=None):
+        from safetensors.numpy import save_file
+        path = tmp_path / name
+        path.mkdir()
+        with open(path / "adapter_config.json", "w") as f:
+            json.dump(config or {"peft_type": "LORA", "r": 2, "lora_alpha": 2}, f)
+        if raw is not None:
+            (path / "adapter_model.safetensors").write_bytes(raw)
+        elif tensors is not None:
+            save_file(tensors, str(path / "adapter_model.safetensors"))
+        return LoRARequest(name, 100 + len(os.listdir(tmp_path)), str(path))
+
+    layer = "base_model.model.model.layers.0.self_attn.q_proj"
+    cases = {
+        "missing": (LoRARequest("missing", 50, str(tmp_path / "nowhere")), "adapter_config.json"),
+        "no weights": (adapter("noweights"), "adapter_model.safetensors"),
+        "corrupt": (adapter("corrupt", raw=open(os.path.join(good, "adapter_model.safetensors"), "rb").read()[:300]),
+                    "unreadable"),
+        "rank": (adapter("rank", {f"{layer}.lora_A.weight": np.zeros((16, 64), np.float32),
+                                  f"{layer}.lora_B.weight": np.zeros((64, 16), np.float32)}), "max_lora_rank=8"),
+        "shape": (adapter("shape", {f"{layer}.lora_A.weight": np.zeros((2, 96), np.float32),
+                                    f"{layer}.lora_B.weight": np.zeros((64, 2), np.float32)}), "do not fit the model"),
+        "lm head": (adapter("head", {"base_model.model.lm_head.lora_A.weight": np.zeros((2, 64), np.float32),
+                                     "base_model.model.lm_head.lora_B.weight": np.zeros((512, 2), np.float32)}),
+                    "LM head"),
+        "dora": (adapter("dora", config={"peft_type": "LORA", "r": 2, "use_dora": True}), "DoRA"),
+        "renamed": (LoRARequest("all", 9, str(tmp_path)), "unload it"),
+    }
+    for case, (request, message) in cases.items():
+        with pytest.raises(InvalidRequestError, match=message):
+            llm.generate([PROMPTS[1]], GREEDY, lora_request=request)
+    with pytest.raises(InvalidRequestError, match="positive integer"):
+        LoRARequest("x", 0, good)
+    pool = llm.engine.pool
+    assert pool.num_free_pages == pool.num_pages and not llm.engine.scheduler.has_work   # nothing held or queued
+    _check(llm.generate([PROMPTS[1]], GREEDY, lora_request=requests["all"])[0], refs["all"], PROMPTS[1])
+
+
+def test_lora_settings_are_checked(setup):
+    base, requests, _ = setup
+    for kwargs, message in ((dict(enable_lora=True, max_loras=0), "max_loras"),
+                            (dict(enable_lora=True, max_lora_rank=1024), "max_lora_rank"),
+                            (dict(enable_lora=True, max_loras=2, max_cpu_loras=1), "max_cpu_loras"),
+                            (dict(enable_lora=True, tensor_parallel_size=2), "tensor parallelism")):
+        with pytest.raises(EngineConfigError, match=message):
+            LLM(base, **kwargs)
+
+
+def test_adapters_need_enable_lora(tiny, setup):
+    from atlasjax.engine import LLMEngine
+    from atlasjax.engine_config import EngineConfig
+    engine = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=64), loaded=tiny)
+    with pytest.raises(InvalidRequestError, match="enable_lora=True"):
+        engine.add_request("r", [1, 2, 3], GREEDY, lora_request=setup[1]["all"])
+    assert not engine.scheduler.has_work
