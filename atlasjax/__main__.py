@@ -157,6 +157,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='n-gram speculative decoding, as vLLM\'s flag: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (drafts looked up in each '
                         'request\'s own tokens, verified in one step). docs/speculative_decoding.md')
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters per request (PEFT directories; --lora-modules for the server, "
+                        "lora_request= in Python); docs/serving.md")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters resident on the device at once (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank taken (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept read in host memory (default: --max-loras)")
     add_compilation_cache_arg(g)
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
@@ -185,6 +192,8 @@ def engine_kwargs(args) -> dict:
                 pooling_type=args.pooling_type, runner=args.runner,
                 speculative_config=getattr(args, "speculative_config", None),
                 hf_overrides=getattr(args, "hf_overrides", None),
+                enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.max_cpu_loras,
                 # a server compiles at start (every process of a multi-host one, too)
                 compile_at_start=getattr(args, "command", None) == "serve")
 

@@ -230,12 +230,10 @@ class LoRAManager:
     # ---- host side: requests name adapters
     def check(self, request: LoRARequest) -> Adapter:
         """request's adapter, read once (InvalidRequestError if it is unusable) and kept among the most recently
-        named `max_cpu_loras`. Another adapter of the same name must be the same one."""
+        named `max_cpu_loras`. A name given again with another path or id is read again (a server reloaded it);
+        requests admitted with the old one keep it."""
         known = self._host.get(request.lora_name)
-        if known is not None:
-            if (known[0].lora_path, known[0].lora_int_id) != (request.lora_path, request.lora_int_id):
-                raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} is loaded from {known[0].lora_path} "
-                                          f"(id {known[0].lora_int_id}); unload it before reusing the name")
+        if known is not None and known[0] == request:
             self._host.move_to_end(request.lora_name)
             return known[1]
         adapter = read_adapter(request, self.cfg, self.max_lora_rank)
@@ -246,24 +244,6 @@ class LoRAManager:
             if self._host[name][0] not in self.slots:   # a resident adapter stays readable for its next request
                 del self._host[name]
         return adapter
-
-    def remove(self, name: str) -> bool:
-        """Forget an adapter (vLLM's unload): refused while a running request uses it; requests that named it
-        and still wait keep it. True if it was known."""
-        known = self._host.get(name)
-        if known is None:
-            return False
-        if known[0] in self.slots:
-            j = self.slots.index(known[0])
-            if self.users[j]:
-                raise InvalidRequestError(f"LoRA adapter {name!r} is in use by running requests")
-            self.slots[j] = None
-        del self._host[name]
-        return True
-
-    @property
-    def adapters(self) -> list[LoRARequest]:
-        return [request for request, _ in self._host.values()]
 
     # ---- device slots: the scheduler admits and frees requests
     def can_place(self, req) -> bool:

@@ -60,8 +60,7 @@ class Request:
     @property
     def cache_root(self) -> int:
         """The parent of its first prompt page's prefix-cache key: pages computed under different adapters differ."""
-        return 0 if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id,
-                                                          self.lora_request.lora_name))
+        return 0 if self.lora_request is None else hash(("lora", self.lora_request))
 
     @property
     def num_total_tokens(self) -> int:

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from serving.anthropic_blocks import BlockStream, content_blocks
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
-from serving.protocol import Fields, check_model, sampling_params, text_content
+from serving.protocol import Fields, sampling_params, text_content
 from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
 
 UNSUPPORTED = ("tools", "tool_choice")
@@ -71,16 +71,17 @@ def _thinking(f: Fields, state: ServerState) -> dict | None:
     return thinking
 
 
-async def _prepare(request: Request, state: ServerState) -> tuple[Fields, str, list[int], dict | None]:
+async def _prepare(request: Request, state: ServerState) -> tuple[Fields, tuple, list[int], dict | None]:
+    """(fields, (model, its LoRA adapter or None), prompt ids, thinking)"""
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_names)
+    model, lora = state.generation_model(f)
     messages = _messages(f)
     thinking = _thinking(f, state)
     switch = {} if thinking is None else {"enable_thinking": thinking["type"] != "disabled"}
     # a last assistant message is a prefill: the answer continues it (Anthropic's behaviour)
     prompt_ids = await state.chat_prompt(messages, template_kwargs=switch,
                                          continue_final_message=messages[-1]["role"] == "assistant")
-    return f, model, prompt_ids, thinking
+    return f, (model, lora), prompt_ids, thinking
 
 
 async def count_tokens(request: Request) -> JSONResponse:
@@ -100,7 +101,7 @@ def stop_fields(finish_reason: str | None, stop_reason) -> dict:
 
 async def messages(request: Request):
     state = server_state(request)
-    f, model, prompt_ids, thinking = await _prepare(request, state)
+    f, (model, lora), prompt_ids, thinking = await _prepare(request, state)
     max_tokens = f.int("max_tokens", None, lo=1)
     if max_tokens is None:
         raise invalid("'max_tokens' is required", param="max_tokens")
@@ -114,7 +115,7 @@ async def messages(request: Request):
     prompt_ids = params.truncated_prompt(prompt_ids, state.max_model_len)    # (vLLM's extra field)
     state.check_prompt(prompt_ids, params, "messages")
     rid, engine_id = new_id("msg_", request)
-    job = Job(engine_id, prompt_ids, params, state.thinking_budget(budget, "thinking"), state.priority(f))
+    job = Job(engine_id, prompt_ids, params, state.thinking_budget(budget, "thinking"), state.priority(f), lora)
     deltas = stream_jobs(state.llm, [job], state.metrics)
     message = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if stream:

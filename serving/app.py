@@ -21,7 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving import anthropic_routes, embeddings_routes, openai_routes, responses_routes, utility_routes
+from serving import anthropic_routes, embeddings_routes, lora_routes, openai_routes, responses_routes, utility_routes
 from serving.bridge import ClientDisconnected
 from serving.errors import APIError, error_response
 from serving.metrics import ServerMetrics
@@ -59,7 +59,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
                reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
                max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0,
-               enable_sleep_mode: bool = False) -> Starlette:
+               enable_sleep_mode: bool = False, lora_modules: dict | None = None) -> Starlette:
     """Build the server app.
 
     Args:
@@ -78,10 +78,17 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         `previous_response_id` (least recently used out first; 0 keeps none).
       log_stats_interval: seconds between the engine's stats lines in the log (serving/stats_log.py; 0: none).
       enable_sleep_mode: serve /sleep, /wake_up and /is_sleeping (vLLM's, for RL loops sharing the devices).
+      lora_modules: {name: LoRARequest} (`serve --lora-modules`): adapters a generation request's "model" may name
+        (the engine needs enable_lora; serving/lora_routes.py). With LoRA enabled and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, /v1/load_lora_adapter and /v1/unload_lora_adapter change them.
     """
+    max_lora_rank = _max_lora_rank(engine)
+    if lora_modules and max_lora_rank is None:
+        raise ValueError("LoRA modules need an engine with LoRA enabled (enable_lora=True / --enable-lora)")
     metrics = ServerMetrics(engine)
     routes = (openai_routes.ROUTES + responses_routes.ROUTES + embeddings_routes.ROUTES + anthropic_routes.ROUTES
-              + utility_routes.ROUTES + (utility_routes.SLEEP_ROUTES if enable_sleep_mode else []))
+              + utility_routes.ROUTES + (utility_routes.SLEEP_ROUTES if enable_sleep_mode else [])
+              + (lora_routes.ROUTES if max_lora_rank is not None and lora_routes.runtime_updates_allowed() else []))
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []
     if cors_origins:
@@ -106,5 +113,14 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _disconnected, Exception: _unexpected})
     app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser,
                                    return_tokens_as_token_ids=return_tokens_as_token_ids,
-                                   responses=ResponseStore(max_stored_responses))
+                                   responses=ResponseStore(max_stored_responses),
+                                   lora_modules=dict(lora_modules or {}), max_lora_rank=max_lora_rank)
     return app
+
+
+def _max_lora_rank(engine) -> int | None:
+    """The engine's max_lora_rank with LoRA enabled, else None (an AsyncLLM's engine, or an engine process's info)."""
+    config = getattr(engine.engine, "config", None)
+    if config is not None:
+        return config.max_lora_rank if config.enable_lora else None
+    return getattr(engine.engine, "max_lora_rank", None)

@@ -39,6 +39,7 @@ class Job:
     params: SamplingParams
     thinking_budget: ThinkingBudget | None = None   # serving/thinking_budget.py
     priority: int = 0                               # with --scheduling-policy priority: lower is served sooner
+    lora_request: object = None                     # the LoRA adapter its "model" names (serving/lora_routes.py)
 
 
 @dataclasses.dataclass
@@ -120,8 +121,10 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
 
 def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:
     if job.thinking_budget is not None:
-        return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget, job.priority)
-    return llm.generate(job.prompt_ids, job.params, job.request_id, priority=job.priority)
+        return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget, job.priority,
+                        job.lora_request)
+    return llm.generate(job.prompt_ids, job.params, job.request_id, priority=job.priority,
+                        lora_request=job.lora_request)
 
 
 def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:

@@ -39,6 +39,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model name(s) clients send; with several, each is accepted and listed, and the first "
                         "is the default (default: from the model path)")
+    g.add_argument("--lora-modules", default=None, nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters requests name in their \"model\" field: name=path, or vLLM's JSON form "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (needs --enable-lora)")
     g.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     g.add_argument("--cors-origins", default=None,
@@ -124,6 +127,17 @@ def serve(args) -> int:
 
     from atlasjax.__main__ import engine_kwargs  # noqa: PLC0415
     from atlasjax.async_llm import AsyncLLM  # noqa: PLC0415
+    from atlasjax.errors import InvalidRequestError  # noqa: PLC0415
+    from atlasjax.lora import read_adapter  # noqa: PLC0415
+    from serving.lora_routes import parse_lora_modules  # noqa: PLC0415
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if lora_modules and not args.enable_lora:
+        print("error: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -149,6 +163,12 @@ def serve(args) -> int:
         print(f"atlasjax: defaults for requests that leave them out, from {defaults.source}: {defaults.describe()} "
               "(--generation-config vllm ignores them)", file=sys.stderr, flush=True)
     try:
+        for lora in lora_modules.values():   # a bad adapter stops the start, as vLLM's does
+            try:
+                read_adapter(lora, llm.engine.model_config, args.max_lora_rank)
+            except InvalidRequestError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
         asyncio.run(warm_up(llm, pooling=llm.engine.pooling_only))
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
         app = create_app(llm, served_model_name=args.served_model_name or served_model_name(args.model),
@@ -157,7 +177,7 @@ def serve(args) -> int:
                          reasoning_parser=args.reasoning_parser,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval,
-                         enable_sleep_mode=args.enable_sleep_mode)
+                         enable_sleep_mode=args.enable_sleep_mode, lora_modules=lora_modules)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
         server = _make_server(config, url)

@@ -17,7 +17,8 @@ from serving.beam_requests import beam_params, run_beam_search
 from serving.bridge import Job, collect, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, error_body, invalid
 from serving.openai_shapes import CachedTokens, CompletionLogprobs, chat_logprobs, token_text, usage
-from serving.protocol import (MAX_N, Fields, chat_render_options, check_model, completion_prompts,
+from serving.lora_routes import lora_cards
+from serving.protocol import (MAX_N, Fields, chat_render_options, completion_prompts,
                               sampling_params, text_content)
 from atlasjax.sampling_params import MAX_LOGPROBS
 from serving.reasoning import ReasoningStream, split_reasoning
@@ -28,11 +29,15 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 async def list_models(request: Request) -> JSONResponse:
     state = server_state(request)
-    return JSONResponse({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+    return JSONResponse({"object": "list", "data": [_model_card(state, name) for name in state.model_names]
+                         + lora_cards(state)})
 
 
 async def get_model(request: Request) -> JSONResponse:
     state = server_state(request)
+    adapter = next((card for card in lora_cards(state) if card["id"] == request.path_params["model"]), None)
+    if adapter is not None:
+        return JSONResponse(adapter)
     if request.path_params["model"] not in state.model_names:
         raise APIError(404, f"the model '{request.path_params['model']}' does not exist", code="model_not_found")
     return JSONResponse(_model_card(state, request.path_params["model"]))
@@ -99,7 +104,7 @@ def _chunk_usage(include_usage: str | None, num_prompt_tokens: int, num_generate
 async def chat_completions(request: Request):
     state = server_state(request)
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_names)
+    model, lora = state.generation_model(f)
     _reject_unsupported(f)
     messages = _chat_messages(f)
     n = f.int("n", 1, lo=1, hi=MAX_N)
@@ -127,7 +132,7 @@ async def chat_completions(request: Request):
                     "finish_reason": seq.finish_reason} for i, seq in enumerate(outputs[0].sequences)]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                              "choices": choices, "usage": usage(len(prompt_ids), _beam_tokens(outputs))})
-    deltas = stream_jobs(state.llm, [Job(engine_id, prompt_ids, params, budget, state.priority(f))], state.metrics)
+    deltas = stream_jobs(state.llm, [Job(engine_id, prompt_ids, params, budget, state.priority(f), lora)], state.metrics)
     head = {"id": rid, "created": int(time.time()), "model": model}
     if stream:
         first = await first_delta(request, deltas)
@@ -201,7 +206,7 @@ async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k
 async def completions(request: Request):
     state = server_state(request)
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_names)
+    model, lora = state.generation_model(f)
     prompts = completion_prompts(f)
     n = f.int("n", 1, lo=1, hi=MAX_N)
     if f.body.get("best_of") not in (None, n):
@@ -234,7 +239,7 @@ async def completions(request: Request):
                    for j, out in enumerate(outputs) for i, seq in enumerate(out.sequences)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                              "choices": choices, "usage": usage(num_prompt_tokens, _beam_tokens(outputs))})
-    jobs = [Job(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", ids, params, priority=priority)
+    jobs = [Job(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", ids, params, priority=priority, lora_request=lora)
             for i, ids in enumerate(prompt_ids)]
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from atlasjax.sampling_params import MAX_LOGPROBS
 from serving.bridge import Job, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, invalid
-from serving.protocol import Fields, chat_render_options, check_model, sampling_params
+from serving.protocol import Fields, chat_render_options, sampling_params
 from serving.responses_input import check_supported, input_messages, instructions_message, wants_logprobs
 from serving.responses_output import ResponseOutput, item_id
 from serving.state import SSE_HEADERS, ServerState, new_id, read_json, server_state, sse
@@ -72,7 +72,7 @@ def _head(f: Fields, rid: str, model: str, params, previous: str | None) -> dict
 async def create_response(request: Request):
     state = server_state(request)
     f = Fields(await read_json(request))
-    model = check_model(f, state.model_names)
+    model, lora = state.generation_model(f)
     check_supported(f)
     own_input = input_messages(f)
     conversation = _previous_conversation(f, state) + own_input
@@ -91,7 +91,8 @@ async def create_response(request: Request):
         params = state.default_max_tokens(params, prompt_ids)
     state.check_prompt(prompt_ids, params, "input")
     rid, engine_id = new_id("resp_", request)
-    deltas = stream_jobs(state.llm, [Job(engine_id, prompt_ids, params, priority=state.priority(f))], state.metrics)
+    deltas = stream_jobs(state.llm, [Job(engine_id, prompt_ids, params, priority=state.priority(f),
+                                                       lora_request=lora)], state.metrics)
     out = ResponseOutput(state.reasoning_parser, logprobs, state.tokens_as_ids(f), state.reasoning_end_ids())
     head = _head(f, rid, model, params, f.str("previous_response_id"))
 

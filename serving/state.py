@@ -19,7 +19,7 @@ from atlasjax.sampling_params import SamplingParams
 from atlasjax.waiting_queue import check_priority
 from serving.errors import invalid
 from serving.metrics import ServerMetrics
-from serving.protocol import parse_json_object
+from serving.protocol import check_model, parse_json_object
 from serving.reasoning import END
 from serving.response_store import ResponseStore
 from serving.thinking_budget import CLOSE_TEXT, ThinkingBudget
@@ -34,6 +34,8 @@ class ServerState:
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
     return_tokens_as_token_ids: bool = False   # logprob entries name tokens `token_id:N` unless a request says
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)   # the Responses API's `store`
+    lora_modules: dict = dataclasses.field(default_factory=dict)   # adapter name -> LoRARequest (serving/lora_routes.py)
+    max_lora_rank: int | None = None    # the engine's, with LoRA enabled (None: no adapters)
     model_names: tuple[str, ...] = dataclasses.field(init=False, default=())   # every served name, main first
     _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once
     _end_ids: tuple[int, ...] | None = None     # the reasoning's end tag alone, tokenized once
@@ -47,6 +49,14 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.llm.tokenizer
+
+    def generation_model(self, f) -> tuple[str, object]:
+        """A generation request's `model` and its LoRA adapter: a served name (None), or an adapter's name."""
+        model = check_model(f, self.model_names + tuple(self.lora_modules))
+        return model, self.lora_modules.get(model) if model not in self.model_names else None
+
+    def new_lora_id(self) -> int:
+        return max((lora.lora_int_id for lora in self.lora_modules.values()), default=0) + 1
 
     @property
     def max_model_len(self) -> int:

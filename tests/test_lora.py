@@ -93,7 +93,6 @@ def test_one_device_slot_runs_adapters_in_turn(setup):
 def test_unusable_adapters_fail_the_request_not_the_engine(llm, setup, tmp_path):
     base, requests, refs = setup
     good = requests["all"].lora_path
-    llm.generate([PROMPTS[1]], GREEDY, lora_request=requests["all"])   # "all" is known: its name is taken
 
     def adapter(name, tensors=None, config=None, raw=None):
         from safetensors.numpy import save_file
@@ -121,7 +120,6 @@ def test_unusable_adapters_fail_the_request_not_the_engine(llm, setup, tmp_path)
                                      "base_model.model.lm_head.lora_B.weight": np.zeros((512, 2), np.float32)}),
                     "LM head"),
         "dora": (adapter("dora", config={"peft_type": "LORA", "r": 2, "use_dora": True}), "DoRA"),
-        "renamed": (LoRARequest("all", 9, str(tmp_path)), "unload it"),
     }
     for case, (request, message) in cases.items():
         with pytest.raises(InvalidRequestError, match=message):
@@ -150,3 +148,57 @@ def test_adapters_need_enable_lora(tiny, setup):
     with pytest.raises(InvalidRequestError, match="enable_lora=True"):
         engine.add_request("r", [1, 2, 3], GREEDY, lora_request=setup[1]["all"])
     assert not engine.scheduler.has_work
+
+
+def test_served_adapters_are_models_by_name(llm, setup, tmp_path, monkeypatch):
+    """`--lora-modules` names adapters in requests' "model" field; /v1/models lists them; with runtime updates
+    allowed an adapter is loaded and unloaded over HTTP (a bad one refused at once)."""
+    import asyncio
+
+    import httpx
+
+    from atlasjax.async_llm import AsyncLLM
+    from serving.app import create_app
+    from serving.lora_routes import parse_lora_modules
+    base, requests, refs = setup
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    modules = parse_lora_modules([f"all={requests['all'].lora_path}"])
+    engine = AsyncLLM(engine=llm.engine)
+    app = create_app(engine, served_model_name="base", lora_modules=modules)
+    prompt = PROMPTS[1]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=120) as client:
+            def complete(model):
+                return client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 10,
+                                                            "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                                            "return_tokens_as_token_ids": True})
+            got = {"models": (await client.get("/v1/models")).json(), "all": await complete("all"),
+                   "base": await complete("base"), "unknown": await complete("qv")}
+            got["load"] = await client.post("/v1/load_lora_adapter",
+                                            json={"lora_name": "qv", "lora_path": requests["qv"].lora_path})
+            got["qv"] = await complete("qv")
+            got["bad load"] = await client.post("/v1/load_lora_adapter",
+                                                json={"lora_name": "bad", "lora_path": str(tmp_path)})
+            got["unload"] = await client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
+            got["unloaded"] = await complete("qv")
+            got["unload again"] = await client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
+            return got
+    try:
+        got = asyncio.run(go())
+    finally:
+        engine.shutdown(drain=False)
+    cards = {card["id"]: card for card in got["models"]["data"]}
+    assert cards["all"]["parent"] == "base" and cards["all"]["root"] == requests["all"].lora_path
+    for name, ref in (("all", refs["all"]), ("base", refs[None]), ("qv", refs["qv"])):
+        assert got[name].status_code == 200, got[name].text
+        tokens = got[name].json()["choices"][0]["logprobs"]["tokens"]
+        assert [int(t.removeprefix("token_id:")) for t in tokens] == _reference(ref, prompt)
+        assert got[name].json()["model"] == name
+    assert got["unknown"].status_code in (400, 404)
+    assert "does not exist" in got["unknown"].text
+    assert got["load"].status_code == 200 and got["bad load"].status_code == 400
+    assert "adapter_config.json" in got["bad load"].text
+    assert got["unload"].status_code == 200 and got["unloaded"].status_code in (400, 404)
+    assert got["unload again"].status_code == 404
