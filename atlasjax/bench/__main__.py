@@ -43,6 +43,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='n-gram speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(latency reports the drafts' acceptance)")
+    e.add_argument("--enable-lora", action="store_true",
+                   help="LoRA slots beside the weights: every step computes each slot's LoRA term (masked per "
+                        "token), so the requests (on the base model here) cost what adapters cost")
+    e.add_argument("--max-loras", type=int, default=None, help="with --enable-lora: device slots (default 1)")
+    e.add_argument("--max-lora-rank", type=int, default=None, help="with --enable-lora: slot rank (default 16)")
     add_compilation_cache_arg(e, default_on_gpu=False)   # its reports time cold compiles
     p.add_argument("--compare", default=None, choices=["hf"],
                    help="also run Hugging Face transformers on the same shapes and print the ratio")
