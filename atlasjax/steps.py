@@ -94,15 +94,13 @@ def _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens):
     return jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
 
 
-def _variables(params, lora) -> dict:
-    """The model's variables: its params, and with LoRA (atlasjax/lora.py) the adapters' stacks."""
-    return {"params": params} if lora is None else {"params": params, "lora": lora["layers"]}
-
-
-def _lora_ids(lora, slots):
-    """Each row's LoRA slot (-1: the base model) from the engine slot it runs (padding rows: the last slot's), or
-    None without LoRA."""
-    return None if lora is None else _slot_rows(lora["adapter_of_slot"], slots)
+def _run_model(model: Transformer, params, lora, tokens, positions, kv, meta, token_slots):
+    """The model over a step's tokens -> (hidden, kv). lora: the runner's LoRA tree (atlasjax/lora.py) or None; with
+    it each token runs its engine slot's adapter (token_slots: each token's engine slot; padding: any)."""
+    if lora is None:
+        return model.apply({"params": params}, tokens, positions, kv, meta)
+    return model.apply({"params": params, "lora": lora["layers"]}, tokens, positions, kv, meta,
+                       _slot_rows(lora["adapter_of_slot"], token_slots))
 
 
 def _slot_rows(state_rows, slots):
@@ -140,7 +138,7 @@ def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: De
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              split_rows=split_rows)
-    hidden, kv = model.apply(_variables(params, lora), tokens, positions, kv, meta, _lora_ids(lora, slots))
+    hidden, kv = _run_model(model, params, lora, tokens, positions, kv, meta, slots)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, counts, recent, logits, slots, st, plan)
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
@@ -196,10 +194,11 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
     # Packed chunks of up to S sequences: [T] tokens; logits only at each sequence's last row.
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
-    # each token's slot: its sequence's (tokens past the sequences take the last's; their rows are not read)
-    seq = jnp.searchsorted(query_start[1:], jnp.arange(tokens.shape[0]), side="right", method="compare_all")
-    token_slots = slot_ids[jnp.minimum(seq, slot_ids.shape[0] - 1)]
-    hidden, kv = model.apply(_variables(params, lora), tokens, positions, state.kv, meta, _lora_ids(lora, token_slots))
+    token_slots = None
+    if lora is not None:   # each token's engine slot: its sequence's (tokens past the sequences: the last's)
+        seq = jnp.searchsorted(query_start[1:], jnp.arange(tokens.shape[0]), side="right", method="compare_all")
+        token_slots = slot_ids[jnp.minimum(seq, slot_ids.shape[0] - 1)]
+    hidden, kv = _run_model(model, params, lora, tokens, positions, state.kv, meta, token_slots)
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
     slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, slots, st)
@@ -228,7 +227,7 @@ def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
-    hidden, kv = model.apply(_variables(params, lora), tokens, positions, state.kv, meta, _lora_ids(lora, row_slots))
+    hidden, kv = _run_model(model, params, lora, tokens, positions, state.kv, meta, row_slots)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots,
                                           sampling.SamplingTensors(f, i), plan)

@@ -109,6 +109,10 @@ OPERATIONS = {
     ("/wake_up", "post"): ("With --enable-sleep-mode: take back what /sleep released (?tags=weights&tags=kv_cache)",
                            None, False),
     ("/is_sleeping", "get"): ("With --enable-sleep-mode: {\"is_sleeping\": bool}", None, False),
+    ("/v1/load_lora_adapter", "post"): ("With --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: serve a LoRA "
+                                        "adapter ({\"lora_name\", \"lora_path\"}; vLLM's)", None, False),
+    ("/v1/unload_lora_adapter", "post"): ("With --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: stop serving "
+                                          "a LoRA adapter ({\"lora_name\"})", None, False),
     ("/openapi.json", "get"): ("This document", None, False),
 }
 ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "413": "Request body too large",
