@@ -119,6 +119,8 @@ class LLMEngine:
         del params
         self.lora = None   # LoRA adapters' device slots and host copies (atlasjax/lora.py)
         if config.enable_lora:
+            if distributed.is_multiprocess():
+                raise EngineConfigError("LoRA adapters across several hosts are not supported yet (enable_lora)")
             self.lora = LoRAManager(self.runner, cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                                     max_cpu_loras=config.max_cpu_loras)
         # The KV pool is sized from the memory left once the params (and LoRA slots) are in their execution layout.

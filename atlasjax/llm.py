@@ -254,16 +254,18 @@ class LLM:
             self.engine.release(rid)
         return outputs
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (atlasjax/beam_search.py): per prompt (a string or token ids, or a list of
         either), the params.beam_width best sequences, best first. Each round extends every prompt's live
-        beams by one token in one batch through the engine."""
+        beams by one token in one batch through the engine (lora_request: every beam's adapter)."""
         prompts = _prompt_list(prompts)
         searches = [BeamSearch(self.engine.tokenize_prompt(p), params, self.engine.eos_token_ids,
                                self.engine.max_model_len) for p in prompts]
         step = searches[0].step_params() if searches else None
         while live := [s for s in searches if not s.done]:
-            outputs = iter(self.generate([beam.tokens for s in live for beam in s.beams], step))
+            outputs = iter(self.generate([beam.tokens for s in live for beam in s.beams], step,
+                                         lora_request=lora_request))
             for s in live:
                 s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
             if use_tqdm:

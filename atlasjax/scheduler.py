@@ -29,6 +29,10 @@ step back before it schedules the next one: its accepted drafts move every later
 for its last token and every draft; once the step is read back, `speculated` sets its computed tokens to
 those the accepted drafts reach. Pages are registered in the prefix cache only for known tokens, never drafts.
 
+LoRA (`lora`, atlasjax/lora.py): a waiting request is admitted only when its adapter has a device slot (resident,
+or written into one that no running request uses); while it waits, requests behind it that can run are admitted.
+Its engine slot's release frees its hold on the adapter's slot.
+
 Prompt logprobs: a step with a chunk that records them (`Request.records_prompt_logprobs`) takes at most
 `prompt_logprobs_tokens` prefill tokens in all (`EngineConfig.prompt_logprobs_tokens`: the one token count
 such a step runs); other chunks of the step share that cap, or wait for a later step.

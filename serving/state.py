@@ -34,7 +34,7 @@ class ServerState:
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
     return_tokens_as_token_ids: bool = False   # logprob entries name tokens `token_id:N` unless a request says
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)   # the Responses API's `store`
-    lora_modules: dict = dataclasses.field(default_factory=dict)   # adapter name -> LoRARequest (serving/lora_routes.py)
+    lora_modules: dict = dataclasses.field(default_factory=dict)   # adapter name -> LoRARequest (lora_routes.py)
     max_lora_rank: int | None = None    # the engine's, with LoRA enabled (None: no adapters)
     model_names: tuple[str, ...] = dataclasses.field(init=False, default=())   # every served name, main first
     _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once

@@ -202,3 +202,12 @@ def test_served_adapters_are_models_by_name(llm, setup, tmp_path, monkeypatch):
     assert "adapter_config.json" in got["bad load"].text
     assert got["unload"].status_code == 200 and got["unloaded"].status_code in (400, 404)
     assert got["unload again"].status_code == 404
+
+
+def test_beam_search_runs_the_adapter(llm, setup):
+    """One beam is greedy search: its tokens are the merged model's greedy tokens."""
+    from atlasjax import BeamSearchParams
+    _, requests, refs = setup
+    out = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True),
+                          lora_request=requests["qv"])[0]
+    assert out.sequences[0].tokens[len(PROMPTS[1]):] == _reference(refs["qv"], PROMPTS[1], 6)
