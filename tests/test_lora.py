@@ -16,6 +16,8 @@ from tests.lora_adapters import make_adapter, merged_model  # noqa: E402
 
 PROMPTS = [list(range(5, 45)), [7, 3, 99, 12, 400, 8, 8, 31]]   # the first is longer than two pages
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+# float32 everywhere (on a GPU its matmuls run TF32: the logprobs' tolerance widens there)
+ENGINE = dict(max_num_seqs=4, dtype="float32")
 # (name, rank, alpha, targets, rslora)
 ADAPTERS = {"all": (4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
             "qv": (8, 16.0, ("q_proj", "v_proj"), True)}
@@ -37,7 +39,7 @@ def setup(hf_model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(setup):
-    return LLM(setup[0], enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4)
+    return LLM(setup[0], enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
 
 
 def _reference(model, prompt, n=GREEDY.max_tokens):
@@ -52,7 +54,9 @@ def _check(out, ref_model, prompt):
     assert tokens == _reference(ref_model, prompt)
     ref = hf_logprobs(ref_model, prompt + tokens[:-1])[len(prompt) - 1:]
     got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
-    np.testing.assert_allclose(got, ref[np.arange(len(tokens)), tokens], atol=2e-3)
+    import jax
+    np.testing.assert_allclose(got, ref[np.arange(len(tokens)), tokens],
+                               atol=3e-2 if jax.default_backend() == "gpu" else 2e-3)
 
 
 def test_one_batch_mixes_adapters_and_the_base_model(llm, setup):
@@ -82,7 +86,7 @@ def test_cached_prompt_pages_are_per_adapter(llm, setup):
 def test_one_device_slot_runs_adapters_in_turn(setup):
     """max_loras=1: requests of the resident adapter are admitted past one waiting for the slot, which then swaps."""
     base, requests, refs = setup
-    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_seqs=4)
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
     names = ["all", "qv", "all"]
     outs = llm.generate([PROMPTS[1]] * 3, GREEDY, lora_request=[requests[n] for n in names])
     for out, name in zip(outs, names):
