@@ -5,10 +5,9 @@
 
 An adapter is a PEFT directory (`adapter_config.json` + `adapter_model.safetensors`) whose LoRA pairs touch the
 decoder's linear projections (q/k/v/o, gate/up/down). The engine keeps `max_loras` device slots; the runner's
-`lora` (steps.LoRAState) holds, for each projection, a stack `a` [max_loras, in, R] and `b` [max_loras, R, out]
-beside the weights (R = max_lora_rank x the projection's parts: a fused q/k/v or gate/up projection puts its parts'
-A matrices side by side and their B matrices block-diagonally, so one pair of matmuls serves the group), stacked
-again over the layers (`Group`: one array per projection kind, since every step argument costs host time). The
+`lora` tree holds, for each projection, a stack `a` [max_loras, in, R] and `b` [max_loras, R, out] beside the
+weights (R = max_lora_rank x the projection's parts: a fused q/k/v or gate/up projection puts its parts' A
+matrices side by side and their B matrices block-diagonally, so one pair of matmuls serves the group). The
 scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b; a smaller rank, and a projection an adapter
 leaves out, are zeros. `adapter_of_slot` [max_num_seqs] gives each engine slot's LoRA slot (-1: the base model).
 
@@ -92,35 +91,6 @@ class Target:
         return sum(width for _, width in self.parts)
 
 
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """The same projection (module, linear layer, shapes) across the layers that have it: its LoRA stacks are one
-    array each, [layers, slots, ...], so a step takes a few arrays instead of two per projection per layer (each
-    argument costs the host time at every launch)."""
-    module: str
-    linear: str
-    layers: tuple[str, ...]
-    in_features: int
-    parts: tuple[tuple[str, int], ...]
-
-    @property
-    def key(self) -> str:
-        return f"{self.module}.{self.linear}.{self.in_features}"
-
-    @property
-    def out_features(self) -> int:
-        return sum(width for _, width in self.parts)
-
-
-def groups(layout: list[Target]) -> list[Group]:
-    """layout's linear layers grouped by projection and shape, layers in order."""
-    found: dict[tuple, list[str]] = {}
-    for t in layout:
-        found.setdefault((t.path[1], t.path[2], t.in_features, t.parts), []).append(t.path[0])
-    return [Group(module, linear, tuple(layers), in_features, parts)
-            for (module, linear, in_features, parts), layers in found.items()]
-
-
 def targets(params: dict, cfg) -> list[Target]:
     """The linear layers of `params` (the runner's execution layout: fused or not, per layer) LoRA applies to."""
     hd = cfg.head_dim
@@ -151,25 +121,24 @@ class Adapter:
     rank: int
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
-    def slot_arrays(self, layout: list[Group], max_rank: int, dtype) -> dict:
-        """{group key: {"a": [layers, in, P * max_rank], "b": [layers, P * max_rank, out]}}: what one device slot
+    def slot_arrays(self, layout: list[Target], max_rank: int, dtype) -> dict:
+        """{layer: {module: {linear: {"a": [in, P * max_rank], "b": [P * max_rank, out]}}}}: what one device slot
         holds for this adapter (zeros where it has no pair)."""
-        out = {}
-        for g in layout:
-            width = len(g.parts) * max_rank
-            a = np.zeros((len(g.layers), g.in_features, width), np.float32)
-            b = np.zeros((len(g.layers), width, g.out_features), np.float32)
-            for j, layer in enumerate(int(name.split("_")[1]) for name in g.layers):
-                offset = 0
-                for p, (name, part_width) in enumerate(g.parts):
-                    if (layer, name) in self.weights:
-                        lora_a, lora_b = self.weights[(layer, name)]
-                        r = lora_a.shape[0]
-                        a[j, :, p * max_rank:p * max_rank + r] = lora_a.T
-                        b[j, p * max_rank:p * max_rank + r, offset:offset + part_width] = lora_b.T
-                    offset += part_width
-            out[g.key] = {"a": a.astype(dtype), "b": b.astype(dtype)}
-        return out
+        tree: dict = {}
+        for t in layout:
+            a = np.zeros((t.in_features, len(t.parts) * max_rank), np.float32)
+            b = np.zeros((len(t.parts) * max_rank, t.out_features), np.float32)
+            offset, layer = 0, int(t.path[0].split("_")[1])
+            for p, (name, width) in enumerate(t.parts):
+                if (layer, name) in self.weights:
+                    lora_a, lora_b = self.weights[(layer, name)]
+                    r = lora_a.shape[0]
+                    a[:, p * max_rank:p * max_rank + r] = lora_a.T
+                    b[p * max_rank:p * max_rank + r, offset:offset + width] = lora_b.T
+                offset += width
+            tree.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
+                "a": a.astype(dtype), "b": b.astype(dtype)}
+        return tree
 
 
 def read_adapter(request: LoRARequest, cfg, max_rank: int) -> Adapter:
@@ -249,7 +218,7 @@ class LoRAManager:
         self.runner, self.cfg = runner, cfg
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self.layout = groups(targets(runner.params, cfg))
+        self.layout = targets(runner.params, cfg)
         runner.enable_lora(self.layout, max_loras, max_lora_rank)
         self._host: collections.OrderedDict[str, tuple[LoRARequest, Adapter]] = collections.OrderedDict()
         self.slots: list[LoRARequest | None] = [None] * max_loras   # the adapter each device slot holds

@@ -37,9 +37,8 @@ ADMIT_ROWS = 16   # requests one admit step resets (runner.admit_rows)
 
 @jax.jit
 def _write_slot(stacks, index, arrays):
-    """stacks [layers, slots, ...] with slot `index` replaced by arrays' [layers, ...] (the old stacks stay valid:
-    not donated)."""
-    return jax.tree.map(lambda stack, new: stack.at[:, index].set(new.astype(stack.dtype)), stacks, arrays)
+    """stacks with slot `index` of every leaf replaced by arrays' (the old stacks stay valid: not donated)."""
+    return jax.tree.map(lambda stack, new: stack.at[index].set(new.astype(stack.dtype)), stacks, arrays)
 
 
 def _shape_of(key: tuple) -> list:
@@ -106,7 +105,7 @@ class ModelRunner:
             local = Transformer(cfg, attn_backend=attn_backend, dtype=dtype, parallel=plan.parallel)
             logical = fuse_logical_axes(logical_axes(cfg, dtype), self.params)
             self.model = ShardedModel(local, plan, plan.param_specs(self.params, logical))
-        self.lora: steps.LoRAState | None = None   # LoRA adapters' device slots (`enable_lora`; atlasjax/lora.py)
+        self.lora: dict | None = None   # LoRA adapters' device slots (`enable_lora`; atlasjax/lora.py)
         self.state: DeviceState | None = None
         self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
         self.num_compiles = 0
@@ -152,28 +151,28 @@ class ModelRunner:
         return self.dtype
 
     def enable_lora(self, layout, max_loras: int, max_rank: int) -> None:
-        """Zeroed device slots for `max_loras` adapters of rank up to `max_rank` on the projections of `layout`
-        (lora.groups), and every engine slot on the base model. Done before steps compile (they read it)."""
+        """Zeroed device slots for `max_loras` adapters of rank up to `max_rank` on the linear layers of `layout`
+        (lora.targets), and every engine slot on the base model. Done before steps compile (they read it)."""
         if self.plan is not None:
             raise ValueError("LoRA adapters under tensor parallelism are not supported")
-        stacks = {}
-        for g in layout:
-            width = len(g.parts) * max_rank
-            stacks[g.key] = {"a": jnp.zeros((len(g.layers), max_loras, g.in_features, width), self.lora_dtype),
-                             "b": jnp.zeros((len(g.layers), max_loras, width, g.out_features), self.lora_dtype)}
+        layers: dict = {}
+        for t in layout:
+            width = len(t.parts) * max_rank
+            layers.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
+                "a": jnp.zeros((max_loras, t.in_features, width), self.lora_dtype),
+                "b": jnp.zeros((max_loras, width, t.out_features), self.lora_dtype)}
         self._adapter_of_slot = np.full(self.max_num_seqs, -1, np.int32)
-        self.lora = steps.LoRAState(jnp.asarray(self._adapter_of_slot), stacks,
-                                    tuple((g.key, g.module, g.linear, g.layers) for g in layout))
+        self.lora = {"layers": layers, "adapter_of_slot": jnp.asarray(self._adapter_of_slot)}
 
     def write_lora(self, index: int, arrays: dict) -> None:
         """Device slot `index` takes an adapter: arrays, `lora.Adapter.slot_arrays` (host arrays, one slot's)."""
-        self.lora = self.lora.replace(stacks=_write_slot(self.lora.stacks, jnp.int32(index), arrays))
+        self.lora = dict(self.lora, layers=_write_slot(self.lora["layers"], jnp.int32(index), arrays))
 
     def assign_adapters(self, pairs) -> None:
         """(engine slot, LoRA slot or -1) each: what the steps read for the requests admitted to those slots."""
         for slot, index in pairs:
             self._adapter_of_slot[slot] = index
-        self.lora = self.lora.replace(adapter_of_slot=jax.device_put(self._adapter_of_slot.copy()))
+        self.lora = dict(self.lora, adapter_of_slot=jax.device_put(self._adapter_of_slot.copy()))
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""

@@ -94,32 +94,13 @@ def _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens):
     return jnp.where(tokens >= 0, tokens, prev[jnp.clip(-1 - tokens, 0, prev.shape[0] - 1)])
 
 
-@flax.struct.dataclass
-class LoRAState:
-    """The runner's LoRA adapters on the device (atlasjax/lora.py): each engine slot's LoRA slot (-1: none) and, per
-    projection group, stacks a [layers, slots, in, R] and b [layers, slots, R, out]; `groups` names each group's
-    (key, module, linear layer, layers)."""
-    adapter_of_slot: jax.Array
-    stacks: dict
-    groups: tuple = flax.struct.field(pytree_node=False, default=())
-
-    def per_layer(self) -> dict:
-        """The model's "lora" collection: {layer: {module: {linear: {"a": [slots, in, R], "b": [slots, R, out]}}}}."""
-        out: dict = {}
-        for key, module, linear, layers in self.groups:
-            for j, layer in enumerate(layers):
-                out.setdefault(layer, {}).setdefault(module, {})[linear] = {
-                    "a": self.stacks[key]["a"][j], "b": self.stacks[key]["b"][j]}
-        return out
-
-
-def _run_model(model: Transformer, params, lora: LoRAState | None, tokens, positions, kv, meta, token_slots):
-    """The model over a step's tokens -> (hidden, kv). With LoRA each token runs its engine slot's adapter
-    (token_slots: each token's engine slot; padding rows: any)."""
+def _run_model(model: Transformer, params, lora, tokens, positions, kv, meta, token_slots):
+    """The model over a step's tokens -> (hidden, kv). lora: the runner's LoRA tree (atlasjax/lora.py) or None; with
+    it each token runs its engine slot's adapter (token_slots: each token's engine slot; padding: any)."""
     if lora is None:
         return model.apply({"params": params}, tokens, positions, kv, meta)
-    return model.apply({"params": params, "lora": lora.per_layer()}, tokens, positions, kv, meta,
-                       _slot_rows(lora.adapter_of_slot, token_slots))
+    return model.apply({"params": params, "lora": lora["layers"]}, tokens, positions, kv, meta,
+                       _slot_rows(lora["adapter_of_slot"], token_slots))
 
 
 def _slot_rows(state_rows, slots):
