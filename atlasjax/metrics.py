@@ -29,6 +29,9 @@ class EngineStats:
     last_step_seconds: float = 0.0
     read_wait_seconds: float = 0.0  # time the engine thread spent blocked reading step outputs back
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)   # speculative decoding's drafts
+    max_lora: int = 0                             # LoRA device slots (0: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()   # the adapters of running requests (names, sorted)
+    waiting_lora_adapters: tuple[str, ...] = ()   # and of waiting ones
     step_seconds: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1000))
 
     def record_step(self, seconds: float, sched, engine) -> None:
@@ -43,6 +46,11 @@ class EngineStats:
         self.pages_used, self.pages_free, self.pages_total = pool.num_used_pages, pool.num_free_pages, pool.num_pages
         self.num_preemptions = s.num_preemptions
         self.prefix_cache_queries, self.prefix_cache_hits = pool.num_queried_pages, pool.num_hit_pages
+        if getattr(engine, "lora", None) is not None:
+            self.max_lora = engine.lora.max_loras
+            self.running_lora_adapters, self.waiting_lora_adapters = (
+                tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+                for requests in (s.running, s.waiting))
 
     def record_finish(self, req) -> None:
         self.num_finished += 1

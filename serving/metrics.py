@@ -7,6 +7,8 @@ latest message (atlasjax/engine_process.py).
 """
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -60,6 +62,12 @@ class EngineCollector(Collector):
         for position, value in enumerate(stats.spec.accepted_per_pos):
             per_pos.add_metric([str(position)], value)
         yield per_pos
+        if stats.max_lora:   # vLLM's lora_requests_info: the adapters in use as labels, the time as the value
+            info = GaugeMetricFamily("atlasjax_lora_requests_info", "LoRA adapters of running and waiting requests",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(stats.max_lora), ",".join(stats.running_lora_adapters),
+                             ",".join(stats.waiting_lora_adapters)], time.time())
+            yield info
 
 
 class ServerMetrics:

@@ -86,12 +86,17 @@ def test_cached_prompt_pages_are_per_adapter(llm, setup):
 def test_one_device_slot_runs_adapters_in_turn(setup):
     """max_loras=1: requests of the resident adapter are admitted past one waiting for the slot, which then swaps."""
     base, requests, refs = setup
-    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    engine = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE).engine
     names = ["all", "qv", "all"]
-    outs = llm.generate([PROMPTS[1]] * 3, GREEDY, lora_request=[requests[n] for n in names])
-    for out, name in zip(outs, names):
-        assert out.outputs[0].token_ids == _reference(refs[name], PROMPTS[1])
-    assert llm.engine.lora.num_loads == 2     # "all" once for both of its requests, then "qv"
+    for i, name in enumerate(names):
+        engine.add_request(str(i), PROMPTS[1], GREEDY, lora_request=requests[name])
+    engine.step()
+    assert engine.stats.running_lora_adapters == ("all",) and engine.stats.waiting_lora_adapters == ("qv",)
+    while engine.has_unfinished():
+        engine.step()
+    for i, name in enumerate(names):
+        assert engine.requests[str(i)][0].output_token_ids == _reference(refs[name], PROMPTS[1])
+    assert engine.lora.num_loads == 2     # "all" once for both of its requests, then "qv"
 
 
 def test_unusable_adapters_fail_the_request_not_the_engine(llm, setup, tmp_path):
@@ -188,6 +193,7 @@ def test_served_adapters_are_models_by_name(llm, setup, tmp_path, monkeypatch):
             got["unload"] = await client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
             got["unloaded"] = await complete("qv")
             got["unload again"] = await client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"})
+            got["metrics"] = (await client.get("/metrics")).text
             return got
     try:
         got = asyncio.run(go())
@@ -206,6 +212,7 @@ def test_served_adapters_are_models_by_name(llm, setup, tmp_path, monkeypatch):
     assert "adapter_config.json" in got["bad load"].text
     assert got["unload"].status_code == 200 and got["unloaded"].status_code in (400, 404)
     assert got["unload again"].status_code == 404
+    assert 'atlasjax_lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in got["metrics"]
 
 
 def test_beam_search_runs_the_adapter(llm, setup):
