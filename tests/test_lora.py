@@ -222,3 +222,34 @@ def test_beam_search_runs_the_adapter(llm, setup):
     out = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True),
                           lora_request=requests["qv"])[0]
     assert out.sequences[0].tokens[len(PROMPTS[1]):] == _reference(refs["qv"], PROMPTS[1], 6)
+
+
+def test_speculative_verify_runs_each_requests_adapter(setup):
+    """n-gram drafts verified in one step keep each row on its request's adapter: the merged models' tokens."""
+    base, requests, refs = setup
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    loop = [7, 8, 9, 10] * 4
+    names = ["all", "qv", None]
+    outs = llm.generate([loop] * 3, GREEDY, lora_request=[requests[n] if n else None for n in names])
+    for out, name in zip(outs, names):
+        assert out.outputs[0].token_ids == _reference(refs[name], loop)
+    assert llm.engine.stats.spec.num_draft_tokens > 0     # verify steps ran
+
+
+def test_lora_modules_flag():
+    """--lora-modules: name=path or vLLM's JSON form, ids in order; a bad entry names itself."""
+    import subprocess
+    import sys
+
+    from serving.lora_routes import parse_lora_modules
+    modules = parse_lora_modules(["sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "m"}'])
+    assert modules == {"sql": LoRARequest("sql", 1, "/a/sql"), "chat": LoRARequest("chat", 2, "/a/chat", "m")}
+    for bad, message in ((["sql"], "name=path"), (["a=/x", "a=/y"], "twice"), (['{"name": "a"}'], '"path"'),
+                         (["{oops"], "not valid JSON")):
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules(bad)
+    run = subprocess.run([sys.executable, "-m", "atlasjax", "serve", "--lora-modules", "sql=/a/sql"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--enable-lora" in run.stderr
