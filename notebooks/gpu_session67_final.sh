@@ -1,6 +1,7 @@
 #!/bin/bash
-# Session 67, last device run: LoRA with its stacks one array per projection kind (tests/test_lora.py in float32, and
-# `bench latency` 8B bf16 with and without LoRA slots), then notebooks/gpu_spec_equality.py.
+# Session 67, last device run: LoRA (tests/test_lora.py in float32, and `bench latency` 8B bf16 with and without LoRA
+# slots), then notebooks/gpu_spec_equality.py. It ran on a variant, since reverted, that stacked each projection
+# kind's LoRA arrays over the layers (docs/performance.md, session 67); main keeps them per layer.
 #   bash notebooks/gpu_session67_final.sh     # on nvidia-h200
 set -u
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=${PYTHONPATH:-}:/tmp/site; fi
