@@ -236,7 +236,7 @@ class LLMEngine:
             req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
                           max_tokens, self.eos_token_ids, arrival_time or time.monotonic(), priority)
             req.index, req.parent_id, req.bad_word_ids = i, request_id, bad_seqs
-            req.lora_request, req.lora_adapter = (lora_request, adapter) if adapter is not None else (None, None)
+            req.lora_request, req.lora_adapter = lora_request, adapter
             self.outputs.add(req)
             seqs.append(req)
             self.scheduler.add(req)
@@ -245,7 +245,7 @@ class LLMEngine:
         return seqs
 
     def _lora_adapter(self, lora_request):
-        """The adapter a request names (read and checked), or None for the base model."""
+        """The adapter a request names (read and checked), or None for the base model (lora_request None)."""
         if lora_request is None:
             return None
         if not isinstance(lora_request, LoRARequest):

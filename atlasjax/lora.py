@@ -31,11 +31,12 @@ import numpy as np
 
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 
-# the projections LoRA applies to: PEFT / HF module name -> (module, fused projection, part index)
-PROJECTIONS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
-               "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
-               "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
-               "down_proj": ("mlp", "down_proj", 0)}
+# the projections LoRA applies to, in output order within a fused one: PEFT / HF module name -> (module, the
+# runner's fused projection holding it; models/fused.py GROUPS, which this module may not import: it stays jax-free)
+PROJECTIONS = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
+               "v_proj": ("self_attn", "qkv_proj"), "o_proj": ("self_attn", "o_proj"),
+               "gate_proj": ("mlp", "gate_up_proj"), "up_proj": ("mlp", "gate_up_proj"),
+               "down_proj": ("mlp", "down_proj")}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])(?:\.\w+)?\.weight$")
 MAX_RANK = 512
@@ -91,24 +92,26 @@ class Target:
         return sum(width for _, width in self.parts)
 
 
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """Each projection's (in, out) features on one device."""
+    q, kv, hidden, mlp = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp), "down_proj": (mlp, hidden)}
+
+
 def targets(params: dict, cfg) -> list[Target]:
     """The linear layers of `params` (the runner's execution layout: fused or not, per layer) LoRA applies to."""
-    hd = cfg.head_dim
-    widths = {"q_proj": cfg.num_heads * hd, "k_proj": cfg.num_kv_heads * hd, "v_proj": cfg.num_kv_heads * hd,
-              "o_proj": cfg.hidden_size, "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
-              "down_proj": cfg.hidden_size}
+    shapes = projection_shapes(cfg)
     out = []
     for layer in sorted((k for k in params if k.startswith("layers_")), key=lambda k: int(k.split("_")[1])):
         for module in ("self_attn", "mlp"):
-            mod = params[layer][module]
-            for linear in mod:
-                if "kernel" not in mod[linear]:
-                    continue
-                parts = tuple(p for p, (m, fused, _) in PROJECTIONS.items() if m == module and fused == linear) \
-                    if linear in ("qkv_proj", "gate_up_proj") else ((linear,) if linear in PROJECTIONS else ())
-                if parts:
-                    out.append(Target((layer, module, linear), int(mod[linear]["kernel"].shape[0]),
-                                      tuple((p, widths[p]) for p in parts)))
+            for linear, leaves in params[layer][module].items():
+                # a fused projection's parts, or the projection itself (unfused, or o_proj / down_proj)
+                parts = tuple(p for p, (m, fused) in PROJECTIONS.items() if m == module and linear in (fused, p))
+                if parts and "kernel" in leaves:
+                    out.append(Target((layer, module, linear), shapes[parts[0]][0],
+                                      tuple((p, shapes[p][1]) for p in parts)))
     return out
 
 
@@ -116,9 +119,6 @@ def targets(params: dict, cfg) -> list[Target]:
 class Adapter:
     """An adapter read from its PEFT directory: per (layer index, projection) its A [r, in] and its B [out, r]
     with the scaling folded in (float32)."""
-    name: str
-    path: str
-    rank: int
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
     def slot_arrays(self, layout: list[Target], max_rank: int, dtype) -> dict:
@@ -185,13 +185,8 @@ def read_adapter(request: LoRARequest, cfg, max_rank: int) -> Adapter:
         pairs[(int(m[1]), m[3])][m[4]] = value.astype(np.float32)
     if not pairs:
         bad("adapter_model.safetensors holds no LoRA weights")
-    hd = cfg.head_dim
-    shapes = {"q_proj": (cfg.hidden_size, cfg.num_heads * hd), "k_proj": (cfg.hidden_size, cfg.num_kv_heads * hd),
-              "v_proj": (cfg.hidden_size, cfg.num_kv_heads * hd), "o_proj": (cfg.num_heads * hd, cfg.hidden_size),
-              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
-    weights, rank = {}, 0
+    shapes = projection_shapes(cfg)
+    weights = {}
     for (layer, name), pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
             bad(f"layer {layer} {name} has lora_{''.join(pair)} without its other half")
@@ -206,8 +201,7 @@ def read_adapter(request: LoRARequest, cfg, max_rank: int) -> Adapter:
             bad(f"rank {r} exceeds the engine's max_lora_rank={max_rank} (raise it: LLM(..., max_lora_rank=...))")
         scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         weights[(layer, name)] = (a, b * scale)
-        rank = max(rank, r)
-    return Adapter(request.lora_name, path, rank, weights)
+    return Adapter(weights)
 
 
 class LoRAManager:
@@ -260,7 +254,7 @@ class LoRAManager:
         else:
             free = [j for j in range(self.max_loras) if self.users[j] == 0]
             j = min(free, key=lambda j: (self.slots[j] is not None, self._last_used[j]))   # empty, else least recent
-            arrays = req.lora_adapter.slot_arrays(self.layout, self.max_lora_rank, self.runner.lora_dtype)
+            arrays = req.lora_adapter.slot_arrays(self.layout, self.max_lora_rank, self.runner.dtype)
             self.runner.write_lora(j, arrays)
             self.slots[j] = req.lora_request
             self.num_loads += 1

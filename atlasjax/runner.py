@@ -146,10 +146,6 @@ class ModelRunner:
                            recent=jax.ShapeDtypeStruct((self.max_num_seqs, HISTORY), jnp.int32, **extra))
 
     # ---- LoRA (atlasjax/lora.py): a tree beside the params that every step reads
-    @property
-    def lora_dtype(self):
-        return self.dtype
-
     def enable_lora(self, layout, max_loras: int, max_rank: int) -> None:
         """Zeroed device slots for `max_loras` adapters of rank up to `max_rank` on the linear layers of `layout`
         (lora.targets), and every engine slot on the base model. Done before steps compile (they read it)."""
@@ -159,8 +155,8 @@ class ModelRunner:
         for t in layout:
             width = len(t.parts) * max_rank
             layers.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
-                "a": jnp.zeros((max_loras, t.in_features, width), self.lora_dtype),
-                "b": jnp.zeros((max_loras, width, t.out_features), self.lora_dtype)}
+                "a": jnp.zeros((max_loras, t.in_features, width), self.dtype),
+                "b": jnp.zeros((max_loras, width, t.out_features), self.dtype)}
         self._adapter_of_slot = np.full(self.max_num_seqs, -1, np.int32)
         self.lora = {"layers": layers, "adapter_of_slot": jnp.asarray(self._adapter_of_slot)}
 
