@@ -154,9 +154,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\' serves '
                         'Qwen3-Reranker: /score and /rerank score each pair (docs/serving.md)')
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='n-gram speculative decoding, as vLLM\'s flag: e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (drafts looked up in each '
-                        'request\'s own tokens, verified in one step). docs/speculative_decoding.md')
+                   help='speculative decoding, as vLLM\'s flag: n-gram drafts looked up in each request\'s own '
+                        'tokens (\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\') or a '
+                        'smaller draft model\'s (\'{"model": "path/to/draft", "num_speculative_tokens": 4}\'), '
+                        'verified in one step. docs/speculative_decoding.md')
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters per request (PEFT directories; --lora-modules for the server, "
                         "lora_request= in Python); docs/serving.md")

@@ -38,6 +38,7 @@ import numpy as np
 
 from atlasjax import bad_words, distributed, long_context_decode, metrics, weights_summary
 from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
+from atlasjax.draft_model import load_draft
 from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
 from atlasjax.lora import LoRAManager, LoRARequest
@@ -104,6 +105,12 @@ class LLMEngine:
                                       self.max_model_len, plan=self.loaded.plan)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
         log.info("%s: %s", self.loaded.source, self.weights_summary)
+        draft = None   # speculative decoding's draft model (atlasjax/draft_model.py): (config, params, drafts per step)
+        if self.speculative is not None and self.speculative.uses_draft_model:
+            if distributed.is_multiprocess():
+                raise EngineConfigError("a draft model (speculative_config) across several hosts is not supported")
+            draft = (*load_draft(self.speculative, self.tokenizer, self.dtype, self.max_model_len),
+                     self.speculative.num_speculative_tokens)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
                                   prefill_buckets=config.prefill_buckets(),
@@ -115,8 +122,8 @@ class LLMEngine:
                                       config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
                                       attention_backend=config.attention_backend, decode_buckets=decode_buckets,
                                       max_model_len=self.max_model_len),
-                                  verify_buckets=self._verify_buckets(config))
-        del params
+                                  verify_buckets=self._verify_buckets(config), draft=draft)
+        del params, draft
         self.lora = None   # LoRA adapters' device slots and host copies (atlasjax/lora.py)
         if config.enable_lora:
             if distributed.is_multiprocess():
@@ -135,7 +142,8 @@ class LLMEngine:
         else:
             num_pages = distributed.broadcast_int(   # all hosts agree
                 config.num_pages or auto_num_pages(config, cfg, self.kv_dtype, self.max_model_len,
-                                                   self.runner.params, self.loaded.plan))
+                                                   self.runner.params, self.loaded.plan,
+                                                   None if self.runner.draft is None else self.runner.draft.model.cfg))
         self._check_num_pages(num_pages)
         if config.compile_at_start and self.pooling_only:
             t0 = time.perf_counter()
@@ -167,7 +175,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
         self._async_scheduling = config.async_scheduling
         if self.speculative is not None:
-            log.info("speculative decoding: n-gram drafts, %s", self.speculative)
+            log.info("speculative decoding: %s drafts, %s", "draft model" if self.speculative.uses_draft_model
+                     else "n-gram", self.speculative)
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 

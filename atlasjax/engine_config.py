@@ -125,10 +125,11 @@ class EngineConfig:
                                              # sequence, no generation steps compiled; compile_at_start compiles
                                              # the embedding batch sizes. auto: pooling for a checkpoint that
                                              # cannot generate (a classifier, a base model without an LM head)
-    speculative_config: object = None        # n-gram speculative decoding (vLLM's speculative_config): a dict
+    speculative_config: object = None        # speculative decoding (vLLM's speculative_config): a dict
                                              # such as {"method": "ngram", "num_speculative_tokens": 4,
-                                             # "prompt_lookup_max": 4}, its JSON, or a SpeculativeConfig
-                                             # (atlasjax/speculative.py); a step without drafts decodes
+                                             # "prompt_lookup_max": 4} or {"model": "path/to/draft",
+                                             # "num_speculative_tokens": 4} (a draft model), its JSON, or a
+                                             # SpeculativeConfig (atlasjax/speculative.py); a step without drafts decodes
                                              # as usual (num_scheduler_steps iterations per launch); the
                                              # step after a verify step waits for it to be read back
     hf_overrides: object = None              # vLLM's, for cross-encoders only: {"architectures":
@@ -212,6 +213,12 @@ class EngineConfig:
         if self.enable_lora and self.tensor_parallel_size > 1:
             bad("LoRA adapters under tensor parallelism are not supported yet: enable_lora needs "
                 "tensor_parallel_size=1")
+        spec = self.speculative_config
+        if spec is not None and spec.uses_draft_model and self.tensor_parallel_size > 1:
+            bad("a draft model (speculative_config method 'draft_model') under tensor parallelism is not supported "
+                "yet: it needs tensor_parallel_size=1 (n-gram drafts work at any size)")
+        if spec is not None and spec.uses_draft_model and self.enable_lora:
+            bad("a draft model (speculative_config method 'draft_model') with LoRA adapters is not supported yet")
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

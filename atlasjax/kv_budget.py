@@ -32,12 +32,15 @@ def kv_bytes_per_page(model_config, page_size: int, dtype, kv_heads: int) -> int
     return 2 * model_config.num_layers * kv_heads * page_size * model_config.head_dim * jnp.dtype(dtype).itemsize
 
 
-def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan=None) -> int:
+def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan=None, draft_config=None) -> int:
     """Pages for an engine of `config` (EngineConfig) whose `params` are in their execution layout;
-    under tensor parallelism (`plan`) each device holds its KV heads' share of a page. `dtype`: the pool's."""
+    under tensor parallelism (`plan`) each device holds its KV heads' share of a page. `dtype`: the pool's.
+    draft_config: a draft model's (speculative decoding), whose own pool takes the same pages."""
     cfg, ps = model_config, config.page_size
     kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
     bytes_per_page = kv_bytes_per_page(cfg, ps, dtype, kv_heads)
+    if draft_config is not None:
+        bytes_per_page += kv_bytes_per_page(draft_config, ps, dtype, draft_config.num_kv_heads)
     jax.block_until_ready(params)   # the load's temporaries are freed once its work has run
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:

@@ -50,7 +50,7 @@ class OutputProcessor:
             delta = None
             num_tokens = step.sched.steps.get(req, 1)
             if step.spans is not None:   # a verify step: the accepted drafts, then the token sampled after them
-                drafts = step.sched.drafts.get(req, [])
+                drafts = host.drafts[r - (host.tokens.shape[1] - len(host.drafts))]   # columns num_slots + i
                 accepted = num_accepted(host.tokens[:, r], drafts)
                 self.stats.spec.record(len(drafts), accepted)
                 num_tokens = accepted + 1

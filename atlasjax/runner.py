@@ -62,7 +62,7 @@ class ModelRunner:
                  attn_backend: str = "auto", plan=None, own_params: bool = False,
                  prompt_logprobs_tokens: int | None = None,
                  long_context_split_rows: dict[int, tuple[int, ...]] | None = None,
-                 verify_buckets: tuple[int, ...] = ()):
+                 verify_buckets: tuple[int, ...] = (), draft=None):
         """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
         from the device memory left once the params are in their execution layout.
         decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
@@ -76,7 +76,9 @@ class ModelRunner:
         long-context program for each of these split_rows (atlasjax/long_context_decode.py), when `decode`
         is given it.
         verify_buckets: token counts (prefill buckets) of the speculative verify step that warmup compiles (one
-        per sampling plan); () without speculative decoding."""
+        per sampling plan); () without speculative decoding.
+        draft: speculative decoding's draft model (atlasjax/draft_model.py): (its config, its params, drafts per
+        step); every step then runs it beside the target over a KV pool of its own on the same pages."""
         self.cfg = cfg
         self.dtype = dtype
         self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -106,6 +108,15 @@ class ModelRunner:
             logical = fuse_logical_axes(logical_axes(cfg, dtype), self.params)
             self.model = ShardedModel(local, plan, plan.param_specs(self.params, logical))
         self.lora: dict | None = None   # LoRA adapters' device slots (`enable_lora`; atlasjax/lora.py)
+        self.draft: steps.Draft | None = None
+        self.draft_params = None
+        if draft is not None:
+            if plan is not None:
+                raise ValueError("a draft model under tensor parallelism is not supported")
+            draft_cfg, draft_params, num_tokens = draft
+            self.draft = steps.Draft(Transformer(draft_cfg, attn_backend=attn_backend, dtype=dtype), num_tokens,
+                                     min(draft_cfg.vocab_size, cfg.vocab_size))
+            self.draft_params = fuse_projections(draft_params, in_place=own_params)
         self.state: DeviceState | None = None
         self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
         self.num_compiles = 0
@@ -137,7 +148,9 @@ class ModelRunner:
         extra = {} if plan is None else dict(sharding=plan.replicated)
         if plan is not None:
             kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
-        return DeviceState(kv=kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
+        draft_kv = () if self.draft is None else jax.eval_shape(functools.partial(
+            init_kv_cache, self.draft.model.cfg, num_pages, self.page_size, self.kv_dtype))
+        return DeviceState(kv=kv, draft_kv=draft_kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
                            prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
                            bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),
                            bias_vals=jax.ShapeDtypeStruct(bias, jnp.float32, **extra),
@@ -315,11 +328,12 @@ class ModelRunner:
     # names its step (StepSpec); `_compile` compiles each key once, and warmup compiles the same specs.
     def _decode_spec(self, host_inputs, prev, plan, num_steps=1, split_rows=None) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
-        args = (self.params, self.lora, self._state_arg, self._host(packed), *prev)
+        args = (self.params, self.lora, self._state_arg, self._host(packed), *prev, *self._draft_args)
         rows = host_inputs[0].shape[0]
         # a long-context program (split_rows set: atlasjax/long_context_decode.py) is a step of its own name
         name, options = ("decode", {}) if split_rows is None else (f"decode_long_context_{split_rows}",
                                                                    dict(split_rows=split_rows))
+        options.update(self._draft_options)
         if num_steps == 1:
             return StepSpec((name, rows, plan),
                             functools.partial(steps.decode_step, self.model, plan, layout, **options), (2,), args)
@@ -331,14 +345,24 @@ class ModelRunner:
         packed, layout = steps.pack_host(host_inputs)
         t = host_inputs[0].shape[0]
         return StepSpec(("prefill", t, with_prompt_logprobs),
-                        functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout), (2,),
-                        (self.params, self.lora, self._state_arg, self._host(packed)))
+                        functools.partial(steps.prefill_step, self.model, with_prompt_logprobs, layout,
+                                          **self._draft_options), (2,),
+                        (self.params, self.lora, self._state_arg, self._host(packed), *self._draft_args))
 
     def _verify_spec(self, host_inputs, prev, plan) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
         return StepSpec(("verify", host_inputs[0].shape[0], plan),
-                        functools.partial(steps.verify_step, self.model, plan, layout), (2,),
-                        (self.params, self.lora, self._state_arg, self._host(packed), *prev))
+                        functools.partial(steps.verify_step, self.model, plan, layout, **self._draft_options), (2,),
+                        (self.params, self.lora, self._state_arg, self._host(packed), *prev, *self._draft_args))
+
+    @property
+    def _draft_args(self) -> tuple:
+        """A step's trailing argument with a draft model: its params (steps.Draft)."""
+        return () if self.draft is None else (self.draft_params,)
+
+    @property
+    def _draft_options(self) -> dict:
+        return {} if self.draft is None else dict(draft=self.draft)
 
     @property
     def admit_rows(self) -> int:

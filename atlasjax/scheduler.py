@@ -154,10 +154,13 @@ class Scheduler:
             room = min(spec.num_speculative_tokens, req.max_tokens - req.num_generated - 1, budget)
             if room <= 0:
                 continue
-            # tokens still on the device (async scheduling) are predicted by the same lookup, then passed over
-            pending = req.num_pending_tokens
-            proposed = speculative.propose(speculative.request_tokens(req), room + pending, spec.prompt_lookup_min,
-                                           spec.prompt_lookup_max)[pending:]
+            if spec.uses_draft_model:   # rows for the draft model's drafts, which the verify step proposes
+                proposed = [speculative.DRAFT_ON_DEVICE] * room
+            else:
+                # tokens still on the device (async scheduling) are predicted by the same lookup, then passed over
+                pending = req.num_pending_tokens
+                proposed = speculative.propose(speculative.request_tokens(req), room + pending,
+                                               spec.prompt_lookup_min, spec.prompt_lookup_max)[pending:]
             # draft j writes K/V at position num_total_tokens + j
             if proposed and not self._allocate_for(req, req.num_total_tokens + len(proposed)):
                 proposed = proposed[:len(req.pages) * ps - req.num_total_tokens]

@@ -1,8 +1,10 @@
-"""Speculative decoding with n-gram (prompt lookup) drafts, as vLLM's `speculative_config={"method": "ngram"}`.
+"""Speculative decoding, as vLLM's `speculative_config`: n-gram (prompt lookup) drafts (`method: "ngram"`) or a
+smaller draft model's (`method: "draft_model"`, atlasjax/draft_model.py).
 
 Plain Python and numpy, no jax. Each decode-only step, every running request proposes up to
-`num_speculative_tokens` draft tokens: the tokens that followed the latest earlier occurrence of its last
-n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output. The engine
+`num_speculative_tokens` draft tokens. n-gram: the tokens that followed the latest earlier occurrence of its last
+n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output, found on the host.
+Draft model: the draft model's greedy tokens, proposed on the device inside the verify step. The engine
 then runs one verify step (atlasjax/steps.py `verify_step`) over each request's last token and its drafts,
 samples a token at every position from the target model's own distribution, as a decode step would, and
 keeps the drafts up to the first that differs from the token sampled before it, plus that sampled token.
@@ -29,17 +31,34 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None   # shortest                         } the one given for both
     disable_by_batch_size: int | None = None   # no drafts in a step of this many running requests or more
                                                # (where the batch already fills the device)
-    method: str = "ngram"
+    method: str | None = None   # "ngram" (default without `model`) or "draft_model" (default with it)
+    model: str | None = None    # the draft model (method "draft_model"): a path or hub id, as the engine's model
+    draft_tensor_parallel_size: int | None = None   # only 1 (the draft runs where the target does, on one device)
+    quantization: str | None = None   # the draft's weights: only None (they run in the engine's dtype)
+    revision: str | None = None       # accepted as vLLM's; only None (no hub downloads)
 
     def __post_init__(self):
         def bad(msg):
             raise EngineConfigError(f"speculative_config: {msg}")
+        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        object.__setattr__(self, "method", "ngram" if method == "prompt_lookup" else method)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else hi if hi is not None else 5)
         object.__setattr__(self, "prompt_lookup_max", hi if hi is not None else self.prompt_lookup_min)
-        if self.method not in ("ngram", "prompt_lookup"):
-            bad(f"method {self.method!r} is not supported (only 'ngram': drafts looked up in the request's own "
-                "tokens; draft models, EAGLE and MTP are not implemented)")
+        if self.method not in ("ngram", "draft_model"):
+            bad(f"method {self.method!r} is not supported (supported: 'ngram', drafts looked up in the request's own "
+                "tokens, and 'draft_model', a smaller model's; EAGLE, Medusa and MTP are not implemented)")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                bad("method 'draft_model' needs model: the draft model's path")
+            if self.draft_tensor_parallel_size not in (None, 1):
+                bad(f"draft_tensor_parallel_size must be 1, got {self.draft_tensor_parallel_size!r}")
+            for name in ("quantization", "revision"):
+                if getattr(self, name) is not None:
+                    bad(f"{name} of the draft model is not supported (the draft runs unquantized, in the "
+                        "engine's dtype)")
+        elif self.model is not None:
+            bad("model is for method 'draft_model'; n-gram drafts need none")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -67,7 +86,15 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+
 MAX_SPECULATIVE_TOKENS = 15
+# A draft model's drafts are proposed on the device inside the verify step: the scheduler reserves their rows with
+# this token, which the step replaces (the drafts come back with the step's output).
+DRAFT_ON_DEVICE = 0
 
 
 def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

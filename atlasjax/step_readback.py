@@ -41,6 +41,8 @@ class HostOutput:
     top_vals: np.ndarray | None
     top_ids: np.ndarray | None
     prompt: tuple | None     # (chosen [T], top_vals [T, K], top_ids [T, K]) of a prefill with prompt logprobs
+    drafts: list[list[int]] | None = None   # a verify step's drafts per decode row (as verified: a draft model's
+                                            # were proposed on the device)
 
 
 def arrays_to_read(step: LaunchedStep) -> list[jax.Array]:
@@ -49,6 +51,8 @@ def arrays_to_read(step: LaunchedStep) -> list[jax.Array]:
     for out in (step.prefill, step.decode):
         if out is not None:
             arrays.append(out.tokens)
+            if out.inputs is not None:
+                arrays.append(out.inputs)
             if step.with_logprobs:
                 arrays += [out.logprob, out.top_vals, out.top_ids]
     if step.prefill is not None and step.prefill.prompt is not None:
@@ -69,7 +73,7 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
             for o in (step.prefill, step.decode)]
     got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
     if step.spans is not None:
-        return _verify_host(step.spans, got[1], num_slots)
+        return _verify_host(step.spans, got[1], np.asarray(step.decode.inputs), num_slots)
 
     def steps_axis(x, rows, dtype, tail=()):   # -> [n, rows, *tail]: single-step outputs are iteration 0
         if x is None:
@@ -90,9 +94,9 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
     return host
 
 
-def _verify_host(spans: list[tuple[int, int]], got, num_slots: int) -> HostOutput:
+def _verify_host(spans: list[tuple[int, int]], got, inputs: np.ndarray, num_slots: int) -> HostOutput:
     """A verify step's flat rows [T] laid out as a multi-step decode's: [1 + most drafts, num_slots + requests],
-    request r's sampled tokens down column num_slots + r."""
+    request r's sampled tokens down column num_slots + r; its drafts from the step's input rows."""
     tokens, lps = got
     depth, width = 1 + max(n for _, n in spans), num_slots + len(spans)
 
@@ -101,7 +105,8 @@ def _verify_host(spans: list[tuple[int, int]], got, num_slots: int) -> HostOutpu
         for r, (start, n) in enumerate(spans):
             out[:n + 1, num_slots + r] = x[start:start + n + 1]
         return out
-    host = HostOutput(by_request(tokens, np.int32), None, None, None, None)
+    host = HostOutput(by_request(tokens, np.int32), None, None, None, None,
+                      [inputs[start + 1:start + 1 + n].tolist() for start, n in spans])
     if lps is not None:
         host.logprob, host.top_vals, host.top_ids = (by_request(x, dt) for x, dt in
                                                      zip(lps, (np.float32, np.float32, np.int32)))

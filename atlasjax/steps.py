@@ -12,10 +12,15 @@ Device state (donated to every step, so it is updated in place and never copied)
   recent:      [max_num_seqs, MAX_BAD_WORD_TOKENS - 1] int32, each slot's last generated tokens (-1: none yet),
                which bad words of several tokens match; set at admit, advanced by every step that samples with
                the full plan (a request with bad words never runs a greedy-plan step)
+  draft_kv:    a draft model's KV pool, as kv (speculative decoding with a draft model; () without): the same
+               pages as the target's, and every step that runs the target over tokens runs the draft over them
+               too (`_run_draft`), so the draft's cache always holds what the target's holds
 
 A step's small host inputs cross to the device as one packed int32 array (`pack_host`).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -36,6 +41,7 @@ class DeviceState:
     bias_vals: jax.Array
     bad_words: jax.Array
     recent: jax.Array
+    draft_kv: tuple = ()
 
 
 @flax.struct.dataclass
@@ -49,6 +55,7 @@ class StepOutput:
     # tokens, logprob, top_vals and top_ids gain a leading [num_steps] axis; this is its final token). A
     # later step gathers from it, so that step compiles the same whatever this one's row count.
     last_tokens: jax.Array | None = None
+    inputs: jax.Array | None = None   # a verify step's token rows [T]: each request's last token and its drafts
 
     @property
     def gather_tokens(self) -> jax.Array:
@@ -103,6 +110,55 @@ def _run_model(model: Transformer, params, lora, tokens, positions, kv, meta, to
                        _slot_rows(lora["adapter_of_slot"], token_slots))
 
 
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """Speculative decoding's draft model (atlasjax/draft_model.py), static in the step programs: its module, the
+    drafts it proposes per request and step, and the tokens it may propose (the target's vocabulary)."""
+    model: Transformer
+    num_tokens: int
+    vocab: int
+
+
+def _run_draft(draft: Draft | None, draft_params, tokens, positions, kv, meta):
+    """The draft model over the tokens the target runs in this step (the same positions and pages) -> its kv."""
+    if draft is None:
+        return kv
+    return draft.model.apply({"params": draft_params}, tokens, positions, kv, meta)[1]
+
+
+def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query_start, num_seqs):
+    """A draft model's greedy drafts, filled into a verify step's rows: request i's chunk (pack_verify) is its last
+    token, then rows that hold draft j at offset j. num_tokens + 1 decode iterations of the draft over the page
+    table's rows: iteration j takes the token at position last + j (the last token, then draft j) and proposes
+    draft j + 1; the last iteration only writes its input's K/V, so the draft's cache ends covering every position
+    the verify writes. A request's iterations past its own chunk are padding (no K/V write).
+    Returns (kv, tokens with the drafts in place)."""
+    _, num_pages, page_size, _ = kv[0][0].shape
+    rows = page_table.shape[0]
+    chunk = query_start[1:] - query_start[:-1]        # [S] request i's rows: 1 + its drafts (past num_seqs: 0)
+    first = seq_lens - chunk                          # the position of its last token
+    last = tokens[jnp.minimum(query_start[:-1], tokens.shape[0] - 1)]
+
+    def body(carry, j):
+        kv, x = carry
+        lens = jnp.where(j < chunk, first + j + 1, 0)
+        meta = AttentionMetadata(slot_mapping=decode_slots(page_table, lens, page_size, num_pages),
+                                 page_table=page_table, seq_lens=lens)
+        hidden, kv = draft.model.apply({"params": draft_params}, x, jnp.maximum(lens - 1, 0), kv, meta)
+        logits = draft.model.apply({"params": draft_params}, hidden, method=Transformer.logits)
+        proposed = jnp.argmax(logits[:, :draft.vocab], axis=-1).astype(jnp.int32)
+        return (kv, proposed), proposed
+
+    (kv, _), proposed = jax.lax.scan(body, (kv, last), jnp.arange(draft.num_tokens + 1))   # [k + 1, S]
+    t = jnp.arange(tokens.shape[0])
+    seq = jnp.searchsorted(query_start[1:], t, side="right", method="compare_all")
+    at = jnp.minimum(seq, rows - 1)
+    offset = t - query_start[at]
+    fill = (seq < num_seqs) & (offset >= 1)
+    drafts = proposed[jnp.clip(offset - 1, 0, draft.num_tokens - 1), at]
+    return kv, jnp.where(fill, drafts, tokens)
+
+
 def _slot_rows(state_rows, slots):
     """Per-slot state [max_num_seqs, ...] at a step's rows (padding rows, slot max_num_seqs: the last slot's)."""
     return state_rows[jnp.minimum(slots, state_rows.shape[0] - 1)]
@@ -128,39 +184,42 @@ def _advance_recent(recent, slots, new_tokens):
 
 
 def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: DeviceState, tokens, page_table,
-                 seq_lens, slots, st, split_rows=None, lora=None):
+                 seq_lens, slots, st, split_rows=None, lora=None, draft=None, draft_params=None, draft_kv=()):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv, counts and recent are the iteration's own. split_rows: AttentionMetadata's.
-    lora: the runner's LoRA tree (atlasjax/lora.py), or None."""
+    per-slot sampling state; kv, counts, recent and draft_kv are the iteration's own. split_rows:
+    AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft: `Draft` or None.
+    Returns (kv, draft_kv, counts, recent, StepOutput)."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              split_rows=split_rows)
     hidden, kv = _run_model(model, params, lora, tokens, positions, kv, meta, slots)
+    draft_kv = _run_draft(draft, draft_params, tokens, positions, draft_kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, counts, recent, logits, slots, st, plan)
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
     if not plan.greedy:
         recent = _advance_recent(recent, jnp.where(seq_lens > 0, slots, counts.shape[0]), new_tokens)
-    return kv, counts, recent, StepOutput(new_tokens, lp, tv, ti)
+    return kv, draft_kv, counts, recent, StepOutput(new_tokens, lp, tv, ti)
 
 
 def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, lora, state: DeviceState, packed,
-                prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
-    """One decode iteration (split_rows: the attention's, AttentionMetadata; lora: `_decode_once`'s)."""
+                prev_prefill_tokens, prev_decode_tokens, draft_params=None, *, split_rows=None, draft=None):
+    """One decode iteration (split_rows: the attention's, AttentionMetadata; lora, draft: `_decode_once`'s)."""
     tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    kv, counts, recent, out = _decode_once(model, plan, params, state.kv, state.counts, state.recent, state, tokens,
-                                           page_table, seq_lens, slots, sampling.SamplingTensors(f, i), split_rows,
-                                           lora)
+    kv, draft_kv, counts, recent, out = _decode_once(
+        model, plan, params, state.kv, state.counts, state.recent, state, tokens, page_table, seq_lens, slots,
+        sampling.SamplingTensors(f, i), split_rows, lora, draft, draft_params, state.draft_kv)
     out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
-    return state.replace(kv=kv, counts=counts, recent=recent), out
+    return state.replace(kv=kv, draft_kv=draft_kv, counts=counts, recent=recent), out
 
 
 def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params, lora,
-                      state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, *, split_rows=None):
+                      state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, draft_params=None, *,
+                      split_rows=None, draft=None):
     """`num_steps` decode iterations in one launch (a `lax.scan`, so the host issues the step once for
     all of them). Row r runs the first row_steps[r] iterations, each feeding back its own token;
     after them it is inactive (no K/V write), and its later outputs repeat its last token."""
@@ -168,18 +227,19 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
 
     def body(carry, j):
-        kv, counts, recent, tokens = carry
+        kv, draft_kv, counts, recent, tokens = carry
         active = (seq_lens > 0) & (j < row_steps)
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
-        kv, counts, recent, out = _decode_once(model, plan, params, kv, counts, recent, state, tokens, page_table,
-                                               jnp.where(active, seq_lens + j, 0), slots, st, split_rows, lora)
+        kv, draft_kv, counts, recent, out = _decode_once(
+            model, plan, params, kv, counts, recent, state, tokens, page_table, jnp.where(active, seq_lens + j, 0),
+            slots, st, split_rows, lora, draft, draft_params, draft_kv)
         tokens = jnp.where(active, out.tokens, tokens)
-        return (kv, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
+        return (kv, draft_kv, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
-    (kv, counts, recent, tokens), outs = jax.lax.scan(body, (state.kv, state.counts, state.recent, tokens),
-                                                      jnp.arange(num_steps))
-    return state.replace(kv=kv, counts=counts, recent=recent), StepOutput(
+    (kv, draft_kv, counts, recent, tokens), outs = jax.lax.scan(
+        body, (state.kv, state.draft_kv, state.counts, state.recent, tokens), jnp.arange(num_steps))
+    return state.replace(kv=kv, draft_kv=draft_kv, counts=counts, recent=recent), StepOutput(
         *outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
 
 
@@ -187,7 +247,8 @@ PREFILL_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens
                   "sample_rows", "slot_ids", "commit", "next_tokens")
 
 
-def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params, lora, state: DeviceState, packed):
+def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params, lora, state: DeviceState, packed,
+                 draft_params=None, *, draft=None):
     (tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, sample_rows, slot_ids, commit,
      next_tokens, f, i) = unpack_host(packed, layout)
     st = sampling.SamplingTensors(f, i)
@@ -199,6 +260,7 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
         seq = jnp.searchsorted(query_start[1:], jnp.arange(tokens.shape[0]), side="right", method="compare_all")
         token_slots = slot_ids[jnp.minimum(seq, slot_ids.shape[0] - 1)]
     hidden, kv = _run_model(model, params, lora, tokens, positions, state.kv, meta, token_slots)
+    state = state.replace(draft_kv=_run_draft(draft, draft_params, tokens, positions, state.draft_kv, meta))
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
     slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, slots, st)
@@ -216,22 +278,27 @@ VERIFY_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens"
 
 
 def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, lora, state: DeviceState, packed,
-                prev_prefill_tokens, prev_decode_tokens):
+                prev_prefill_tokens, prev_decode_tokens, draft_params=None, *, draft=None):
     """Speculative decoding's verify (atlasjax/speculative.py): chunks of each request's last token and its
     drafts, packed as prefill chunks are, write their K/V and sample a token at every row with the row's
     settings (`step_packing.pack_verify`); a last token still on the device is gathered as a decode's is.
-    Only requests without penalties or bad words speculate, so the per-slot counts and recent tokens are read
-    (bias tables) but not advanced."""
+    With a draft model (`Draft`) its drafts are proposed first, here (`_propose`), into the rows the host
+    reserved. Only requests without penalties or bad words speculate, so the per-slot counts and recent tokens
+    are read (bias tables) but not advanced. The output's `inputs` are the rows' tokens, drafts included."""
     tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, row_slots, f, i = unpack_host(
         packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
+    draft_kv = state.draft_kv
+    if draft is not None:
+        draft_kv, tokens = _propose(draft, draft_params, draft_kv, tokens, page_table, seq_lens, query_start,
+                                    num_seqs)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
     hidden, kv = _run_model(model, params, lora, tokens, positions, state.kv, meta, row_slots)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots,
                                           sampling.SamplingTensors(f, i), plan)
-    return state.replace(kv=kv), StepOutput(new_tokens, lp, tv, ti)
+    return state.replace(kv=kv, draft_kv=draft_kv), StepOutput(new_tokens, lp, tv, ti, inputs=tokens)
 
 
 def admit_step(layout, state: DeviceState, packed):
