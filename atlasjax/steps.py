@@ -128,14 +128,17 @@ def _run_draft(draft: Draft | None, draft_params, tokens, positions, kv, meta):
 
 def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query_start, num_seqs):
     """A draft model's greedy drafts, filled into a verify step's rows: request i's chunk (pack_verify) is its last
-    token, then rows that hold draft j at offset j. num_tokens + 1 decode iterations of the draft over the page
-    table's rows: iteration j takes the token at position last + j (the last token, then draft j) and proposes
+    token, then rows that hold draft j at offset j. num_tokens + 1 decode iterations of the draft over the requests:
+    iteration j takes the token at position last + j (the last token, then draft j) and proposes
     draft j + 1; the last iteration only writes its input's K/V, so the draft's cache ends covering every position
     the verify writes. A request's iterations past its own chunk are padding (no K/V write).
     Returns (kv, tokens with the drafts in place)."""
     _, num_pages, page_size, _ = kv[0][0].shape
-    rows = page_table.shape[0]
-    chunk = query_start[1:] - query_start[:-1]        # [S] request i's rows: 1 + its drafts (past num_seqs: 0)
+    # a request has one row at least: no more requests than the step's rows (a 256-slot engine's 16-token verify
+    # runs the draft over 16 rows, not 256)
+    rows = min(page_table.shape[0], tokens.shape[0])
+    page_table, seq_lens, query_start = page_table[:rows], seq_lens[:rows], query_start[:rows + 1]
+    chunk = query_start[1:] - query_start[:-1]        # [rows] request i's rows: 1 + its drafts (past num_seqs: 0)
     first = seq_lens - chunk                          # the position of its last token
     last = tokens[jnp.minimum(query_start[:-1], tokens.shape[0] - 1)]
 
@@ -149,7 +152,7 @@ def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query
         proposed = jnp.argmax(logits[:, :draft.vocab], axis=-1).astype(jnp.int32)
         return (kv, proposed), proposed
 
-    (kv, _), proposed = jax.lax.scan(body, (kv, last), jnp.arange(draft.num_tokens + 1))   # [k + 1, S]
+    (kv, _), proposed = jax.lax.scan(body, (kv, last), jnp.arange(draft.num_tokens + 1))   # [k + 1, rows]
     t = jnp.arange(tokens.shape[0])
     seq = jnp.searchsorted(query_start[1:], t, side="right", method="compare_all")
     at = jnp.minimum(seq, rows - 1)

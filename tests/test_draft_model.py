@@ -5,6 +5,7 @@ prefix cache, preemption), and a bad draft is refused with the reason."""
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import tokenizers
@@ -15,7 +16,9 @@ from atlasjax.errors import EngineConfigError
 from atlasjax.speculative import SpeculativeConfig
 from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
 
-ENGINE = dict(max_num_seqs=8, max_model_len=160, page_size=8, max_num_batched_tokens=64)
+# float32 everywhere: on a GPU in bf16 (its default) a verify's rows round unlike a decode's, and this random model's
+# near-equal tokens then flip (an H200 found greedy ties between two tokens that did; session 68)
+ENGINE = dict(max_num_seqs=8, max_model_len=160, page_size=8, max_num_batched_tokens=64, dtype="float32")
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
 # short, repeating and long prompts; the long one (97 tokens) prefills in two chunks of the 64-token budget
 PROMPTS = [[7, 8, 9, 10, 7, 8], list(range(3, 40)), list(range(3, 100))]
@@ -70,7 +73,8 @@ def test_another_draft_model_leaves_greedy_and_seeded_outputs_exact(target, hf_m
         assert (a.logprobs is None) == (b.logprobs is None)
         for da, db in zip(a.logprobs or [], b.logprobs or []):
             assert da.keys() == db.keys()
-            np.testing.assert_allclose([v.logprob for v in da.values()], [v.logprob for v in db.values()], atol=1e-4)
+            np.testing.assert_allclose([v.logprob for v in da.values()], [v.logprob for v in db.values()],
+                                       atol=5e-3 if jax.default_backend() == "gpu" else 1e-4)   # GPU: TF32 matmuls
     assert llm.engine.stats.spec.num_draft_tokens > 0
     _assert_idle(llm.engine)
 
