@@ -19,9 +19,11 @@ log = logging.getLogger("atlasjax.engine")
 PRESET = "preset:"   # `model` "preset:llama-3.2-1b": a bench preset's random weights (atlasjax/bench/presets.py)
 
 
-def load_draft(spec, target_tokenizer, dtype, max_model_len: int):
-    """The draft model of `spec` (SpeculativeConfig, method "draft_model") -> (its ModelConfig, its params),
-    loaded unquantized in `dtype` (or random weights of a bench preset, "preset:NAME", to measure steps). Refused (EngineConfigError, naming the reason): a checkpoint that cannot be read,
+def load_draft(spec, target_tokenizer, dtype, max_model_len: int, mesh=None):
+    """The draft model of `spec` (SpeculativeConfig, method "draft_model") -> (its ModelConfig, its params, its
+    TensorParallel plan or None), loaded unquantized in `dtype` (or random weights of a bench preset,
+    "preset:NAME", to measure steps); under tensor parallelism (`mesh`: the target's) split over the same devices
+    as the target, its KV heads included. Refused (EngineConfigError, naming the reason): a checkpoint that cannot be read,
     one without an LM head, a tokenizer other than the target's."""
     from atlasjax.loader import load_model  # noqa: PLC0415
     try:
@@ -30,9 +32,9 @@ def load_draft(spec, target_tokenizer, dtype, max_model_len: int):
             name = spec.model[len(PRESET):]
             if name not in PRESETS:
                 raise ValueError(f"no bench preset {name!r} (presets: {', '.join(PRESETS)})")
-            loaded = load_preset(name, dtype, seed=1)
+            loaded = load_preset(name, dtype, seed=1, tensor_parallel_size=1 if mesh is None else mesh.size)
         else:
-            loaded = load_model(spec.model, dtype, keep_gguf_quantized=False)
+            loaded = load_model(spec.model, dtype, keep_gguf_quantized=False, mesh=mesh)
     except (CheckpointError, OSError, ValueError) as e:
         raise EngineConfigError(f"speculative_config: the draft model {spec.model!r} cannot be loaded: {e}") from e
     if loaded.pooling_model or loaded.classifier is not None:
@@ -46,7 +48,7 @@ def load_draft(spec, target_tokenizer, dtype, max_model_len: int):
                     "stays exact)", cfg.max_position_embeddings, max_model_len)
     log.info("speculative decoding: draft model %s (%d layers, hidden %d, vocab %d)", spec.model, cfg.num_layers,
              cfg.hidden_size, cfg.vocab_size)
-    return cfg, loaded.params
+    return cfg, loaded.params, loaded.plan
 
 
 def check_same_tokenizer(target, draft, name: str) -> None:

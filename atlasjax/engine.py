@@ -109,8 +109,9 @@ class LLMEngine:
         if self.speculative is not None and self.speculative.uses_draft_model:
             if distributed.is_multiprocess():
                 raise EngineConfigError("a draft model (speculative_config) across several hosts is not supported")
-            draft = (*load_draft(self.speculative, self.tokenizer, self.dtype, self.max_model_len),
-                     self.speculative.num_speculative_tokens)
+            draft = load_draft(self.speculative, self.tokenizer, self.dtype, self.max_model_len,
+                               None if self.loaded.plan is None else self.loaded.plan.mesh)
+            draft = (*draft, self.speculative.num_speculative_tokens)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
                                   prefill_buckets=config.prefill_buckets(),
@@ -143,7 +144,7 @@ class LLMEngine:
             num_pages = distributed.broadcast_int(   # all hosts agree
                 config.num_pages or auto_num_pages(config, cfg, self.kv_dtype, self.max_model_len,
                                                    self.runner.params, self.loaded.plan,
-                                                   None if self.runner.draft is None else self.runner.draft.model.cfg))
+                                                   self.runner.draft_cfg, self.runner.draft_plan))
         self._check_num_pages(num_pages)
         if config.compile_at_start and self.pooling_only:
             t0 = time.perf_counter()

@@ -214,9 +214,9 @@ class EngineConfig:
             bad("LoRA adapters under tensor parallelism are not supported yet: enable_lora needs "
                 "tensor_parallel_size=1")
         spec = self.speculative_config
-        if spec is not None and spec.uses_draft_model and self.tensor_parallel_size > 1:
-            bad("a draft model (speculative_config method 'draft_model') under tensor parallelism is not supported "
-                "yet: it needs tensor_parallel_size=1 (n-gram drafts work at any size)")
+        if spec is not None and spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
+            bad(f"speculative_config: draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must equal "
+                f"tensor_parallel_size={self.tensor_parallel_size}: the draft is split over the target's devices")
         if spec is not None and spec.uses_draft_model and self.enable_lora:
             bad("a draft model (speculative_config method 'draft_model') with LoRA adapters is not supported yet")
         if self.quantize_lm_head and self.quantization is None:

@@ -32,15 +32,15 @@ def kv_bytes_per_page(model_config, page_size: int, dtype, kv_heads: int) -> int
     return 2 * model_config.num_layers * kv_heads * page_size * model_config.head_dim * jnp.dtype(dtype).itemsize
 
 
-def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan=None, draft_config=None) -> int:
+def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan=None, draft_config=None,
+                   draft_plan=None) -> int:
     """Pages for an engine of `config` (EngineConfig) whose `params` are in their execution layout;
     under tensor parallelism (`plan`) each device holds its KV heads' share of a page. `dtype`: the pool's.
-    draft_config: a draft model's (speculative decoding), whose own pool takes the same pages."""
+    draft_config, draft_plan: a draft model's (speculative decoding), whose own pool takes the same pages."""
     cfg, ps = model_config, config.page_size
-    kv_heads = plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
-    bytes_per_page = kv_bytes_per_page(cfg, ps, dtype, kv_heads)
+    bytes_per_page = kv_bytes_per_page(cfg, ps, dtype, _local_kv_heads(cfg, plan))
     if draft_config is not None:
-        bytes_per_page += kv_bytes_per_page(draft_config, ps, dtype, draft_config.num_kv_heads)
+        bytes_per_page += kv_bytes_per_page(draft_config, ps, dtype, _local_kv_heads(draft_config, draft_plan))
     jax.block_until_ready(params)   # the load's temporaries are freed once its work has run
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
@@ -56,6 +56,11 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
              "the largest free block %.2f GiB)", pages, ps, jnp.dtype(dtype).name, pages * bytes_per_page / 2**30,
              free / 2**30, stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
     return pages
+
+
+def _local_kv_heads(cfg, plan) -> int:
+    """KV heads one device holds: its share under tensor parallelism (`plan`), replicas included."""
+    return plan.num_kv_heads // plan.size if plan else cfg.num_kv_heads
 
 
 def _device_bytes(x) -> int:

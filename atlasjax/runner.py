@@ -77,7 +77,7 @@ class ModelRunner:
         is given it.
         verify_buckets: token counts (prefill buckets) of the speculative verify step that warmup compiles (one
         per sampling plan); () without speculative decoding.
-        draft: speculative decoding's draft model (atlasjax/draft_model.py): (its config, its params, drafts per
+        draft: speculative decoding's draft model (atlasjax/draft_model.py): (its config, params, plan, drafts per
         step); every step then runs it beside the target over a KV pool of its own on the same pages."""
         self.cfg = cfg
         self.dtype = dtype
@@ -109,14 +109,9 @@ class ModelRunner:
             self.model = ShardedModel(local, plan, plan.param_specs(self.params, logical))
         self.lora: dict | None = None   # LoRA adapters' device slots (`enable_lora`; atlasjax/lora.py)
         self.draft: steps.Draft | None = None
-        self.draft_params = None
+        self.draft_cfg = self.draft_params = self.draft_plan = None
         if draft is not None:
-            if plan is not None:
-                raise ValueError("a draft model under tensor parallelism is not supported")
-            draft_cfg, draft_params, num_tokens = draft
-            self.draft = steps.Draft(Transformer(draft_cfg, attn_backend=attn_backend, dtype=dtype), num_tokens,
-                                     min(draft_cfg.vocab_size, cfg.vocab_size))
-            self.draft_params = fuse_projections(draft_params, in_place=own_params)
+            self._set_draft(*draft, attn_backend=attn_backend, own_params=own_params)
         self.state: DeviceState | None = None
         self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
         self.num_compiles = 0
@@ -125,6 +120,23 @@ class ModelRunner:
         self._compiled: dict = {}
         self._store_keys: dict = {}   # step key -> its program store key
         self._compile_lock = threading.Lock()   # warmup compiles in threads
+
+    def _set_draft(self, cfg, params, plan, num_tokens: int, *, attn_backend: str, own_params: bool) -> None:
+        """Speculative decoding's draft model (atlasjax/draft_model.py): run as the target is, fused, and under
+        tensor parallelism (its `plan`, on the target's mesh) inside shard_map with its KV pool split over heads."""
+        if (plan is None) != (self.plan is None):
+            raise ValueError("the draft model must be split over the target's mesh, or neither")
+        self.draft_cfg, self.draft_plan = cfg, plan
+        self.draft_params = fuse_projections(params, *(() if plan is None else (plan.mesh, TP_AXIS)),
+                                             in_place=own_params)
+        if plan is None:
+            model = Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype)
+        else:
+            from atlasjax.sharding import ShardedModel, logical_axes  # noqa: PLC0415
+            logical = fuse_logical_axes(logical_axes(cfg, self.dtype), self.draft_params)
+            model = ShardedModel(Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype, parallel=plan.parallel),
+                                 plan, plan.param_specs(self.draft_params, logical))
+        self.draft = steps.Draft(model, num_tokens, min(cfg.vocab_size, self.cfg.vocab_size))
 
     def allocate(self, num_pages: int) -> None:
         """The device state: a KV pool of `num_pages` pages and the per-slot penalty state, zeroed (under
@@ -148,8 +160,14 @@ class ModelRunner:
         extra = {} if plan is None else dict(sharding=plan.replicated)
         if plan is not None:
             kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
-        draft_kv = () if self.draft is None else jax.eval_shape(functools.partial(
-            init_kv_cache, self.draft.model.cfg, num_pages, self.page_size, self.kv_dtype))
+        draft_kv = ()
+        if self.draft is not None:
+            dplan = self.draft_plan
+            draft_kv = jax.eval_shape(functools.partial(init_kv_cache, self.draft_cfg, num_pages, self.page_size,
+                                                        self.kv_dtype, *(() if dplan is None else (dplan.num_kv_heads,))))
+            if dplan is not None:
+                draft_kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dplan.kv_sharding),
+                                        draft_kv)
         return DeviceState(kv=kv, draft_kv=draft_kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
                            prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
                            bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),

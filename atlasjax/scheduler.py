@@ -22,9 +22,10 @@ writes its pages keeps them until that step completes. Its slot is free at once:
 request's admit step (which resets the slot's penalty row) runs after that step on the device.
 
 Speculative decoding (`speculative`, atlasjax/speculative.py): a decode-only step gives each request up to k
-n-gram drafts (`SchedulerOutput.drafts`), within its max_tokens, the step's token budget and the pages it can
-get without preempting anyone; a step where no request has a draft is a plain (multi-step) decode. Tokens still
-pending on the device are looked up as well and passed over (the drafts follow them). The engine reads a verify
+drafts (`SchedulerOutput.drafts`), within its max_tokens, the step's token budget and the pages it can get
+without preempting anyone; a step where no request has a draft is a plain (multi-step) decode. n-gram drafts are
+looked up here, tokens still pending on the device included and passed over (the drafts follow them); a draft
+model's are placeholders (`DRAFT_ON_DEVICE`) that the verify step proposes on the device. The engine reads a verify
 step back before it schedules the next one: its accepted drafts move every later position. Its K/V is written
 for its last token and every draft; once the step is read back, `speculated` sets its computed tokens to
 those the accepted drafts reach. Pages are registered in the prefix cache only for known tokens, never drafts.
@@ -141,7 +142,8 @@ class Scheduler:
         return SchedulerOutput(decodes, prefills, admitted, preempted, steps, drafts)
 
     def _drafts(self, decodes: list[Request]) -> dict[Request, list[int]]:
-        """n-gram drafts per request of a decode-only step (atlasjax/speculative.py): none for a request whose
+        """Drafts per request of a decode-only step (atlasjax/speculative.py): n-gram lookups, or a draft model's
+        placeholders (its drafts are proposed inside the verify step); none for a request whose
         sampling keeps per-token state on the device (penalties, bad words), which a verify step does not
         advance, and none at all in a step of `disable_by_batch_size` requests or more."""
         spec = self.speculative

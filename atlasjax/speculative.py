@@ -33,7 +33,8 @@ class SpeculativeConfig:
                                                # (where the batch already fills the device)
     method: str | None = None   # "ngram" (default without `model`) or "draft_model" (default with it)
     model: str | None = None    # the draft model (method "draft_model"): a path or hub id, as the engine's model
-    draft_tensor_parallel_size: int | None = None   # only 1 (the draft runs where the target does, on one device)
+    draft_tensor_parallel_size: int | None = None   # None or the engine's tensor_parallel_size: the draft is split
+                                                    # over the target's devices (EngineConfig checks it)
     quantization: str | None = None   # the draft's weights: only None (they run in the engine's dtype)
     revision: str | None = None       # accepted as vLLM's; only None (no hub downloads)
 
@@ -51,8 +52,9 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 bad("method 'draft_model' needs model: the draft model's path")
-            if self.draft_tensor_parallel_size not in (None, 1):
-                bad(f"draft_tensor_parallel_size must be 1, got {self.draft_tensor_parallel_size!r}")
+            d = self.draft_tensor_parallel_size
+            if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+                bad(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")
             for name in ("quantization", "revision"):
                 if getattr(self, name) is not None:
                     bad(f"{name} of the draft model is not supported (the draft runs unquantized, in the "

@@ -109,6 +109,27 @@ def test_staggered_requests_and_preemption_equal_plain_decoding(target, hf_model
     _assert_idle(engine)
 
 
+def test_a_draft_under_tensor_parallelism_is_split_as_the_target(hf_model_factory):
+    """TP=2: the draft (Qwen3, one KV head: replicated on both devices) runs inside shard_map beside the target
+    (Qwen2, two KV heads), its KV pool split over the devices; the tokens are one device's plain decoding's."""
+    target, draft = hf_model_factory("qwen2_tp")[1], hf_model_factory("qwen3_tp")[1]
+    prompts = [[7, 8, 9, 10, 7, 8], list(range(3, 90))]
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=12, ignore_eos=True)
+    want = [_tokens(LLM(target, **ENGINE), prompts, p) for p in (GREEDY, seeded)]
+    llm = LLM(target, tensor_parallel_size=2, speculative_config={"model": draft, "num_speculative_tokens": 3},
+              **ENGINE)
+    pool = llm.engine.runner.state.draft_kv[0][0]
+    assert pool.shape[0] == 2 and len(pool.sharding.device_set) == 2     # one (replicated) KV head per device
+    assert [_tokens(llm, prompts, p) for p in (GREEDY, seeded)] == want
+    assert llm.engine.stats.spec.num_draft_tokens > 0
+    _assert_idle(llm.engine)
+    self_drafting = LLM(target, tensor_parallel_size=2, speculative_config={"model": target,
+                                                                           "num_speculative_tokens": 3}, **ENGINE)
+    assert _tokens(self_drafting, prompts, GREEDY) == want[0]
+    spec = self_drafting.engine.stats.spec
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+
+
 def _with_tokenizer(src: str, dst: str, words: str) -> str:
     shutil.copytree(src, dst)
     vocab = {f"{words}{i}": i for i in range(512)}
@@ -126,12 +147,10 @@ def test_bad_draft_configs_are_refused_with_the_reason(target, tmp_path):
     refused("model is for method 'draft_model'", speculative_config={"method": "ngram", "model": target,
                                                                       "num_speculative_tokens": 2})
     refused("not supported.*'draft_model'", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
-    refused("draft_tensor_parallel_size must be 1", speculative_config={
+    refused("draft_tensor_parallel_size=2 must equal tensor_parallel_size=1", speculative_config={
         "model": target, "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2})
     refused("quantization of the draft", speculative_config={"model": target, "num_speculative_tokens": 2,
                                                              "quantization": "fp8"})
-    refused("tensor parallelism", tensor_parallel_size=2, speculative_config={"model": target,
-                                                                              "num_speculative_tokens": 2})
     refused("LoRA", enable_lora=True, speculative_config={"model": target, "num_speculative_tokens": 2})
     assert SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 2}').uses_draft_model
     with pytest.raises(EngineConfigError, match="cannot be loaded"):
