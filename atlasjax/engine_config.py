@@ -217,8 +217,6 @@ class EngineConfig:
         if spec is not None and spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
             bad(f"speculative_config: draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must equal "
                 f"tensor_parallel_size={self.tensor_parallel_size}: the draft is split over the target's devices")
-        if spec is not None and spec.uses_draft_model and self.enable_lora:
-            bad("a draft model (speculative_config method 'draft_model') with LoRA adapters is not supported yet")
         if self.quantize_lm_head and self.quantization is None:
             bad("quantize_lm_head=True needs quantization (int8, fp8 or int4): it selects the LM head's "
                 "format; without quantization nothing is quantized")

@@ -151,7 +151,6 @@ def test_bad_draft_configs_are_refused_with_the_reason(target, tmp_path):
         "model": target, "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2})
     refused("quantization of the draft", speculative_config={"model": target, "num_speculative_tokens": 2,
                                                              "quantization": "fp8"})
-    refused("LoRA", enable_lora=True, speculative_config={"model": target, "num_speculative_tokens": 2})
     assert SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 2}').uses_draft_model
     with pytest.raises(EngineConfigError, match="cannot be loaded"):
         LLM(target, speculative_config={"model": str(tmp_path / "missing"), "num_speculative_tokens": 2}, **ENGINE)

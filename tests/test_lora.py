@@ -224,12 +224,14 @@ def test_beam_search_runs_the_adapter(llm, setup):
     assert out.sequences[0].tokens[len(PROMPTS[1]):] == _reference(refs["qv"], PROMPTS[1], 6)
 
 
-def test_speculative_verify_runs_each_requests_adapter(setup):
-    """n-gram drafts verified in one step keep each row on its request's adapter: the merged models' tokens."""
+@pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
+def test_speculative_verify_runs_each_requests_adapter(setup, drafts):
+    """Drafts verified in one step keep each row on its request's adapter: the merged models' tokens. The draft
+    model (here the base model itself) proposes without adapters, as vLLM's does."""
     base, requests, refs = setup
-    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                  "prompt_lookup_min": 1})
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+            if drafts == "ngram" else {"model": base, "num_speculative_tokens": 3})
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE, speculative_config=spec)
     loop = [7, 8, 9, 10] * 4
     names = ["all", "qv", None]
     outs = llm.generate([loop] * 3, GREEDY, lora_request=[requests[n] if n else None for n in names])
