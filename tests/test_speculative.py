@@ -218,8 +218,11 @@ def test_cli_flag_reaches_the_engine_config():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     kw = engine_kwargs(p.parse_args(["--speculative-config", json.dumps(NGRAM)]))
-    assert EngineConfig(**kw).speculative_config == SpeculativeConfig(3, 3, 1)
+    assert EngineConfig(**kw).speculative_config == SpeculativeConfig(3, 3, 1, method="ngram")
     assert engine_kwargs(p.parse_args([]))["speculative_config"] is None
+    draft = EngineConfig(**engine_kwargs(p.parse_args(
+        ["--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 5}']))).speculative_config
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 5)
 
 
 def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_factory):
