@@ -23,8 +23,8 @@ def load_draft(spec, target_tokenizer, dtype, max_model_len: int, mesh=None):
     """The draft model of `spec` (SpeculativeConfig, method "draft_model") -> (its ModelConfig, its params, its
     TensorParallel plan or None), loaded unquantized in `dtype` (or random weights of a bench preset,
     "preset:NAME", to measure steps); under tensor parallelism (`mesh`: the target's) split over the same devices
-    as the target, its KV heads included. Refused (EngineConfigError, naming the reason): a checkpoint that cannot be read,
-    one without an LM head, a tokenizer other than the target's."""
+    as the target, its KV heads included. Refused (EngineConfigError, naming the reason): a checkpoint that cannot
+    be read, one without an LM head, a tokenizer other than the target's."""
     from atlasjax.loader import load_model  # noqa: PLC0415
     try:
         if spec.model.startswith(PRESET):   # random weights of a bench preset: what a draft's steps cost

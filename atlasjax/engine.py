@@ -105,7 +105,7 @@ class LLMEngine:
                                       self.max_model_len, plan=self.loaded.plan)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
         log.info("%s: %s", self.loaded.source, self.weights_summary)
-        draft = None   # speculative decoding's draft model (atlasjax/draft_model.py): (config, params, drafts per step)
+        draft = None   # speculative decoding's draft model (atlasjax/draft_model.py): (config, params, plan, k)
         if self.speculative is not None and self.speculative.uses_draft_model:
             if distributed.is_multiprocess():
                 raise EngineConfigError("a draft model (speculative_config) across several hosts is not supported")

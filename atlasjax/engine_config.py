@@ -129,8 +129,8 @@ class EngineConfig:
                                              # such as {"method": "ngram", "num_speculative_tokens": 4,
                                              # "prompt_lookup_max": 4} or {"model": "path/to/draft",
                                              # "num_speculative_tokens": 4} (a draft model), its JSON, or a
-                                             # SpeculativeConfig (atlasjax/speculative.py); a step without drafts decodes
-                                             # as usual (num_scheduler_steps iterations per launch); the
+                                             # SpeculativeConfig (atlasjax/speculative.py); a step without
+                                             # drafts decodes as usual (num_scheduler_steps iterations per launch); the
                                              # step after a verify step waits for it to be read back
     hf_overrides: object = None              # vLLM's, for cross-encoders only: {"architectures":
                                              # ["Qwen3ForSequenceClassification"], "classifier_from_token":

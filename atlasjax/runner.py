@@ -163,8 +163,9 @@ class ModelRunner:
         draft_kv = ()
         if self.draft is not None:
             dplan = self.draft_plan
+            heads = () if dplan is None else (dplan.num_kv_heads,)
             draft_kv = jax.eval_shape(functools.partial(init_kv_cache, self.draft_cfg, num_pages, self.page_size,
-                                                        self.kv_dtype, *(() if dplan is None else (dplan.num_kv_heads,))))
+                                                        self.kv_dtype, *heads))
             if dplan is not None:
                 draft_kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dplan.kv_sharding),
                                         draft_kv)

@@ -32,7 +32,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None   # no drafts in a step of this many running requests or more
                                                # (where the batch already fills the device)
     method: str | None = None   # "ngram" (default without `model`) or "draft_model" (default with it)
-    model: str | None = None    # the draft model (method "draft_model"): a path or hub id, as the engine's model
+    model: str | None = None    # the draft model (method "draft_model"): a local path, as the engine's model
     draft_tensor_parallel_size: int | None = None   # None or the engine's tensor_parallel_size: the draft is split
                                                     # over the target's devices (EngineConfig checks it)
     quantization: str | None = None   # the draft's weights: only None (they run in the engine's dtype)
@@ -55,10 +55,11 @@ class SpeculativeConfig:
             d = self.draft_tensor_parallel_size
             if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
                 bad(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")
-            for name in ("quantization", "revision"):
-                if getattr(self, name) is not None:
-                    bad(f"{name} of the draft model is not supported (the draft runs unquantized, in the "
-                        "engine's dtype)")
+            if self.quantization is not None:
+                bad("quantization of the draft model is not supported (the draft runs unquantized, in the "
+                    "engine's dtype)")
+            if self.revision is not None:
+                bad("revision of the draft model is not supported (model is a local path; nothing is downloaded)")
         elif self.model is not None:
             bad("model is for method 'draft_model'; n-gram drafts need none")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
@@ -86,7 +87,6 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise EngineConfigError("speculative_config needs num_speculative_tokens")
         return cls(**value)
-
 
     @property
     def uses_draft_model(self) -> bool:

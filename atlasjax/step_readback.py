@@ -71,9 +71,11 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
     k, n = MAX_LOGPROBS, step.num_steps
     want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
             for o in (step.prefill, step.decode)]
-    got, prompt = jax.device_get((want, None if step.prefill is None else step.prefill.prompt))
+    verify_inputs = None if step.spans is None else step.decode.inputs
+    got, prompt, verify_inputs = jax.device_get((want, None if step.prefill is None else step.prefill.prompt,
+                                                 verify_inputs))
     if step.spans is not None:
-        return _verify_host(step.spans, got[1], np.asarray(step.decode.inputs), num_slots)
+        return _verify_host(step.spans, got[1], verify_inputs, num_slots)
 
     def steps_axis(x, rows, dtype, tail=()):   # -> [n, rows, *tail]: single-step outputs are iteration 0
         if x is None:

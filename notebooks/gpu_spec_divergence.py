@@ -31,8 +31,8 @@ for dtype, async_scheduling, steps in (("bfloat16", True, 4), ("bfloat16", False
             top = sorted(a.logprobs[diff].items(), key=lambda kv: -kv[1].logprob)
             x, y = a.token_ids[diff], b.token_ids[diff]
             lp_b = {t: v.logprob for t, v in b.logprobs[diff].items()}
+            lp_y = a.logprobs[diff][y].logprob if y in a.logprobs[diff] else None
             print(f"{dtype} async={async_scheduling} steps={steps} {name} prompt{len(p)}: differ at {diff}: plain "
                   f"{x} spec {y}; plain top2 gap {top[0][1].logprob - top[1][1].logprob:.4f}; plain lp "
-                  f"{x}:{a.logprobs[diff][x].logprob:.4f} {y}:{a.logprobs[diff].get(y).logprob if y in a.logprobs[diff] else None}"
-                  f"; spec lp {lp_b}", flush=True)
+                  f"{x}:{a.logprobs[diff][x].logprob:.4f} {y}:{lp_y}; spec lp {lp_b}", flush=True)
     print(f"{dtype} async={async_scheduling} steps={steps}: {spec.engine.stats.spec}", flush=True)

@@ -34,5 +34,5 @@ for k in (3, 20):
             la, lb = a.logprobs[j], b.logprobs[j]
             top = max(la.values(), key=lambda v: v.logprob).logprob
             fmt = lambda d, t: f"{d[t].logprob:.4f}" if t in d else "-"  # noqa: E731
-            print(f"  pos {j}: plain {x} spec {y}; plain lp {x}:{fmt(la, x)} {y}:{fmt(la, y)}; spec lp {x}:{fmt(lb, x)} "
-                  f"{y}:{fmt(lb, y)}; top lp {top:.4f}; min_p cut lp {top + math.log(0.05):.4f}", flush=True)
+            print(f"  pos {j}: plain {x} spec {y}; plain lp {x}:{fmt(la, x)} {y}:{fmt(la, y)}; "
+                  f"spec lp {x}:{fmt(lb, x)} {y}:{fmt(lb, y)}; top lp {top:.4f}; min_p cut lp {top + math.log(0.05):.4f}", flush=True)

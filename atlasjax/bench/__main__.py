@@ -42,8 +42,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to split the model over")
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or a '
-                        'draft model \'{"model": "path/to/draft", "num_speculative_tokens": 4}\' ("preset:llama-3.2-1b": '
-                        "a preset's random weights) (latency reports the drafts' acceptance)")
+                        'draft model \'{"model": "path/to/draft", "num_speculative_tokens": 4}\' '
+                        '("preset:llama-3.2-1b": a preset\'s random weights; latency reports the drafts\' acceptance)')
     e.add_argument("--enable-lora", action="store_true",
                    help="LoRA slots beside the weights: every step computes each slot's LoRA term (masked per "
                         "token), so the requests (on the base model here) cost what adapters cost")
