@@ -5,7 +5,8 @@ Level 1 copies the weights to host memory and drops the KV pool; level 2 drops b
 `LLM.update_params` after waking, as after a training step). Either way the cached prompt pages are
 forgotten, since their K/V are gone. Waking reallocates what was dropped (`tags`: "weights", "kv_cache",
 or both), with the same shapes and shardings, so the compiled steps run on as before. The engine refuses
-requests while anything is missing.
+requests while anything is missing. A speculative draft model's weights go to host memory at either level (new
+weights from `update_params` are the target's only) and come back with "weights".
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class SleepState:
         self.host_params = None
         self.abstract_params = None
         self.weights_discarded = False   # level 2: wake_up leaves the weights to update_params
+        self.host_draft = None           # a draft model's weights in host memory (both levels)
+        self.abstract_draft = None
 
     def check_awake(self) -> None:
         if self.asleep:
@@ -43,15 +46,19 @@ def sleep(engine, level: int = 1) -> None:
         raise InvalidRequestError("requests are in flight: sleep between requests")
     state, runner = engine.sleep_state, engine.runner
     if "weights" not in state.asleep and not state.weights_discarded:
-        leaves, treedef = jax.tree.flatten(runner.params)
-        state.abstract_params = jax.tree.unflatten(treedef, [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves])
+        state.abstract_params = _abstract(runner.params)
         state.host_params = _to_host(runner.params) if level == 1 else None
         state.weights_discarded = level == 2
-        _delete(leaves)
+        _delete(jax.tree.leaves(runner.params))
         runner.params = state.abstract_params
         if level == 1:
             state.asleep.add("weights")
+    if runner.draft_params is not None and "draft weights" not in state.asleep:
+        state.abstract_draft = _abstract(runner.draft_params)
+        state.host_draft = _to_host(runner.draft_params)
+        _delete(jax.tree.leaves(runner.draft_params))
+        runner.draft_params = state.abstract_draft
+        state.asleep.add("draft weights")
     if "kv_cache" not in state.asleep:
         _delete(jax.tree.leaves(runner.state))
         runner.state = None
@@ -70,9 +77,19 @@ def wake_up(engine, tags: list[str] | None = None) -> None:
                                      state.abstract_params)
         state.host_params = None
         state.asleep.discard("weights")
+    if "weights" in tags and "draft weights" in state.asleep:
+        runner.draft_params = jax.tree.map(lambda host, a: jax.device_put(host, a.sharding), state.host_draft,
+                                           state.abstract_draft)
+        state.host_draft = None
+        state.asleep.discard("draft weights")
     if "kv_cache" in tags and "kv_cache" in state.asleep:
         runner.allocate(runner.num_pages)
         state.asleep.discard("kv_cache")
+
+
+def _abstract(params):
+    """params as shapes, dtypes and shardings (what waking places host copies or new weights by)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
 
 
 def _to_host(params):

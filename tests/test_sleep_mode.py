@@ -105,3 +105,26 @@ def test_a_server_with_sleep_mode_sleeps_and_wakes(request, tmp_path_factory):
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
         assert http.get("/health").json()["status"] == "ok"
+
+
+def test_a_draft_models_weights_sleep_in_host_memory_at_both_levels(tmp_path_factory):
+    """Speculative decoding with a draft model: its weights leave the device with the target's (to host memory at
+    either level: update_params gives the target's only) and come back with "weights"; the answers stay the same."""
+    d = str(tmp_path_factory.mktemp("draft"))
+    make_hf_model("llama_gqa4", d)
+    llm = LLM(d, speculative_config={"model": d, "num_speculative_tokens": 3}, **KW)
+    before = _tokens(llm)
+    params = jax.tree.map(np.asarray, llm.params)
+    draft = llm.engine.runner.draft_params
+    for level in (1, 2):
+        llm.sleep(level=level)
+        assert all(x.is_deleted() for x in jax.tree.leaves(draft))
+        with pytest.raises(InvalidRequestError, match="asleep"):
+            llm.generate([PROMPT], GREEDY)
+        llm.wake_up()
+        if level == 2:
+            llm.update_params(params)
+        assert _tokens(llm) == before
+        spec = llm.engine.stats.spec
+        assert spec.num_accepted_tokens == spec.num_draft_tokens > 0   # the draft drafts as before: all accepted
+        draft = llm.engine.runner.draft_params
