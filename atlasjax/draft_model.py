@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from atlasjax.errors import CheckpointError, EngineConfigError
+from atlasjax.errors import AtlasJaxError, EngineConfigError
 
 log = logging.getLogger("atlasjax.engine")
 PRESET = "preset:"   # `model` "preset:llama-3.2-1b": a bench preset's random weights (atlasjax/bench/presets.py)
@@ -35,7 +35,7 @@ def load_draft(spec, target_tokenizer, dtype, max_model_len: int, mesh=None):
             loaded = load_preset(name, dtype, seed=1, tensor_parallel_size=1 if mesh is None else mesh.size)
         else:
             loaded = load_model(spec.model, dtype, keep_gguf_quantized=False, mesh=mesh)
-    except (CheckpointError, OSError, ValueError) as e:
+    except (AtlasJaxError, OSError, ValueError) as e:   # a missing, corrupt or unsupported checkpoint
         raise EngineConfigError(f"speculative_config: the draft model {spec.model!r} cannot be loaded: {e}") from e
     if loaded.pooling_model or loaded.classifier is not None:
         raise EngineConfigError(f"speculative_config: the draft model {spec.model!r} has no LM head (an embedding or "

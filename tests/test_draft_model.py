@@ -2,6 +2,7 @@
 tokens on the device and the target verifies them. The output must be the target's alone (greedy and seeded),
 the draft's KV cache must follow every step the target runs (chunked prefill, plain and multi-step decodes, the
 prefix cache, preemption), and a bad draft is refused with the reason."""
+import json
 import os
 import shutil
 
@@ -152,8 +153,16 @@ def test_bad_draft_configs_are_refused_with_the_reason(target, tmp_path):
     refused("quantization of the draft", speculative_config={"model": target, "num_speculative_tokens": 2,
                                                              "quantization": "fp8"})
     assert SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 2}').uses_draft_model
-    with pytest.raises(EngineConfigError, match="cannot be loaded"):
-        LLM(target, speculative_config={"model": str(tmp_path / "missing"), "num_speculative_tokens": 2}, **ENGINE)
+    corrupt = shutil.copytree(target, tmp_path / "corrupt")
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    gemma = shutil.copytree(target, tmp_path / "gemma")
+    config = json.loads((gemma / "config.json").read_text())
+    (gemma / "config.json").write_text(json.dumps(dict(config, architectures=["GemmaForCausalLM"], model_type="gemma")))
+    for draft, reason in ((tmp_path / "missing", "does not exist"), (corrupt, "truncated or corrupt"),
+                          (gemma, "unsupported model architecture")):
+        with pytest.raises(EngineConfigError, match=f"draft model .* cannot be loaded: .*{reason}"):
+            LLM(target, speculative_config={"model": str(draft), "num_speculative_tokens": 2}, **ENGINE)
     words = _with_tokenizer(target, str(tmp_path / "w"), "w")
     other = _with_tokenizer(target, str(tmp_path / "x"), "x")
     with pytest.raises(EngineConfigError, match="another tokenizer"):
