@@ -225,7 +225,10 @@ def test_cli_flag_reaches_the_engine_config():
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 5)
 
 
-def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_factory):
+@pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
+def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_factory, drafts):
+    """n-gram drafts (a logit bias makes the random model repeat one token, so the lookup drafts it), or the model
+    drafting for itself (atlasjax/draft_model.py: every greedy draft accepted)."""
     import asyncio
 
     import httpx
@@ -236,10 +239,12 @@ def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_f
         tiny_model_dir
     prompt = "one two three one two three one two three one two"
     # the random model does not repeat itself; a bias that wins the first pick does (drafts of it all accepted)
-    bias = {1603: 30.0}
+    bias = {1603: 30.0} if drafts == "ngram" else {}
     want = greedy_reference(reference_llm(tmp_path_factory), [prompt], 24, ignore_eos=True,
                             logit_bias=bias)[0].outputs[0].text
-    engine = AsyncLLM(tiny_model_dir(tmp_path_factory), **ENGINE_KWARGS, speculative_config=NGRAM)
+    model = tiny_model_dir(tmp_path_factory)
+    spec = NGRAM if drafts == "ngram" else {"model": model, "num_speculative_tokens": 3}
+    engine = AsyncLLM(model, **ENGINE_KWARGS, speculative_config=spec)
     app = create_app(engine, served_model_name=MODEL_NAME)
 
     async def go():
