@@ -98,15 +98,7 @@ class ModelRunner:
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
         self.long_context_split_rows = dict(long_context_split_rows or {})
         self.verify_buckets = tuple(verify_buckets)
-        if plan is None:
-            self.model = Transformer(cfg, attn_backend=attn_backend, dtype=dtype)
-        else:
-            # Every device runs the same model code on its shard (inside shard_map); the KV pools are
-            # split over KV heads; host inputs and the per-slot sampling state are replicated.
-            from atlasjax.sharding import ShardedModel, logical_axes  # noqa: PLC0415
-            local = Transformer(cfg, attn_backend=attn_backend, dtype=dtype, parallel=plan.parallel)
-            logical = fuse_logical_axes(logical_axes(cfg, dtype), self.params)
-            self.model = ShardedModel(local, plan, plan.param_specs(self.params, logical))
+        self.model = self._executed_model(cfg, self.params, plan, attn_backend)
         self.lora: dict | None = None   # LoRA adapters' device slots (`enable_lora`; atlasjax/lora.py)
         self.draft: steps.Draft | None = None
         self.draft_cfg = self.draft_params = self.draft_plan = None
@@ -129,14 +121,19 @@ class ModelRunner:
         self.draft_cfg, self.draft_plan = cfg, plan
         self.draft_params = fuse_projections(params, *(() if plan is None else (plan.mesh, TP_AXIS)),
                                              in_place=own_params)
+        self.draft = steps.Draft(self._executed_model(cfg, self.draft_params, plan, attn_backend), num_tokens,
+                                 min(cfg.vocab_size, self.cfg.vocab_size))
+
+    def _executed_model(self, cfg, fused_params, plan, attn_backend: str):
+        """The module the steps apply to `fused_params`: a Transformer, or under tensor parallelism (`plan`) one that
+        every device runs on its shard inside shard_map (KV pools split over KV heads; host inputs and the per-slot
+        sampling state replicated)."""
         if plan is None:
-            model = Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype)
-        else:
-            from atlasjax.sharding import ShardedModel, logical_axes  # noqa: PLC0415
-            logical = fuse_logical_axes(logical_axes(cfg, self.dtype), self.draft_params)
-            model = ShardedModel(Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype, parallel=plan.parallel),
-                                 plan, plan.param_specs(self.draft_params, logical))
-        self.draft = steps.Draft(model, num_tokens, min(cfg.vocab_size, self.cfg.vocab_size))
+            return Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype)
+        from atlasjax.sharding import ShardedModel, logical_axes  # noqa: PLC0415
+        local = Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype, parallel=plan.parallel)
+        logical = fuse_logical_axes(logical_axes(cfg, self.dtype), fused_params)
+        return ShardedModel(local, plan, plan.param_specs(fused_params, logical))
 
     def allocate(self, num_pages: int) -> None:
         """The device state: a KV pool of `num_pages` pages and the per-slot penalty state, zeroed (under
@@ -154,21 +151,10 @@ class ModelRunner:
         split over KV heads, the per-slot state replicated. Steps compile against it before the pool
         exists."""
         cfg, plan = self.cfg, self.plan
-        heads = () if plan is None else (plan.num_kv_heads,)
-        kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.kv_dtype, *heads))
+        kv = self._kv_pool_shapes(cfg, plan, num_pages)
+        draft_kv = () if self.draft is None else self._kv_pool_shapes(self.draft_cfg, self.draft_plan, num_pages)
         shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
         extra = {} if plan is None else dict(sharding=plan.replicated)
-        if plan is not None:
-            kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
-        draft_kv = ()
-        if self.draft is not None:
-            dplan = self.draft_plan
-            heads = () if dplan is None else (dplan.num_kv_heads,)
-            draft_kv = jax.eval_shape(functools.partial(init_kv_cache, self.draft_cfg, num_pages, self.page_size,
-                                                        self.kv_dtype, *heads))
-            if dplan is not None:
-                draft_kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dplan.kv_sharding),
-                                        draft_kv)
         return DeviceState(kv=kv, draft_kv=draft_kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
                            prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
                            bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),
@@ -176,6 +162,14 @@ class ModelRunner:
                            bad_words=jax.ShapeDtypeStruct((self.max_num_seqs, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS),
                                                           jnp.int32, **extra),
                            recent=jax.ShapeDtypeStruct((self.max_num_seqs, HISTORY), jnp.int32, **extra))
+
+    def _kv_pool_shapes(self, cfg, plan, num_pages: int):
+        """A model's KV pool of `num_pages` pages as shapes; under tensor parallelism (`plan`) split over KV heads."""
+        heads = () if plan is None else (plan.num_kv_heads,)
+        kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.kv_dtype, *heads))
+        if plan is None:
+            return kv
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
 
     # ---- LoRA (atlasjax/lora.py): a tree beside the params that every step reads
     def enable_lora(self, layout, max_loras: int, max_rank: int) -> None:

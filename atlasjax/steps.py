@@ -126,6 +126,12 @@ def _run_draft(draft: Draft | None, draft_params, tokens, positions, kv, meta):
     return draft.model.apply({"params": draft_params}, tokens, positions, kv, meta)[1]
 
 
+def _token_sequences(query_start, num_tokens: int):
+    """[num_tokens] the sequence each row of chunks laid end to end belongs to (query_start's length - 1 past the
+    last chunk); one compare of [num_tokens, sequences], no loop."""
+    return jnp.searchsorted(query_start[1:], jnp.arange(num_tokens), side="right", method="compare_all")
+
+
 def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query_start, num_seqs):
     """A draft model's greedy drafts, filled into a verify step's rows: request i's chunk (pack_verify) is its last
     token, then rows that hold draft j at offset j. num_tokens + 1 decode iterations of the draft over the requests:
@@ -153,10 +159,9 @@ def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query
         return (kv, proposed), proposed
 
     (kv, _), proposed = jax.lax.scan(body, (kv, last), jnp.arange(draft.num_tokens + 1))   # [k + 1, rows]
-    t = jnp.arange(tokens.shape[0])
-    seq = jnp.searchsorted(query_start[1:], t, side="right", method="compare_all")
+    seq = _token_sequences(query_start, tokens.shape[0])
     at = jnp.minimum(seq, rows - 1)
-    offset = t - query_start[at]
+    offset = jnp.arange(tokens.shape[0]) - query_start[at]
     fill = (seq < num_seqs) & (offset >= 1)
     drafts = proposed[jnp.clip(offset - 1, 0, draft.num_tokens - 1), at]
     return kv, jnp.where(fill, drafts, tokens)
@@ -260,8 +265,7 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
                              query_start=query_start, num_seqs=num_seqs)
     token_slots = None
     if lora is not None:   # each token's engine slot: its sequence's (tokens past the sequences: the last's)
-        seq = jnp.searchsorted(query_start[1:], jnp.arange(tokens.shape[0]), side="right", method="compare_all")
-        token_slots = slot_ids[jnp.minimum(seq, slot_ids.shape[0] - 1)]
+        token_slots = slot_ids[jnp.minimum(_token_sequences(query_start, tokens.shape[0]), slot_ids.shape[0] - 1)]
     hidden, kv = _run_model(model, params, lora, tokens, positions, state.kv, meta, token_slots)
     state = state.replace(draft_kv=_run_draft(draft, draft_params, tokens, positions, state.draft_kv, meta))
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
@@ -315,8 +319,7 @@ def admit_step(layout, state: DeviceState, packed):
     slots, starts, prompt_lens, tokens, bias_ids, bias_vals, bad_words = unpack_host(packed, layout)
     num_slots, rows = state.counts.shape[0], slots.shape[0]
     idx = jnp.arange(tokens.shape[0])
-    # [L] each token's request (`rows` past the last); one compare of [L, A], no loop
-    row = jnp.searchsorted(starts[1:], idx, side="right", method="compare_all")
+    row = _token_sequences(starts, tokens.shape[0])   # [L] each token's request (`rows` past the last)
     in_seq = row < rows
     row = jnp.minimum(row, rows - 1)
     token_slot = jnp.where(in_seq, slots[row], num_slots)   # out of range: dropped
