@@ -265,6 +265,9 @@ def _start_distributed(args) -> bool:
         return False   # one process (and no device touched yet: an engine process may own them)
     if getattr(args, "engine_process", False):
         raise EngineConfigError("--engine-process serves one host; leave it off for multi-host runs")
+    if getattr(args, "data_parallel_size", 1) > 1:
+        raise EngineConfigError("--data-parallel-size runs its replicas on one host; leave it off for multi-host "
+                                "runs (or start one multi-host server per replica)")
     distributed.initialize(config)
     if not distributed.is_multiprocess() or distributed.is_leader():
         return False

@@ -70,16 +70,18 @@ class EngineProcessLLM(StreamingLLM):
     failure there is raised here as the child raised it (an AtlasJaxError for a bad model or config).
 
     setup: a picklable callable the child runs before it builds the engine (what a bench preset
-    patches into the loader, say)."""
+    patches into the loader, say). env: variables set for the child alone (a data-parallel replica's
+    CUDA_VISIBLE_DEVICES: atlasjax/data_parallel.py)."""
 
-    def __init__(self, config: EngineConfig, *, max_waiting: int = 256, setup: Callable[[], None] | None = None):
+    def __init__(self, config: EngineConfig, *, max_waiting: int = 256, setup: Callable[[], None] | None = None,
+                 env: dict[str, str] | None = None):
         super().__init__()
         import jax  # noqa: PLC0415
         settings = {name: getattr(jax.config, name) for name in _JAX_SETTINGS}
         self._conn, child_conn = multiprocessing.Pipe()
         # A fresh interpreter that imports only this module (multiprocessing's spawn would run the caller's
         # main script again), with the caller's import path; it reads its arguments from the pipe.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
         self._process = subprocess.Popen(
             [sys.executable, "-c", f"from atlasjax.engine_process import child_main; child_main({child_conn.fileno()})"],
             pass_fds=(child_conn.fileno(),), env=env)

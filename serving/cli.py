@@ -3,7 +3,8 @@
 atlasjax/__main__.py adds the engine flags and calls `add_server_args` and `serve`. Startup:
 bind the socket (so a busy port fails before the model loads, and --port 0 picks a free one),
 build AsyncLLM, or with --engine-process an EngineProcessLLM (the engine in a child process:
-atlasjax/engine_process.py); the engine compiles every step shape before it allocates the KV pool. Send one
+atlasjax/engine_process.py), or with --data-parallel-size N a DataParallelLLM (N of those:
+atlasjax/data_parallel.py); the engine compiles every step shape before it allocates the KV pool. Send one
 tiny request through it, then start uvicorn on that socket and log "atlasjax: ready on http://HOST:PORT".
 A signal makes uvicorn stop accepting and wait for in-flight responses (up to
 --graceful-timeout seconds, after which they are cancelled and their requests aborted); then
@@ -72,8 +73,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own, so that HTTP work never holds up its steps "
                         "(one host only)")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive, default=1, metavar="N",
+                   help="serve N copies of the model, each in an engine process of its own on its own devices (on "
+                        "GPUs: N x --tensor-parallel-size of them), each request routed to the copy that served its "
+                        "prompt's prefix, else to the least loaded (one host only; docs/serving.md)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _count(text: str) -> int:
@@ -150,7 +162,12 @@ def serve(args) -> int:
     stats_interval = 0.0 if args.disable_log_stats else max(args.log_stats_interval, 0.0)
     if stats_interval:
         logging.getLogger("atlasjax.stats").setLevel(logging.INFO)
-    if args.engine_process:
+    if args.data_parallel_size > 1:
+        from atlasjax.data_parallel import DataParallelLLM  # noqa: PLC0415
+        from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
+        llm = DataParallelLLM(EngineConfig(**engine_kwargs(args)), args.data_parallel_size,
+                              max_waiting=args.max_waiting, setup=engine_process_setup)
+    elif args.engine_process:
         from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
         from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415
         llm = EngineProcessLLM(EngineConfig(**engine_kwargs(args)), max_waiting=args.max_waiting,

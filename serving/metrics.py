@@ -62,12 +62,36 @@ class EngineCollector(Collector):
         for position, value in enumerate(stats.spec.accepted_per_pos):
             per_pos.add_metric([str(position)], value)
         yield per_pos
+        yield from _replica_gauges(getattr(self.llm, "replica_stats", None))
         if stats.max_lora:   # vLLM's lora_requests_info: the adapters in use as labels, the time as the value
             info = GaugeMetricFamily("atlasjax_lora_requests_info", "LoRA adapters of running and waiting requests",
                                      labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
             info.add_metric([str(stats.max_lora), ",".join(stats.running_lora_adapters),
                              ",".join(stats.waiting_lora_adapters)], time.time())
             yield info
+
+
+def _replica_gauges(replicas):
+    """With data parallelism (atlasjax/data_parallel.py), each replica's load, labelled engine="RANK" as vLLM's
+    (the series above sum the replicas)."""
+    if not replicas:
+        return
+    gauges = (("atlasjax_engine_num_requests_running", "Sequences holding a batch slot, per data-parallel replica",
+               lambda s: s.num_running),
+              ("atlasjax_engine_num_requests_waiting", "Sequences waiting for a slot, per data-parallel replica",
+               lambda s: s.num_waiting),
+              ("atlasjax_engine_kv_cache_usage_perc", "Fraction of the KV page pool in use, per data-parallel replica",
+               lambda s: s.kv_cache_usage))
+    for name, doc, read in gauges:
+        family = GaugeMetricFamily(name, doc, labels=["engine"])
+        for rank, stats in enumerate(replicas):
+            family.add_metric([str(rank)], read(stats))
+        yield family
+    tokens = CounterMetricFamily("atlasjax_engine_generation_tokens", "Tokens generated, per data-parallel replica",
+                                 labels=["engine"])
+    for rank, stats in enumerate(replicas):
+        tokens.add_metric([str(rank)], stats.generation_tokens)
+    yield tokens
 
 
 class ServerMetrics:
