@@ -4,7 +4,8 @@ On a GPU: `gpu_memory_utilization` of the free device memory, less a reserve for
 and their compiles, and within the allocator's largest free block. The pool's arrays (one per layer
 for K, one for V) must each find one free block: after a load that quantized or fused weights, the
 memory its temporaries left is split into holes. Without device memory statistics (CPU): room for
-every slot at full length, at most 2 GiB.
+every slot at full length, at most 2 GiB. Device memory figures: atlasjax/device_memory.py (the
+allocator's, else the CUDA driver's).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import logging
 
 import jax
 import jax.numpy as jnp
+
+from atlasjax.device_memory import memory_stats
 
 log = logging.getLogger("atlasjax.engine")
 
@@ -42,7 +45,7 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
     if draft_config is not None:
         bytes_per_page += kv_bytes_per_page(draft_config, ps, dtype, _local_kv_heads(draft_config, draft_plan))
     jax.block_until_ready(params)   # the load's temporaries are freed once its work has run
-    stats = jax.local_devices()[0].memory_stats() or {}
+    stats = memory_stats(jax.local_devices()[0]) or {}
     if "bytes_limit" not in stats:
         want = config.max_num_seqs * -(-max_model_len // ps)
         return max(1, min(want, (2 << 30) // bytes_per_page))

@@ -159,9 +159,10 @@ def _on_one_device(plan, cfg, dtype, params, change):
 def check_fits_one_device(nbytes: int, device, headroom: float = 1.1) -> None:
     """Refuse, before anything moves, a calibration whose model cannot sit whole on `device` beside its
     shard (a device that reports no memory statistics, such as the CPU, is not checked)."""
+    from atlasjax.device_memory import memory_stats  # noqa: PLC0415
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
+    stats = memory_stats(device)
+    if not stats:
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     if nbytes * headroom > free:

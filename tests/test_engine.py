@@ -192,3 +192,27 @@ def test_kv_pool_keeps_to_the_largest_free_block():
     assert kv_pool_pages(holed, page, reserve, 0.85) * page == 39 * gib     # 41 GiB block less the reserve
     assert kv_pool_pages(dict(bytes_limit=60 * gib, bytes_in_use=6 * gib), page, reserve, 0.5) * page == 26 * gib
     assert kv_pool_pages(dict(holed, largest_free_block_bytes=gib), page, reserve, 0.85) == 1   # never below one
+
+
+def test_a_gpu_without_allocator_statistics_is_sized_from_the_driver(monkeypatch):
+    """Under XLA's VMM allocator (a tensor-parallel server's) `memory_stats()` is None: the pool is then sized
+    from the driver's free and total memory within jax's share of it, not from the CPU's 2 GiB fallback."""
+    from atlasjax import device_memory
+    gib = 1 << 30
+
+    class VmmGpu:
+        platform, local_hardware_id = "gpu", 1
+
+        def memory_stats(self):
+            return None
+    asked = []
+    monkeypatch.setattr(device_memory, "driver_memory", lambda ordinal: asked.append(ordinal) or (120 * gib, 140 * gib))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    stats = device_memory.memory_stats(VmmGpu())
+    assert asked == [1] and stats == {"bytes_limit": int(0.75 * 140 * gib), "bytes_in_use": 20 * gib}
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".9")
+    assert device_memory.memory_stats(VmmGpu())["bytes_limit"] == int(0.9 * 140 * gib)
+    monkeypatch.setattr(device_memory, "driver_memory", lambda ordinal: None)
+    assert device_memory.memory_stats(VmmGpu()) is None
+    import jax
+    assert device_memory.memory_stats(jax.devices("cpu")[0]) is None    # the CPU: no figures, no driver asked
