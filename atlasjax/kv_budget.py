@@ -55,9 +55,10 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
                + max(_device_bytes(x) for x in jax.tree.leaves(params)))
     pages = kv_pool_pages(stats, bytes_per_page, reserve, config.gpu_memory_utilization)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    log.info("KV pool: %d pages of %d tokens in %s, %.2f GiB (device memory before it: %.2f GiB free of %.2f, "
-             "the largest free block %.2f GiB)", pages, ps, jnp.dtype(dtype).name, pages * bytes_per_page / 2**30,
-             free / 2**30, stats["bytes_limit"] / 2**30, stats.get("largest_free_block_bytes", 0) / 2**30)
+    block = stats.get("largest_free_block_bytes")
+    log.info("KV pool: %d pages of %d tokens in %s, %.2f GiB (device memory before it: %.2f GiB free of %.2f%s)",
+             pages, ps, jnp.dtype(dtype).name, pages * bytes_per_page / 2**30, free / 2**30,
+             stats["bytes_limit"] / 2**30, f", the largest free block {block / 2**30:.2f} GiB" if block else "")
     return pages
 
 
