@@ -11,6 +11,8 @@ nothing but the server's process, which tokenizes and routes each request to one
   requests beyond the least loaded's (or, with many open, more than half the least loaded's count beyond);
 - else to the replica with the fewest open requests (the earliest of those after the last one chosen).
 
+`routing="least-loaded"` (`--data-parallel-routing least-loaded`) skips the first rule.
+
 Commands that concern the engine as a whole (reset the prefix cache, sleep, wake up) go to every replica;
 /health, /metrics and the stats lines read their counters and gauges summed. A replica that dies fails its
 own streams; the others keep serving, and /health answers 503 naming the dead one's error.
@@ -37,6 +39,7 @@ log = logging.getLogger("atlasjax.data_parallel")
 
 AFFINITY_SLACK = 4          # open requests a replica may have beyond the least loaded and still get its prefixes
 MAX_PREFIX_ENTRIES = 1 << 17   # pages of prompts the router remembers (least recently routed forgotten first)
+ROUTING = ("prefix", "least-loaded")
 
 
 def visible_gpus(environ=os.environ) -> list[str] | None:
@@ -74,8 +77,9 @@ def replica_environments(size: int, tensor_parallel_size: int, gpus: Sequence[st
 class PrefixRouter:
     """Picks a replica for each prompt: prefix affinity in whole pages, else the least loaded (module doc)."""
 
-    def __init__(self, size: int, page_size: int, max_entries: int = MAX_PREFIX_ENTRIES):
+    def __init__(self, size: int, page_size: int, max_entries: int = MAX_PREFIX_ENTRIES, affinity: bool = True):
         self.size, self.page_size, self.max_entries = size, page_size, max_entries
+        self.affinity = affinity     # False: by load alone ("least-loaded")
         self._owner: collections.OrderedDict[int, int] = collections.OrderedDict()   # prefix hash -> replica
         self._next = 0
 
@@ -86,7 +90,7 @@ class PrefixRouter:
         if not candidates:
             raise RuntimeError("every data-parallel replica of the engine has failed")
         least = min(loads[r] for r in candidates)
-        hashes = self._page_hashes(prompt)
+        hashes = self._page_hashes(prompt) if self.affinity else []
         chosen = None
         for h in reversed(hashes):           # the longest prefix some replica served
             owner = self._owner.get(h)
@@ -125,10 +129,15 @@ class DataParallelLLM:
     `size` engine processes, each with the whole model (module doc). Blocks until every replica is built;
     they build at the same time. If one fails to start, the others are stopped and its error is raised.
 
-    max_waiting: requests each replica lets wait before refusing (503); setup: as EngineProcessLLM's."""
+    max_waiting: requests each replica lets wait before refusing (503); setup: as EngineProcessLLM's;
+    routing: "prefix" (prefix affinity, then load) or "least-loaded"; gpus: the GPU ids to split ("visible":
+    `visible_gpus()`; None: none, each replica on its process's own devices)."""
 
     def __init__(self, config: EngineConfig, size: int, *, max_waiting: int = 256,
-                 setup: Callable[[], None] | None = None, gpus: Sequence[str] | None | str = "visible"):
+                 setup: Callable[[], None] | None = None, routing: str = "prefix",
+                 gpus: Sequence[str] | None | str = "visible"):
+        if routing not in ROUTING:
+            raise EngineConfigError(f"data-parallel routing must be one of {', '.join(ROUTING)}, got {routing!r}")
         from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415
         environments = replica_environments(size, config.tensor_parallel_size,
                                             visible_gpus() if gpus == "visible" else gpus)
@@ -158,7 +167,7 @@ class DataParallelLLM:
             log.info("data-parallel replica %d: engine process %d%s", rank, started[rank]._process.pid,
                      f", GPUs {env['CUDA_VISIBLE_DEVICES']}" if env else "")
         self.engine = started[0].engine    # what every replica loaded (EngineInfo)
-        self.router = PrefixRouter(size, config.page_size)
+        self.router = PrefixRouter(size, config.page_size, affinity=routing == "prefix")
         self._owners: dict[str, int] = {}  # open request id -> its replica
         self._ids = 0
 

@@ -77,6 +77,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="serve N copies of the model, each in an engine process of its own on its own devices (on "
                         "GPUs: N x --tensor-parallel-size of them), each request routed to the copy that served its "
                         "prompt's prefix, else to the least loaded (one host only; docs/serving.md)")
+    g.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "least-loaded"],
+                   help="with --data-parallel-size: prefix sends a request to the replica that served its prompt's "
+                        "prefix (in whole KV pages) unless that one is much busier, else to the least loaded; "
+                        "least-loaded looks at the load alone (default: %(default)s)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -166,7 +170,8 @@ def serve(args) -> int:
         from atlasjax.data_parallel import DataParallelLLM  # noqa: PLC0415
         from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
         llm = DataParallelLLM(EngineConfig(**engine_kwargs(args)), args.data_parallel_size,
-                              max_waiting=args.max_waiting, setup=engine_process_setup)
+                              max_waiting=args.max_waiting, setup=engine_process_setup,
+                              routing=args.data_parallel_routing)
     elif args.engine_process:
         from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
         from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415

@@ -306,6 +306,19 @@ class _Args:
         self.prompt_format, self.vocab_size, self.preset = "ids", None, "tiny"
 
 
+def test_serve_prompts_behind_shared_prefixes():
+    """--prefix-len / --num-prefixes: prompt i starts with prefix i mod N, then its own --input-len tokens."""
+    args = _Args(10, 6, 0.0, 8, 1)
+    plain = serve.make_prompts(args)
+    args.prefix_len, args.num_prefixes = 32, 3
+    shared = serve.make_prompts(args)
+    assert [n for _, n, _ in shared] == [32 + 10] * 9 and [len(p) for p, _, _ in shared] == [42] * 9
+    heads = [tuple(p[:32]) for p, _, _ in shared]
+    assert heads[:3] == heads[3:6] == heads[6:] and len(set(heads[:3])) == 3
+    assert len({tuple(p[32:]) for p, _, _ in shared}) == 9                 # each prompt's own part differs
+    assert [p for p, _, _ in serve.make_prompts(_Args(10, 6, 0.0, 8, 1))] == [p for p, _, _ in plain]   # seeded
+
+
 def test_serve_metrics_definitions():
     outs = [dict(ttft=0.1, itl=[0.02, 0.03, 0.05], e2el=0.2, output_tokens=4, prompt_tokens=10, error=None),
             dict(ttft=0.3, itl=[], e2el=0.3, output_tokens=1, prompt_tokens=None, error=None),

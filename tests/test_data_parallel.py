@@ -67,6 +67,15 @@ def test_the_router_spreads_distinct_prompts_and_keeps_prefixes_together():
         router.route(a, [None, None])
 
 
+def test_least_loaded_routing_ignores_prefixes():
+    router = PrefixRouter(2, page_size=4, affinity=False)
+    a = list(range(100, 112))
+    assert [router.route(a, [0, 0]) for _ in range(3)] == [0, 1, 0]
+    assert router.route(a, [3, 1]) == 1
+    with pytest.raises(EngineConfigError, match="routing must be one of prefix, least-loaded"):
+        DataParallelLLM(EngineConfig(model="unused"), 2, routing="random")
+
+
 def test_equal_loads_take_turns():
     router = PrefixRouter(3, page_size=4)
     assert [router.route(None, [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]

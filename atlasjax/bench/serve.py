@@ -1,6 +1,7 @@
 """`serve` mode: a load generator against any OpenAI-compatible server (`/v1/completions`, streaming).
 
 Requests carry random prompts (token ids by default, or random words with --prompt-format text),
+optionally behind shared prefixes (--prefix-len, --num-prefixes),
 `max_tokens` = the output length and `ignore_eos: true`, and stream with
 `stream_options.include_usage`. Load is shaped by `--max-concurrency` (at most that many requests
 in flight) and `--request-rate` (Poisson arrivals: exponential gaps of mean 1/rate; inf sends all
@@ -44,6 +45,11 @@ def add_args(p) -> None:
     g.add_argument("--prompt-format", default="ids", choices=["ids", "text"],
                    help="ids: prompt as a token id list; text: random words (about one token each)")
     g.add_argument("--vocab-size", type=int, default=None, help="random ids below this (default: --preset's, or 512)")
+    g.add_argument("--prefix-len", type=int, default=0,
+                   help="put one of --num-prefixes shared random prefixes of this many tokens before each prompt's "
+                        "own --input-len tokens (prompt i takes prefix i mod N: vLLM's prefix_repetition data, "
+                        "what prefix caching and data-parallel routing are for; default 0: none)")
+    g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (with --prefix-len)")
     g.add_argument("--num-warmups", type=int, default=1,
                    help="concurrent warm-up requests (the run's first prompts, at most 16 output tokens)")
     g.add_argument("--no-warmup-buckets", action="store_true",
@@ -69,13 +75,16 @@ def make_prompts(args) -> list[tuple[object, int, int]]:
     ins = sample_lengths(rng, n, args.input_len, args.range_ratio)
     outs = sample_lengths(rng, n, args.output_len, args.range_ratio)
     vocab = args.vocab_size or (PRESETS[args.preset].vocab_size if args.preset else 512)
+
+    def draw(length: int) -> list:
+        return rng.integers(0, vocab, length).tolist() if args.prompt_format == "ids" else \
+            rng.choice(_WORDS, length).tolist()
+    prefix_len = getattr(args, "prefix_len", 0)
+    prefixes = [draw(prefix_len) for _ in range(max(1, getattr(args, "num_prefixes", 1)))] if prefix_len else [[]]
     prompts = []
-    for n_in, n_out in zip(ins, outs):
-        if args.prompt_format == "ids":
-            prompt = rng.integers(0, vocab, n_in).tolist()
-        else:
-            prompt = " ".join(rng.choice(_WORDS, n_in).tolist())
-        prompts.append((prompt, n_in, n_out))
+    for i, (n_in, n_out) in enumerate(zip(ins, outs)):
+        tokens = prefixes[i % len(prefixes)] + draw(n_in)
+        prompts.append((tokens if args.prompt_format == "ids" else " ".join(tokens), prefix_len + n_in, n_out))
     return prompts
 
 
@@ -285,7 +294,8 @@ def run(args) -> tuple[dict, list[str], bool]:
         m["by_priority"] = by_priority(load["outs"], load["prompts"], load["ranks"], load["duration"])
     settings = {k: getattr(args, k) for k in ("base_url", "endpoint", "num_prompts", "max_concurrency",
                                                "input_len", "output_len", "range_ratio", "prompt_format",
-                                               "num_warmups", "preset", "seed", "priority_fraction", "priority")}
+                                               "num_warmups", "preset", "seed", "priority_fraction", "priority",
+                                               "prefix_len", "num_prefixes")}
     settings.update(model=load["model"], request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf")
     roof = _roofline(args, m, ceilings)
     report = dict(mode="serve", settings=settings, results=m, roofline=roof)
@@ -302,7 +312,7 @@ def _roofline(args, m, ceilings) -> dict:
     batch = min(args.max_concurrency or args.num_prompts, args.num_prompts)
     item = 2 if ceilings is None or ceilings["matmul_dtype"] != "float32" else 4
     w = roofline.estimate_weight_bytes(cfg, item)
-    cost = roofline.decode_cost(cfg, w, item, batch, args.input_len + args.output_len / 2)
+    cost = roofline.decode_cost(cfg, w, item, batch, args.prefix_len + args.input_len + args.output_len / 2)
     roof = dict(ceilings=ceilings, decode_step_at_concurrency=cost)
     if ceilings:
         step = roofline.achieved(cost, 1.0, ceilings)["floor_seconds"]
@@ -326,6 +336,7 @@ def _table(args, m) -> str:
              ["duration", fmt(m["duration_s"]), "", "", "", "s"],
              ["peak concurrency", str(m["peak_concurrency"]), "", "", "", ""]]
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
-    return table(f"serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, rate {rate}, "
+    shared = f" behind {args.num_prefixes} shared prefixes of {args.prefix_len}" if args.prefix_len else ""
+    return table(f"serve: {args.num_prompts} prompts, {args.input_len} in{shared} / {args.output_len} out, rate {rate}, "
                  f"max concurrency {args.max_concurrency or 'unlimited'}",
                  ["figure", "mean", "median", "p90", "p99", "unit"], rows)
