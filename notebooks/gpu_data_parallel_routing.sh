@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU (2 devices): what prefix-affinity routing is for. Two replicas of the 8B preset (bf16, random weights,
 # `--data-parallel-size 2`), once per routing rule; `bench serve` sends prompts behind NUM_PREFIXES shared
-# prefixes of PREFIX_LEN tokens (prompt i takes prefix i mod N), more prefix tokens in all than one replica's
-# KV pool holds but fewer than two hold. Writes $OUT/routing_<rule>.json and the server logs.
+# prefixes of PREFIX_LEN tokens (each prompt's drawn at random). Writes $OUT/routing_<rule>.json and the server
+# logs (SERVER_FLAGS=-v logs the KV pool's size among every compile).
 #
 #   [PREFIX_LEN=4096 NUM_PREFIXES=200 NUM_PROMPTS=800] bash notebooks/gpu_data_parallel_routing.sh
 set -u
@@ -15,7 +15,7 @@ for rule in ${RULES:-prefix least-loaded}; do
   log="$OUT/routing_$rule.log"
   python -m atlasjax.bench.preset_server --preset llama-3.1-8b --port "$PORT" --max-num-seqs 64 \
     --max-model-len $((P + 256)) --num-scheduler-steps 4 --data-parallel-size 2 --data-parallel-routing "$rule" \
-    --compilation-cache /tmp/atlasjax_cc > "$log" 2>&1 &
+    --compilation-cache /tmp/atlasjax_cc ${SERVER_FLAGS:-} > "$log" 2>&1 &
   server=$!
   t0=$SECONDS
   until grep -q "ready on" "$log"; do

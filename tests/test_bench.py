@@ -307,16 +307,18 @@ class _Args:
 
 
 def test_serve_prompts_behind_shared_prefixes():
-    """--prefix-len / --num-prefixes: prompt i starts with prefix i mod N, then its own --input-len tokens."""
-    args = _Args(10, 6, 0.0, 8, 1)
+    """--prefix-len / --num-prefixes: each prompt starts with one of N prefixes (drawn with the seed), then its own
+    --input-len tokens."""
+    args = _Args(10, 6, 0.0, 39, 1)
     plain = serve.make_prompts(args)
     args.prefix_len, args.num_prefixes = 32, 3
     shared = serve.make_prompts(args)
-    assert [n for _, n, _ in shared] == [32 + 10] * 9 and [len(p) for p, _, _ in shared] == [42] * 9
+    assert [n for _, n, _ in shared] == [32 + 10] * 40 and [len(p) for p, _, _ in shared] == [42] * 40
     heads = [tuple(p[:32]) for p, _, _ in shared]
-    assert heads[:3] == heads[3:6] == heads[6:] and len(set(heads[:3])) == 3
-    assert len({tuple(p[32:]) for p, _, _ in shared}) == 9                 # each prompt's own part differs
-    assert [p for p, _, _ in serve.make_prompts(_Args(10, 6, 0.0, 8, 1))] == [p for p, _, _ in plain]   # seeded
+    assert len(set(heads)) == 3 and all(heads.count(h) >= 5 for h in heads)
+    assert heads == [tuple(p[:32]) for p, _, _ in serve.make_prompts(args)]
+    assert len({tuple(p[32:]) for p, _, _ in shared}) == 40                # each prompt's own part differs
+    assert [p for p, _, _ in serve.make_prompts(_Args(10, 6, 0.0, 39, 1))] == [p for p, _, _ in plain]   # seeded
 
 
 def test_serve_metrics_definitions():

@@ -47,8 +47,8 @@ def add_args(p) -> None:
     g.add_argument("--vocab-size", type=int, default=None, help="random ids below this (default: --preset's, or 512)")
     g.add_argument("--prefix-len", type=int, default=0,
                    help="put one of --num-prefixes shared random prefixes of this many tokens before each prompt's "
-                        "own --input-len tokens (prompt i takes prefix i mod N: vLLM's prefix_repetition data, "
-                        "what prefix caching and data-parallel routing are for; default 0: none)")
+                        "own --input-len tokens (each prompt's drawn at random with --seed: vLLM's prefix_repetition "
+                        "data, what prefix caching and data-parallel routing are for; default 0: none)")
     g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (with --prefix-len)")
     g.add_argument("--num-warmups", type=int, default=1,
                    help="concurrent warm-up requests (the run's first prompts, at most 16 output tokens)")
@@ -81,9 +81,10 @@ def make_prompts(args) -> list[tuple[object, int, int]]:
             rng.choice(_WORDS, length).tolist()
     prefix_len = getattr(args, "prefix_len", 0)
     prefixes = [draw(prefix_len) for _ in range(max(1, getattr(args, "num_prefixes", 1)))] if prefix_len else [[]]
+    which = np.random.default_rng(args.seed + 1).integers(0, len(prefixes), n)   # each prompt's prefix
     prompts = []
     for i, (n_in, n_out) in enumerate(zip(ins, outs)):
-        tokens = prefixes[i % len(prefixes)] + draw(n_in)
+        tokens = prefixes[which[i]] + draw(n_in)
         prompts.append((tokens if args.prompt_format == "ids" else " ".join(tokens), prefix_len + n_in, n_out))
     return prompts
 
