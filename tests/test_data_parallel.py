@@ -4,8 +4,8 @@ Without engines: each replica gets its own GPUs (or a clear error when too few a
 a prompt to the replica that served its prefix unless that one is much busier, else spreads load, and the
 replicas' stats sum. With two engine processes on the tiny Llama 3 of tests/server_util.py: greedy answers
 equal the in-process engine's while both replicas serve, a conversation's next turn hits its replica's prefix
-cache, a stream left early frees its pages, and a dead replica fails its own streams while the other serves
-on. Through a live server: the same completions, per-replica series on /metrics, and a clean drain.
+cache, a stream left early frees its pages, sleep and wake-up reach both, embeddings come back from one, and a
+dead replica fails its own streams while the other serves on. Through a live server: the same completions, per-replica series on /metrics, and a clean drain.
 """
 from __future__ import annotations
 
@@ -161,6 +161,29 @@ def test_a_stream_left_early_frees_its_pages(dp):
         await gen.aclose()
     asyncio.run(leave())
     assert all(s.num_running == 0 and s.pages_free == s.pages_total for s in _wait_idle(dp))
+
+
+def test_sleep_and_wake_up_reach_every_replica(dp):
+    prompt = [128000, *range(7000, 7020)]
+    before = asyncio.run(_tokens(dp, prompt))
+
+    async def cycle():
+        await dp.sleep(1)
+        asleep = await dp.is_sleeping()
+        await dp.wake_up()
+        return asleep, await dp.is_sleeping(), [await r.is_sleeping() for r in dp.replicas]
+    assert asyncio.run(cycle()) == (True, False, [False, False])
+    assert [asyncio.run(_tokens(dp, prompt)) for _ in range(2)] == [before, before]   # on both replicas
+
+
+def test_embeddings_come_from_a_replica(dp, tmp_path_factory):
+    texts = ["Hello there", "Count: 1 2 3"]
+    want = [o.outputs.embedding for o in reference_llm(tmp_path_factory).embed(texts)]
+    ids = [dp.tokenizer.encode(t) for t in texts]
+    got = asyncio.run(dp.embed(ids, None))
+    assert [list(tokens) for tokens, _ in got] == ids
+    for (_, vector), expected in zip(got, want):
+        assert list(vector) == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_dead_replica_fails_its_own_streams_and_the_other_serves_on(dp, tmp_path_factory):
