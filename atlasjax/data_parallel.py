@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from atlasjax.compile_cache import gpu_expected
 from atlasjax.engine_config import EngineConfig
-from atlasjax.errors import EngineConfigError
+from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.metrics import EngineStats
 from atlasjax.speculative import SpecStats
 
@@ -218,8 +218,10 @@ class DataParallelLLM:
 
     async def generate(self, prompt, params=None, request_id: str | None = None, priority: int = 0,
                        lora_request=None) -> AsyncIterator:
-        rank = self._pick(prompt)
         request_id = self._request_id(request_id, "req")
+        if request_id in self._owners:     # (as one engine refuses it: the replicas would not see the clash)
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        rank = self._pick(prompt)
         self._owners[request_id] = rank
         deltas = self.replicas[rank].generate(prompt, params, request_id, priority, lora_request)
         try:

@@ -20,7 +20,7 @@ from atlasjax import SamplingParams
 from atlasjax.data_parallel import (AFFINITY_SLACK, DataParallelLLM, PrefixRouter, combine_stats,
                                     replica_environments, visible_gpus)
 from atlasjax.engine_config import EngineConfig
-from atlasjax.errors import EngineConfigError, UnsupportedModelError
+from atlasjax.errors import EngineConfigError, InvalidRequestError, UnsupportedModelError
 from atlasjax.metrics import EngineStats
 from atlasjax.speculative import SpecStats
 from tests.server_util import (API_KEY, ENGINE_KWARGS, MODEL_NAME, greedy_reference, metric_value, reference_llm,
@@ -186,6 +186,23 @@ def test_embeddings_come_from_a_replica(dp, tmp_path_factory):
         assert list(vector) == pytest.approx(expected, abs=1e-5)
 
 
+def test_an_open_request_id_is_refused(dp):
+    async def twice():
+        first = dp.generate([128000, 1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "same-id")
+        await first.__anext__()
+        try:
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                await _tokens_with_id(dp, "same-id")
+        finally:
+            await first.aclose()
+        return await _tokens_with_id(dp, "same-id")    # free again once the first has ended
+    assert len(asyncio.run(twice())) == GREEDY.max_tokens
+
+
+async def _tokens_with_id(llm, request_id) -> list[int]:
+    return [t async for d in llm.generate([128000, 5, 6, 7], GREEDY, request_id) for t in d.new_token_ids]
+
+
 def test_a_dead_replica_fails_its_own_streams_and_the_other_serves_on(dp, tmp_path_factory):
     """(Last of the module: it kills one of the fixture's replicas.)"""
     prompt = [128000, *range(6000, 6020)]
@@ -202,6 +219,28 @@ def test_a_bad_model_fails_the_start_with_the_engines_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}')
     with pytest.raises(UnsupportedModelError, match="NoSuchForCausalLM"):
         DataParallelLLM(EngineConfig(model=str(tmp_path), **ENGINE_KWARGS), 2, gpus=None)
+
+
+def fail_on_the_second_gpu() -> None:
+    """An engine process's setup (tests below): note this process's pid, then fail where given GPU "1"."""
+    import os
+    gpu = os.environ["CUDA_VISIBLE_DEVICES"]
+    with open(os.path.join(os.environ["ATLASJAX_TEST_DP_DIR"], gpu), "w") as f:
+        f.write(str(os.getpid()))
+    if gpu == "1":
+        raise EngineConfigError("replica on GPU 1 refused to start")
+
+
+def test_a_replica_that_fails_to_start_stops_the_others(tmp_path, tmp_path_factory, monkeypatch):
+    """(On CPU the CUDA_VISIBLE_DEVICES given to each replica only tells them apart.)"""
+    import os
+    monkeypatch.setenv("ATLASJAX_TEST_DP_DIR", str(tmp_path))
+    with pytest.raises(EngineConfigError, match="replica on GPU 1 refused"):
+        DataParallelLLM(EngineConfig(model=tiny_model_dir(tmp_path_factory), **ENGINE_KWARGS), 2,
+                        setup=fail_on_the_second_gpu, gpus=["0", "1"])
+    started = int((tmp_path / "0").read_text())
+    with pytest.raises(ProcessLookupError):     # stopped and reaped
+        os.kill(started, 0)
 
 
 # ---- a live server
