@@ -104,6 +104,8 @@ class LLMEngine:
         params = with_weight_settings(params, config, cfg, self.tokenizer, self.dtype, self.kv_dtype,
                                       self.max_model_len, plan=self.loaded.plan)
         self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
+        if config.load_format == "dummy":
+            self.weights_summary += " (random: load_format dummy)"
         log.info("%s: %s", self.loaded.source, self.weights_summary)
         draft = None   # speculative decoding's draft model (atlasjax/draft_model.py): (config, params, plan, k)
         if self.speculative is not None and self.speculative.uses_draft_model:

@@ -59,6 +59,9 @@ def check_quantization_layout(quantization: str | None, group_size, symmetric) -
         bad(f"{quantization} weights are symmetric; zero points (quantization_symmetric=False) are int4's")
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def resolve_scheduler_steps(num_scheduler_steps: int | None, backend: str) -> int:
     if num_scheduler_steps is not None:
         return num_scheduler_steps
@@ -68,6 +71,8 @@ def resolve_scheduler_steps(num_scheduler_steps: int | None, backend: str) -> in
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None                 # HF dir, .gguf, saved atlasjax checkpoint; None = embedded default
+    load_format: str = "auto"                # auto: the checkpoint's weights | dummy: random weights for the model's
+                                             # config.json, nothing else read but its tokenizer (vLLM's; benchmarks)
     dtype: str = "auto"                      # auto: bfloat16 on GPU, float32 elsewhere
     kv_cache_dtype: str = "auto"             # the KV pool's: auto (= dtype) | bfloat16 | float16 | fp8 (e4m3) |
                                              # fp8_e4m3 | fp8_e5m2 (stored unscaled, saturating; read as bf16)
@@ -167,6 +172,8 @@ class EngineConfig:
             bad(f"num_pages must be >= 1, got {self.num_pages}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in LOAD_FORMATS:
+            bad(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             bad(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -39,6 +39,8 @@ def load_for_engine(config, dtype) -> LoadedModel:
 
     from atlasjax.engine_config import resolve_kv_cache_dtype  # noqa: PLC0415
     from pallas_kernels.kv_write import is_fp8  # noqa: PLC0415
+    if config.load_format == "dummy":
+        return dummy_model(config, dtype)
     path = config.model or ensure_default_model()
     at_load = config.quantization and not smooths_int8_activations(config)   # else quantized once smoothed
     convert = quantizing_converter(config.quantization, config.quantize_lm_head, config.quantization_group_size,
@@ -61,6 +63,56 @@ def load_for_engine(config, dtype) -> LoadedModel:
         from atlasjax.quantization import warn_if_tied_lm_head  # noqa: PLC0415
         warn_if_tied_lm_head(loaded.config, True)
     return loaded
+
+
+def dummy_model(config, dtype) -> LoadedModel:
+    """load_format="dummy" (vLLM's): the architecture of config.model's config.json with random weights built on
+    the device (quantized as they are made, with config.quantization), and its tokenizer if it has one; no
+    weight file is read, so a published model's shapes can be served or benchmarked from its config alone."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from atlasjax.config import from_hf_config  # noqa: PLC0415
+    from atlasjax.errors import CheckpointError, EngineConfigError  # noqa: PLC0415
+    from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
+    path = config.model or ensure_default_model()
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise EngineConfigError(f"load_format='dummy' builds random weights for a Hugging Face config.json; "
+                                f"{path} has none")
+    try:
+        with open(config_path) as f:
+            cfg = from_hf_config(json.load(f))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {config_path}: {e}") from e
+    return random_model(cfg, dtype, config.seed, config.tensor_parallel_size, Tokenizer.from_dir(path, cfg.eos_token_ids),
+                        f"{path} (dummy weights)", config.quantization, config.quantize_lm_head,
+                        config.quantization_group_size, config.quantization_symmetric)
+
+
+def random_model(cfg, dtype, seed: int, tensor_parallel_size: int, tokenizer, source: str, quantization=None,
+                 quantize_lm_head: bool = False, group_size: int | None = None, symmetric: bool | None = None
+                 ) -> LoadedModel:
+    """A LoadedModel of random weights for `cfg`, built on the device (threefry: the same values on one device or
+    sharded over a tensor-parallel mesh), each quantized as it is made with `quantization` (then split)."""
+    from atlasjax.loader import random_params  # noqa: PLC0415
+    from atlasjax.step_options import use_process_flags  # noqa: PLC0415
+    use_process_flags(tensor_parallel_size)   # before the weights start the jax backend
+    plan = None
+    if tensor_parallel_size > 1 and not quantization:
+        from atlasjax.sharding import TensorParallel, make_mesh  # noqa: PLC0415
+        plan = TensorParallel(make_mesh(tensor_parallel_size), cfg)
+    if quantization:
+        from atlasjax.engine_config import check_quantization_layout  # noqa: PLC0415
+        from atlasjax.quantization import leaf_quantizer, warn_if_tied_lm_head  # noqa: PLC0415
+        check_quantization_layout(quantization, group_size, symmetric)
+        params = random_params(cfg, dtype, seed, plan, each=leaf_quantizer(
+            quantization, group_size=group_size, symmetric=symmetric, quantize_lm_head=quantize_lm_head))
+        warn_if_tied_lm_head(cfg, quantize_lm_head)
+    else:
+        params = random_params(cfg, dtype, seed, plan)
+    loaded = LoadedModel(cfg, params, tokenizer=tokenizer, source=source, plan=plan)
+    return shard_loaded(loaded, tensor_parallel_size, dtype)   # quantized: split after quantizing
 
 
 def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -> LoadedModel:

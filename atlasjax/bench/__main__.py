@@ -19,6 +19,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the embedded model)")
     src.add_argument("--preset", default=None, choices=sorted(PRESETS),
                      help="a published architecture with random weights built on the device (no download)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights for --model's config.json (no weight file read), as vLLM's")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on GPU, float32 on CPU")
     add_weight_format_args(g, GGUF_LAYOUTS)

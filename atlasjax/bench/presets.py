@@ -85,31 +85,20 @@ def load_preset(name: str, dtype, quantization: str | None = None, seed: int = 0
     quantize_lm_head: with `quantization`, the untied LM head is quantized too (see EngineConfig).
     group_size, symmetric: EngineConfig's quantization_group_size and quantization_symmetric."""
     from atlasjax.loader import LoadedModel, random_params  # noqa: PLC0415
-    from atlasjax.model_source import shard_loaded  # noqa: PLC0415
-    from atlasjax.step_options import use_process_flags  # noqa: PLC0415
+    from atlasjax.model_source import random_model, shard_loaded  # noqa: PLC0415
     if quantize_lm_head and not quantization:
         from atlasjax.errors import EngineConfigError  # noqa: PLC0415
         raise EngineConfigError("quantize_lm_head=True needs quantization (int8, fp8 or int4)")
-    use_process_flags(tensor_parallel_size)   # before the weights start the jax backend
     cfg = PRESETS[name]
-    plan = None
-    if tensor_parallel_size > 1 and not quantization:
-        from atlasjax.sharding import TensorParallel, make_mesh  # noqa: PLC0415
-        plan = TensorParallel(make_mesh(tensor_parallel_size), cfg)
     if quantization in GGUF_LAYOUTS:   # as a llama.cpp file of that type loads, its LM head included
         from atlasjax.bench.gguf_layouts import quantize_like_gguf  # noqa: PLC0415
-        params = quantize_like_gguf(random_params(cfg, dtype, seed, plan), quantization, cfg.num_layers)
-    elif quantization:   # each weight quantized as it is made
-        from atlasjax.engine_config import check_quantization_layout  # noqa: PLC0415
-        from atlasjax.quantization import leaf_quantizer, warn_if_tied_lm_head  # noqa: PLC0415
-        check_quantization_layout(quantization, group_size, symmetric)
-        params = random_params(cfg, dtype, seed, plan, each=leaf_quantizer(
-            quantization, group_size=group_size, symmetric=symmetric, quantize_lm_head=quantize_lm_head))
-        warn_if_tied_lm_head(cfg, quantize_lm_head)
-    else:
-        params = random_params(cfg, dtype, seed, plan)
-    loaded = LoadedModel(cfg, params, tokenizer=synthetic_tokenizer(cfg), source=f"preset:{name}", plan=plan)
-    return shard_loaded(loaded, tensor_parallel_size, dtype)   # quantized presets: split after quantizing
+        from atlasjax.step_options import use_process_flags  # noqa: PLC0415
+        use_process_flags(tensor_parallel_size)
+        params = quantize_like_gguf(random_params(cfg, dtype, seed), quantization, cfg.num_layers)
+        loaded = LoadedModel(cfg, params, tokenizer=synthetic_tokenizer(cfg), source=f"preset:{name}")
+        return shard_loaded(loaded, tensor_parallel_size, dtype)
+    return random_model(cfg, dtype, seed, tensor_parallel_size, synthetic_tokenizer(cfg), f"preset:{name}",
+                        quantization, quantize_lm_head, group_size, symmetric)
 
 
 def weights_label(quantization: str | None, quantize_lm_head: bool = False, activations: str | None = None
@@ -141,7 +130,7 @@ def build_engine(args, **overrides):
     if args.quantization in GGUF_LAYOUTS and not args.preset:
         raise SystemExit(f"--quantization {args.quantization} lays out a --preset's random weights as that GGUF "
                          "type loads; a .gguf --model loads its own layout (leave --quantization unset)")
-    kw = dict(model=args.model, dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+    kw = dict(model=args.model, load_format=getattr(args, "load_format", None), dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
               calculate_kv_scales=getattr(args, "calculate_kv_scales", False) or None,
               max_num_seqs=args.max_num_seqs,
               decode_batch_sizes=getattr(args, "decode_batch_sizes", None), max_model_len=args.max_model_len,
