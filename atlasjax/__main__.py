@@ -112,6 +112,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights for --model's config.json (its tokenizer kept, no weight file read), "
                         "to serve or benchmark a published model's shapes without its weights (vLLM's)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="use the tokenizer (tokenizer.json, tokenizer_config.json with its chat template) in DIR "
+                        "instead of the model's own (vLLM's; e.g. a GGUF file's model with its Hugging Face tokenizer)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-num-seqs", type=int, default=16)
     add_decode_batch_sizes_arg(g)
@@ -177,7 +180,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, load_format=args.load_format, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+    return dict(model=args.model, load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
+                kv_cache_dtype=args.kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales,
                 max_num_seqs=args.max_num_seqs, decode_batch_sizes=args.decode_batch_sizes,
                 max_model_len=args.max_model_len,

@@ -73,6 +73,8 @@ class EngineConfig:
     model: str | None = None                 # HF dir, .gguf, saved atlasjax checkpoint; None = embedded default
     load_format: str = "auto"                # auto: the checkpoint's weights | dummy: random weights for the model's
                                              # config.json, nothing else read but its tokenizer (vLLM's; benchmarks)
+    tokenizer: str | None = None             # a directory with tokenizer.json (and tokenizer_config.json) to use
+                                             # instead of the model's own (vLLM's --tokenizer)
     dtype: str = "auto"                      # auto: bfloat16 on GPU, float32 elsewhere
     kv_cache_dtype: str = "auto"             # the KV pool's: auto (= dtype) | bfloat16 | float16 | fp8 (e4m3) |
                                              # fp8_e4m3 | fp8_e5m2 (stored unscaled, saturating; read as bf16)
@@ -197,6 +199,8 @@ class EngineConfig:
             bad(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.pooling_type not in (None, *POOLING_TYPES):
             bad(f"pooling_type must be None or one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            bad(f"tokenizer must be a directory's path, got {self.tokenizer!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             bad(f"chat_template must be a file's path or a template, got {self.chat_template!r}")
         check_quantization_layout(self.quantization, self.quantization_group_size, self.quantization_symmetric)

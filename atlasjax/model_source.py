@@ -116,14 +116,16 @@ def random_model(cfg, dtype, seed: int, tensor_parallel_size: int, tokenizer, so
 
 
 def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -> LoadedModel:
-    """The loaded model with what the user set beside its own files: `chat_template` (read by
-    `read_chat_template`) instead of the tokenizer's, and the generation_config.json defaults that
-    `config.generation_config` selects, unless the model carries them already (a saved checkpoint)."""
+    """The loaded model with what the user set beside its own files: `config.tokenizer` instead of the model's,
+    `chat_template` (read by `read_chat_template`) instead of the tokenizer's, and the generation_config.json
+    defaults that `config.generation_config` selects, unless the model carries them already (a saved checkpoint)."""
     import dataclasses  # noqa: PLC0415
     import logging  # noqa: PLC0415
 
     from atlasjax import generation_config  # noqa: PLC0415
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    if config.tokenizer is not None:
+        loaded = dataclasses.replace(loaded, tokenizer=tokenizer_for(config.tokenizer, loaded.config))
     if chat_template is not None:
         if loaded.tokenizer is None:
             raise EngineConfigError("a chat template needs the model's tokenizer, and this model has none")
@@ -140,6 +142,23 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
                                 config.hf_overrides)
         loaded = dataclasses.replace(loaded, classifier=head)
     return loaded
+
+
+def tokenizer_for(path: str, cfg):
+    """The tokenizer in directory `path` for a model of config `cfg` (vLLM's --tokenizer), refused with the reason
+    when there is none or when it has more tokens than the model's embedding has rows."""
+    import os  # noqa: PLC0415
+
+    from atlasjax.errors import EngineConfigError  # noqa: PLC0415
+    from atlasjax.tokenizer import Tokenizer  # noqa: PLC0415
+    tok = Tokenizer.from_dir(path, cfg.eos_token_ids) if os.path.isdir(path) else None
+    if tok is None:
+        raise EngineConfigError(f"tokenizer={path!r}: no tokenizer.json there (a directory as a Hugging Face "
+                                "model ships it)")
+    if tok.vocab_size > cfg.vocab_size:
+        raise EngineConfigError(f"tokenizer={path!r} has {tok.vocab_size} tokens; the model's vocabulary has "
+                                f"{cfg.vocab_size}")
+    return tok
 
 
 def with_weight_settings(params, config, cfg, tokenizer, dtype, kv_dtype, max_len: int, plan=None):

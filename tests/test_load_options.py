@@ -1,9 +1,10 @@
-"""load_format="dummy" (vLLM's `--load-format dummy`): a model's config.json served with random weights.
+"""What a model is loaded with besides its weights file: vLLM's `--load-format dummy` and `--tokenizer`.
 
-A directory holding only a config.json (and, where it has them, tokenizer files) builds an engine that
-generates; the same seed gives the same weights, at TP=2 too; a quantized format quantizes them as they are
-made; the tokenizer beside the config is the one used; a directory without a config.json and an unknown
-format are refused with the reason.
+load_format="dummy": a directory holding only a config.json (and, where it has them, tokenizer files) builds
+an engine that generates; the same seed gives the same weights, at TP=2 too; a quantized format quantizes
+them as they are made; the tokenizer beside the config is the one used; a directory without a config.json and
+an unknown format are refused with the reason. tokenizer=DIR: that tokenizer instead of the model's, refused
+when absent or larger than the model's vocabulary.
 """
 from __future__ import annotations
 
@@ -59,10 +60,15 @@ def test_dummy_weights_quantize_as_they_are_made(config_only):
     assert len(_tokens(llm)) == 8
 
 
-def test_the_tokenizer_beside_the_config_is_kept(tmp_path):
+def _need_llama3_tokenizer() -> str:
     from tests.server_util import TOKENIZER_DIR
     if not os.path.exists(os.path.join(TOKENIZER_DIR, "tokenizer.json")):
         pytest.skip(f"test assets not found at {TOKENIZER_DIR} (the Llama 3 tokenizer)")
+    return TOKENIZER_DIR
+
+
+def test_the_tokenizer_beside_the_config_is_kept(tmp_path):
+    TOKENIZER_DIR = _need_llama3_tokenizer()
     cls, overrides = TP_CASES["qwen2_tp"]
     cls(**{**BASE, **overrides, "vocab_size": 128256}).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -85,3 +91,17 @@ def test_what_dummy_cannot_build_is_refused(tmp_path, config_only):
     from atlasjax.__main__ import build_parser, engine_kwargs
     args = build_parser().parse_args(["serve", "--model", config_only, "--load-format", "dummy"])
     assert engine_kwargs(args)["load_format"] == "dummy"
+
+
+def test_a_tokenizer_given_apart_replaces_the_models(tmp_path, config_only):
+    tokenizer_dir = _need_llama3_tokenizer()
+    cls, overrides = TP_CASES["qwen2_tp"]
+    cls(**{**BASE, **overrides, "vocab_size": 128256}).save_pretrained(tmp_path)     # a config, no tokenizer
+    assert LLM(str(tmp_path), load_format="dummy", **ENGINE).tokenizer is None
+    llm = LLM(str(tmp_path), load_format="dummy", tokenizer=tokenizer_dir, **ENGINE)
+    assert llm.tokenizer.encode("Paris", add_special_tokens=False) == [60704]      # Llama 3's id for "Paris"
+    assert llm.generate(["Hello"], GREEDY)[0].outputs[0].text
+    with pytest.raises(EngineConfigError, match="128256 tokens; the model's vocabulary has 500"):
+        LLM(config_only, load_format="dummy", tokenizer=tokenizer_dir, **ENGINE)
+    with pytest.raises(EngineConfigError, match="no tokenizer.json there"):
+        LLM(str(tmp_path), load_format="dummy", tokenizer=str(tmp_path / "nowhere"), **ENGINE)
