@@ -191,7 +191,8 @@ def serve(args) -> int:
             except InvalidRequestError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
-        asyncio.run(warm_up(llm, pooling=llm.engine.pooling_only))
+        for replica in getattr(llm, "replicas", [llm]):    # each data-parallel replica answers before "ready"
+            asyncio.run(warm_up(replica, pooling=llm.engine.pooling_only))
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
         app = create_app(llm, served_model_name=args.served_model_name or served_model_name(args.model),
                          api_key=args.api_key or os.environ.get("ATLASJAX_API_KEY") or None,
