@@ -43,6 +43,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules", default=None, nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters requests name in their \"model\" field: name=path, or vLLM's JSON form "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (needs --enable-lora)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate (PEM; with --ssl-keyfile, as vLLM's)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     g.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     g.add_argument("--cors-origins", default=None,
@@ -154,13 +157,25 @@ def serve(args) -> int:
     if lora_modules and not args.enable_lora:
         print("error: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        print("error: HTTPS needs both --ssl-certfile and --ssl-keyfile", file=sys.stderr)
+        return 2
+    if args.ssl_certfile is not None:   # read them now: a bad pair stops the start before the model loads
+        import ssl  # noqa: PLC0415
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (OSError, ssl.SSLError) as e:
+            print(f"error: cannot use --ssl-certfile {args.ssl_certfile} with --ssl-keyfile {args.ssl_keyfile}: {e}",
+                  file=sys.stderr)
+            return 2
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
-    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     if args.log_requests:
         logging.getLogger("atlasjax.requests").setLevel(logging.INFO)
     stats_interval = 0.0 if args.disable_log_stats else max(args.log_stats_interval, 0.0)
@@ -202,7 +217,8 @@ def serve(args) -> int:
                          max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval,
                          enable_sleep_mode=args.enable_sleep_mode, lora_modules=lora_modules)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
-                                access_log=args.uvicorn_log_level in ("info", "debug", "trace"))
+                                access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
+                                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
         server = _make_server(config, url)
         # uvicorn re-raises the signal it caught once it has shut down; by then we only want to
         # finish the drain below and return, so that re-raise must land in a harmless handler.
