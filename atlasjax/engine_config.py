@@ -221,9 +221,6 @@ class EngineConfig:
             bad(f"activation_quantization={acts} multiplies weights with one scale per output channel; "
                 f"quantization_group_size={self.quantization_group_size} makes groups")
         check_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            bad("LoRA adapters under tensor parallelism are not supported yet: enable_lora needs "
-                "tensor_parallel_size=1")
         spec = self.speculative_config
         if spec is not None and spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
             bad(f"speculative_config: draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must equal "

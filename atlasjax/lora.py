@@ -79,6 +79,9 @@ def check_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras) -> None:
         raise EngineConfigError(f"max_cpu_loras must be an integer >= max_loras ({max_loras}), got {max_cpu_loras!r}")
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")   # under tensor parallelism: split over their inputs (atlasjax/sharding.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """One linear layer of the runner's params that LoRA applies to: its path, input width and parts (HF name,
@@ -90,6 +93,38 @@ class Target:
     @property
     def out_features(self) -> int:
         return sum(width for _, width in self.parts)
+
+    @property
+    def row_parallel(self) -> bool:
+        return self.path[2] in ROW_PARALLEL
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSplit:
+    """How the runner's weights are split over devices (tensor parallelism; one device: `DeviceSplit()`): a
+    column-parallel projection's columns are laid out device by device, each device's part slices in part order
+    (models/fused.py), and a k/v part with fewer heads than devices gives device d its head d // kv_replicas."""
+    shards: int = 1
+    kv_replicas: int = 1
+    head_dim: int = 0
+
+    def column_blocks(self, t: Target) -> list[tuple[int, int, int]]:
+        """(part index, first column, end column) of t's parts in the order of its (global) output columns."""
+        if t.row_parallel or self.shards == 1:
+            return [(p, 0, width) for p, (_, width) in enumerate(t.parts)]
+        blocks = []
+        for d in range(self.shards):
+            for p, (name, width) in enumerate(t.parts):
+                if name in ("k_proj", "v_proj") and self.kv_replicas > 1:
+                    head = d // self.kv_replicas
+                    blocks.append((p, head * self.head_dim, (head + 1) * self.head_dim))
+                else:
+                    w = width // self.shards
+                    blocks.append((p, d * w, (d + 1) * w))
+        return blocks
+
+    def out_features(self, t: Target) -> int:
+        return sum(stop - start for _, start, stop in self.column_blocks(t))
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -121,21 +156,24 @@ class Adapter:
     with the scaling folded in (float32)."""
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
-    def slot_arrays(self, layout: list[Target], max_rank: int, dtype) -> dict:
+    def slot_arrays(self, layout: list[Target], max_rank: int, dtype, split: DeviceSplit = DeviceSplit()) -> dict:
         """{layer: {module: {linear: {"a": [in, P * max_rank], "b": [P * max_rank, out]}}}}: what one device slot
-        holds for this adapter (zeros where it has no pair)."""
+        holds for this adapter (zeros where it has no pair); b's columns in the order of the weight's (`split`)."""
         tree: dict = {}
         for t in layout:
             a = np.zeros((t.in_features, len(t.parts) * max_rank), np.float32)
-            b = np.zeros((len(t.parts) * max_rank, t.out_features), np.float32)
-            offset, layer = 0, int(t.path[0].split("_")[1])
-            for p, (name, width) in enumerate(t.parts):
+            b = np.zeros((len(t.parts) * max_rank, split.out_features(t)), np.float32)
+            layer = int(t.path[0].split("_")[1])
+            for p, (name, _) in enumerate(t.parts):
                 if (layer, name) in self.weights:
-                    lora_a, lora_b = self.weights[(layer, name)]
-                    r = lora_a.shape[0]
-                    a[:, p * max_rank:p * max_rank + r] = lora_a.T
-                    b[p * max_rank:p * max_rank + r, offset:offset + width] = lora_b.T
-                offset += width
+                    lora_a = self.weights[(layer, name)][0]
+                    a[:, p * max_rank:p * max_rank + lora_a.shape[0]] = lora_a.T
+            column = 0
+            for p, start, stop in split.column_blocks(t):
+                if (layer, t.parts[p][0]) in self.weights:
+                    lora_b = self.weights[(layer, t.parts[p][0])][1]
+                    b[p * max_rank:p * max_rank + lora_b.shape[1], column:column + stop - start] = lora_b[start:stop].T
+                column += stop - start
             tree.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
                 "a": a.astype(dtype), "b": b.astype(dtype)}
         return tree
@@ -213,7 +251,9 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.layout = targets(runner.params, cfg)
-        runner.enable_lora(self.layout, max_loras, max_lora_rank)
+        plan = runner.plan
+        self.split = DeviceSplit() if plan is None else DeviceSplit(plan.size, plan.kv_replicas, cfg.head_dim)
+        runner.enable_lora(self.layout, max_loras, max_lora_rank, self.split)
         self._host: collections.OrderedDict[str, tuple[LoRARequest, Adapter]] = collections.OrderedDict()
         self.slots: list[LoRARequest | None] = [None] * max_loras   # the adapter each device slot holds
         self.users = [0] * max_loras                         # running requests using each slot
@@ -254,7 +294,7 @@ class LoRAManager:
         else:
             free = [j for j in range(self.max_loras) if self.users[j] == 0]
             j = min(free, key=lambda j: (self.slots[j] is not None, self._last_used[j]))   # empty, else least recent
-            arrays = req.lora_adapter.slot_arrays(self.layout, self.max_lora_rank, self.runner.dtype)
+            arrays = req.lora_adapter.slot_arrays(self.layout, self.max_lora_rank, self.runner.dtype, self.split)
             self.runner.write_lora(j, arrays)
             self.slots[j] = req.lora_request
             self.num_loads += 1

@@ -172,29 +172,42 @@ class ModelRunner:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
 
     # ---- LoRA (atlasjax/lora.py): a tree beside the params that every step reads
-    def enable_lora(self, layout, max_loras: int, max_rank: int) -> None:
+    def enable_lora(self, layout, max_loras: int, max_rank: int, split) -> None:
         """Zeroed device slots for `max_loras` adapters of rank up to `max_rank` on the linear layers of `layout`
-        (lora.targets), and every engine slot on the base model. Done before steps compile (they read it)."""
-        if self.plan is not None:
-            raise ValueError("LoRA adapters under tensor parallelism are not supported")
+        (lora.targets), and every engine slot on the base model. Done before steps compile (they read it). split:
+        `lora.DeviceSplit`; under tensor parallelism the stacks are split as their weights are (sharding.lora_specs)."""
         layers: dict = {}
         for t in layout:
             width = len(t.parts) * max_rank
             layers.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
                 "a": jnp.zeros((max_loras, t.in_features, width), self.dtype),
-                "b": jnp.zeros((max_loras, width, t.out_features), self.dtype)}
+                "b": jnp.zeros((max_loras, width, split.out_features(t)), self.dtype)}
+        self._lora_shardings = None
+        if self.plan is not None:
+            from jax.sharding import NamedSharding  # noqa: PLC0415
+
+            from atlasjax.sharding import lora_specs  # noqa: PLC0415
+            self._lora_shardings = jax.tree.map(lambda spec: NamedSharding(self.plan.mesh, spec), lora_specs(layers))
+            layers = jax.device_put(layers, self._lora_shardings)
         self._adapter_of_slot = np.full(self.max_num_seqs, -1, np.int32)
-        self.lora = {"layers": layers, "adapter_of_slot": jnp.asarray(self._adapter_of_slot)}
+        self.lora = {"layers": layers, "adapter_of_slot": self._place(self._adapter_of_slot)}
+
+    def _place(self, host: np.ndarray) -> jax.Array:
+        """A small host array on the device (replicated over the mesh under tensor parallelism)."""
+        return jax.device_put(host, None if self.plan is None else self.plan.replicated)
 
     def write_lora(self, index: int, arrays: dict) -> None:
         """Device slot `index` takes an adapter: arrays, `lora.Adapter.slot_arrays` (host arrays, one slot's)."""
-        self.lora = dict(self.lora, layers=_write_slot(self.lora["layers"], jnp.int32(index), arrays))
+        layers = _write_slot(self.lora["layers"], jnp.int32(index), arrays)
+        if self._lora_shardings is not None:   # (a no-op where the update kept each stack's split)
+            layers = jax.device_put(layers, self._lora_shardings)
+        self.lora = dict(self.lora, layers=layers)
 
     def assign_adapters(self, pairs) -> None:
         """(engine slot, LoRA slot or -1) each: what the steps read for the requests admitted to those slots."""
         for slot, index in pairs:
             self._adapter_of_slot[slot] = index
-        self.lora = dict(self.lora, adapter_of_slot=jax.device_put(self._adapter_of_slot.copy()))
+        self.lora = dict(self.lora, adapter_of_slot=self._place(self._adapter_of_slot.copy()))
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""

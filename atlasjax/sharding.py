@@ -285,8 +285,21 @@ def local_params(params):
                         params, is_leaf=is_quantized)
 
 
+def lora_specs(layers: dict) -> dict:
+    """PartitionSpecs of the runner's LoRA stacks (atlasjax/lora.py: a [slots, in, R], b [slots, R, out] per
+    projection), split as their weights are: a row-parallel projection's a over its inputs (its x @ a is a partial
+    sum, all-reduced in models/layers.py), a column-parallel one's b over its outputs; the rest replicated."""
+    from atlasjax.lora import ROW_PARALLEL  # noqa: PLC0415
+    return {layer: {module: {linear: ({"a": P(None, TP_AXIS, None), "b": P()} if linear in ROW_PARALLEL
+                                      else {"a": P(), "b": P(None, None, TP_AXIS)})
+                             for linear in linears}
+                    for module, linears in modules.items()}
+            for layer, modules in layers.items()}
+
+
 class ShardedModel:
-    """A Transformer whose `apply` runs per device inside shard_map (same call signature)."""
+    """A Transformer whose `apply` runs per device inside shard_map (same call signature; with LoRA, the "lora"
+    collection and each token's adapter slot pass through, split by `lora_specs`)."""
 
     def __init__(self, model, plan: TensorParallel, param_specs):
         self.model = model
@@ -298,14 +311,19 @@ class ShardedModel:
 
     def apply(self, variables, *args, method=None):
         mesh, kv_spec = self.plan.mesh, P(TP_AXIS)
-        if method is None:   # forward: (tokens, positions, kv_caches, meta) -> (hidden, kv_caches)
-            tokens, positions, kv, meta = args
+        if method is None:   # forward: (tokens, positions, kv_caches, meta[, lora_ids]) -> (hidden, kv_caches)
+            tokens, positions, kv, meta, *lora_ids = args
             kv_specs = jax.tree.map(lambda _: kv_spec, kv)
+            specs = dict(self.param_specs)
+            if "lora" in variables:
+                specs["lora"] = lora_specs(variables["lora"])
 
             def forward(v, kv, rest):
-                return self.model.apply({"params": local_params(v["params"])}, rest[0], rest[1], kv, rest[2])
-            return jax.shard_map(forward, mesh=mesh, in_specs=(self.param_specs, kv_specs, P()),
-                                 out_specs=(P(), kv_specs), check_vma=False)(variables, kv, (tokens, positions, meta))
+                local = dict(v, params=local_params(v["params"]))
+                return self.model.apply(local, rest[0], rest[1], kv, rest[2], *rest[3:])
+            return jax.shard_map(forward, mesh=mesh, in_specs=(specs, kv_specs, P()),
+                                 out_specs=(P(), kv_specs), check_vma=False)(
+                {k: variables[k] for k in specs}, kv, (tokens, positions, meta, *lora_ids))
 
         def other(v, rest):
             return self.model.apply({"params": local_params(v["params"])}, *rest, method=method)

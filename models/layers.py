@@ -100,7 +100,7 @@ class Linear(nn.Module):
         kernel = given_or_param(self, "kernel", _init, self.axes, (x.shape[-1], self.features), self.dtype)
         if lora_mask is not None and self.has_variable("lora", "a"):
             delta = lora_delta(materialize(x), self.get_variable("lora", "a"), self.get_variable("lora", "b"),
-                               lora_mask, self.out_dtype or x.dtype)
+                               lora_mask, self.out_dtype or x.dtype, lambda xa: self.parallel.reduce(xa, self.axes[0]))
             residual = delta if residual is None else residual + delta
         if self.parallel.mesh_axis(self.axes[0]) is None:
             if not self.use_bias:
@@ -117,11 +117,12 @@ class Linear(nn.Module):
         return y if residual is None else residual + y
 
 
-def lora_delta(x, a, b, mask, out_dtype) -> jax.Array:
+def lora_delta(x, a, b, mask, out_dtype, reduce=lambda xa: xa) -> jax.Array:
     """Each token's LoRA term (x @ a[slot]) @ b[slot]: x [tokens, in], a [slots, in, r], b [slots, r, out] (scaling
     folded in), mask [tokens, slots] one-hot. Every slot's x @ a is computed and masked, so the shapes stay fixed;
-    the products are rounded to x's dtype in between, as PEFT's two linear layers are."""
-    xa = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
+    the products are rounded to x's dtype in between, as PEFT's two linear layers are. reduce: all-reduces x @ a
+    where x and a hold a share of the inputs (a row-parallel projection under tensor parallelism)."""
+    xa = reduce(jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32))
     xa = (xa * mask[:, :, None]).astype(x.dtype)
     return jnp.einsum("tsr,sro->to", xa, b.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
 

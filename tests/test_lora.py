@@ -140,12 +140,24 @@ def test_unusable_adapters_fail_the_request_not_the_engine(llm, setup, tmp_path)
     _check(llm.generate([PROMPTS[1]], GREEDY, lora_request=requests["all"])[0], refs["all"], PROMPTS[1])
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_adapters_under_tensor_parallelism_answer_as_merged_weights(setup, tp):
+    """Split over 2 devices (a KV head each), and over 4 (each of the 2 KV heads on two devices): the stacks are
+    split as their weights are, a row-parallel projection's x @ a all-reduced (tests/conftest.py: 8 CPU devices)."""
+    base, requests, refs = setup
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=tp, **ENGINE)
+    names = ["all", "qv", None, "all"]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    outs = llm.generate(prompts, GREEDY, lora_request=[requests[n] if n else None for n in names])
+    for out, name, prompt in zip(outs, names, prompts):
+        _check(out, refs[name], prompt)
+
+
 def test_lora_settings_are_checked(setup):
     base, requests, _ = setup
     for kwargs, message in ((dict(enable_lora=True, max_loras=0), "max_loras"),
                             (dict(enable_lora=True, max_lora_rank=1024), "max_lora_rank"),
-                            (dict(enable_lora=True, max_loras=2, max_cpu_loras=1), "max_cpu_loras"),
-                            (dict(enable_lora=True, tensor_parallel_size=2), "tensor parallelism")):
+                            (dict(enable_lora=True, max_loras=2, max_cpu_loras=1), "max_cpu_loras")):
         with pytest.raises(EngineConfigError, match=message):
             LLM(base, **kwargs)
 
