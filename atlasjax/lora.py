@@ -5,7 +5,7 @@
 
 An adapter is a PEFT directory (`adapter_config.json` + `adapter_model.safetensors`) whose LoRA pairs touch the
 decoder's linear projections (q/k/v/o, gate/up/down). The engine keeps `max_loras` device slots; the runner's
-`lora` tree holds, for each projection, a stack `a` [max_loras, in, R] and `b` [max_loras, R, out] beside the
+`lora` tree (atlasjax/lora_slots.py) holds, for each projection, a stack `a` [max_loras, in, R] and `b` [max_loras, R, out] beside the
 weights (R = max_lora_rank x the projection's parts: a fused q/k/v or gate/up projection puts its parts' A
 matrices side by side and their B matrices block-diagonally, so one pair of matmuls serves the group). The
 scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b; a smaller rank, and a projection an adapter
@@ -253,7 +253,9 @@ class LoRAManager:
         self.layout = targets(runner.params, cfg)
         plan = runner.plan
         self.split = DeviceSplit() if plan is None else DeviceSplit(plan.size, plan.kv_replicas, cfg.head_dim)
-        runner.enable_lora(self.layout, max_loras, max_lora_rank, self.split)
+        from atlasjax.lora_slots import LoRASlots  # noqa: PLC0415 (this module stays jax-free to import)
+        runner.lora_slots = LoRASlots(self.layout, max_loras, max_lora_rank, self.split, runner.dtype,
+                                      runner.max_num_seqs, plan)
         self._host: collections.OrderedDict[str, tuple[LoRARequest, Adapter]] = collections.OrderedDict()
         self.slots: list[LoRARequest | None] = [None] * max_loras   # the adapter each device slot holds
         self.users = [0] * max_loras                         # running requests using each slot
@@ -295,7 +297,7 @@ class LoRAManager:
             free = [j for j in range(self.max_loras) if self.users[j] == 0]
             j = min(free, key=lambda j: (self.slots[j] is not None, self._last_used[j]))   # empty, else least recent
             arrays = req.lora_adapter.slot_arrays(self.layout, self.max_lora_rank, self.runner.dtype, self.split)
-            self.runner.write_lora(j, arrays)
+            self.runner.lora_slots.write(j, arrays)
             self.slots[j] = req.lora_request
             self.num_loads += 1
         self.users[j] += 1
@@ -311,4 +313,4 @@ class LoRAManager:
 
     def assign(self, admitted) -> None:
         """The admitted requests' engine slots now run their LoRA slots (-1: the base model)."""
-        self.runner.assign_adapters([(req.slot, req.lora_slot) for req in admitted])
+        self.runner.lora_slots.assign([(req.slot, req.lora_slot) for req in admitted])

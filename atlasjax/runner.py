@@ -35,12 +35,6 @@ log = logging.getLogger("atlasjax.compile")
 ADMIT_ROWS = 16   # requests one admit step resets (runner.admit_rows)
 
 
-@jax.jit
-def _write_slot(stacks, index, arrays):
-    """stacks with slot `index` of every leaf replaced by arrays' (the old stacks stay valid: not donated)."""
-    return jax.tree.map(lambda stack, new: stack.at[index].set(new.astype(stack.dtype)), stacks, arrays)
-
-
 def _shape_of(key: tuple) -> list:
     """A step key's shape part, as a compile log line prints it."""
     return [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
@@ -99,7 +93,7 @@ class ModelRunner:
         self.long_context_split_rows = dict(long_context_split_rows or {})
         self.verify_buckets = tuple(verify_buckets)
         self.model = self._executed_model(cfg, self.params, plan, attn_backend)
-        self.lora: dict | None = None   # LoRA adapters' device slots (`enable_lora`; atlasjax/lora.py)
+        self.lora_slots = None   # LoRA adapters' device slots (atlasjax/lora_slots.py), set by lora.LoRAManager
         self.draft: steps.Draft | None = None
         self.draft_cfg = self.draft_params = self.draft_plan = None
         if draft is not None:
@@ -171,43 +165,10 @@ class ModelRunner:
             return kv
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
 
-    # ---- LoRA (atlasjax/lora.py): a tree beside the params that every step reads
-    def enable_lora(self, layout, max_loras: int, max_rank: int, split) -> None:
-        """Zeroed device slots for `max_loras` adapters of rank up to `max_rank` on the linear layers of `layout`
-        (lora.targets), and every engine slot on the base model. Done before steps compile (they read it). split:
-        `lora.DeviceSplit`; under tensor parallelism the stacks are split as their weights are (sharding.lora_specs)."""
-        layers: dict = {}
-        for t in layout:
-            width = len(t.parts) * max_rank
-            layers.setdefault(t.path[0], {}).setdefault(t.path[1], {})[t.path[2]] = {
-                "a": jnp.zeros((max_loras, t.in_features, width), self.dtype),
-                "b": jnp.zeros((max_loras, width, split.out_features(t)), self.dtype)}
-        self._lora_shardings = None
-        if self.plan is not None:
-            from jax.sharding import NamedSharding  # noqa: PLC0415
-
-            from atlasjax.sharding import lora_specs  # noqa: PLC0415
-            self._lora_shardings = jax.tree.map(lambda spec: NamedSharding(self.plan.mesh, spec), lora_specs(layers))
-            layers = jax.device_put(layers, self._lora_shardings)
-        self._adapter_of_slot = np.full(self.max_num_seqs, -1, np.int32)
-        self.lora = {"layers": layers, "adapter_of_slot": self._place(self._adapter_of_slot)}
-
-    def _place(self, host: np.ndarray) -> jax.Array:
-        """A small host array on the device (replicated over the mesh under tensor parallelism)."""
-        return jax.device_put(host, None if self.plan is None else self.plan.replicated)
-
-    def write_lora(self, index: int, arrays: dict) -> None:
-        """Device slot `index` takes an adapter: arrays, `lora.Adapter.slot_arrays` (host arrays, one slot's)."""
-        layers = _write_slot(self.lora["layers"], jnp.int32(index), arrays)
-        if self._lora_shardings is not None:   # (a no-op where the update kept each stack's split)
-            layers = jax.device_put(layers, self._lora_shardings)
-        self.lora = dict(self.lora, layers=layers)
-
-    def assign_adapters(self, pairs) -> None:
-        """(engine slot, LoRA slot or -1) each: what the steps read for the requests admitted to those slots."""
-        for slot, index in pairs:
-            self._adapter_of_slot[slot] = index
-        self.lora = dict(self.lora, adapter_of_slot=self._place(self._adapter_of_slot.copy()))
+    @property
+    def lora(self) -> dict | None:
+        """The LoRA slots' tree every step reads (atlasjax/lora_slots.py), or None without LoRA."""
+        return None if self.lora_slots is None else self.lora_slots.tree
 
     def checkpoint_params(self) -> dict:
         """The params in checkpoint layout (per-projection, as loaded): what `LLM.save` writes."""

@@ -34,6 +34,11 @@ async def health(request: Request) -> JSONResponse:
             "kv_pages_free": stats.pages_free, "kv_pages_total": stats.pages_total}
     if failure is not None:
         body["error"] = repr(failure)
+    replicas = getattr(state.llm, "replicas", None)   # data parallelism (atlasjax/data_parallel.py): each one's
+    if replicas:
+        body["replicas"] = [{"status": "ok" if r.is_healthy else "error", "num_running": r.stats.num_running,
+                             "num_waiting": r.stats.num_waiting, "kv_pages_free": r.stats.pages_free,
+                             "kv_pages_total": r.stats.pages_total} for r in replicas]
     return JSONResponse(body, status_code=200 if failure is None else 503)
 
 

@@ -263,6 +263,8 @@ def test_a_server_with_two_replicas_answers_as_one_and_reports_each(request, tmp
         health = http.get("/health").json()
         metrics = http.get("/metrics").text
     assert health["status"] == "ok"
+    assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+    assert sum(r["kv_pages_total"] for r in health["replicas"]) == health["kv_pages_total"]
     per_replica = [metric_value(metrics, f'atlasjax_engine_generation_tokens_total{{engine="{r}"}}') for r in (0, 1)]
     assert min(per_replica) > 0 and sum(per_replica) >= 4 * 6, per_replica
     assert metric_value(metrics, "atlasjax_kv_pages_total") == health["kv_pages_total"]
