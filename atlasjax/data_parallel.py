@@ -33,6 +33,7 @@ from atlasjax.compile_cache import gpu_expected
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.metrics import EngineStats
+from atlasjax.page_pool import page_keys
 from atlasjax.speculative import SpecStats
 
 log = logging.getLogger("atlasjax.data_parallel")
@@ -117,11 +118,7 @@ class PrefixRouter:
         """A chained hash per whole page of a token-id prompt (empty for anything else)."""
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt[:1]):
             return []
-        hashes, h = [], 0
-        for start in range(0, len(prompt) - self.page_size + 1, self.page_size):
-            h = hash((h, tuple(prompt[start:start + self.page_size])))
-            hashes.append(h)
-        return hashes
+        return [hash(key) for key in page_keys([], prompt, self.page_size)]   # the prefix cache's page keys
 
 
 class DataParallelLLM:

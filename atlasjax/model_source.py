@@ -85,9 +85,10 @@ def dummy_model(config, dtype) -> LoadedModel:
             cfg = from_hf_config(json.load(f))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {config_path}: {e}") from e
-    return random_model(cfg, dtype, config.seed, config.tensor_parallel_size, Tokenizer.from_dir(path, cfg.eos_token_ids),
-                        f"{path} (dummy weights)", config.quantization, config.quantize_lm_head,
-                        config.quantization_group_size, config.quantization_symmetric)
+    tokenizer = Tokenizer.from_dir(path, cfg.eos_token_ids)
+    return random_model(cfg, dtype, config.seed, config.tensor_parallel_size, tokenizer, f"{path} (dummy weights)",
+                        config.quantization, config.quantize_lm_head, config.quantization_group_size,
+                        config.quantization_symmetric)
 
 
 def random_model(cfg, dtype, seed: int, tensor_parallel_size: int, tokenizer, source: str, quantization=None,

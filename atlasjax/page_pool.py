@@ -64,11 +64,7 @@ class PagePool:
     def extend_keys(self, keys: list[tuple], token_ids, root: int = 0) -> list[tuple]:
         """Append to `keys` the keys of every further full page of token_ids (incremental). root: the first
         page's parent (`Request.cache_root`: pages computed under different LoRA adapters never match)."""
-        ps = self.page_size
-        for i in range(len(keys), len(token_ids) // ps):
-            parent = hash(keys[-1]) if keys else root
-            keys.append((parent, tuple(token_ids[i * ps:(i + 1) * ps])))
-        return keys
+        return page_keys(keys, token_ids, self.page_size, root)
 
     def lookup(self, keys: list[tuple]) -> list[int]:
         """Longest run of cached pages for these full-page keys; takes a reference on each."""
@@ -103,3 +99,11 @@ class PagePool:
             if self.ref_counts[page] == 0:
                 key = self.page_key.pop(page)
                 self.cached.pop(key, None)
+
+
+def page_keys(keys: list[tuple], token_ids, page_size: int, root: int = 0) -> list[tuple]:
+    """`PagePool.extend_keys` for a page size (also what the data-parallel router keys prompts by)."""
+    for i in range(len(keys), len(token_ids) // page_size):
+        parent = hash(keys[-1]) if keys else root
+        keys.append((parent, tuple(token_ids[i * page_size:(i + 1) * page_size])))
+    return keys

@@ -36,9 +36,9 @@ async def health(request: Request) -> JSONResponse:
         body["error"] = repr(failure)
     replicas = getattr(state.llm, "replicas", None)   # data parallelism (atlasjax/data_parallel.py): each one's
     if replicas:
-        body["replicas"] = [{"status": "ok" if r.is_healthy else "error", "num_running": r.stats.num_running,
-                             "num_waiting": r.stats.num_waiting, "kv_pages_free": r.stats.pages_free,
-                             "kv_pages_total": r.stats.pages_total} for r in replicas]
+        body["replicas"] = [{"status": "ok" if r.is_healthy else "error", "num_running": s.num_running,
+                             "num_waiting": s.num_waiting, "kv_pages_free": s.pages_free,
+                             "kv_pages_total": s.pages_total} for r, s in zip(replicas, state.llm.replica_stats)]
     return JSONResponse(body, status_code=200 if failure is None else 503)
 
 

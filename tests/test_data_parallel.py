@@ -5,7 +5,8 @@ a prompt to the replica that served its prefix unless that one is much busier, e
 replicas' stats sum. With two engine processes on the tiny Llama 3 of tests/server_util.py: greedy answers
 equal the in-process engine's while both replicas serve, a conversation's next turn hits its replica's prefix
 cache, a stream left early frees its pages, sleep and wake-up reach both, embeddings come back from one, and a
-dead replica fails its own streams while the other serves on. Through a live server: the same completions, per-replica series on /metrics, and a clean drain.
+dead replica fails its own streams while the other serves on. Through a live server: the same completions,
+per-replica series on /metrics, and a clean drain.
 """
 from __future__ import annotations
 

@@ -130,7 +130,8 @@ def build_engine(args, **overrides):
     if args.quantization in GGUF_LAYOUTS and not args.preset:
         raise SystemExit(f"--quantization {args.quantization} lays out a --preset's random weights as that GGUF "
                          "type loads; a .gguf --model loads its own layout (leave --quantization unset)")
-    kw = dict(model=args.model, load_format=getattr(args, "load_format", None), dtype=args.dtype, kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+    kw = dict(model=args.model, load_format=getattr(args, "load_format", None), dtype=args.dtype,
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
               calculate_kv_scales=getattr(args, "calculate_kv_scales", False) or None,
               max_num_seqs=args.max_num_seqs,
               decode_batch_sizes=getattr(args, "decode_batch_sizes", None), max_model_len=args.max_model_len,

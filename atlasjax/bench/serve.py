@@ -338,6 +338,7 @@ def _table(args, m) -> str:
              ["peak concurrency", str(m["peak_concurrency"]), "", "", "", ""]]
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     shared = f" behind {args.num_prefixes} shared prefixes of {args.prefix_len}" if args.prefix_len else ""
-    return table(f"serve: {args.num_prompts} prompts, {args.input_len} in{shared} / {args.output_len} out, rate {rate}, "
+    return table(f"serve: {args.num_prompts} prompts, {args.input_len} in{shared} / {args.output_len} out, "
+                 f"rate {rate}, "
                  f"max concurrency {args.max_concurrency or 'unlimited'}",
                  ["figure", "mean", "median", "p90", "p99", "unit"], rows)
