@@ -156,9 +156,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how embeddings (/v1/embeddings, /v1/score) pool the final hidden states (default: the "
                         "model's sentence-transformers config, else the last token)")
     g.add_argument("--hf-overrides", default=None, metavar="JSON",
-                   help='vLLM\'s, for cross-encoders: \'{"architectures": ["Qwen3ForSequenceClassification"], '
-                        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\' serves '
-                        'Qwen3-Reranker: /score and /rerank score each pair (docs/serving.md)')
+                   help='vLLM\'s: config.json keys over the model\'s. RoPE and positions: \'{"rope_scaling": '
+                        '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' runs '
+                        'Qwen3 to 131,072 tokens (with --max-model-len); rope_theta, max_position_embeddings, '
+                        'sliding_window, use_sliding_window. Cross-encoders: \'{"architectures": '
+                        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+                        '"is_original_qwen3_reranker": true}\' serves Qwen3-Reranker: /score and /rerank score each '
+                        'pair (docs/serving.md)')
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s flag: n-gram drafts looked up in each request\'s own '
                         'tokens (\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\') or a '

@@ -20,7 +20,7 @@ _FAMILIES = {
     "qwen3": "qwen3", "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM (llama, Mistral, SmolLM2)", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +31,13 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (HF's names): the ramp between interpolated and kept frequencies, and the cos/sin scale
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None   # None: from factor (and mscale / mscale_all_dim), as HF
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
         if self.rope_type not in _ROPE_TYPES:
@@ -58,6 +65,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False           # qwen2
     qk_norm: bool = False            # qwen3
+    sliding_window: int | None = None   # Mistral v0.1's window; we attend to the whole context, so it caps it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -75,6 +83,18 @@ class ModelConfig:
             raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @property
+    def max_positions(self) -> int:
+        """The longest context the model is made for (vLLM's derived max_model_len): its position table,
+        stretched by a linear or yarn RoPE scaling, and no longer than a sliding window we do not apply."""
+        rs = self.rope_scaling
+        longest = self.max_position_embeddings
+        if rs.rope_type == "yarn":
+            longest = int(rs.original_max_position_embeddings * rs.factor)
+        elif rs.rope_type == "linear":
+            longest = int(longest * rs.factor)
+        return min(longest, self.sliding_window or longest)
+
+    @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -86,7 +106,7 @@ class ModelConfig:
         return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     # transformers 5 writes `rope_parameters` (theta inside); published checkpoints use rope_theta/rope_scaling.
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
@@ -95,13 +115,37 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type == "default":
         return theta, RopeScaling()
+    positions = int(hf.get("max_position_embeddings", 4096))
+    original = int(merged.get("original_max_position_embeddings") or positions)   # HF's default
+    factor = merged.get("factor")
+    if factor is None and rope_type == "yarn":   # as HF: the stretch from the original length
+        factor = positions / original
+
+    def number(name, default=None):
+        value = merged.get(name)
+        return default if value is None else float(value)
+
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        factor=float(1.0 if factor is None else factor),
+        low_freq_factor=number("low_freq_factor", 1.0),
+        high_freq_factor=number("high_freq_factor", 4.0),
+        original_max_position_embeddings=original,
+        beta_fast=number("beta_fast", 32.0) or 32.0,   # HF reads 0 as unset too
+        beta_slow=number("beta_slow", 1.0) or 1.0,
+        attention_factor=number("attention_factor"),
+        mscale=number("mscale"),
+        mscale_all_dim=number("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)),
     )
+
+
+def sliding_window_from_hf(hf: dict[str, Any]) -> int | None:
+    """The attention window a config asks for, if it is in effect (Qwen2/3 name one with use_sliding_window off)."""
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or hf.get("use_sliding_window") is False:
+        return None
+    return window
 
 
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
@@ -114,7 +158,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
             f"unsupported model architecture: {got}. Supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    theta, scaling = _rope_from_hf(hf)
+    theta, scaling = rope_from_hf(hf)
     eos = hf.get("eos_token_id")
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
     head_dim = hf.get("head_dim") or hidden // num_heads
@@ -134,6 +178,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         qk_norm=family == "qwen3",
+        sliding_window=sliding_window_from_hf(hf),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )

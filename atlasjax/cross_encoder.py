@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from atlasjax.config_json import json_dict
 from atlasjax.errors import EngineConfigError
 from atlasjax.pooling import ClassifierHead, class_probs
 
 KNOWN_KEYS = ("architectures", "classifier_from_token", "method", "is_original_qwen3_reranker")
 
 
-def parse_hf_overrides(value) -> dict | None:
-    """None, a dict or its JSON (`--hf-overrides`), checked: only the keys that make a cross-encoder."""
-    if value is None:
-        return None
-    value = json_dict(value, "hf_overrides")
-    unknown = sorted(set(value) - set(KNOWN_KEYS))
-    if unknown:
-        raise EngineConfigError(f"hf_overrides: {unknown} not supported (supported: {list(KNOWN_KEYS)}: a causal "
-                                "LM read as a classifier or reranker)")
+def is_classifier(overrides: dict | None) -> bool:
+    """Whether vLLM's hf_overrides read the model as a classifier / reranker (any key of this module's)."""
+    return bool(overrides) and any(k in overrides for k in KNOWN_KEYS)
+
+
+def check_overrides(value: dict) -> None:
+    """The cross-encoder keys of hf_overrides (atlasjax/hf_overrides.py), checked."""
     tokens = value.get("classifier_from_token")
     if tokens is None:
         raise EngineConfigError("hf_overrides needs classifier_from_token (the tokens whose LM-head rows make the "
@@ -46,7 +43,6 @@ def parse_hf_overrides(value) -> dict | None:
     if two_way(value) and len(tokens) != 2:
         raise EngineConfigError("hf_overrides: a 2-way softmax head takes exactly two tokens (the negative, then "
                                 f"the positive), got {tokens}")
-    return value
 
 
 def two_way(overrides: dict) -> bool:

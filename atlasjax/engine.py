@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlasjax import bad_words, distributed, long_context_decode, metrics, weights_summary
-from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
+from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolve_max_model_len,
+                                    resolve_scheduler_steps)
 from atlasjax.draft_model import load_draft
 from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
@@ -89,7 +90,7 @@ class LLMEngine:
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.generation_defaults = self.loaded.generation
-        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, cfg)
         if config.num_pages:
             self._check_num_pages(config.num_pages)   # before any device work
         # Rows of the fixed-shape steps: at least 8 on GPU, where XLA runs a one-row matmul as a much

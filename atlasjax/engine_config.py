@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from atlasjax.cross_encoder import parse_hf_overrides
 from atlasjax.errors import EngineConfigError
 from atlasjax.generation_config import check_setting
+from atlasjax.hf_overrides import parse_hf_overrides
 from atlasjax.lora import check_config as check_lora_config
 from atlasjax.pooling import POOLING_TYPES
 from atlasjax.speculative import SpeculativeConfig
@@ -60,6 +61,32 @@ def check_quantization_layout(quantization: str | None, group_size, symmetric) -
 
 
 LOAD_FORMATS = ("auto", "dummy")
+
+
+ALLOW_LONG_MAX_MODEL_LEN = "ATLASJAX_ALLOW_LONG_MAX_MODEL_LEN"
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def resolve_max_model_len(requested: int | None, model_config) -> int:
+    """The context length an engine serves: `requested`, or the model's longest (`ModelConfig.max_positions`)
+    up to 4,096. Longer than the model's is refused, as vLLM refuses it, unless ATLASJAX_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    longest = model_config.max_positions
+    if requested is None:
+        return min(longest, DEFAULT_MAX_MODEL_LEN)
+    if requested > longest and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "") not in ("1", "true", "True"):
+        rope = model_config.rope_scaling.rope_type
+        if longest == model_config.sliding_window:
+            why = (f"its sliding-window attention spans {longest} tokens, and atlasjax attends to the whole "
+                   "context")
+        else:
+            why = "its max_position_embeddings" + ("" if rope in ("default", "llama3") else f" with {rope} RoPE "
+                                                   "scaling") + "; a RoPE scaling stretches them, e.g. yarn with " \
+                  "--hf-overrides '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, " \
+                  f"\"original_max_position_embeddings\": {model_config.max_position_embeddings}}}}}'"
+        raise EngineConfigError(
+            f"max_model_len {requested} is longer than the model's {longest} tokens ({why}). Set "
+            f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to run it anyway: its output past them is likely garbage")
+    return requested
 
 
 def resolve_scheduler_steps(num_scheduler_steps: int | None, backend: str) -> int:
@@ -139,10 +166,12 @@ class EngineConfig:
                                              # SpeculativeConfig (atlasjax/speculative.py); a step without
                                              # drafts decodes as usual (num_scheduler_steps iterations per launch); the
                                              # step after a verify step waits for it to be read back
-    hf_overrides: object = None              # vLLM's, for cross-encoders only: {"architectures":
-                                             # ["Qwen3ForSequenceClassification"], "classifier_from_token":
-                                             # ["no", "yes"], "is_original_qwen3_reranker": true} reads a causal
-                                             # LM as a classifier / reranker (atlasjax/cross_encoder.py)
+    hf_overrides: object = None              # vLLM's (atlasjax/hf_overrides.py): config.json keys over the
+                                             # model's: RoPE and positions ({"rope_scaling": {"rope_type": "yarn",
+                                             # "factor": 4.0, "original_max_position_embeddings": 32768}}), or
+                                             # {"architectures": ["Qwen3ForSequenceClassification"],
+                                             # "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker":
+                                             # true}: a causal LM as a classifier / reranker (cross_encoder.py)
     enable_lora: bool = False                # serve LoRA adapters per request (vLLM's: `lora_request=LoRARequest(...)`,
                                              # or a server's --lora-modules; atlasjax/lora.py)
     max_loras: int = 1                       # adapters resident on the device at once (one batch mixes them)

@@ -118,8 +118,9 @@ def random_model(cfg, dtype, seed: int, tensor_parallel_size: int, tokenizer, so
 
 def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -> LoadedModel:
     """The loaded model with what the user set beside its own files: `config.tokenizer` instead of the model's,
-    `chat_template` (read by `read_chat_template`) instead of the tokenizer's, and the generation_config.json
-    defaults that `config.generation_config` selects, unless the model carries them already (a saved checkpoint)."""
+    `chat_template` (read by `read_chat_template`) instead of the tokenizer's, the generation_config.json
+    defaults that `config.generation_config` selects, unless the model carries them already (a saved checkpoint),
+    and `config.hf_overrides` (RoPE and positions over the model's config; a classifier head)."""
     import dataclasses  # noqa: PLC0415
     import logging  # noqa: PLC0415
 
@@ -137,8 +138,10 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
     if loaded.generation:
         logging.getLogger("atlasjax.engine").info("%s: defaults from %s: %s", loaded.source,
                                                   loaded.generation.source, loaded.generation.describe())
-    if config.hf_overrides is not None:    # a causal LM read as a classifier / reranker (atlasjax/cross_encoder.py)
-        from atlasjax.cross_encoder import head_from_tokens  # noqa: PLC0415
+    from atlasjax.cross_encoder import head_from_tokens, is_classifier  # noqa: PLC0415
+    from atlasjax.hf_overrides import with_model_overrides  # noqa: PLC0415
+    loaded = dataclasses.replace(loaded, config=with_model_overrides(loaded.config, config.hf_overrides))
+    if is_classifier(config.hf_overrides):    # a causal LM read as a classifier / reranker (atlasjax/cross_encoder.py)
         head = head_from_tokens(loaded.params, loaded.config.tie_word_embeddings, loaded.tokenizer,
                                 config.hf_overrides)
         loaded = dataclasses.replace(loaded, classifier=head)

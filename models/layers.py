@@ -1,4 +1,5 @@
-"""Building blocks shared by every model family: linear (the one matmul entry), RMSNorm, RoPE, MLP.
+"""Building blocks shared by every model family: linear (the one matmul entry), RMSNorm, MLP (RoPE:
+models/rope.py).
 
 Parameters are created with logical axis names (`embed, heads, kv_heads, head_dim, mlp, vocab`)
 so that tensor parallelism is a rules table (atlasjax/sharding.py), not a model rewrite.
@@ -6,7 +7,6 @@ so that tensor parallelism is a rules table (atlasjax/sharding.py), not a model 
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.linen as nn
 import jax
@@ -200,33 +200,3 @@ class MLP(nn.Module):
         if decode_switches.int4_mlp_on() and int4_mlp.fits(x.shape[0], gate_up, down):
             return gate_up, down
         return None
-
-
-def rope_inv_freq(cfg) -> jax.Array:
-    """Inverse frequencies [head_dim // 2], with `linear` or `llama3` scaling applied."""
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    rs = cfg.rope_scaling
-    if rs.rope_type == "linear":
-        inv = inv / rs.factor
-    elif rs.rope_type == "llama3":
-        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-            rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * inv / rs.factor + smooth * inv
-        inv = jnp.where(wavelen > low_wavelen, inv / rs.factor,
-                        jnp.where(wavelen < high_wavelen, inv, smoothed))
-    return inv
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF convention). x: [tokens, heads, head_dim]; positions: [tokens]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [tokens, head_dim // 2]
-    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(freqs)] * 2, axis=-1)[:, None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)

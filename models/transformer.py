@@ -22,8 +22,9 @@ import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, rope_in_kernel, rope_write_and_attend, write_and_attend
 from models.deferred import materialize
-from models.layers import MLP, Embed, Linear, RMSNorm, apply_rope, rope_inv_freq
+from models.layers import MLP, Embed, Linear, RMSNorm
 from models.parallel import Parallel
+from models.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from pallas_kernels.rope import rope_tables
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]   # per layer (k_pages, v_pages)
@@ -66,9 +67,9 @@ class Attention(nn.Module):
             if cfg.qk_norm:
                 q = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="q_norm")(q)
                 k = RMSNorm(cfg.rms_norm_eps, "head_dim", self.dtype, name="k_norm")(k)
-            inv_freq = rope_inv_freq(cfg)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            inv_freq, scale = rope_inv_freq(cfg), rope_attention_factor(cfg)
+            q = apply_rope(q, positions, inv_freq, scale)
+            k = apply_rope(k, positions, inv_freq, scale)
             out, kv = write_and_attend(q, k, v, kv, meta, backend=self.attn_backend)   # K/V land in the donated pool
         out = linear(cfg.hidden_size, ("heads", "embed"), False, name="o_proj")(out.reshape(t, -1), residual, lora_mask)
         return out, kv
@@ -121,7 +122,8 @@ class Transformer(nn.Module):
             num_slots = jax.tree.leaves(lora)[0].shape[0]
             lora_mask = (lora_ids[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)
         # A decode step's RoPE tables, once for all layers, for attention kernels that rotate q and k
-        rope = rope_tables(positions, rope_inv_freq(self.cfg)) if meta.is_decode and rope_in_kernel() else None
+        rope = (rope_tables(positions, rope_inv_freq(self.cfg), rope_attention_factor(self.cfg))
+                if meta.is_decode and rope_in_kernel() else None)
         new_caches = []
         call_layer = _layer_caller() if layer_calls() and not self.is_initializing() else None
         for i, layer in enumerate(self.layers):

@@ -390,7 +390,7 @@ def paged_decode_attention_rope_and_write(qkv, tables, k_pages, v_pages, page_ta
 
   qkv: [num_seqs, (num_heads + 2 num_kv_heads) * head_dim], q | k | v as the fused qkv matmul
   gives them; tables: `rope.rope_tables(positions, inv_freq)` [num_seqs, 2, 2, head_dim].
-  Equivalent to rotating q and k as models/layers.py `apply_rope` does and calling
+  Equivalent to rotating q and k as models/rope.py `apply_rope` does and calling
   `paged_decode_attention_and_write`; on the Pallas path where `can_fuse_rope` holds, the kernel
   does the rotation itself (one XLA fusion fewer before it per layer). Returns (out [num_seqs,
   num_heads, head_dim], k_pages, v_pages).

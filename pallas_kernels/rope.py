@@ -1,12 +1,13 @@
 """Rotate-half RoPE inside the decode attention kernel, from tables computed once per step.
 
-Outside a kernel the model applies RoPE in an XLA fusion before attention (models/layers.py
-`apply_rope`). In a decode step that fusion is one more kernel per layer between the qkv matmul
-and attention; with these pieces the attention kernel reads the raw qkv projections and rotates
+Outside a kernel the model applies RoPE in an XLA fusion before attention (models/rope.py
+`apply_rope`). In a decode step that fusion is one more kernel per layer between the qkv matmul and
+attention; with these pieces the attention kernel reads the raw qkv projections and rotates
 q and the new token's k itself (pallas_kernels/paged_attention.py).
 
-`rope_tables(positions, inv_freq)`: [tokens, 2, 2, head_dim] f32, built once per step:
-  [t, 0] cos rows: [cos | cos] for K, ones for V;  [t, 1] sin rows: [-sin | sin] for K, zeros for V.
+`rope_tables(positions, inv_freq, scale)`: [tokens, 2, 2, head_dim] f32, built once per step:
+  [t, 0] cos rows: [cos | cos] for K, ones for V;  [t, 1] sin rows: [-sin | sin] for K, zeros for V
+  (K's cos and sin times `scale`, yarn's attention factor: models/rope.py).
 so the new token's K and V rows, held as x [2, D] with their halves swapped beside them (xs), rotate
 as x * cos + xs * sin in one elementwise pass that leaves V exactly as it was. The query tile takes
 cos and sin of the first row: its halves are whole shared-memory tiles (head_dim 128 or 256).
@@ -21,10 +22,12 @@ from pallas_kernels.kv_write import as_pool_dtype, saturating_cast
 HEAD_DIMS = (128, 256)   # each half of the head is a whole number of 64-column shared-memory tiles
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
     """positions [tokens] int, inv_freq [head_dim // 2] -> [tokens, 2, 2, head_dim] f32 (see above)."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     cos_rows = jnp.stack([jnp.concatenate([cos, cos], -1), jnp.ones_like(cos).repeat(2, -1)], axis=1)
     sin_rows = jnp.stack([jnp.concatenate([-sin, sin], -1), jnp.zeros_like(sin).repeat(2, -1)], axis=1)
     return jnp.stack([cos_rows, sin_rows], axis=1)

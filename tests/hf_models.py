@@ -23,6 +23,12 @@ CASES = {
                                             tie_word_embeddings=False)),
     "qwen3": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                                             tie_word_embeddings=True)),
+    # yarn past a 64-token original context (Qwen3's long-context setting, scaled down): the prompts of
+    # tests/test_models_vs_hf.py run up to 110 positions
+    "qwen3_yarn": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                                 tie_word_embeddings=False, rope_scaling={
+                                                     "rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64})),
 }
 
 

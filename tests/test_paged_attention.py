@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from models.layers import apply_rope
+from models.rope import apply_rope
 from pallas_kernels.paged_attention import (_plan, can_fuse_rope, paged_decode_attention,
                                             paged_decode_attention_and_write, paged_decode_attention_reference,
                                             paged_decode_attention_rope_and_write)
@@ -217,14 +217,16 @@ def _inv_freq(head_dim):
   return 1.0 / (500000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
-def test_rope_tables_rotate_as_apply_rope():
+@pytest.mark.parametrize("scale", [1.0, 1.1386])   # 1.1386: yarn's attention factor for factor 4
+def test_rope_tables_rotate_as_apply_rope(scale):
   """The tables' rotation is the model's apply_rope, bit for bit (the CPU path of the fused entry)."""
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((3, 5, 128)), jnp.bfloat16)
   positions = jnp.array([0, 7, 4095])
-  tables = rope_tables(positions, _inv_freq(128))
+  tables = rope_tables(positions, _inv_freq(128), scale)
   np.testing.assert_array_equal(np.asarray(rope_from_tables(x, tables), np.float32),
-                                np.asarray(apply_rope(x, positions, _inv_freq(128)), np.float32))
+                                np.asarray(apply_rope(x, positions, _inv_freq(128), scale), np.float32))
+  assert np.all(np.asarray(tables[:, :, 1]) == np.array([1.0, 0.0])[None, :, None])   # V rows stay as they are
 
 
 def _check_rope_write(lens, interpret, num_splits=None, seed=11, **shape):

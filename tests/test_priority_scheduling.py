@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from atlasjax import LLM, InvalidRequestError, SamplingParams
-from atlasjax.engine_config import EngineConfig
+from atlasjax.engine_config import ALLOW_LONG_MAX_MODEL_LEN, EngineConfig
 from atlasjax.errors import EngineConfigError
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request
@@ -195,10 +195,13 @@ def test_priority_needs_the_priority_policy_and_an_integer(fcfs_llm, priority_ll
 # ---- the HTTP server (in process)
 @pytest.fixture(scope="module")
 def async_engines(model_dir):
-    """One slot each, and room for a request that holds it far longer than the test needs."""
+    """One slot each, and room for a request that holds it far longer than the test needs (past the tiny
+    model's 1,024 positions: what it generates there does not matter)."""
     from atlasjax.async_llm import AsyncLLM
-    engines = {policy: AsyncLLM(model_dir, **dict(ENGINE_KWARGS, max_num_seqs=1, max_model_len=2048),
-                                scheduling_policy=policy) for policy in ("fcfs", "priority")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ALLOW_LONG_MAX_MODEL_LEN, "1")
+        engines = {policy: AsyncLLM(model_dir, **dict(ENGINE_KWARGS, max_num_seqs=1, max_model_len=2048),
+                                    scheduling_policy=policy) for policy in ("fcfs", "priority")}
     yield engines
     for e in engines.values():
         e.shutdown(drain=False)

@@ -56,7 +56,9 @@ def _hf_config(mc: dict):
               max_position_embeddings=mc["max_position_embeddings"], tie_word_embeddings=mc["tie_word_embeddings"],
               rope_theta=mc["rope_theta"])
     if rope["rope_type"] != "default":
-        kw["rope_scaling"] = dict(rope, rope_theta=mc["rope_theta"])
+        yarn_keys = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+        kept = {k: v for k, v in rope.items() if v is not None and (rope["rope_type"] == "yarn" or k not in yarn_keys)}
+        kw["rope_scaling"] = dict(kept, rope_theta=mc["rope_theta"])
     if mc["family"] == "llama":
         kw["attention_bias"] = mc["qkv_bias"]
     return getattr(transformers, _HF_CLASSES[mc["family"]])(**kw)
