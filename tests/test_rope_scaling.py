@@ -111,3 +111,15 @@ def test_yarn_through_overrides_runs_as_hf_with_that_scaling(tmp_path):
     np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
     plain = hf_logprobs(transformers.AutoModelForCausalLM.from_pretrained(plain_dir, dtype=torch.float32), prompt)
     assert np.abs(plain[np.arange(len(prompt) - 1), prompt[1:]] - got).max() > 1e-2   # yarn did change the model
+
+
+def test_the_bench_takes_overrides_and_names_a_refusal(capsys):
+    from atlasjax.bench.__main__ import build_parser, main
+    from atlasjax.bench.presets import build_engine
+    flags = ["latency", "--preset", "tiny", "--input-len", "5000", "--output-len", "2", "--batch-size", "1",
+             "--num-iters", "1"]
+    assert main(flags) == 2
+    assert "error: max_model_len 5002 is longer than the model's 4096 tokens" in capsys.readouterr().err
+    args = build_parser().parse_args(flags + ["--hf-overrides", '{"rope_scaling": {"rope_type": "yarn", "factor": 2}}'])
+    engine = build_engine(args, max_model_len=5002, num_pages=320)
+    assert engine.model_config.rope_scaling.rope_type == "yarn" and engine.max_model_len == 5002

@@ -23,6 +23,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights for --model's config.json (no weight file read), as vLLM's")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto: bfloat16 on GPU, float32 on CPU")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help='vLLM\'s: RoPE and positions over the model\'s config, e.g. \'{"rope_scaling": {"rope_type": '
+                        '"yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' for Qwen3 contexts '
+                        'past 40,960 tokens (atlasjax/hf_overrides.py)')
     add_weight_format_args(g, GGUF_LAYOUTS)
     g.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("engine (unset: the mode's default, then EngineConfig's)")
@@ -103,6 +107,15 @@ def _hf_comparison(args) -> dict | None:
 
 
 def main(argv=None) -> int:
+    from atlasjax.errors import AtlasJaxError  # noqa: PLC0415
+    try:
+        return _main(argv)
+    except AtlasJaxError as e:   # a bad flag or model: its reason, as `python -m atlasjax` says it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,

@@ -147,6 +147,7 @@ def build_engine(args, **overrides):
               quantization_symmetric=getattr(args, "quantization_symmetric", None),
               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
               speculative_config=getattr(args, "speculative_config", None),
+              hf_overrides=getattr(args, "hf_overrides", None),
               enable_lora=getattr(args, "enable_lora", False) or None, max_loras=getattr(args, "max_loras", None),
               max_lora_rank=getattr(args, "max_lora_rank", None),
               compile_at_start=getattr(args, "compile_at_start", False) or None)
