@@ -74,15 +74,19 @@ def resolve_max_model_len(requested: int | None, model_config) -> int:
     if requested is None:
         return min(longest, DEFAULT_MAX_MODEL_LEN)
     if requested > longest and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "") not in ("1", "true", "True"):
-        rope = model_config.rope_scaling.rope_type
+        rs = model_config.rope_scaling
         if longest == model_config.sliding_window:
             why = (f"its sliding-window attention spans {longest} tokens, and atlasjax attends to the whole "
                    "context")
+        elif rs.rope_type == "yarn":
+            why = (f"its yarn RoPE scaling stretches {rs.original_max_position_embeddings} positions "
+                   f"{rs.factor:g} times")
+        elif rs.rope_type == "linear":
+            why = f"its {model_config.max_position_embeddings} positions, stretched {rs.factor:g} times"
         else:
-            why = "its max_position_embeddings" + ("" if rope in ("default", "llama3") else f" with {rope} RoPE "
-                                                   "scaling") + "; a RoPE scaling stretches them, e.g. yarn with " \
-                  "--hf-overrides '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, " \
-                  f"\"original_max_position_embeddings\": {model_config.max_position_embeddings}}}}}'"
+            why = ("its max_position_embeddings; a RoPE scaling stretches them, e.g. yarn with --hf-overrides "
+                   "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                   f"\"original_max_position_embeddings\": {model_config.max_position_embeddings}}}}}'")
         raise EngineConfigError(
             f"max_model_len {requested} is longer than the model's {longest} tokens ({why}). Set "
             f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to run it anyway: its output past them is likely garbage")
