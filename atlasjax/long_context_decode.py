@@ -40,12 +40,13 @@ faster; with more busy rows the default is as fast or faster (session 59, us per
 from __future__ import annotations
 
 # (fewest active rows, most active rows, least longest context in tokens, split_rows): the first that
-# holds picks the program
-TIERS = ((1, 1, 4096, 1), (1, 4, 1024, 2), (5, 6, 1024, 4), (7, 7, 2048, 5), (9, 10, 2048, 8), (17, 20, 2048, 8))
+# holds picks the program. A fraction of a row: more than one wave of splits (0.25: 66 splits a row).
+TIERS = ((1, 1, 32768, 0.25), (1, 1, 4096, 1), (2, 2, 65536, 0.25), (3, 4, 65536, 0.5), (3, 4, 16384, 1),
+         (1, 4, 1024, 2), (5, 6, 1024, 4), (7, 7, 2048, 5), (9, 10, 2048, 8), (17, 20, 2048, 8))
 
 
 def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, decode_buckets: tuple[int, ...],
-            max_model_len: int) -> dict[int, tuple[int, ...]]:
+            max_model_len: int) -> dict[int, tuple[float, ...]]:
     """The split_rows each decode bucket compiles long-context programs for (buckets without any left out).
     A bucket runs the steps of more requests than the bucket below it holds, so it takes the tiers of such
     request counts whose split_rows is below its rows (with as many rows or more its default splits as
@@ -65,7 +66,7 @@ def resolve(setting: bool | None, *, on_gpu: bool, attention_backend: str, decod
     return programs
 
 
-def split_rows(num_active: int, longest_context: int, compiled: tuple[int, ...]) -> int | None:
+def split_rows(num_active: int, longest_context: int, compiled: tuple[float, ...]) -> float | None:
     """The split_rows of a decode step (models/attention.py AttentionMetadata) with `num_active` requests,
     the longest reaching `longest_context` tokens during the launch, among the `compiled` programs of its
     bucket; None: the default program."""

@@ -383,7 +383,7 @@ class ModelRunner:
 
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
                plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1,
-               slots=None, split_rows: int | None = None) -> StepOutput:
+               slots=None, split_rows: float | None = None) -> StepOutput:
         """One decode over rows [R] (R a decode bucket): row r continues the request in slot slots[r]
         (default: slot r); padding rows have seq_lens 0 and slot max_num_seqs.
         prev_tokens: the previous step's gather_tokens (prefill, decode; device arrays or None) that

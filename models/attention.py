@@ -34,8 +34,9 @@ class AttentionMetadata:
     query_start: jax.Array | None = None  # [num_seqs + 1] (prefill only)
     num_seqs: jax.Array | None = None     # [] int32 (prefill only)
     # Decode only, static: the rows the attention kernel sizes its context splits for (default: every
-    # row). The engine's long-context decode programs pass fewer (atlasjax/long_context_decode.py TIERS).
-    split_rows: int | None = flax.struct.field(pytree_node=False, default=None)
+    # row). The engine's long-context decode programs pass fewer, or a fraction of one for more than one
+    # wave of splits (atlasjax/long_context_decode.py TIERS).
+    split_rows: float | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def is_decode(self) -> bool:

@@ -14,8 +14,11 @@ sized as if every row were active. A lone request at 4,096 tokens takes 34 us, 1
 8 active rows take 41.5 with 3 and 49.7 with 16. No static count serves both
 (docs/performance.md, session 57).
 
+Session 70 (H200): at long contexts (32k-128k, one active row) with more splits, larger KV blocks and
+deeper pipelines (BLOCKS, STAGES: each combination with each split count).
+
   JAX_PLATFORMS=cuda PYTHONPATH=. [LENS=140,256,1000] [MAX_LEN=1024] [SLOTS=8] [ACTIVE=1] [SPLITS=default,1,2,4,8] \
-      python notebooks/gpu_attention_splits.py
+      [BLOCKS=default] [STAGES=default] python notebooks/gpu_attention_splits.py
 """
 import json
 import os
@@ -32,26 +35,37 @@ SLOTS = int(os.environ.get("SLOTS", 8))      # the decode step's rows
 MAX_LEN = int(os.environ.get("MAX_LEN", 1024))
 ACTIVE = int(os.environ.get("ACTIVE", 1))   # slots with the context, of SLOTS
 SPLITS = [None if s == "default" else int(s) for s in os.environ.get("SPLITS", "default,1,2,4,8").split(",")]
+BLOCKS = [None if s == "default" else int(s) for s in os.environ.get("BLOCKS", "default").split(",")]
+STAGES = [None if s == "default" else int(s) for s in os.environ.get("STAGES", "default").split(",")]
 
 
 def main():
-    rng = np.random.default_rng(0)
     pages = SLOTS * MAX_LEN // PAGE
-    kp, vp = (jnp.asarray(rng.standard_normal((KV_HEADS, pages, PAGE, HEAD_DIM)), jnp.bfloat16) for _ in range(2))
+    keys = jax.random.split(jax.random.key(0), 3)   # on the device: long contexts' pools are GBs
+    kp, vp = (jax.random.normal(k, (KV_HEADS, pages, PAGE, HEAD_DIM), jnp.bfloat16) for k in keys[:2])
     table = jnp.arange(pages, dtype=jnp.int32).reshape(SLOTS, -1)
-    q = jnp.asarray(rng.standard_normal((SLOTS, KV_HEADS * GROUP, HEAD_DIM)), jnp.bfloat16)
+    q = jax.random.normal(keys[2], (SLOTS, KV_HEADS * GROUP, HEAD_DIM), jnp.bfloat16)
+    configs = [(n, b, st) for n in SPLITS for b in BLOCKS for st in STAGES]
     results = []
     for length in map(int, os.environ.get("LENS", "140,256,1000").split(",")):
         lens = jnp.zeros((SLOTS,), jnp.int32).at[:ACTIVE].set(length)
         row = dict(context=length, rows=SLOTS, active=ACTIVE)
         ref = None
-        for splits in SPLITS:
-            fn = jax.jit(lambda q, kp, vp, n=splits: paged_decode_attention(
-                q, kp, vp, table, lens, backend="pallas", num_splits=n))
-            out = np.asarray(fn(q, kp, vp), np.float32)
+        for splits, block, stages in configs:
+            fn = jax.jit(lambda q, kp, vp, n=splits, b=block, st=stages: paged_decode_attention(
+                q, kp, vp, table, lens, backend="pallas", num_splits=n, block_kv=b, num_stages=st))
+            name = f"splits_{splits or 'default'}" + "".join(f"_{k}{v}" for k, v in (("b", block), ("s", stages)) if v)
+            try:
+                out = np.asarray(fn(q, kp, vp), np.float32)
+            except Exception as e:   # e.g. more shared memory than an SM has
+                row[f"{name}_error"] = str(e).splitlines()[0][:200]
+                continue
             ref = out if ref is None else ref
-            row[f"splits_{splits or 'default'}_us"] = round(device_ms(fn, q, kp, vp) * 1e3, 2)
-            row[f"splits_{splits or 'default'}_diff"] = float(np.abs(out - ref).max())
+            name = f"splits_{splits or 'default'}" + "".join(f"_{k}{v}" for k, v in (("b", block), ("s", stages)) if v)
+            row[f"{name}_us"] = round(device_ms(fn, q, kp, vp) * 1e3, 2)
+            row[f"{name}_diff"] = float(np.abs(out - ref).max())
+            kv_bytes = 2 * length * KV_HEADS * HEAD_DIM * 2 * ACTIVE
+            row[f"{name}_TBps"] = round(kv_bytes / (row[f"{name}_us"] * 1e-6) / 1e12, 2)
         print(json.dumps(row), flush=True)
         results.append(row)
     with open(f"{os.environ.get('OUT', '/tmp')}/attention_splits_{SLOTS}_{ACTIVE}.json", "w") as f:

@@ -285,9 +285,9 @@ def _combine_splits(out, lse, group):
 
 
 def _default_num_splits(num_seqs, num_kv_heads, max_blocks, num_sms=_NUM_SMS):
-  """About one wave of programs (measured best on H100 for 1 x 32k: 16 splits over 8 KV heads),
-  at most one per block of the page table."""
-  want = pl.cdiv(num_sms, num_seqs * num_kv_heads)
+  """About one wave of programs (measured best on H100 for 1 x 32k: 16 splits over 8 KV heads) over
+  num_seqs rows (a fraction: more waves), at most one per block of the page table."""
+  want = math.ceil(num_sms / (num_seqs * num_kv_heads))
   return max(1, min(want, max_blocks))
 
 
@@ -322,7 +322,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, sm_scal
       depth); defaults chosen from the shapes.
     split_rows: the rows the default context splits are sized for (one wave of programs over them;
       default num_seqs). A step with few active rows among many passes their count, so a lone long
-      context is not split as if every row were busy.
+      context is not split as if every row were busy; a fraction (0.25: four waves for one row) splits
+      a very long context finer still.
   Returns:
     [num_seqs, num_heads, head_dim] in q.dtype; zeros for inactive slots.
   """

@@ -306,11 +306,12 @@ def test_split_rows_sizes_the_default_splits_for_the_busy_rows_interpret():
   """A lone long context among idle rows (the engine's long-context decode program passes
   split_rows=1-2): the default splits are sized for those rows, more than for every row, and the
   result is still the reference's."""
-  case = make_case(8, [513, 0, 0, 0], num_kv_heads=8, group=1, head_dim=64, page_size=16)
+  case = make_case(8, [1500, 0, 0, 0], num_kv_heads=8, group=1, head_dim=64, page_size=16)
   every_row = _plan(*case, None, "pallas", None, None, None, None)["num_splits"]
   busy_rows = _plan(*case, None, "pallas", None, None, None, 1)["num_splits"]
-  assert busy_rows > every_row
-  out = paged_decode_attention(*case, backend="pallas", interpret=plgpu.InterpretGPUParams(), split_rows=1)
+  waves = _plan(*case, None, "pallas", None, None, None, 0.25)["num_splits"]   # a quarter row: more waves
+  assert every_row < busy_rows < waves and isinstance(waves, int)   # 3, 17, 24 (one per block of 64 tokens)
+  out = paged_decode_attention(*case, backend="pallas", interpret=plgpu.InterpretGPUParams(), split_rows=0.25)
   out = np.asarray(out.astype(jnp.float32))
   assert rel_err(out, np.asarray(paged_decode_attention_reference(*case))) < 1e-2
   assert np.all(out[1:] == 0)
