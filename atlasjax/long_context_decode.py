@@ -36,6 +36,15 @@ faster; with more busy rows the default is as fast or faster (session 59, us per
 | 17, 2k / 4k / 8k | 54.3 / 99.4 / 189.7 | 56.6 / 105.5 / 202.1 | 47.9 / 83.6 / 154.2 |
 | 20, 2k / 4k / 8k | 54.9 / 102.9 / 192.1 | 61.5 / 114.2 / 217.9 | 52.1 / 90.9 / 164.7 |
 | 24, 4k / 8k | 105.9 / 202.4 | 116.1 / 221.0 | 120.5 / 230.2 |
+
+Past 16k tokens more than one wave of splits pays (session 70, H200, us per layer): split_rows a fraction of a
+row (0.25: 66 splits a row, 0.5: 33) where it measured faster.
+
+| active rows, context | 9 splits (split_rows 2) | 17 (1) | 34 (~0.5) | 68 (~0.25) | 136 |
+|---|---|---|---|---|---|
+| 1, 16k / 64k / 128k | | 36.4 / 100.9 / 187.5 | 36.6 / 104.0 / 189.8 | 41.3 / 91.3 / 164.7 | 56.5 / 98.0 / 159.6 |
+| 2, 16k / 64k / 128k | 51.3 / 174.0 / 338.5 | 49.4 / 188.8 / 373.6 | 51.0 / 151.1 / 302.6 | 55.7 / 149.6 / 278.5 | |
+| 4, 16k / 64k / 128k | 99.6 / 376.6 / 735.7 | 78.6 / 302.1 / 598.6 | 82.2 / 264.0 / 536.4 | | |
 """
 from __future__ import annotations
 
