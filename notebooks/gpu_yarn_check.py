@@ -46,8 +46,8 @@ def make_and_score():
     yarn = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, config=config, dtype=torch.float32).to(device())
     with torch.no_grad():
         ids = torch.tensor([PROMPT], device=device())
-        greedy = yarn.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(PROMPT):]
-    return yarn, greedy.tolist()
+        greedy = yarn.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+    return yarn, greedy[0, len(PROMPT):].tolist()
 
 
 def hf_token_logprobs(model, tokens):
