@@ -67,6 +67,21 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
 
 
+_SUFFIXES = {"k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+
+
+def token_count(text: str) -> int:
+    """A token count as vLLM's --max-model-len takes it: 4096, 1k (1,000), 1K (1,024), 25.6k (25,600), 128K."""
+    number, scale = (text[:-1], _SUFFIXES[text[-1]]) if text and text[-1] in _SUFFIXES else (text, 1)
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count such as 4096, 32k or 128K, got {text!r}") from None
+    if value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number of tokens, got {text!r}")
+    return int(value)
+
+
 def add_decode_batch_sizes_arg(g) -> None:
     g.add_argument("--decode-batch-sizes", type=_sizes, default=None, metavar="N[,N...]",
                    help="row counts the decode step is compiled for (at least 8 on GPU, where one row takes "
@@ -118,7 +133,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-num-seqs", type=int, default=16)
     add_decode_batch_sizes_arg(g)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=token_count, default=None,
+                   help="the longest prompt + output a request may have (4096, 32k = 32,000, 128K = 131,072; "
+                        "default: the model's positions, up to 4,096)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
     add_kv_cache_dtype_arg(g)

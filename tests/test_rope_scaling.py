@@ -123,3 +123,27 @@ def test_the_bench_takes_overrides_and_names_a_refusal(capsys):
     args = build_parser().parse_args(flags + ["--hf-overrides", '{"rope_scaling": {"rope_type": "yarn", "factor": 2}}'])
     engine = build_engine(args, max_model_len=5002, num_pages=320)
     assert engine.model_config.rope_scaling.rope_type == "yarn" and engine.max_model_len == 5002
+
+
+def test_a_gguf_yarn_without_its_original_length_takes_the_model_positions():
+    """What atlasjax/gguf_loader.py gives for a yarn file that names no original context: HF's default."""
+    cfg = from_hf_config(dict(QWEN3, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": None}))
+    assert cfg.rope_scaling.original_max_position_embeddings == 40960 and cfg.max_positions == 4 * 40960
+
+
+def test_the_command_line_takes_overrides_and_vllm_style_lengths():
+    import argparse
+
+    from atlasjax.__main__ import add_engine_args, engine_kwargs
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    overrides = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+    kw = engine_kwargs(p.parse_args(["--hf-overrides", overrides, "--max-model-len", "128K"]))
+    assert kw["max_model_len"] == 131072
+    assert EngineConfig(**kw).hf_overrides["rope_scaling"]["rope_type"] == "yarn"
+    for text, tokens in (("4096", 4096), ("32k", 32000), ("25.6k", 25600), ("1M", 1024 ** 2)):
+        assert p.parse_args(["--max-model-len", text]).max_model_len == tokens
+    for bad in ("lots", "1.5", "0", "-2k"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--max-model-len", bad])

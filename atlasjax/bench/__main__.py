@@ -10,7 +10,7 @@ from atlasjax.bench.gguf_layouts import LAYOUTS as GGUF_LAYOUTS
 from atlasjax.bench.presets import PRESETS, progress
 from atlasjax.__main__ import (add_attention_backend_arg, add_compilation_cache_arg, add_decode_batch_sizes_arg,
                                add_kv_cache_dtype_arg, add_long_context_decode_arg, add_memory_utilization_arg,
-                               add_scheduler_steps_arg, add_weight_format_args)
+                               add_scheduler_steps_arg, add_weight_format_args, token_count)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine (unset: the mode's default, then EngineConfig's)")
     e.add_argument("--max-num-seqs", type=int, default=None)
     add_decode_batch_sizes_arg(e)
-    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-model-len", type=token_count, default=None, help="4096, 32k (32,000), 128K (131,072)")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--num-pages", type=int, default=None)
     add_kv_cache_dtype_arg(e)
