@@ -41,10 +41,11 @@ def _check_model_keys(value: dict) -> None:
     for name in ("rope_scaling", "rope_parameters"):
         if name in value and not isinstance(value[name], dict | None):
             raise EngineConfigError(f"hf_overrides: {name} must be a JSON object, got {value[name]!r}")
-    for name in ("rope_theta", "max_position_embeddings", "sliding_window"):
+    for name, kind in (("rope_theta", int | float), ("max_position_embeddings", int), ("sliding_window", int)):
         number = value.get(name)
-        if number is not None and (isinstance(number, bool) or not isinstance(number, int | float) or number <= 0):
-            raise EngineConfigError(f"hf_overrides: {name} must be a positive number, got {number!r}")
+        if number is not None and (isinstance(number, bool) or not isinstance(number, kind) or number <= 0):
+            what = "number" if name == "rope_theta" else "whole number"
+            raise EngineConfigError(f"hf_overrides: {name} must be a positive {what}, got {number!r}")
     if "use_sliding_window" in value and not isinstance(value["use_sliding_window"], bool):
         raise EngineConfigError(f"hf_overrides: use_sliding_window must be true or false, got "
                                 f"{value['use_sliding_window']!r}")

@@ -81,7 +81,8 @@ def test_overrides_set_rope_over_the_models_config():
     ({"rope_scaling": {"rope_type": "yarn", "factor": -1.0}}, "factor must be > 0"),
     ({"rope_scaling": "yarn"}, "must be a JSON object"),
     ({"rope_theta": "big"}, "positive number"),
-    ({"max_position_embeddings": 0}, "positive number"),
+    ({"max_position_embeddings": 0}, "positive whole number"),
+    ({"sliding_window": 4096.0}, "positive whole number"),
     ({"use_sliding_window": "no"}, "true or false"),
     ({"num_hidden_layers": 2}, r"\['num_hidden_layers'\] not supported"),
 ])
