@@ -18,7 +18,7 @@ Session 70 (H200): at long contexts (32k-128k, one active row) with more splits,
 deeper pipelines (BLOCKS, STAGES: each combination with each split count).
 
   JAX_PLATFORMS=cuda PYTHONPATH=. [LENS=140,256,1000] [MAX_LEN=1024] [SLOTS=8] [ACTIVE=1] [SPLITS=default,1,2,4,8] \
-      [BLOCKS=default] [STAGES=default] python notebooks/gpu_attention_splits.py
+      [BLOCKS=default] [STAGES=default] [KV_DTYPE=bfloat16|float8_e4m3fn] python notebooks/gpu_attention_splits.py
 """
 import json
 import os
@@ -37,12 +37,14 @@ ACTIVE = int(os.environ.get("ACTIVE", 1))   # slots with the context, of SLOTS
 SPLITS = [None if s == "default" else int(s) for s in os.environ.get("SPLITS", "default,1,2,4,8").split(",")]
 BLOCKS = [None if s == "default" else int(s) for s in os.environ.get("BLOCKS", "default").split(",")]
 STAGES = [None if s == "default" else int(s) for s in os.environ.get("STAGES", "default").split(",")]
+KV_DTYPE = jnp.dtype(os.environ.get("KV_DTYPE", "bfloat16"))   # float8_e4m3fn: an fp8 KV cache's pages
 
 
 def main():
     pages = SLOTS * MAX_LEN // PAGE
     keys = jax.random.split(jax.random.key(0), 3)   # on the device: long contexts' pools are GBs
-    kp, vp = (jax.random.normal(k, (KV_HEADS, pages, PAGE, HEAD_DIM), jnp.bfloat16) for k in keys[:2])
+    kp, vp = (jax.random.normal(k, (KV_HEADS, pages, PAGE, HEAD_DIM), jnp.bfloat16).astype(KV_DTYPE)
+              for k in keys[:2])
     table = jnp.arange(pages, dtype=jnp.int32).reshape(SLOTS, -1)
     q = jax.random.normal(keys[2], (SLOTS, KV_HEADS * GROUP, HEAD_DIM), jnp.bfloat16)
     configs = [(n, b, st) for n in SPLITS for b in BLOCKS for st in STAGES]
@@ -64,11 +66,11 @@ def main():
             name = f"splits_{splits or 'default'}" + "".join(f"_{k}{v}" for k, v in (("b", block), ("s", stages)) if v)
             row[f"{name}_us"] = round(device_ms(fn, q, kp, vp) * 1e3, 2)
             row[f"{name}_diff"] = float(np.abs(out - ref).max())
-            kv_bytes = 2 * length * KV_HEADS * HEAD_DIM * 2 * ACTIVE
+            kv_bytes = 2 * length * KV_HEADS * HEAD_DIM * KV_DTYPE.itemsize * ACTIVE
             row[f"{name}_TBps"] = round(kv_bytes / (row[f"{name}_us"] * 1e-6) / 1e12, 2)
         print(json.dumps(row), flush=True)
         results.append(row)
-    with open(f"{os.environ.get('OUT', '/tmp')}/attention_splits_{SLOTS}_{ACTIVE}.json", "w") as f:
+    with open(f"{os.environ.get('OUT', '/tmp')}/attention_splits_{SLOTS}_{ACTIVE}_{KV_DTYPE.name}.json", "w") as f:
         json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
 
 
