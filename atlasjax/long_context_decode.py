@@ -38,7 +38,10 @@ faster; with more busy rows the default is as fast or faster (session 59, us per
 | 24, 4k / 8k | 105.9 / 202.4 | 116.1 / 221.0 | 120.5 / 230.2 |
 
 Past 16k tokens more than one wave of splits pays (session 70, H200, us per layer): split_rows a fraction of a
-row (0.25: 66 splits a row, 0.5: 33) where it measured faster.
+row (0.25: 66 splits a row, 0.5: 33, for any count of KV heads) where it measured faster. With 4 KV heads
+(Qwen2.5-7B's; or an 8B at TP=2) one request took 37.2 / 39.0 / 44.1 us at 32k with 33 / 66 / 132 splits, 59.9 /
+60.0 / 59.3 at 64k, 105.1 / 89.9 / 94.4 at 128k; two requests at 128k 187.6 / 140.1 / 142.1 with 17 / 33 / 66.
+So a lone request takes 66 splits from 48k on.
 
 | active rows, context | 9 splits (split_rows 2) | 17 (1) | 34 (~0.5) | 68 (~0.25) | 136 |
 |---|---|---|---|---|---|
@@ -49,8 +52,9 @@ row (0.25: 66 splits a row, 0.5: 33) where it measured faster.
 from __future__ import annotations
 
 # (fewest active rows, most active rows, least longest context in tokens, split_rows): the first that
-# holds picks the program. A fraction of a row: more than one wave of splits (0.25: 66 splits a row).
-TIERS = ((1, 1, 32768, 0.25), (1, 1, 4096, 1), (2, 2, 65536, 0.25), (3, 4, 65536, 0.5), (3, 4, 16384, 1),
+# holds picks the program. A fraction of a row: more than one wave of splits (0.25: 66 splits a row, whatever
+# the model's KV heads).
+TIERS = ((1, 1, 49152, 0.25), (1, 1, 4096, 1), (2, 2, 65536, 0.25), (3, 4, 65536, 0.5), (3, 4, 16384, 1),
          (1, 4, 1024, 2), (5, 6, 1024, 4), (7, 7, 2048, 5), (9, 10, 2048, 8), (17, 20, 2048, 8))
 
 

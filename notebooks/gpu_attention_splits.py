@@ -30,7 +30,9 @@ import numpy as np
 from atlasjax.bench_kernels_quant import device_ms
 from pallas_kernels.paged_attention import paged_decode_attention
 
-KV_HEADS, GROUP, HEAD_DIM, PAGE = 8, 4, 128, 16
+KV_HEADS = int(os.environ.get("KV_HEADS", 8))   # Llama-3.1-8B's 8 KV heads of 4 query heads; Qwen2.5-7B: 4 of 7
+GROUP = int(os.environ.get("GROUP", 4))
+HEAD_DIM, PAGE = 128, 16
 SLOTS = int(os.environ.get("SLOTS", 8))      # the decode step's rows
 MAX_LEN = int(os.environ.get("MAX_LEN", 1024))
 ACTIVE = int(os.environ.get("ACTIVE", 1))   # slots with the context, of SLOTS
@@ -70,7 +72,8 @@ def main():
             row[f"{name}_TBps"] = round(kv_bytes / (row[f"{name}_us"] * 1e-6) / 1e12, 2)
         print(json.dumps(row), flush=True)
         results.append(row)
-    with open(f"{os.environ.get('OUT', '/tmp')}/attention_splits_{SLOTS}_{ACTIVE}_{KV_DTYPE.name}.json", "w") as f:
+    name = f"attention_splits_{SLOTS}_{ACTIVE}_{KV_DTYPE.name}_{KV_HEADS}x{GROUP}"
+    with open(f"{os.environ.get('OUT', '/tmp')}/{name}.json", "w") as f:
         json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results), f, indent=1)
 
 

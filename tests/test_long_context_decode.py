@@ -35,7 +35,7 @@ def test_policy_picks_the_tier_of_the_active_rows_and_longest_context():
     assert lcd.split_rows(1, 5000, ()) is None
     # very long contexts: more than one wave of splits (session 70)
     longer = (0.25, 0.5, 1, 2, 4, 5)
-    assert lcd.split_rows(1, 32768, longer) == 0.25 and lcd.split_rows(1, 32767, longer) == 1
+    assert lcd.split_rows(1, 49152, longer) == 0.25 and lcd.split_rows(1, 49151, longer) == 1
     assert lcd.split_rows(2, 65536, longer) == 0.25 and lcd.split_rows(2, 65535, longer) == 2
     assert lcd.split_rows(4, 65536, longer) == 0.5 and lcd.split_rows(3, 16384, longer) == 1
     assert lcd.split_rows(4, 16383, longer) == 2
@@ -46,7 +46,7 @@ def test_resolve_compiles_the_tiers_a_context_can_reach():
     assert lcd.resolve(None, **on) == {8: (1, 2, 4, 5), 16: (8,), 32: (8,)}   # 9-16 requests run the 16-row step
     assert lcd.resolve(None, **{**on, "max_model_len": 4096}) == {8: (2, 4, 5), 16: (8,), 32: (8,)}   # none > 4,096
     assert lcd.resolve(None, **{**on, "max_model_len": 131072}) == {8: (0.25, 1, 0.5, 2, 4, 5), 16: (8,), 32: (8,)}
-    assert lcd.resolve(None, **{**on, "max_model_len": 40960})[8] == (0.25, 1, 2, 4, 5)
+    assert lcd.resolve(None, **{**on, "max_model_len": 40960})[8] == (1, 2, 4, 5)   # 3-4 requests at 16k: 1
     assert lcd.resolve(None, **{**on, "max_model_len": 2048}) == {8: (2, 4)}
     assert lcd.resolve(None, **{**on, "max_model_len": 1024}) == {}
     assert lcd.resolve(None, **{**on, "on_gpu": False}) == {}              # the reference does not split

@@ -311,6 +311,9 @@ def test_split_rows_sizes_the_default_splits_for_the_busy_rows_interpret():
   busy_rows = _plan(*case, None, "pallas", None, None, None, 1)["num_splits"]
   waves = _plan(*case, None, "pallas", None, None, None, 0.25)["num_splits"]   # a quarter row: more waves
   assert every_row < busy_rows < waves and isinstance(waves, int)   # 3, 17, 24 (one per block of 64 tokens)
+  four_heads = make_case(8, [5000, 0, 0, 0], num_kv_heads=4, group=1, head_dim=64, page_size=16)
+  # a fraction of a row: the splits of one 8-head row (17) times 4, whatever the heads
+  assert _plan(*four_heads, None, "pallas", None, None, None, 0.25)["num_splits"] == 66
   out = paged_decode_attention(*case, backend="pallas", interpret=plgpu.InterpretGPUParams(), split_rows=0.25)
   out = np.asarray(out.astype(jnp.float32))
   assert rel_err(out, np.asarray(paged_decode_attention_reference(*case))) < 1e-2
