@@ -8,8 +8,9 @@ decoder's linear projections (q/k/v/o, gate/up/down). The engine keeps `max_lora
 `lora` tree (atlasjax/lora_slots.py) holds, for each projection, a stack `a` [max_loras, in, R] and `b`
 [max_loras, R, out] beside the weights (R = max_lora_rank x the projection's parts: a fused q/k/v or gate/up
 projection puts its parts' A matrices side by side and their B matrices block-diagonally, so one pair of
-matmuls serves the group). The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b; a smaller rank, and a projection an adapter
-leaves out, are zeros. `adapter_of_slot` [max_num_seqs] gives each engine slot's LoRA slot (-1: the base model).
+matmuls serves the group). The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b; a smaller
+rank, and a projection an adapter leaves out, are zeros. `adapter_of_slot` [max_num_seqs] gives each engine
+slot's LoRA slot (-1: the base model).
 
 Each linear layer then adds, per token, `(x @ a[slot]) @ b[slot]` (models/layers.py `lora_delta`: the products
 with every slot, masked to the token's, so the step keeps its fixed shapes). Adapters are read and checked on the
