@@ -223,8 +223,8 @@ def engine_kwargs(args) -> dict:
                 hf_overrides=getattr(args, "hf_overrides", None),
                 enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                 max_cpu_loras=args.max_cpu_loras,
-                # a server compiles at start (every process of a multi-host one, too)
-                compile_at_start=getattr(args, "command", None) == "serve")
+                # a server or batch run compiles at start (every process of a multi-host one, too)
+                compile_at_start=getattr(args, "command", None) in ("serve", "run-batch"))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -324,6 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_args(p)
     except ImportError:
         pass
+    p = sub.add_parser("run-batch", help="answer an OpenAI Batch API file (JSONL requests to /v1/chat/completions, "
+                                         "/v1/completions, /v1/embeddings, ...) offline, as vLLM's run-batch",
+                       parents=[verbose])
+    add_engine_args(p)
+    try:
+        from serving.batch import add_batch_args
+        add_batch_args(p)
+    except ImportError:
+        pass
     p = sub.add_parser("save", help="load a model once (quantizing it with --quantization) and write it as an "
                                     "atlasjax checkpoint that later runs load directly", parents=[verbose])
     p.add_argument("output", help="directory to write (created; an existing checkpoint there is replaced)")
@@ -344,6 +353,9 @@ def main(argv=None) -> int:
         if args.command == "serve":
             from serving.cli import serve
             return serve(args) or 0
+        if args.command == "run-batch":
+            from serving.batch import run_batch
+            return run_batch(args)
         if args.command == "save":
             _run_save(args)
             return 0

@@ -31,18 +31,46 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 engine_process_setup = None
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000, help="port (0: pick a free one, printed when ready)")
-    g.add_argument("--api-key", default=None,
-                   help="require this key (Authorization: Bearer or x-api-key); default: $ATLASJAX_API_KEY")
+def add_answer_args(g) -> None:
+    """How answers are named and shaped: flags `serve` and `run-batch` share."""
     g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model name(s) clients send; with several, each is accepted and listed, and the first "
                         "is the default (default: from the model path)")
     g.add_argument("--lora-modules", default=None, nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters requests name in their \"model\" field: name=path, or vLLM's JSON form "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (needs --enable-lora)")
+    g.add_argument("--reasoning-parser", default=None, choices=PARSERS,
+                   help="put chat answers' <think>...</think> part in the message's `reasoning_content` (as "
+                        "vLLM): qwen3 (the model opens <think> itself) or deepseek_r1 (the chat template opens it: "
+                        "DeepSeek-R1 distills, QwQ, Qwen3 Thinking releases)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="name tokens in logprobs as `token_id:N` instead of their text (as vLLM; for tokens that "
+                        "do not decode alone); a request's `return_tokens_as_token_ids` field overrides it")
+
+
+def add_engine_placement_args(g) -> None:
+    """Where the engine runs: flags `serve` and `run-batch` share."""
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, so that HTTP work never holds up its steps "
+                        "(one host only)")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive, default=1, metavar="N",
+                   help="serve N copies of the model, each in an engine process of its own on its own devices (on "
+                        "GPUs: N x --tensor-parallel-size of them), each request routed to the copy that served its "
+                        "prompt's prefix, else to the least loaded (one host only; docs/serving.md)")
+    g.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "least-loaded"],
+                   help="with --data-parallel-size: prefix sends a request to the replica that served its prompt's "
+                        "prefix (in whole KV pages) unless that one is much busier, else to the least loaded; "
+                        "least-loaded looks at the load alone (default: %(default)s)")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    add_answer_args(g)
+    add_engine_placement_args(g)
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="port (0: pick a free one, printed when ready)")
+    g.add_argument("--api-key", default=None,
+                   help="require this key (Authorization: Bearer or x-api-key); default: $ATLASJAX_API_KEY")
     g.add_argument("--ssl-certfile", default=None, metavar="FILE",
                    help="serve HTTPS with this certificate (PEM; with --ssl-keyfile, as vLLM's)")
     g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the certificate's private key (PEM)")
@@ -52,13 +80,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated origins allowed by CORS (default: CORS off)")
     g.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on shutdown")
-    g.add_argument("--reasoning-parser", default=None, choices=PARSERS,
-                   help="put chat answers' <think>...</think> part in the message's `reasoning_content` (as "
-                        "vLLM): qwen3 (the model opens <think> itself) or deepseek_r1 (the chat template opens it: "
-                        "DeepSeek-R1 distills, QwQ, Qwen3 Thinking releases)")
-    g.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="name tokens in logprobs as `token_id:N` instead of their text (as vLLM; for tokens that "
-                        "do not decode alone); a request's `return_tokens_as_token_ids` field overrides it")
     g.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_STORED,
                    help="Responses API answers kept in memory (`store`, the default) for GET /v1/responses/{id} and "
                         "`previous_response_id`; the least recently used go first; 0 keeps none (default: %(default)s)")
@@ -73,17 +94,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's): the idle engine "
                         "gives its device memory back to a trainer sharing the devices, and takes it again")
-    g.add_argument("--engine-process", action="store_true",
-                   help="run the engine in a process of its own, so that HTTP work never holds up its steps "
-                        "(one host only)")
-    g.add_argument("--data-parallel-size", "-dp", type=_positive, default=1, metavar="N",
-                   help="serve N copies of the model, each in an engine process of its own on its own devices (on "
-                        "GPUs: N x --tensor-parallel-size of them), each request routed to the copy that served its "
-                        "prompt's prefix, else to the least loaded (one host only; docs/serving.md)")
-    g.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "least-loaded"],
-                   help="with --data-parallel-size: prefix sends a request to the replica that served its prompt's "
-                        "prefix (in whole KV pages) unless that one is much busier, else to the least loaded; "
-                        "least-loaded looks at the load alone (default: %(default)s)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -141,21 +151,47 @@ def _make_server(config, url: str):
     return Server(config)
 
 
+def build_llm(args, max_waiting: int):
+    """The streaming engine `serve` and `run-batch` drive: an AsyncLLM on an engine thread, an EngineProcessLLM
+    (--engine-process) or a DataParallelLLM (--data-parallel-size N)."""
+    from atlasjax.__main__ import engine_kwargs  # noqa: PLC0415
+    from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
+    if args.data_parallel_size > 1:
+        from atlasjax.data_parallel import DataParallelLLM  # noqa: PLC0415
+        return DataParallelLLM(EngineConfig(**engine_kwargs(args)), args.data_parallel_size, max_waiting=max_waiting,
+                               setup=engine_process_setup, routing=args.data_parallel_routing)
+    if args.engine_process:
+        from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415
+        return EngineProcessLLM(EngineConfig(**engine_kwargs(args)), max_waiting=max_waiting,
+                                setup=engine_process_setup)
+    from atlasjax.async_llm import AsyncLLM  # noqa: PLC0415
+    return AsyncLLM(max_waiting=max_waiting, **engine_kwargs(args))
+
+
+def lora_modules_arg(args) -> dict:
+    """--lora-modules as {name: LoRARequest}; ValueError names what is wrong."""
+    from serving.lora_routes import parse_lora_modules  # noqa: PLC0415
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    return lora_modules
+
+
+def check_lora_modules(llm, lora_modules: dict, max_lora_rank: int) -> None:
+    """Read every adapter once: a bad one stops the start (InvalidRequestError), as vLLM's does."""
+    from atlasjax.lora import read_adapter  # noqa: PLC0415
+    for lora in lora_modules.values():
+        read_adapter(lora, llm.engine.model_config, max_lora_rank)
+
+
 def serve(args) -> int:
     import uvicorn  # noqa: PLC0415
 
-    from atlasjax.__main__ import engine_kwargs  # noqa: PLC0415
-    from atlasjax.async_llm import AsyncLLM  # noqa: PLC0415
     from atlasjax.errors import InvalidRequestError  # noqa: PLC0415
-    from atlasjax.lora import read_adapter  # noqa: PLC0415
-    from serving.lora_routes import parse_lora_modules  # noqa: PLC0415
     try:
-        lora_modules = parse_lora_modules(args.lora_modules)
+        lora_modules = lora_modules_arg(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if lora_modules and not args.enable_lora:
-        print("error: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         print("error: HTTPS needs both --ssl-certfile and --ssl-keyfile", file=sys.stderr)
@@ -181,31 +217,18 @@ def serve(args) -> int:
     stats_interval = 0.0 if args.disable_log_stats else max(args.log_stats_interval, 0.0)
     if stats_interval:
         logging.getLogger("atlasjax.stats").setLevel(logging.INFO)
-    if args.data_parallel_size > 1:
-        from atlasjax.data_parallel import DataParallelLLM  # noqa: PLC0415
-        from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
-        llm = DataParallelLLM(EngineConfig(**engine_kwargs(args)), args.data_parallel_size,
-                              max_waiting=args.max_waiting, setup=engine_process_setup,
-                              routing=args.data_parallel_routing)
-    elif args.engine_process:
-        from atlasjax.engine_config import EngineConfig  # noqa: PLC0415
-        from atlasjax.engine_process import EngineProcessLLM  # noqa: PLC0415
-        llm = EngineProcessLLM(EngineConfig(**engine_kwargs(args)), max_waiting=args.max_waiting,
-                               setup=engine_process_setup)
-    else:
-        llm = AsyncLLM(max_waiting=args.max_waiting, **engine_kwargs(args))
+    llm = build_llm(args, args.max_waiting)
     print(f"atlasjax: {llm.engine.weights_summary}", file=sys.stderr, flush=True)
     defaults = llm.engine.generation_defaults
     if defaults:
         print(f"atlasjax: defaults for requests that leave them out, from {defaults.source}: {defaults.describe()} "
               "(--generation-config vllm ignores them)", file=sys.stderr, flush=True)
     try:
-        for lora in lora_modules.values():   # a bad adapter stops the start, as vLLM's does
-            try:
-                read_adapter(lora, llm.engine.model_config, args.max_lora_rank)
-            except InvalidRequestError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
+        try:
+            check_lora_modules(llm, lora_modules, args.max_lora_rank)
+        except InvalidRequestError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         for replica in getattr(llm, "replicas", [llm]):    # each data-parallel replica answers before "ready"
             asyncio.run(warm_up(replica, pooling=llm.engine.pooling_only))
         origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
