@@ -192,6 +192,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank taken (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept read in host memory (default: --max-loras)")
+    g.add_argument("--profiler-dir", default=None, metavar="DIR",
+                   help="where start_profile writes jax.profiler traces of the engine (XProf and Perfetto files); a "
+                        "server then serves POST /start_profile and /stop_profile, as vLLM's with its profiler "
+                        "directory set (default: $ATLASJAX_PROFILER_DIR)")
     add_compilation_cache_arg(g)
     d = p.add_argument_group("multi-host (same command on every host; default: $ATLASJAX_COORDINATOR_ADDRESS, "
                              "$ATLASJAX_NUM_PROCESSES, $ATLASJAX_PROCESS_ID)")
@@ -222,7 +226,7 @@ def engine_kwargs(args) -> dict:
                 speculative_config=getattr(args, "speculative_config", None),
                 hf_overrides=getattr(args, "hf_overrides", None),
                 enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                max_cpu_loras=args.max_cpu_loras,
+                max_cpu_loras=args.max_cpu_loras, profiler_dir=args.profiler_dir,
                 # a server or batch run compiles at start (every process of a multi-host one, too)
                 compile_at_start=getattr(args, "command", None) in ("serve", "run-batch"))
 

@@ -32,7 +32,8 @@ log = logging.getLogger("atlasjax.async")
 class StreamingLLM:
     """The asyncio side of an engine that runs elsewhere (a thread: AsyncLLM; a process:
     atlasjax.engine_process.EngineProcessLLM): per-request queues fed by `_deliver`, and commands
-    ("add" / "abort" / "release" / "reset_prefix_cache"; "embed", "sleep", "wake_up", "is_sleeping" answer once) sent through `_submit`, carried out in order."""
+    ("add" / "abort" / "release" / "reset_prefix_cache"; "embed", "sleep", "wake_up", "is_sleeping", "start_profile",
+    "stop_profile" answer once) sent through `_submit`, carried out in order."""
 
     def __init__(self):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -55,9 +56,10 @@ class StreamingLLM:
 
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[StreamDelta]:
-        """Stream the deltas of one request (all n completions interleaved, by .index). priority, lora_request: see
-        `LLMEngine.add_request` (priority only with the priority scheduling policy)."""
+                       lora_request: LoRARequest | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (all n completions interleaved, by .index). priority, lora_request,
+        cache_salt: see `LLMEngine.add_request` (priority only with the priority scheduling policy)."""
         if self._error is not None:
             raise RuntimeError(f"the engine failed: {self._error!r}")
         params = params or self.get_default_sampling_params()
@@ -65,7 +67,7 @@ class StreamingLLM:
         self._check_capacity()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request_id, prompt, params, priority, lora_request))
+        self._submit(("add", request_id, prompt, params, priority, lora_request, cache_salt))
         remaining = params.n
         try:
             while remaining:
@@ -93,6 +95,13 @@ class StreamingLLM:
 
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping", f"sleeping-{next(self._ids)}")
+
+    async def start_profile(self, directory: str | None = None) -> str:
+        """`LLM.start_profile` between the engine's steps (atlasjax/profiling.py); returns the trace's directory."""
+        return await self._call("start_profile", f"profile-{next(self._ids)}", directory)
+
+    async def stop_profile(self) -> str:
+        return await self._call("stop_profile", f"profile-{next(self._ids)}")
 
     async def _call(self, kind: str, request_id: str, *args):
         """Send one command that answers once (an error is raised here) and wait for its answer."""
@@ -251,7 +260,7 @@ def apply_command(engine: LLMEngine, cmd) -> list:
     kind, request_id = cmd[0], cmd[1]
     if kind == "add":
         try:
-            engine.add_request(request_id, cmd[2], cmd[3], priority=cmd[4], lora_request=cmd[5])
+            engine.add_request(request_id, cmd[2], cmd[3], priority=cmd[4], lora_request=cmd[5], cache_salt=cmd[6])
         except AtlasJaxError as e:
             return [(request_id, e)]
     elif kind == "abort":
@@ -269,6 +278,11 @@ def apply_command(engine: LLMEngine, cmd) -> list:
         except AtlasJaxError as e:
             return [(request_id, e)]
         return [(request_id, kind)]
+    elif kind in ("start_profile", "stop_profile"):
+        try:
+            return [(request_id, engine.profiler.start(cmd[2]) if kind == "start_profile" else engine.profiler.stop())]
+        except AtlasJaxError as e:
+            return [(request_id, e)]
     return []
 
 

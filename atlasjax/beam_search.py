@@ -113,16 +113,17 @@ class BeamSearch:
 
 
 async def beam_search_async(llm, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
-                            eos_token_ids, max_model_len: int, priority: int = 0, lora_request=None
-                            ) -> BeamSearchOutput:
+                            eos_token_ids, max_model_len: int, priority: int = 0, lora_request=None,
+                            cache_salt: str | None = None) -> BeamSearchOutput:
     """One prompt's search over an AsyncLLM-like `llm` (its async `generate(prompt_ids, params, request_id,
-    priority=..., lora_request=...)`), each round's beams as concurrent requests. Cancelling it aborts the round's
-    requests."""
+    priority=..., lora_request=..., cache_salt=...)`), each round's beams as concurrent requests. Cancelling it
+    aborts the round's requests."""
     search = BeamSearch(prompt_ids, params, eos_token_ids, max_model_len)
 
     async def next_token(ids: list[int], rid: str) -> dict[int, Logprob]:
         entry = None
-        async for delta in llm.generate(ids, search.step_params(), rid, priority=priority, lora_request=lora_request):
+        async for delta in llm.generate(ids, search.step_params(), rid, priority=priority, lora_request=lora_request,
+                                        cache_salt=cache_salt):
             if delta.new_logprobs:
                 entry = delta.new_logprobs[0]
         if entry is None:

@@ -33,7 +33,8 @@ from atlasjax.compile_cache import gpu_expected
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.metrics import EngineStats
-from atlasjax.page_pool import page_keys
+from atlasjax.page_pool import cache_root, page_keys
+from atlasjax.profiling import profiler_dir
 from atlasjax.speculative import SpecStats
 
 log = logging.getLogger("atlasjax.data_parallel")
@@ -84,14 +85,15 @@ class PrefixRouter:
         self._owner: collections.OrderedDict[int, int] = collections.OrderedDict()   # prefix hash -> replica
         self._next = 0
 
-    def route(self, prompt, loads: Sequence[int | None]) -> int:
+    def route(self, prompt, loads: Sequence[int | None], root: int = 0) -> int:
         """The replica for `prompt` (token ids, else routed by load alone); loads: open requests per replica,
-        None for one that cannot take requests. Remembers the prompt's pages as that replica's."""
+        None for one that cannot take requests; root: its pages' parent key (page_pool.cache_root: its LoRA
+        adapter and cache salt). Remembers the prompt's pages as that replica's."""
         candidates = [r for r, load in enumerate(loads) if load is not None]
         if not candidates:
             raise RuntimeError("every data-parallel replica of the engine has failed")
         least = min(loads[r] for r in candidates)
-        hashes = self._page_hashes(prompt) if self.affinity else []
+        hashes = self._page_hashes(prompt, root) if self.affinity else []
         chosen = None
         for h in reversed(hashes):           # the longest prefix some replica served
             owner = self._owner.get(h)
@@ -114,11 +116,11 @@ class PrefixRouter:
         """Drop every remembered prefix (the replicas' prefix caches were reset)."""
         self._owner.clear()
 
-    def _page_hashes(self, prompt) -> list[int]:
+    def _page_hashes(self, prompt, root: int = 0) -> list[int]:
         """A chained hash per whole page of a token-id prompt (empty for anything else)."""
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt[:1]):
             return []
-        return [hash(key) for key in page_keys([], prompt, self.page_size)]   # the prefix cache's page keys
+        return [hash(key) for key in page_keys([], prompt, self.page_size, root)]   # the prefix cache's page keys
 
 
 class DataParallelLLM:
@@ -165,6 +167,7 @@ class DataParallelLLM:
                      f", GPUs {env['CUDA_VISIBLE_DEVICES']}" if env else "")
         self.engine = started[0].engine    # what every replica loaded (EngineInfo)
         self.router = PrefixRouter(size, config.page_size, affinity=routing == "prefix")
+        self._profiler_dir = profiler_dir(config.profiler_dir)
         self._owners: dict[str, int] = {}  # open request id -> its replica
         self._ids = 0
 
@@ -204,8 +207,8 @@ class DataParallelLLM:
         return self.replicas[0].get_default_sampling_params()
 
     # ---- requests
-    def _pick(self, prompt) -> int:
-        return self.router.route(prompt, [r.num_pending if r.is_healthy else None for r in self.replicas])
+    def _pick(self, prompt, root: int = 0) -> int:
+        return self.router.route(prompt, [r.num_pending if r.is_healthy else None for r in self.replicas], root)
 
     def _request_id(self, request_id: str | None, prefix: str) -> str:
         if request_id is None:
@@ -214,13 +217,13 @@ class DataParallelLLM:
         return request_id
 
     async def generate(self, prompt, params=None, request_id: str | None = None, priority: int = 0,
-                       lora_request=None) -> AsyncIterator:
+                       lora_request=None, cache_salt: str | None = None) -> AsyncIterator:
         request_id = self._request_id(request_id, "req")
         if request_id in self._owners:     # (as one engine refuses it: the replicas would not see the clash)
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        rank = self._pick(prompt)
+        rank = self._pick(prompt, cache_root(lora_request, cache_salt))
         self._owners[request_id] = rank
-        deltas = self.replicas[rank].generate(prompt, params, request_id, priority, lora_request)
+        deltas = self.replicas[rank].generate(prompt, params, request_id, priority, lora_request, cache_salt)
         try:
             async for delta in deltas:
                 yield delta
@@ -247,6 +250,22 @@ class DataParallelLLM:
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await _on_all(r.wake_up(tags) for r in self.replicas)
+
+    async def start_profile(self, directory: str | None = None) -> str:
+        """Every replica traces into a subdirectory `dp<N>` of `directory` (default: the engine's profiler_dir)."""
+        base = profiler_dir(directory) if directory is not None else self._profiler_dir
+        if base is None:
+            raise InvalidRequestError("no profiler directory: start the engine with profiler_dir= (--profiler-dir, "
+                                      "$ATLASJAX_PROFILER_DIR) or name one")
+        await _on_all(r.start_profile(os.path.join(base, f"dp{rank}")) for rank, r in enumerate(self.replicas))
+        return base
+
+    async def stop_profile(self) -> str:
+        results = await asyncio.gather(*(r.stop_profile() for r in self.replicas), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return os.path.dirname(results[0])
 
     async def is_sleeping(self) -> bool:
         return any(await asyncio.gather(*(r.is_sleeping() for r in self.replicas)))

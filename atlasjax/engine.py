@@ -47,6 +47,8 @@ from atlasjax.output_processor import OutputProcessor
 from atlasjax.outputs import StreamDelta
 from atlasjax.page_pool import PagePool
 from atlasjax.pooling import PoolingParams, read_pooler_config
+from atlasjax.profiling import Profiler, profiler_dir
+from atlasjax.prompts import check_cache_salt
 from atlasjax.request import Request
 from atlasjax.runner import ModelRunner
 from atlasjax.sampling import pack_rows, plan_rows
@@ -182,6 +184,7 @@ class LLMEngine:
             log.info("speculative decoding: %s drafts, %s", "draft model" if self.speculative.uses_draft_model
                      else "n-gram", self.speculative)
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
+        self.profiler = Profiler(profiler_dir(config.profiler_dir))   # start_profile / stop_profile (profiling.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
     def _verify_buckets(self, config: EngineConfig) -> tuple[int, ...]:
@@ -220,12 +223,14 @@ class LLMEngine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, lora_request: LoRARequest | None = None
-                    ) -> list[Request]:
+                    arrival_time: float | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
+                    cache_salt: str | None = None) -> list[Request]:
         """priority: with `scheduling_policy="priority"`, lower is admitted sooner and preempted later
         (any integer; 0 by default); with fcfs it must be 0, as in vLLM. arrival_time: a time.monotonic()
         reading (default: now); it orders equal priorities and starts the request's queue time.
-        lora_request: run it with that LoRA adapter (an engine with enable_lora), read and checked now."""
+        lora_request: run it with that LoRA adapter (an engine with enable_lora), read and checked now.
+        cache_salt: vLLM's; it reuses prefix-cache pages only from requests with the same salt (None: the shared
+        cache)."""
         params = params or SamplingParams()
         self.sleep_state.check_awake()
         if self.pooling_only:
@@ -235,6 +240,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.config.scheduling_policy)
         adapter = self._lora_adapter(lora_request)
+        check_cache_salt(cache_salt)
         token_ids = params.truncated_prompt(self.tokenize_prompt(prompt), self.max_model_len)
         vocab = self.model_config.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):
@@ -249,7 +255,7 @@ class LLMEngine:
             req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
                           max_tokens, self.eos_token_ids, arrival_time or time.monotonic(), priority)
             req.index, req.parent_id, req.bad_word_ids = i, request_id, bad_seqs
-            req.lora_request, req.lora_adapter = lora_request, adapter
+            req.lora_request, req.lora_adapter, req.cache_salt = lora_request, adapter, cache_salt
             self.outputs.add(req)
             seqs.append(req)
             self.scheduler.add(req)

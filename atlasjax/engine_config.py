@@ -181,6 +181,8 @@ class EngineConfig:
     max_loras: int = 1                       # adapters resident on the device at once (one batch mixes them)
     max_lora_rank: int = 16                  # the largest adapter rank accepted (each slot is sized for it)
     max_cpu_loras: int | None = None         # adapters kept read in host memory (None: max_loras)
+    profiler_dir: str | None = None          # where `start_profile` writes jax.profiler traces (None:
+                                             # $ATLASJAX_PROFILER_DIR, else a directory must be named; profiling.py)
     pooling_type: str | None = None          # embeddings (`LLM.embed`, /v1/embeddings): last | mean | cls | max;
                                              # None: the model's sentence-transformers config, else last
                                              # (atlasjax/pooling.py)

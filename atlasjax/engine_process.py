@@ -7,7 +7,7 @@ deltas (session 42, docs/performance.md). Here the engine runs in a child proces
 interpreter: the server's process tokenizes, renders templates and speaks HTTP; the child
 schedules, runs the device steps and detokenizes. One pipe joins them:
 
-    parent -> child  ("add", request id, prompt, SamplingParams, priority, LoRARequest or None) | ("abort", id) | ("release", id)
+    parent -> child  ("add", request id, prompt, SamplingParams, priority, LoRARequest or None, cache salt or None) | ("abort", id) | ("release", id)
                      | ("stop", drain)
     child -> parent  ("ready", EngineInfo) or ("failed", error), once, at start;
                      ("out", [(request id, StreamDelta or error), ...], EngineStats) after each step

@@ -18,6 +18,7 @@ from atlasjax.outputs import (ClassificationOutput, ClassificationRequestOutput,
                               EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from atlasjax.cross_encoder import is_cross_encoder, pair_ids, pair_score
 from atlasjax.pooling import PoolingParams, class_probs
+from atlasjax.prompts import plain_prompt, prompt_list, split_prompt
 from atlasjax.sampling_params import SamplingParams
 
 
@@ -114,6 +115,15 @@ class LLM:
     def is_sleeping(self) -> bool:
         return bool(self.engine.sleep_state.asleep)
 
+    def start_profile(self, directory: str | None = None) -> str:
+        """vLLM's `LLM.start_profile`: trace what the engine runs from now (atlasjax/profiling.py) into `directory`,
+        by default the engine's `profiler_dir` or $ATLASJAX_PROFILER_DIR; returns the directory."""
+        return self.engine.profiler.start(directory)
+
+    def stop_profile(self) -> str:
+        """End the trace and write it (`*.xplane.pb` and `perfetto_trace.json.gz`); returns its directory."""
+        return self.engine.profiler.stop()
+
     def reset_prefix_cache(self) -> None:
         """Forget the cached prompt pages (vLLM's `LLM.reset_prefix_cache`); later prompts compute theirs again."""
         self.engine.pool.reset_prefix_cache()
@@ -136,7 +146,7 @@ class LLM:
         if distributed.is_multiprocess():
             raise RuntimeError("LLM.forward runs in a single-process engine")
         self.engine.sleep_state.check_awake()
-        prompts = _prompt_list(prompts)
+        prompts = _plain_prompts(prompts)
         seqs = [self.engine.tokenize_prompt(p) for p in prompts]
         logits, hidden = self._forward_jit(self.params, pad_batch(seqs, self.engine.max_model_len))
         logits = np.asarray(logits)
@@ -157,7 +167,7 @@ class LLM:
         model's final hidden states pooled as `llm.engine.pooler` says (last token unless the model's
         sentence-transformers config or `pooling_type` says otherwise), normalized unless asked not to.
         truncate_prompt_tokens: keep each prompt's last N tokens (shorthand for the PoolingParams field)."""
-        prompts = _prompt_list(prompts)
+        prompts = _plain_prompts(prompts)
         if truncate_prompt_tokens is not None:
             given = pooling_params if isinstance(pooling_params, list) else [pooling_params or PoolingParams()]
             given = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in given]
@@ -173,14 +183,14 @@ class LLM:
         params = PoolingParams(task="classify", truncate_prompt_tokens=truncate_prompt_tokens)
         return [ClassificationRequestOutput(str(next(self._ids)), ids, ClassificationOutput(
                     class_probs(logits).tolist(), logits.tolist()))
-                for ids, logits in self.engine.embed(_prompt_list(prompts), params)]
+                for ids, logits in self.engine.embed(_plain_prompts(prompts), params)]
 
     def score(self, text_1, text_2, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score`: for embedding models the cosine similarity of text_1's and text_2's embeddings; for a
         cross-encoder (a classifier of one label, such as Qwen3-Reranker read through `hf_overrides`) the sigmoid
         of its head over each pair's tokens, text_1's then text_2's. One text against many (1 -> N), or pairwise
         (N -> N); each a string or token ids."""
-        first, second = _prompt_list(text_1), _prompt_list(text_2)
+        first, second = _plain_prompts(text_1), _plain_prompts(text_2)
         if not first or not second or len(first) not in (1, len(second)):
             raise InvalidRequestError(f"score pairs one text with many or N texts with N; got {len(first)} and "
                                       f"{len(second)}")
@@ -209,11 +219,14 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: list[int] | None = None,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. One output per prompt.
+        """prompts: a string, a list of token ids, a prompt dict as vLLM's (`{"prompt": text}` or
+        `{"prompt_token_ids": ids}`, with an optional `"cache_salt"`: prefix-cache pages are shared only among
+        prompts of the same salt), or a list of these. One output per prompt.
         priority: one integer per prompt, with `scheduling_policy="priority"` (lower is served sooner).
         lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model); the engine
         needs enable_lora=True (atlasjax/lora.py)."""
-        prompts = _prompt_list(prompts)
+        given = [split_prompt(p) for p in prompt_list(prompts)]
+        prompts, salts = [p for p, _ in given], [salt for _, salt in given]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
@@ -230,9 +243,9 @@ class LLM:
             loras = [lora_request] * len(prompts)
         ids = []
         try:
-            for prompt, p, rank, lora in zip(prompts, params, priority or [0] * len(prompts), loras):
+            for prompt, p, rank, lora, salt in zip(prompts, params, priority or [0] * len(prompts), loras, salts):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, priority=rank, lora_request=lora)
+                self.engine.add_request(rid, prompt, p, priority=rank, lora_request=lora, cache_salt=salt)
                 ids.append((rid, prompt))
         except Exception:
             for rid, _ in ids:     # a bad prompt in the batch: nothing stays queued
@@ -259,13 +272,14 @@ class LLM:
         """vLLM's beam search (atlasjax/beam_search.py): per prompt (a string or token ids, or a list of
         either), the params.beam_width best sequences, best first. Each round extends every prompt's live
         beams by one token in one batch through the engine (lora_request: every beam's adapter)."""
-        prompts = _prompt_list(prompts)
+        given = [split_prompt(p) for p in prompt_list(prompts)]
         searches = [BeamSearch(self.engine.tokenize_prompt(p), params, self.engine.eos_token_ids,
-                               self.engine.max_model_len) for p in prompts]
+                               self.engine.max_model_len) for p, _ in given]
+        salt_of = {id(s): salt for s, (_, salt) in zip(searches, given)}
         step = searches[0].step_params() if searches else None
         while live := [s for s in searches if not s.done]:
-            outputs = iter(self.generate([beam.tokens for s in live for beam in s.beams], step,
-                                         lora_request=lora_request))
+            outputs = iter(self.generate([{"prompt_token_ids": beam.tokens, "cache_salt": salt_of[id(s)]}
+                                          for s in live for beam in s.beams], step, lora_request=lora_request))
             for s in live:
                 s.advance([next(outputs).outputs[0].logprobs[0] for _ in s.beams])
             if use_tqdm:
@@ -303,8 +317,6 @@ class LLM:
                              prompt_logprobs=first.prompt_logprobs, lora_request=first.lora_request)
 
 
-def _prompt_list(prompts) -> list:
-    """One prompt (a string or a list of token ids) or a list of them, as a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+def _plain_prompts(prompts) -> list:
+    """One prompt or a list of them (text, token ids or prompt dicts) as a list of text or token ids."""
+    return [plain_prompt(p) for p in prompt_list(prompts)]

@@ -101,6 +101,13 @@ class PagePool:
                 self.cached.pop(key, None)
 
 
+def cache_root(lora_request=None, cache_salt: str | None = None) -> int:
+    """The parent key of a request's first page: 0 for the base model and no salt (the shared cache)."""
+    if lora_request is None and cache_salt is None:
+        return 0
+    return hash(("root", lora_request, cache_salt))
+
+
 def page_keys(keys: list[tuple], token_ids, page_size: int, root: int = 0) -> list[tuple]:
     """`PagePool.extend_keys` for a page size (also what the data-parallel router keys prompts by)."""
     for i in range(len(keys), len(token_ids) // page_size):

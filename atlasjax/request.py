@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from atlasjax.page_pool import cache_root
 from atlasjax.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class Request:
     lora_request: object = None           # its LoRARequest (atlasjax/lora.py), or None: the base model
     lora_adapter: object = None           # that adapter as read and checked when the request was added
     lora_slot: int = -1                   # the device LoRA slot it runs with while admitted (-1: none)
+    cache_salt: str | None = None         # vLLM's: prefix-cache pages shared only with the same salt
     index: int = 0                        # which of the parent request's n completions
     parent_id: str = ""
 
@@ -59,8 +61,9 @@ class Request:
 
     @property
     def cache_root(self) -> int:
-        """The parent of its first prompt page's prefix-cache key: pages computed under different adapters differ."""
-        return 0 if self.lora_request is None else hash(("lora", self.lora_request))
+        """The parent of its first prompt page's prefix-cache key: pages computed under different adapters, or for
+        requests of different cache salts, never match."""
+        return cache_root(self.lora_request, self.cache_salt)
 
     @property
     def num_total_tokens(self) -> int:

@@ -59,7 +59,8 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cors_origins: list[str] | None = None,
                reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
                max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0,
-               enable_sleep_mode: bool = False, lora_modules: dict | None = None) -> Starlette:
+               enable_sleep_mode: bool = False, lora_modules: dict | None = None,
+               enable_profiler: bool = False) -> Starlette:
     """Build the server app.
 
     Args:
@@ -81,6 +82,8 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
       lora_modules: {name: LoRARequest} (`serve --lora-modules`): adapters a generation request's "model" may name
         (the engine needs enable_lora; serving/lora_routes.py). With LoRA enabled and
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, /v1/load_lora_adapter and /v1/unload_lora_adapter change them.
+      enable_profiler: serve /start_profile and /stop_profile (the engine needs a profiler directory:
+        atlasjax/profiling.py).
     """
     max_lora_rank = _max_lora_rank(engine)
     if lora_modules and max_lora_rank is None:
@@ -88,6 +91,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
     metrics = ServerMetrics(engine)
     routes = (openai_routes.ROUTES + responses_routes.ROUTES + embeddings_routes.ROUTES + anthropic_routes.ROUTES
               + utility_routes.ROUTES + (utility_routes.SLEEP_ROUTES if enable_sleep_mode else [])
+              + (utility_routes.PROFILE_ROUTES if enable_profiler else [])
               + (lora_routes.ROUTES if max_lora_rank is not None and lora_routes.runtime_updates_allowed() else []))
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []

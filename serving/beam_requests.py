@@ -33,14 +33,14 @@ def beam_params(f: Fields, n: int, max_tokens: int | None) -> BeamSearchParams |
 
 
 async def run_beam_search(request: Request, state, jobs: list[tuple[str, list[int]]], params: BeamSearchParams,
-                          priority: int, lora_request=None) -> list[BeamSearchOutput]:
+                          priority: int, lora_request=None, cache_salt: str | None = None) -> list[BeamSearchOutput]:
     """Each (engine request id, prompt ids) job's search, run concurrently; a client leaving aborts them."""
     eos = state.llm.engine.eos_token_ids
 
     async def search_all():
         try:
             return await gather_all([beam_search_async(state.llm, ids, params, rid, eos, state.max_model_len,
-                                                       priority, lora_request) for rid, ids in jobs])
+                                                       priority, lora_request, cache_salt) for rid, ids in jobs])
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 (what the engine raises becomes an HTTP error)

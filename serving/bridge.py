@@ -40,6 +40,7 @@ class Job:
     thinking_budget: ThinkingBudget | None = None   # serving/thinking_budget.py
     priority: int = 0                               # with --scheduling-policy priority: lower is served sooner
     lora_request: object = None                     # the LoRA adapter its "model" names (serving/lora_routes.py)
+    cache_salt: str | None = None                   # vLLM's: prefix-cache pages shared only with the same salt
 
 
 @dataclasses.dataclass
@@ -122,9 +123,9 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
 def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:
     if job.thinking_budget is not None:
         return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget, job.priority,
-                        job.lora_request)
+                        job.lora_request, job.cache_salt)
     return llm.generate(job.prompt_ids, job.params, job.request_id, priority=job.priority,
-                        lora_request=job.lora_request)
+                        lora_request=job.lora_request, cache_salt=job.cache_salt)
 
 
 def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 
+from atlasjax.profiling import profiler_dir
 from serving.app import DEFAULT_MAX_BODY_BYTES, create_app
 from serving.reasoning import PARSERS
 from serving.response_store import DEFAULT_MAX_STORED
@@ -238,7 +239,8 @@ def serve(args) -> int:
                          reasoning_parser=args.reasoning_parser,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval,
-                         enable_sleep_mode=args.enable_sleep_mode, lora_modules=lora_modules)
+                         enable_sleep_mode=args.enable_sleep_mode, lora_modules=lora_modules,
+                         enable_profiler=profiler_dir(args.profiler_dir) is not None)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
                                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)

@@ -127,12 +127,13 @@ async def chat_completions(request: Request):
     budget = state.thinking_budget(f.int("thinking_token_budget", None, lo=1), "thinking_token_budget")
     rid, engine_id = new_id("chatcmpl-", request)
     if (beams := beam_params(f, n, params.max_tokens or state.max_model_len - len(prompt_ids))) is not None:
-        outputs = await run_beam_search(request, state, [(engine_id, prompt_ids)], beams, state.priority(f), lora)
+        outputs = await run_beam_search(request, state, [(engine_id, prompt_ids)], beams, state.priority(f), lora,
+                                        state.cache_salt(f))
         choices = [{"index": i, "message": _message(seq.text, state.reasoning_parser), "logprobs": None,
                     "finish_reason": seq.finish_reason} for i, seq in enumerate(outputs[0].sequences)]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                              "choices": choices, "usage": usage(len(prompt_ids), _beam_tokens(outputs))})
-    job = Job(engine_id, prompt_ids, params, budget, state.priority(f), lora)
+    job = Job(engine_id, prompt_ids, params, budget, state.priority(f), lora, state.cache_salt(f))
     deltas = stream_jobs(state.llm, [job], state.metrics)
     head = {"id": rid, "created": int(time.time()), "model": model}
     if stream:
@@ -231,17 +232,18 @@ async def completions(request: Request):
     for ids in prompt_ids:
         state.check_prompt(ids, params, "prompt")
     rid, engine_id = new_id("cmpl-", request)
-    priority = state.priority(f)
+    priority, salt = state.priority(f), state.cache_salt(f)
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     if (beams := beam_params(f, n, params.max_tokens)) is not None:
         outputs = await run_beam_search(request, state, [(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", ids)
-                                                         for i, ids in enumerate(prompt_ids)], beams, priority, lora)
+                                                         for i, ids in enumerate(prompt_ids)], beams, priority, lora,
+                                        salt)
         choices = [{"index": j * n + i, "text": seq.text, "logprobs": None, "finish_reason": seq.finish_reason}
                    for j, out in enumerate(outputs) for i, seq in enumerate(out.sequences)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                              "choices": choices, "usage": usage(num_prompt_tokens, _beam_tokens(outputs))})
     jobs = [Job(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", ids, params, priority=priority,
-                lora_request=lora)
+                lora_request=lora, cache_salt=salt)
             for i, ids in enumerate(prompt_ids)]
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}

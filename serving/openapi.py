@@ -18,7 +18,7 @@ SAMPLING = {"temperature": NUM, "top_p": NUM, "top_k": INT, "min_p": NUM, "prese
             "allowed_token_ids": {"type": "array", "items": INT}, "truncate_prompt_tokens": INT,
             "bad_words": {"type": "array", "items": STR},
             "stream": BOOL, "stream_options": {"type": "object", "properties": {"include_usage": BOOL}},
-            "priority": INT, "use_beam_search": BOOL, "length_penalty": NUM}
+            "priority": INT, "use_beam_search": BOOL, "length_penalty": NUM, "cache_salt": STR}
 PROMPT = {"oneOf": [STR, {"type": "array", "items": STR}, {"type": "array", "items": INT},
                     {"type": "array", "items": {"type": "array", "items": INT}}]}
 MESSAGE = {"type": "object", "required": ["role", "content"],
@@ -109,6 +109,8 @@ OPERATIONS = {
     ("/wake_up", "post"): ("With --enable-sleep-mode: take back what /sleep released (?tags=weights&tags=kv_cache)",
                            None, False),
     ("/is_sleeping", "get"): ("With --enable-sleep-mode: {\"is_sleeping\": bool}", None, False),
+    ("/start_profile", "post"): ("With --profiler-dir: trace the engine from now (jax.profiler; vLLM's)", None, False),
+    ("/stop_profile", "post"): ("With --profiler-dir: end the trace and write it ({\"directory\"})", None, False),
     ("/v1/load_lora_adapter", "post"): ("With --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: serve a LoRA "
                                         "adapter ({\"lora_name\", \"lora_path\"}; vLLM's)", None, False),
     ("/v1/unload_lora_adapter", "post"): ("With --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: stop serving "

@@ -92,7 +92,7 @@ async def create_response(request: Request):
     state.check_prompt(prompt_ids, params, "input")
     rid, engine_id = new_id("resp_", request)
     deltas = stream_jobs(state.llm, [Job(engine_id, prompt_ids, params, priority=state.priority(f),
-                                                       lora_request=lora)], state.metrics)
+                                         lora_request=lora, cache_salt=state.cache_salt(f))], state.metrics)
     out = ResponseOutput(state.reasoning_parser, logprobs, state.tokens_as_ids(f), state.reasoning_end_ids())
     head = _head(f, rid, model, params, f.str("previous_response_id"))
 

@@ -15,6 +15,7 @@ import uuid
 from starlette.requests import Request
 
 from atlasjax.errors import InvalidRequestError
+from atlasjax.prompts import check_cache_salt
 from atlasjax.sampling_params import SamplingParams
 from atlasjax.waiting_queue import check_priority
 from serving.errors import invalid
@@ -81,6 +82,14 @@ class ServerState:
             return dataclasses.replace(params, max_tokens=min(wanted, self.max_model_len - len(ids)))
         except InvalidRequestError as e:   # min_tokens above what is left
             raise invalid(str(e), param="min_tokens") from None
+
+    def cache_salt(self, f) -> str | None:
+        """A request's `cache_salt` (vLLM's): its prompt reuses cached prefix pages only from requests that sent the
+        same salt, so one tenant cannot tell from timing what another's prompts held."""
+        try:
+            return check_cache_salt(f.raw("cache_salt"))
+        except InvalidRequestError as e:
+            raise invalid(str(e), param="cache_salt") from None
 
     def priority(self, f) -> int:
         """A request's `priority` (vLLM's extra field; lower is served sooner): any integer on a server

@@ -41,11 +41,13 @@ class _Completion:
 
 
 async def budgeted(llm, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                   budget: ThinkingBudget, priority: int = 0, lora_request=None) -> AsyncIterator[StreamDelta]:
-    """`llm.generate(prompt_ids, params, request_id, priority=..., lora_request=...)`, with the reasoning closed at
-    the budget."""
+                   budget: ThinkingBudget, priority: int = 0, lora_request=None,
+                   cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
+    """`llm.generate(prompt_ids, params, request_id, priority=..., lora_request=..., cache_salt=...)`, with the
+    reasoning closed at the budget."""
+    ask = dict(priority=priority, lora_request=lora_request, cache_salt=cache_salt)
     if params.max_tokens is not None and budget.tokens >= params.max_tokens:
-        plain_deltas = llm.generate(prompt_ids, params, request_id, priority=priority, lora_request=lora_request)
+        plain_deltas = llm.generate(prompt_ids, params, request_id, **ask)
         async with contextlib.aclosing(plain_deltas) as plain:
             async for delta in plain:
                 yield delta
@@ -53,7 +55,7 @@ async def budgeted(llm, prompt_ids: list[int], params: SamplingParams, request_i
     first = dataclasses.replace(params, max_tokens=budget.tokens, min_tokens=min(params.min_tokens, budget.tokens))
     completions = [_Completion(ReasoningStream(budget.parser)) for _ in range(params.n)]
     over: list[int] = []      # completions that ran to the budget, to continue
-    first_deltas = llm.generate(prompt_ids, first, request_id, priority=priority, lora_request=lora_request)
+    first_deltas = llm.generate(prompt_ids, first, request_id, **ask)
     async with contextlib.aclosing(first_deltas) as deltas:
         async for delta in deltas:
             c = completions[delta.index]
@@ -76,8 +78,7 @@ async def budgeted(llm, prompt_ids: list[int], params: SamplingParams, request_i
     rest = []
     for i in over:
         so_far = completions[i].token_ids + (list(budget.close_ids) if closes[i] else [])
-        rest.append(_continue(llm, prompt_ids + so_far, params, f"{request_id}-answer{i}", i, len(so_far), priority,
-                              lora_request))
+        rest.append(_continue(llm, prompt_ids + so_far, params, f"{request_id}-answer{i}", i, len(so_far), ask))
     async with contextlib.aclosing(merge(rest)) as deltas:
         async for k, delta in deltas:
             yield dataclasses.replace(delta, request_id=request_id, index=over[k])
@@ -93,9 +94,9 @@ def _close_delta(request_id: str, index: int, close_ids, with_logprobs: bool) ->
 
 
 async def _continue(llm, prompt_ids: list[int], params: SamplingParams, request_id: str, index: int,
-                    done: int, priority: int, lora_request=None) -> AsyncIterator[StreamDelta]:
-    """The rest of one completion, `done` tokens into it; one with no room left (max_tokens, or the
-    context when max_tokens is unset) ends here."""
+                    done: int, ask: dict) -> AsyncIterator[StreamDelta]:
+    """The rest of one completion, `done` tokens into it (ask: generate's priority, lora_request and cache_salt);
+    one with no room left (max_tokens, or the context when max_tokens is unset) ends here."""
     left = None if params.max_tokens is None else params.max_tokens - done
     if (left is not None and left <= 0) or len(prompt_ids) >= llm.engine.max_model_len:
         yield StreamDelta(request_id, 0, [], "", True, "length")
@@ -103,7 +104,7 @@ async def _continue(llm, prompt_ids: list[int], params: SamplingParams, request_
     seed = None if params.seed is None else hash((params.seed, index, done)) & 0x7FFFFFFF
     rest = dataclasses.replace(params, n=1, max_tokens=left, min_tokens=max(0, params.min_tokens - done),
                                seed=seed, prompt_logprobs=None, truncate_prompt_tokens=None)   # (cut once, before)
-    rest_deltas = llm.generate(prompt_ids, rest, request_id, priority=priority, lora_request=lora_request)
+    rest_deltas = llm.generate(prompt_ids, rest, request_id, **ask)
     async with contextlib.aclosing(rest_deltas) as deltas:
         async for delta in deltas:
             yield delta

@@ -116,6 +116,19 @@ async def is_sleeping(request: Request) -> JSONResponse:
     return JSONResponse({"is_sleeping": await engine_answer(server_state(request).llm.is_sleeping())})
 
 
+async def start_profile(request: Request) -> JSONResponse:
+    """vLLM's POST /start_profile (a server started with --profiler-dir): trace the engine from now
+    (atlasjax/profiling.py); 400 while a trace is being taken."""
+    directory = await engine_answer(server_state(request).llm.start_profile())
+    return JSONResponse({"status": "profiling", "directory": directory})
+
+
+async def stop_profile(request: Request) -> JSONResponse:
+    """vLLM's POST /stop_profile: end the trace and write it (XProf's *.xplane.pb, perfetto_trace.json.gz)."""
+    directory = await engine_answer(server_state(request).llm.stop_profile())
+    return JSONResponse({"status": "written", "directory": directory})
+
+
 async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(openapi_schema())
 
@@ -129,6 +142,10 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     Route("/openapi.json", openapi, methods=["GET"]),
+]
+PROFILE_ROUTES = [   # only with --profiler-dir or $ATLASJAX_PROFILER_DIR (vLLM's: with its profiler directory set)
+    Route("/start_profile", start_profile, methods=["POST"]),
+    Route("/stop_profile", stop_profile, methods=["POST"]),
 ]
 SLEEP_ROUTES = [   # only with --enable-sleep-mode (vLLM serves them in its dev mode)
     Route("/sleep", sleep, methods=["POST"]),

@@ -69,7 +69,7 @@ class ScriptedLLM:
         if chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(chat_template)
 
-    async def generate(self, prompt_ids, params, request_id, priority=0, lora_request=None):
+    async def generate(self, prompt_ids, params, request_id, priority=0, lora_request=None, cache_salt=None):
         self.prompts.append(list(prompt_ids))
         for k, piece in enumerate(self.pieces):
             last = k == len(self.pieces) - 1

@@ -320,7 +320,8 @@ def test_openapi_describes_every_route():
     from serving.openapi import openapi_schema
     paths = openapi_schema()["paths"]
     for route in (openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
-                  + utility_routes.SLEEP_ROUTES + embeddings_routes.ROUTES + lora_routes.ROUTES):
+                  + utility_routes.SLEEP_ROUTES + utility_routes.PROFILE_ROUTES + embeddings_routes.ROUTES
+                  + lora_routes.ROUTES):
         path = re.sub(r":\w+}", "}", route.path)      # {model:path} -> {model}
         for method in route.methods - {"HEAD"}:
             assert method.lower() in paths.get(path, {}), (path, method)

@@ -186,6 +186,34 @@ def test_reset_prefix_cache_makes_the_next_request_compute_its_prompt(server, cl
     assert httpx.post(server.url + "/reset_prefix_cache").status_code == 401      # the key guards it
 
 
+def test_cache_salt_keeps_prefix_cache_pages_to_requests_of_the_same_salt(client):
+    """vLLM's `cache_salt`: a prompt reuses cached pages only from requests that sent the same salt, on the
+    completion, chat and Responses routes; an empty or non-string salt is refused naming the field."""
+    import uuid
+    messages = [{"role": "user", "content": f"{uuid.uuid4()} " + "salted words " * 20}]
+
+    def cached(**extra):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0         # the same salt: its pages
+    assert cached(cache_salt="tenant-b") == 0        # another salt: none of them
+    assert cached() == 0                             # no salt: the shared cache, which never saw it
+    assert cached() > 0
+    prompt = f"{uuid.uuid4()} " + "more salted words " * 20
+    done = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, extra_body={"cache_salt": s})
+            for s in ("x", "y", "x")]
+    assert [r.usage.prompt_tokens_details.cached_tokens > 0 for r in done] == [False, False, True]
+    responses = [client.responses.create(model=MODEL_NAME, input=prompt, max_output_tokens=2,
+                                         extra_body={"cache_salt": "z"}) for _ in range(2)]
+    assert [r.usage.input_tokens_details.cached_tokens > 0 for r in responses] == [False, True]
+    for bad in ("", 7):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                           extra_body={"cache_salt": bad})
+        assert e.value.body["param"] == "cache_salt" and "non-empty string" in e.value.body["message"]
+
+
 def test_several_served_model_names_are_each_accepted_and_listed():
     """vLLM's `--served-model-name a b`: /v1/models lists both, a request may name either (its response
     says which), the first is the default, and another name is refused naming the served ones."""

@@ -1,0 +1,55 @@
+"""Device traces of the running engine, as vLLM's `start_profile` / `stop_profile`.
+
+`LLM.start_profile()` ... `LLM.stop_profile()` (or POST /start_profile and /stop_profile on a server started with
+`--profiler-dir DIR`) records a jax.profiler trace of everything the process runs meanwhile: the engine's
+steps, their kernels and the host's work between them. It lands in DIR/plugins/profile/<time>/ as
+`*.xplane.pb` (TensorBoard's profile plugin, XProf) and `perfetto_trace.json.gz` (ui.perfetto.dev). jax's
+profiler is one per process: with --data-parallel-size each replica traces into a subdirectory `dp<N>`; in a
+multi-host run only process 0 traces.
+"""
+from __future__ import annotations
+
+import os
+
+from atlasjax.errors import InvalidRequestError
+
+ENV = "ATLASJAX_PROFILER_DIR"     # as vLLM's VLLM_TORCH_PROFILER_DIR: where traces go when no directory is given
+
+
+def profiler_dir(configured: str | None) -> str | None:
+    """The directory traces go to: the engine's setting, else $ATLASJAX_PROFILER_DIR, else None (no profiling)."""
+    value = configured if configured is not None else os.environ.get(ENV) or None
+    return None if value is None else os.path.abspath(os.path.expanduser(value))
+
+
+class Profiler:
+    """One engine's trace, started and stopped between its steps."""
+
+    def __init__(self, directory: str | None):
+        self.directory = directory
+        self.active: str | None = None     # where the trace being taken goes
+
+    def start(self, directory: str | None = None) -> str:
+        """Start a trace into `directory` (default: the engine's profiler directory); returns it."""
+        import jax  # noqa: PLC0415
+        where = profiler_dir(directory) if directory is not None else self.directory
+        if where is None:
+            raise InvalidRequestError(f"no profiler directory: start the engine with profiler_dir= (--profiler-dir, "
+                                      f"${ENV}) or name one")
+        if self.active is not None:
+            raise InvalidRequestError(f"a profile is already being taken (into {self.active}); stop it first")
+        try:
+            jax.profiler.start_trace(where, create_perfetto_trace=True)
+        except RuntimeError as e:          # another trace of this process (jax allows one)
+            raise InvalidRequestError(f"cannot start a profile: {e}") from None
+        self.active = where
+        return where
+
+    def stop(self) -> str:
+        """End the trace and write it; returns its directory."""
+        import jax  # noqa: PLC0415
+        if self.active is None:
+            raise InvalidRequestError("no profile is being taken: start one first")
+        where, self.active = self.active, None
+        jax.profiler.stop_trace()
+        return where
