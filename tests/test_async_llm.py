@@ -67,3 +67,23 @@ def test_a_closed_event_loop_aborts_its_streams_and_the_engine_serves_on(tiny):
             [o.outputs[0].text for o in LLM.from_engine(_engine(tiny)).generate(PROMPTS[:2], PARAMS)]
     finally:
         llm.shutdown()
+
+
+def test_queued_commands_that_are_not_requests_do_not_fill_the_waiting_queue(tiny):
+    """Only requests count against max_waiting: a step that finishes many requests queues as many releases, and
+    those must not turn the next submissions away as "queue full" (run-batch saw 256 of 1,024 refused so)."""
+    import pytest
+    from atlasjax.errors import QueueFullError
+    llm = AsyncLLM(engine=_engine(tiny), max_waiting=3)
+    try:
+        with llm._wake:        # the engine thread cannot take the inbox while this is held
+            llm._inbox.extend([("reset_prefix_cache", f"c{i}") for i in range(8)])
+            llm._check_capacity()                          # eight commands, no request: room
+            llm._inbox.extend([("add", f"r{i}", [1], PARAMS, 0, None, None) for i in range(3)])
+            with pytest.raises(QueueFullError):
+                llm._check_capacity()                      # three requests on their way: full
+            for _ in range(3):                             # (they were never submitted through generate)
+                llm._inbox.pop()
+        assert asyncio.run(_texts(llm, PROMPTS[:2]))       # it serves on
+    finally:
+        llm.shutdown()
