@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from atlasjax import hub
 from atlasjax.errors import AtlasJaxError, EngineConfigError
 
 log = logging.getLogger("atlasjax.engine")
@@ -34,7 +35,7 @@ def load_draft(spec, target_tokenizer, dtype, max_model_len: int, mesh=None):
                 raise ValueError(f"no bench preset {name!r} (presets: {', '.join(PRESETS)})")
             loaded = load_preset(name, dtype, seed=1, tensor_parallel_size=1 if mesh is None else mesh.size)
         else:
-            loaded = load_model(spec.model, dtype, keep_gguf_quantized=False, mesh=mesh)
+            loaded = load_model(hub.resolve(spec.model, "draft model"), dtype, keep_gguf_quantized=False, mesh=mesh)
     except (AtlasJaxError, OSError, ValueError) as e:   # a missing, corrupt or unsupported checkpoint
         raise EngineConfigError(f"speculative_config: the draft model {spec.model!r} cannot be loaded: {e}") from e
     if loaded.pooling_model or loaded.classifier is not None:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import bad_words, distributed, long_context_decode, metrics, weights_summary
+from atlasjax import bad_words, distributed, hub, long_context_decode, metrics, weights_summary
 from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolve_max_model_len,
                                     resolve_scheduler_steps)
 from atlasjax.draft_model import load_draft
@@ -79,8 +79,9 @@ class LLMEngine:
         from atlasjax.model_source import (  # noqa: PLC0415
             load_for_engine, shard_loaded, with_user_settings, with_weight_settings)
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
-        self.config = config = dataclasses.replace(config, num_scheduler_steps=resolve_scheduler_steps(
-            config.num_scheduler_steps, jax.default_backend()))
+        self.config = config = dataclasses.replace(
+            config, num_scheduler_steps=resolve_scheduler_steps(config.num_scheduler_steps, jax.default_backend()),
+            model=hub.resolve(config.model), tokenizer=hub.resolve(config.tokenizer, "tokenizer"))
         self.speculative = config.speculative_config
         self.dtype = resolve_dtype(config.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)

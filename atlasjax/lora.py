@@ -30,6 +30,7 @@ import re
 
 import numpy as np
 
+from atlasjax import hub
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 
 # the projections LoRA applies to, in output order within a fused one: PEFT / HF module name -> (module, the
@@ -187,6 +188,10 @@ def read_adapter(request: LoRARequest, cfg, max_rank: int) -> Adapter:
     path = request.lora_path
     def bad(msg):
         raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} ({path}): {msg}")
+    try:
+        path = hub.resolve(path, "LoRA adapter")      # a Hub id ("org/adapter") as vLLM takes one
+    except EngineConfigError as e:
+        bad(str(e))
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
         bad("no adapter_config.json there (a PEFT adapter directory is expected)")

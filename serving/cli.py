@@ -114,8 +114,12 @@ def _count(text: str) -> int:
 
 
 def served_model_name(model: str | None) -> str:
+    """The name requests send by default: a Hub id as given (vLLM's), else the checkpoint's directory or file name."""
+    from atlasjax.hub import is_hub_id  # noqa: PLC0415
     if model is None:
         return DEFAULT_MODEL_NAME
+    if is_hub_id(model):
+        return model
     name = os.path.basename(os.path.normpath(model))
     return name[:-len(".gguf")] if name.endswith(".gguf") else name
 

@@ -175,8 +175,9 @@ def model_config(args) -> ModelConfig:
     if args.preset:
         return PRESETS[args.preset]
     if args.model and not args.model.endswith(".gguf"):
+        from atlasjax import hub  # noqa: PLC0415
         from atlasjax.config import load_hf_config  # noqa: PLC0415
-        return load_hf_config(args.model)
+        return load_hf_config(hub.resolve(args.model))
     if args.model is None:
         return PRESETS["smollm2-135m"]
     raise SystemExit("this needs the model's shape: pass --preset, or --model with a Hugging Face directory")
