@@ -21,7 +21,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving import anthropic_routes, embeddings_routes, lora_routes, openai_routes, responses_routes, utility_routes
+from serving import (anthropic_routes, embeddings_routes, invocations, lora_routes, openai_routes, responses_routes,
+                     utility_routes)
 from serving.bridge import ClientDisconnected
 from serving.errors import APIError, error_response
 from serving.metrics import ServerMetrics
@@ -90,6 +91,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         raise ValueError("LoRA modules need an engine with LoRA enabled (enable_lora=True / --enable-lora)")
     metrics = ServerMetrics(engine)
     routes = (openai_routes.ROUTES + responses_routes.ROUTES + embeddings_routes.ROUTES + anthropic_routes.ROUTES
+              + invocations.ROUTES
               + utility_routes.ROUTES + (utility_routes.SLEEP_ROUTES if enable_sleep_mode else [])
               + (utility_routes.PROFILE_ROUTES if enable_profiler else [])
               + (lora_routes.ROUTES if max_lora_rank is not None and lora_routes.runtime_updates_allowed() else []))

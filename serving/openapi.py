@@ -109,6 +109,8 @@ OPERATIONS = {
     ("/wake_up", "post"): ("With --enable-sleep-mode: take back what /sleep released (?tags=weights&tags=kv_cache)",
                            None, False),
     ("/is_sleeping", "get"): ("With --enable-sleep-mode: {\"is_sleeping\": bool}", None, False),
+    ("/invocations", "post"): ("SageMaker's route (vLLM's): a chat, completion, embedding, rerank or score request, "
+                               "by its body's fields (messages / prompt / input / documents / text_1)", None, False),
     ("/start_profile", "post"): ("With --profiler-dir: trace the engine from now (jax.profiler; vLLM's)", None, False),
     ("/stop_profile", "post"): ("With --profiler-dir: end the trace and write it ({\"directory\"})", None, False),
     ("/v1/load_lora_adapter", "post"): ("With --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: serve a LoRA "

@@ -214,6 +214,28 @@ def test_cache_salt_keeps_prefix_cache_pages_to_requests_of_the_same_salt(client
         assert e.value.body["param"] == "cache_salt" and "non-empty string" in e.value.body["message"]
 
 
+def test_invocations_answers_each_task_as_its_own_route(server, client):
+    """SageMaker's POST /invocations (vLLM's): the body's fields pick the route, and the answer is that route's."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path, body):
+        return httpx.post(server.url + path, json=body, headers=headers, timeout=120)
+    chat = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    completion = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        via, direct = post("/invocations", body).json(), post(path, body).json()
+        assert via["object"] == direct["object"] and via["choices"] == direct["choices"]
+    vectors = post("/invocations", {"model": MODEL_NAME, "input": ["a", "b"]}).json()
+    assert vectors["object"] == "list" and len(vectors["data"]) == 2
+    ranked = post("/invocations", {"model": MODEL_NAME, "query": "a", "documents": ["a", "b c"]}).json()
+    assert len(ranked["results"]) == 2
+    bad = post("/invocations", {"model": MODEL_NAME, "text": "?"})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+    refused = post("/invocations", {**chat, "max_tokens": -1})       # the route's own checks and error
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert httpx.post(server.url + "/invocations", json=chat).status_code == 401      # the key guards it
+
+
 def test_several_served_model_names_are_each_accepted_and_listed():
     """vLLM's `--served-model-name a b`: /v1/models lists both, a request may name either (its response
     says which), the first is the default, and another name is refused naming the served ones."""
