@@ -124,6 +124,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model directory, .gguf file or saved atlasjax checkpoint (default: embedded SmolLM2-135M)")
+    g.add_argument("--revision", default=None,
+                   help="with a Hugging Face Hub id as --model: the branch, tag or commit to load (default: main)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights for --model's config.json (its tokenizer kept, no weight file read), "
                         "to serve or benchmark a published model's shapes without its weights (vLLM's)")
@@ -205,7 +207,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
+    return dict(model=args.model, revision=args.revision, load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
                 kv_cache_dtype=args.kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales,
                 max_num_seqs=args.max_num_seqs, decode_batch_sizes=args.decode_batch_sizes,

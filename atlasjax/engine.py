@@ -81,7 +81,8 @@ class LLMEngine:
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config = dataclasses.replace(
             config, num_scheduler_steps=resolve_scheduler_steps(config.num_scheduler_steps, jax.default_backend()),
-            model=hub.resolve(config.model), tokenizer=hub.resolve(config.tokenizer, "tokenizer"))
+            model=hub.resolve(config.model, revision=config.revision),
+            tokenizer=hub.resolve(config.tokenizer, "tokenizer"))
         self.speculative = config.speculative_config
         self.dtype = resolve_dtype(config.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)

@@ -104,6 +104,7 @@ class EngineConfig:
     model: str | None = None                 # HF dir, .gguf, saved atlasjax checkpoint; None = embedded default
     load_format: str = "auto"                # auto: the checkpoint's weights | dummy: random weights for the model's
                                              # config.json, nothing else read but its tokenizer (vLLM's; benchmarks)
+    revision: str | None = None              # with a Hub id as model: its branch, tag or commit (vLLM's; hub.py)
     tokenizer: str | None = None             # a directory with tokenizer.json (and tokenizer_config.json) to use
                                              # instead of the model's own (vLLM's --tokenizer)
     dtype: str = "auto"                      # auto: bfloat16 on GPU, float32 elsewhere

@@ -24,16 +24,18 @@ def is_hub_id(name: str | None) -> bool:
             and not name.endswith(".gguf"))
 
 
-def resolve(name: str | None, what: str = "model") -> str | None:
-    """`name` itself, or for a Hub id the local snapshot directory it was fetched (or found) in."""
+def resolve(name: str | None, what: str = "model", revision: str | None = None) -> str | None:
+    """`name` itself, or for a Hub id the local snapshot directory it was fetched (or found) in: of `revision` (a
+    branch, tag or commit; None: main)."""
     if not is_hub_id(name):
         return name
     from huggingface_hub import snapshot_download  # noqa: PLC0415
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
     try:
-        return snapshot_download(name, allow_patterns=CHECKPOINT_FILES, local_files_only=offline,
+        return snapshot_download(name, revision=revision, allow_patterns=CHECKPOINT_FILES, local_files_only=offline,
                                  cache_dir=os.environ.get("HF_HUB_CACHE") or None)
     except Exception as e:  # noqa: BLE001 (the hub's errors: not found, gated, offline, network)
         where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "on the Hugging Face Hub"
-        raise EngineConfigError(f"{what} {name!r} is not a local path, and as a Hub id it was not found {where}: "
+        at = f" at revision {revision!r}" if revision else ""
+        raise EngineConfigError(f"{what} {name!r} is not a local path, and as a Hub id it was not found{at} {where}: "
                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

@@ -48,6 +48,9 @@ def test_a_hub_id_loads_from_the_cache_and_answers_as_its_directory(hub_cache, t
 def test_an_id_found_nowhere_is_one_clear_error(hub_cache):
     with pytest.raises(EngineConfigError, match=r"'nobody/no-such-model' is not a local path.*HF_HUB_OFFLINE"):
         LLM("nobody/no-such-model", **ENGINE_KWARGS)
+    assert resolve(REPO, revision=COMMIT) == str(hub_cache)          # a commit the cache holds
+    with pytest.raises(EngineConfigError, match="at revision 'v2'"):
+        LLM(REPO, revision="v2", **ENGINE_KWARGS)                     # a tag it does not
 
 
 def test_paths_win_over_ids_and_the_server_names_a_model_by_its_id(tmp_path, monkeypatch):
