@@ -207,7 +207,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, revision=args.revision, load_format=args.load_format, tokenizer=args.tokenizer, dtype=args.dtype,
+    return dict(model=args.model, revision=args.revision, load_format=args.load_format, tokenizer=args.tokenizer,
+                dtype=args.dtype,
                 kv_cache_dtype=args.kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales,
                 max_num_seqs=args.max_num_seqs, decode_batch_sizes=args.decode_batch_sizes,
