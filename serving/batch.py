@@ -12,7 +12,6 @@ share the engine's continuous batch and are checked and answered exactly as `ser
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import sys
@@ -139,40 +138,40 @@ class BatchTally:
 
 async def run_lines(app, lines: list[str], write, *, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
                     progress=None) -> BatchTally:
-    """Answer every line through `app`, at most `max_concurrency` in flight; `write(dict)` gets the outputs in
-    input order as soon as each one and those before it are done. `progress(tally)` runs every ~10 s."""
-    tally, pending = BatchTally(), collections.deque()
-    last_report = time.monotonic()
+    """Answer every line through `app`, at most `max_concurrency` in flight, started in input order and a new one
+    as soon as any ends (a long answer holds up no others); `write(dict)` gets the outputs in input order, each
+    as soon as it and those before it are done. `progress(tally)` runs every ~10 s."""
+    tally, slots = BatchTally(), asyncio.Semaphore(max_concurrency)   # (its waiters wake in arrival order)
+    finished: dict[int, dict] = {}     # answers waiting for one before them
+    next_out, last_report = 0, time.monotonic()
 
     async def answer(text: str) -> dict:
         try:
             request = parse_line(text)
         except BatchLineError as e:
             return line_error(e)
-        status, request_id, raw = await call_app(app, request.url, request.body)
+        async with slots:
+            status, request_id, raw = await call_app(app, request.url, request.body)
         try:
             payload = json.loads(raw) if raw else None
         except json.JSONDecodeError:
             payload = {"error": {"message": raw.decode(errors="replace"), "type": "server_error"}}
         return output_line(request.custom_id, status, request_id, payload)
 
-    async def drain_one() -> None:
-        nonlocal last_report
-        out = await pending.popleft()
-        write(out)
-        tally.add(out)
+    async def answer_in_order(i: int, text: str) -> None:
+        nonlocal next_out, last_report
+        finished[i] = await answer(text)
+        while next_out in finished:
+            out = finished.pop(next_out)
+            write(out)
+            tally.add(out)
+            next_out += 1
         if progress is not None and time.monotonic() - last_report >= PROGRESS_INTERVAL_S:
             last_report = time.monotonic()
             progress(tally)
 
-    for text in lines:
-        if not text.strip():
-            continue
-        if len(pending) >= max_concurrency:
-            await drain_one()
-        pending.append(asyncio.ensure_future(answer(text)))
-    while pending:
-        await drain_one()
+    requests = [text for text in lines if text.strip()]
+    await asyncio.gather(*(answer_in_order(i, text) for i, text in enumerate(requests)))
     return tally
 
 

@@ -110,3 +110,30 @@ def test_bad_flags_stop_before_the_model_loads(tmp_path, capsys):
     assert main(["run-batch", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--lora-modules", "a=/x"]) == 2
     assert "--enable-lora" in capsys.readouterr().err
     assert src.read_text().startswith("{")     # the input is untouched
+
+
+def test_a_long_answer_holds_up_no_other_line_and_the_output_keeps_input_order():
+    """With 2 in flight, line 0's request waits until three later lines were answered: the runner must start
+    each next line as soon as any ends (not when the oldest does), and still write line 0's answer first."""
+    import asyncio
+
+    from serving.batch import run_lines
+    served, three_done = [], asyncio.Event()
+
+    async def app(scope, receive, send):       # a stand-in server: echoes the body's n
+        n = json.loads((await receive())["body"])["n"]
+        if n == 0:
+            await three_done.wait()
+        served.append(n)
+        if len(served) == 3:
+            three_done.set()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", b"r%d" % n)]})
+        await send({"type": "http.response.body", "body": json.dumps({"n": n}).encode()})
+
+    written = []
+    lines = [_line(f"c{n}", "/v1/completions", {"n": n}) for n in range(5)]
+    tally = asyncio.run(asyncio.wait_for(run_lines(app, lines, written.append, max_concurrency=2), timeout=30))
+    assert served[:3] == [1, 2, 3] and sorted(served) == list(range(5))   # line 0 ended after three later ones
+    assert [o["custom_id"] for o in written] == [f"c{n}" for n in range(5)]
+    assert [o["response"]["body"]["n"] for o in written] == list(range(5))
+    assert written[0]["response"]["request_id"] == "r0" and tally.answered == 5
