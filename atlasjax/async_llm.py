@@ -196,8 +196,10 @@ class AsyncLLM(StreamingLLM):
     # ---- engine thread
     def _check_capacity(self) -> None:
         # requests waiting now (the step's stats may be stale: an abort needs no step) and those on their way, not
-        # the releases, aborts and other commands queued beside them (a step that ends many requests queues as many)
-        arriving = sum(1 for cmd in self._inbox if cmd[0] == "add")
+        # the releases, aborts and other commands queued beside them (a step that ends many requests queues as many);
+        # counted under the lock, as the engine thread empties the inbox and other event loops add to it
+        with self._wake:
+            arriving = sum(1 for cmd in self._inbox if cmd[0] == "add")
         if len(self.engine.scheduler.waiting) + arriving >= self.max_waiting:
             raise QueueFullError(f"{self.max_waiting} requests are already waiting")
 

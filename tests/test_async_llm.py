@@ -87,3 +87,25 @@ def test_queued_commands_that_are_not_requests_do_not_fill_the_waiting_queue(tin
         assert asyncio.run(_texts(llm, PROMPTS[:2]))       # it serves on
     finally:
         llm.shutdown()
+
+
+def test_the_capacity_check_is_safe_while_other_threads_fill_and_empty_the_inbox(tiny):
+    """The check counts the inbox while the engine thread empties it and other event loops' threads add to it
+    (it once iterated it unlocked: one of 1,024 run-batch requests got a 500, "deque mutated during iteration")."""
+    llm = AsyncLLM(engine=_engine(tiny), max_waiting=10_000)
+    stop = threading.Event()
+
+    def fill():
+        while not stop.is_set():
+            for i in range(64):
+                llm._submit(("reset_prefix_cache", f"c{i}"))
+    filler = threading.Thread(target=fill)
+    filler.start()
+    try:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            llm._check_capacity()
+    finally:
+        stop.set()
+        filler.join()
+        llm.shutdown()
