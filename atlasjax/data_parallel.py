@@ -34,7 +34,7 @@ from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.metrics import EngineStats
 from atlasjax.page_pool import cache_root, page_keys
-from atlasjax.profiling import profiler_dir
+from atlasjax.profiling import profiler_dir, trace_dir
 from atlasjax.speculative import SpecStats
 
 log = logging.getLogger("atlasjax.data_parallel")
@@ -253,19 +253,12 @@ class DataParallelLLM:
 
     async def start_profile(self, directory: str | None = None) -> str:
         """Every replica traces into a subdirectory `dp<N>` of `directory` (default: the engine's profiler_dir)."""
-        base = profiler_dir(directory) if directory is not None else self._profiler_dir
-        if base is None:
-            raise InvalidRequestError("no profiler directory: start the engine with profiler_dir= (--profiler-dir, "
-                                      "$ATLASJAX_PROFILER_DIR) or name one")
+        base = trace_dir(directory, self._profiler_dir)
         await _on_all(r.start_profile(os.path.join(base, f"dp{rank}")) for rank, r in enumerate(self.replicas))
         return base
 
     async def stop_profile(self) -> str:
-        results = await asyncio.gather(*(r.stop_profile() for r in self.replicas), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return os.path.dirname(results[0])
+        return os.path.dirname((await _on_all(r.stop_profile() for r in self.replicas))[0])
 
     async def is_sleeping(self) -> bool:
         return any(await asyncio.gather(*(r.is_sleeping() for r in self.replicas)))
@@ -279,12 +272,13 @@ class DataParallelLLM:
             t.join()
 
 
-async def _on_all(calls) -> None:
-    """Run one call per replica together; raise the first failure once all have answered."""
+async def _on_all(calls) -> list:
+    """Run one call per replica together; raise the first failure once all have answered, else their answers."""
     results = await asyncio.gather(*calls, return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
             raise result
+    return results
 
 
 def combine_stats(parts: Sequence[EngineStats]) -> EngineStats:

@@ -24,6 +24,15 @@ def profiler_dir(configured: str | None) -> str | None:
     return None if value is None else os.path.abspath(os.path.expanduser(value))
 
 
+def trace_dir(directory: str | None, configured: str | None) -> str:
+    """Where a trace goes: the directory named on the call, else the engine's; InvalidRequestError if neither."""
+    where = profiler_dir(directory) if directory is not None else configured
+    if where is None:
+        raise InvalidRequestError(f"no profiler directory: start the engine with profiler_dir= (--profiler-dir, "
+                                  f"${ENV}) or name one")
+    return where
+
+
 class Profiler:
     """One engine's trace, started and stopped between its steps."""
 
@@ -34,10 +43,7 @@ class Profiler:
     def start(self, directory: str | None = None) -> str:
         """Start a trace into `directory` (default: the engine's profiler directory); returns it."""
         import jax  # noqa: PLC0415
-        where = profiler_dir(directory) if directory is not None else self.directory
-        if where is None:
-            raise InvalidRequestError(f"no profiler directory: start the engine with profiler_dir= (--profiler-dir, "
-                                      f"${ENV}) or name one")
+        where = trace_dir(directory, self.directory)
         if self.active is not None:
             raise InvalidRequestError(f"a profile is already being taken (into {self.active}); stop it first")
         try:
