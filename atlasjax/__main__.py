@@ -144,6 +144,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_memory_utilization_arg(g)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory under the prefix cache: pages the device pool evicts are kept there and "
+                        "copied back when a prompt needs them again, instead of computed again (default: off)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="which waiting request a free slot admits and which running one is preempted when "
                         "pages run out: fcfs (arrival order) or priority (requests' `priority`, lower first, "
@@ -215,7 +218,8 @@ def engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len,
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                enable_prefix_caching=not args.no_prefix_caching, async_scheduling=not args.no_async_scheduling,
+                enable_prefix_caching=not args.no_prefix_caching, kv_offloading_size=args.kv_offloading_size,
+                async_scheduling=not args.no_async_scheduling,
                 scheduling_policy=args.scheduling_policy,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,
                 long_context_decode=long_context_decode_setting(args),

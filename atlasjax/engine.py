@@ -42,6 +42,7 @@ from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolv
 from atlasjax.draft_model import load_draft
 from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
+from atlasjax.kv_offload import GiB, HostKVCache, check_host_memory, page_layouts
 from atlasjax.lora import LoRAManager, LoRARequest
 from atlasjax.output_processor import OutputProcessor
 from atlasjax.outputs import StreamDelta
@@ -88,6 +89,7 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # read before the model loads: a missing or broken template fails at once
         chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
+        check_host_memory(config.kv_offloading_size)
         given = loaded
         self.loaded = with_user_settings(shard_loaded(loaded or load_for_engine(config, self.dtype),
                                                       config.tensor_parallel_size, self.dtype), config, chat_template)
@@ -165,6 +167,7 @@ class LLMEngine:
                      self.runner.num_compiles, self.runner.num_loaded, time.perf_counter() - t0)
         self.runner.allocate(num_pages)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
+        self.kv_offload = self._kv_offload(config)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_scheduler_steps=config.num_scheduler_steps,
@@ -188,6 +191,22 @@ class LLMEngine:
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
         self.profiler = Profiler(profiler_dir(config.profiler_dir))   # start_profile / stop_profile (profiling.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
+
+    def _kv_offload(self, config: EngineConfig) -> HostKVCache | None:
+        """The host-memory tier under the prefix cache (config.kv_offloading_size), or None."""
+        if config.kv_offloading_size is None or self.pooling_only:
+            return None
+        if distributed.is_multiprocess():
+            raise EngineConfigError("kv_offloading_size runs on one host; this engine spans "
+                                    f"{jax.process_count()} processes")
+        try:
+            tier = HostKVCache(int(config.kv_offloading_size * GiB), page_layouts(self.runner.state))
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
+        self.pool.second_tier = tier
+        log.info("KV offloading: %d pages (%.2f GiB) of host memory under the prefix cache", tier.capacity_pages,
+                 config.kv_offloading_size)
+        return tier
 
     def _verify_buckets(self, config: EngineConfig) -> tuple[int, ...]:
         """Token counts of the verify steps speculation can run: prefill buckets up to one that holds every slot's
@@ -414,6 +433,8 @@ class LLMEngine:
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device)."""
+        if self.kv_offload is not None:   # evicted pages out, refilled pages in, before the step reads them
+            self.kv_offload.sync(self.pool, self.runner)
         if sched.admitted:
             now = time.monotonic()
             for req in sched.admitted:

@@ -123,6 +123,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85     # fraction of free device memory the KV pool may take (GPU)
     max_num_batched_tokens: int = 512        # token budget per step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None  # GiB of host memory for a second prefix-cache tier (vLLM's): pages the
+                                             # device pool evicts are copied there and copied back when a prompt
+                                             # needs them again, instead of computed again (atlasjax/kv_offload.py;
+                                             # one host; None: off)
     scheduling_policy: str = "fcfs"          # fcfs | priority: which waiting request a free slot admits
                                              # and which running one gives way when pages run out
                                              # (atlasjax/waiting_queue.py)
@@ -208,6 +212,13 @@ class EngineConfig:
             bad(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 1:
             bad(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_offloading_size is not None:
+            if isinstance(self.kv_offloading_size, bool) or not isinstance(self.kv_offloading_size, (int, float)) \
+                    or not self.kv_offloading_size > 0:
+                bad(f"kv_offloading_size must be a positive number of GiB, got {self.kv_offloading_size!r}")
+            if not self.enable_prefix_caching:
+                bad("kv_offloading_size keeps evicted prefix-cache pages in host memory: it needs prefix caching "
+                    "(enable_prefix_caching=False turns that off)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in LOAD_FORMATS:

@@ -25,7 +25,11 @@ class EngineStats:
     pages_free: int = 0
     pages_total: int = 0
     prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    prefix_cache_hits: int = 0      # device and host-tier hits
+    kv_offload_hits: int = 0        # prompt pages copied back from host memory (kv_offloading_size)
+    kv_offload_saved: int = 0       # evicted pages copied to host memory
+    kv_offload_pages: int = 0       # pages held in host memory now
+    kv_offload_capacity: int = 0    # and the most it holds (0: offloading off)
     last_step_seconds: float = 0.0
     read_wait_seconds: float = 0.0  # time the engine thread spent blocked reading step outputs back
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)   # speculative decoding's drafts
@@ -46,6 +50,9 @@ class EngineStats:
         self.pages_used, self.pages_free, self.pages_total = pool.num_used_pages, pool.num_free_pages, pool.num_pages
         self.num_preemptions = s.num_preemptions
         self.prefix_cache_queries, self.prefix_cache_hits = pool.num_queried_pages, pool.num_hit_pages
+        if (tier := getattr(engine, "kv_offload", None)) is not None:
+            self.kv_offload_hits, self.kv_offload_saved = pool.num_second_tier_hit_pages, tier.num_saved_pages
+            self.kv_offload_pages, self.kv_offload_capacity = tier.num_pages, tier.capacity_pages
         if getattr(engine, "lora", None) is not None:
             self.max_lora = engine.lora.max_loras
             self.running_lora_adapters, self.waiting_lora_adapters = (

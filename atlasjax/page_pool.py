@@ -5,6 +5,10 @@ queue but keeps its content hash, so a later request with the same prefix can ta
 (a prefix-cache hit); allocation takes from the front, evicting the oldest cached content.
 A full page's key is (hash of the previous page's key, its token ids), so equal keys mean equal
 prefixes (dict equality compares the tokens; only the parent hash is a digest).
+
+With a second tier (host memory, atlasjax/kv_offload.py) the pool logs what the device must copy: a
+cached page evicted (its K/V saved to the tier) and a page refilled from the tier on a lookup that runs
+past the device's hits (`events`, drained by the tier before the next step is dispatched).
 """
 from __future__ import annotations
 
@@ -23,8 +27,11 @@ class PagePool:
         self.page_key: dict[int, tuple] = {}        # page -> content key (cached pages only)
         self.cached: dict[tuple, int] = {}          # content key -> page
         self.num_hit_queries = 0
-        self.num_hit_pages = 0
+        self.num_hit_pages = 0       # device and second-tier hits
         self.num_queried_pages = 0
+        self.second_tier = None      # keys held in host memory (`in`, `clear()`); None: one tier
+        self.num_second_tier_hit_pages = 0
+        self.events: list[tuple[str, int, tuple]] = []   # ("evict" | "restore", page, key), second tier only
 
     # ---- accounting
     @property
@@ -48,6 +55,8 @@ class PagePool:
             key = self.page_key.pop(page, None)
             if key is not None and self.cached.get(key) == page:
                 del self.cached[key]            # evict the oldest cached content
+                if self.second_tier is not None:
+                    self.events.append(("evict", page, key))
             self.ref_counts[page] = 1
             pages.append(page)
         return pages
@@ -76,14 +85,28 @@ class PagePool:
             if page is None:
                 break
             hits.append(page)
-        self.num_hit_queries += 1
-        self.num_queried_pages += len(keys)
-        self.num_hit_pages += len(hits)
         for page in hits:
             if self.ref_counts[page] == 0:
                 del self.free_queue[page]
             self.ref_counts[page] += 1
-        return hits
+        restored = self._restore(keys[len(hits):])
+        self.num_hit_queries += 1
+        self.num_queried_pages += len(keys)
+        self.num_hit_pages += len(hits) + len(restored)
+        self.num_second_tier_hit_pages += len(restored)
+        return hits + restored
+
+    def _restore(self, keys: list[tuple]) -> list[int]:
+        """The second tier's run of these keys, each in a fresh page (registered as cached, its copy logged)."""
+        pages = []
+        for key in keys:
+            if self.second_tier is None or key not in self.second_tier or not self.can_allocate(1):
+                break
+            page = self.allocate(1)[0]
+            self.cached[key], self.page_key[page] = page, key
+            self.events.append(("restore", page, key))
+            pages.append(page)
+        return pages
 
     def register(self, pages: list[int], keys: list[tuple], first: int, last: int) -> None:
         """Record the content (keys) of full pages [first, last) of a sequence's `pages`."""
@@ -99,6 +122,8 @@ class PagePool:
             if self.ref_counts[page] == 0:
                 key = self.page_key.pop(page)
                 self.cached.pop(key, None)
+        if self.second_tier is not None:
+            self.second_tier.clear()
 
 
 def cache_root(lora_request=None, cache_salt: str | None = None) -> int:

@@ -36,6 +36,10 @@ class EngineCollector(Collector):
             ("atlasjax_prefix_cache_hit_rate", "Prefix cache hits / queries, in pages", stats.prefix_cache_hit_rate),
             ("atlasjax_kv_cache_usage_perc", "Fraction of the KV page pool in use (1 = full)",
              stats.kv_cache_usage),
+            ("atlasjax_kv_offload_pages", "KV pages held in host memory (--kv-offloading-size)",
+             stats.kv_offload_pages),
+            ("atlasjax_kv_offload_pages_total", "KV pages host memory holds at most (0: offloading off)",
+             stats.kv_offload_capacity),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -43,6 +47,9 @@ class EngineCollector(Collector):
             ("atlasjax_prefix_cache_queries", "Full prompt pages looked up in the prefix cache",
              stats.prefix_cache_queries),
             ("atlasjax_prefix_cache_hits", "Prompt pages served by the prefix cache", stats.prefix_cache_hits),
+            ("atlasjax_kv_offload_hits", "Prompt pages copied back from host memory (among the prefix cache hits)",
+             stats.kv_offload_hits),
+            ("atlasjax_kv_offload_saved", "Evicted KV pages copied to host memory", stats.kv_offload_saved),
             ("atlasjax_num_preemptions", "Sequences preempted for lack of KV pages", stats.num_preemptions),
             ("atlasjax_engine_steps", "Engine steps run", stats.num_steps),
             ("atlasjax_embedding_inputs", "Inputs embedded or classified", stats.num_embedding_inputs),
