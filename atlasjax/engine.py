@@ -204,8 +204,11 @@ class LLMEngine:
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         self.pool.second_tier = tier
-        log.info("KV offloading: %d pages (%.2f GiB) of host memory under the prefix cache", tier.capacity_pages,
-                 config.kv_offloading_size)
+        seconds = tier.reserve(self.runner.state)
+        if config.compile_at_start:
+            tier.warmup(self.runner)
+        log.info("KV offloading: %d pages (%.2f GiB) of pinned host memory under the prefix cache (reserved in "
+                 "%.1f s)", tier.capacity_pages, config.kv_offloading_size, seconds)
         return tier
 
     def _verify_buckets(self, config: EngineConfig) -> tuple[int, ...]:

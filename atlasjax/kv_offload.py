@@ -4,20 +4,22 @@ hierarchical cache).
 A cached page the device pool evicts (atlasjax/page_pool.py) is copied to host memory instead of lost;
 a later prompt whose prefix runs past the device's hits into pages held here gets them copied back
 into fresh device pages rather than computed again. Host entries are kept least recently used first
-out, up to `capacity_bytes`, in one host buffer per KV pool taken at the first save (the OS commits its
-memory as pages land).
+out, up to `capacity_bytes`.
 
-The copies run on the device stream before the step that needs them: `sync()` is called by the engine
-before it dispatches a step, with the pool's events of the scheduling just done. Pages evicted are
-gathered first (before a refill or the step can overwrite them), then refilled pages scattered in.
-Each page is stored as one array per KV pool (the model's, and a draft model's): every layer's K and V
-for it, [2 * layers, kv heads, page_size, head_dim].
+Pages live as jax arrays in pinned host memory (memory kind "pinned_host"), so both copies are DMA
+transfers that nothing on the host waits for. They are queued before the step that needs them: `sync()`
+is called by the engine before it dispatches a step, with the pool's events of the scheduling just done.
+Pages evicted are gathered first (before a refill or the step can overwrite them), then refilled pages
+scattered in. A page is one array per KV pool (the model's, and a draft model's): every layer's K and V
+for it, [2 * layers, kv heads, page_size, head_dim] (under tensor parallelism split over KV heads as the
+pool is).
 """
 from __future__ import annotations
 
 import collections
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,8 @@ import numpy as np
 from atlasjax.errors import EngineConfigError
 
 GiB = 1 << 30
+CHUNK = 64   # pages per copy program: one program per power of two up to it
+RESERVE_BLOCK = 1 << 28
 
 
 class HostKVCache:
@@ -37,29 +41,18 @@ class HostKVCache:
         if self.capacity_pages < 1:
             raise ValueError(f"kv_offloading_size holds no page: {capacity_bytes} bytes for pages of "
                              f"{self.page_bytes} bytes")
-        # the OS commits these as pages land
-        self.slabs = [np.empty((self.capacity_pages, *shape), dtype) for shape, dtype in page_layouts]
-        self.entries: collections.OrderedDict[tuple, int] = collections.OrderedDict()   # key -> slot, oldest first
-        self._free_slots = list(range(self.capacity_pages - 1, -1, -1))
-        self._landing: list[tuple[list[tuple], tuple]] = []   # (keys, device arrays) still being copied to host
-        self._landing_keys: set[tuple] = set()
+        # key -> the page per KV pool, in pinned host memory; least recently used first
+        self.entries: collections.OrderedDict[tuple, tuple[jax.Array, ...]] = collections.OrderedDict()
         self._scatter = None
         self.num_saved_pages = 0
         self.num_restored_pages = 0
 
-    def get(self, key: tuple) -> tuple[np.ndarray, ...]:
-        """A page held here, per KV pool (for inspection)."""
-        return tuple(slab[self.entries[key]] for slab in self.slabs)
-
     # ---- what the pool asks
     def __contains__(self, key: tuple) -> bool:
-        return key in self.entries or key in self._landing_keys
+        return key in self.entries
 
     def clear(self) -> None:
-        self._free_slots.extend(self.entries.values())
         self.entries.clear()
-        self._landing.clear()
-        self._landing_keys.clear()
 
     @property
     def num_pages(self) -> int:
@@ -69,9 +62,37 @@ class HostKVCache:
     def used_bytes(self) -> int:
         return len(self.entries) * self.page_bytes
 
+    def get(self, key: tuple) -> tuple[np.ndarray, ...]:
+        """A page held here, per KV pool (for inspection)."""
+        return tuple(np.asarray(x) for x in self.entries[key])
+
     # ---- the copies
+    def reserve(self, state) -> float:
+        """Grow the pinned-host allocator of each device holding the pools to the capacity once, then give
+        the memory back to it: saves reuse it. Allocating pinned memory fresh runs at about 1 GiB/s, reused
+        at about 29 (H200, notebooks/gpu_pinned_host_alloc.py). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        devices = sorted(jax.tree.leaves(_pools(state))[0].sharding.device_set, key=lambda d: d.id)
+        share = self.capacity_pages * self.page_bytes // len(devices)
+        block = min(share, RESERVE_BLOCK)
+        zeros = np.zeros(block, np.uint8)
+        held = [jax.device_put(zeros, jax.sharding.SingleDeviceSharding(d, memory_kind="pinned_host"))
+                for d in devices for _ in range(-(-share // block))]
+        jax.block_until_ready(held)
+        del held
+        return time.perf_counter() - t0
+
+    def warmup(self, runner) -> None:
+        """Compile the copy programs for every chunk size (each page 0 copied out and back: no change)."""
+        n = 1
+        while n <= CHUNK:
+            page = self._gathered(runner.state, [0] * n)[0]
+            self._restore(runner, [(0, page)] * n)
+            n *= 2
+        self.num_restored_pages = 0
+
     def sync(self, pool, runner) -> None:
-        """Copy what `pool.events` logged: evicted pages to host, then refilled pages back to the device."""
+        """Queue the copies `pool.events` logged: evicted pages to host, then refilled pages to the device."""
         events, pool.events = pool.events, []
         saves, loads = [], {}
         for kind, page, key in events:
@@ -79,53 +100,47 @@ class HostKVCache:
                 loads[page] = key
             elif loads.pop(page, None) is None:   # a refill evicted before it landed has nothing new to save
                 saves.append((page, key))
-        self._land(keep=loads.values())
+        loads = {page: key for page, key in loads.items() if key in self.entries}   # (all but after a clear())
+        refills = [(page, self.entries[key]) for page, key in loads.items()]        # before saves push any out
+        for key in loads.values():
+            self.entries.move_to_end(key)
         for _, key in saves:
             if key in self.entries:
                 self.entries.move_to_end(key)
         saves = [(page, key) for page, key in saves if key not in self.entries]
-        if saves:
-            gathered = _gather(_pools(runner.state), _padded(np.asarray([page for page, _ in saves], np.int32)))
-            for x in gathered:
-                x.copy_to_host_async()
-            self._landing.append(([key for _, key in saves], gathered))
-            self._landing_keys.update(key for _, key in saves)
-        loads = {page: key for page, key in loads.items() if key in self.entries}   # (all but after a clear())
-        if loads:
-            slots = _padded(np.asarray([self.entries[key] for key in loads.values()]))
-            data = tuple(slab[slots] for slab in self.slabs)
-            if self._scatter is None:   # the pools keep their shardings (tensor parallel: split over KV heads)
-                shardings = jax.tree.map(lambda x: x.sharding, _pools(runner.state))
-                self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=shardings)
-            kv, draft_kv = self._scatter(_pools(runner.state), _padded(np.asarray(list(loads), np.int32)), data)
-            runner.state = runner.state.replace(kv=kv, draft_kv=draft_kv)
-            self.num_restored_pages += len(loads)
+        for chunk in _chunks(saves):
+            self._save(runner.state, chunk)
+        for chunk in _chunks(refills):
+            self._restore(runner, chunk)
 
-    def _land(self, keep) -> None:
-        """Store the pages gathered by earlier syncs (their copies were queued before the steps since), then
-        drop the least recently used past the capacity; never `keep` (the keys this sync refills: the pool
-        was told they are here)."""
-        keep = {key for key in keep if key in self.entries}
-        for key in keep:
-            self.entries.move_to_end(key)
-        for keys, gathered in self._landing:
-            rows, slots = [], []
-            for i, key in enumerate(keys):
-                if key in self.entries:
-                    continue
-                if not self._free_slots:
-                    oldest = next(iter(self.entries), None)
-                    if oldest is None or oldest in keep:
-                        break                     # full of pages this sync refills: the rest are not kept
-                    self._free_slots.append(self.entries.pop(oldest))
-                rows.append(i)
-                slots.append(self._free_slots.pop())
-                self.entries[key] = slots[-1]
-            for slab, x in zip(self.slabs, gathered):
-                slab[slots] = np.asarray(x)[rows]
-            self.num_saved_pages += len(slots)
-        self._landing.clear()
-        self._landing_keys.clear()
+    def _save(self, state, chunk: list[tuple[int, tuple]]) -> None:
+        for (_, key), arrays in zip(chunk, self._gathered(state, [page for page, _ in chunk])):
+            self.entries[key] = arrays
+        self.num_saved_pages += len(chunk)
+        while len(self.entries) > self.capacity_pages:
+            self.entries.popitem(last=False)
+
+    @staticmethod
+    def _gathered(state, pages: list[int]) -> list[tuple[jax.Array, ...]]:
+        """Each page's arrays (per KV pool), copied to pinned host memory (queued, not waited for)."""
+        per_pool = _gather(_pools(state), np.asarray(_padded(pages), np.int32))   # per pool: an array per page
+        flat = [x for arrays in per_pool for x in arrays[:len(pages)]]
+        host = jax.device_put(flat, [x.sharding.with_memory_kind("pinned_host") for x in flat])
+        return [tuple(host[p * len(pages) + i] for p in range(len(per_pool))) for i in range(len(pages))]
+
+    def _restore(self, runner, chunk: list[tuple[int, tuple]]) -> None:
+        pools = _pools(runner.state)
+        if self._scatter is None:   # the pools keep their shardings (tensor parallel: split over KV heads)
+            self._scatter = jax.jit(_scatter, donate_argnums=0,
+                                    out_shardings=jax.tree.map(lambda x: x.sharding, pools))
+        chunk = _padded(chunk)
+        n = len(chunk)
+        flat = [arrays[p] for _, arrays in chunk for p in range(len(chunk[0][1]))]
+        on_device = jax.device_put(flat, [x.sharding.with_memory_kind("device") for x in flat])
+        data = tuple(tuple(on_device[i * len(chunk[0][1]) + p] for i in range(n)) for p in range(len(chunk[0][1])))
+        kv, draft_kv = self._scatter(pools, np.asarray([page for page, _ in chunk], np.int32), data)
+        runner.state = runner.state.replace(kv=kv, draft_kv=draft_kv)
+        self.num_restored_pages += len({page for page, _ in chunk})
 
 
 def check_host_memory(size_gib: float | None) -> None:
@@ -152,28 +167,33 @@ def _pools(state) -> tuple:
     return state.kv, state.draft_kv
 
 
-def _padded(x: np.ndarray) -> np.ndarray:
-    """x with its first axis grown to a power of two by repeating x[0] (one compile per size class; a
-    repeated page is gathered twice, or scattered twice with the same data)."""
-    n = 1 << (len(x) - 1).bit_length()
-    return x if n == len(x) else np.concatenate([x, np.repeat(x[:1], n - len(x), axis=0)])
+def _chunks(items: list) -> list[list]:
+    return [items[i:i + CHUNK] for i in range(0, len(items), CHUNK)]
+
+
+def _padded(items: list) -> list:
+    """items grown to a power of two by repeating the first (one compile per size class; a repeated page is
+    gathered twice, or scattered twice with the same data)."""
+    n = 1 << (len(items) - 1).bit_length()
+    return items + items[:1] * (n - len(items))
 
 
 @jax.jit
 def _gather(pools, pages):
-    """Per pool: [pages, 2 * layers, kv heads, page_size, head_dim]."""
-    return tuple(jnp.stack([jnp.swapaxes(x[:, pages], 0, 1) for layer in pool for x in layer], axis=1)
+    """Per pool: for each of pages, [2 * layers, kv heads, page_size, head_dim]."""
+    return tuple(tuple(jnp.stack([x[:, page] for layer in pool for x in layer]) for page in pages)
                  for pool in pools if pool)
 
 
 def _scatter(pools, pages, data):
+    """pools with pages overwritten by data (per pool: one array per page, as `_gather` makes them)."""
     out, it = [], iter(data)
     for pool in pools:
         if not pool:
             out.append(pool)
             continue
-        d = next(it)
-        leaves = [x.at[:, pages].set(jnp.swapaxes(d[:, 2 * i + j], 0, 1).astype(x.dtype))
-                  for i, layer in enumerate(pool) for j, x in enumerate(layer)]
+        stacked = jnp.stack(next(it), axis=1)            # [2 * layers, pages, kv heads, page_size, head_dim]
+        leaves = [x.at[:, pages].set(jnp.swapaxes(stacked[k], 0, 1).astype(x.dtype))
+                  for k, x in enumerate(x for layer in pool for x in layer)]
         out.append(tuple(zip(leaves[0::2], leaves[1::2])))
     return tuple(out)

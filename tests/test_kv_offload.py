@@ -98,7 +98,6 @@ def test_host_memory_keeps_the_newest_pages_up_to_its_size(model, plain):
     answer(llm, first)
     for ids in others:
         answer(llm, ids)
-    answer(llm, others[-1])           # a sync lands the last pages copied out
     assert tier.num_saved_pages > tier_pages and tier.num_pages == tier_pages
     again = answer(llm, first)        # the oldest pages were dropped from host memory: computed again
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == expected
@@ -128,11 +127,10 @@ def test_a_refill_is_copied_after_the_eviction_it_replaces():
     runner = types.SimpleNamespace(state=FakeState(kv=((k, k + 10),)))
     pool.events = [("evict", 0, ("B",))]
     tier.sync(pool, runner)
-    assert ("B",) in tier                               # being copied: the pool may count on it already
+    assert ("B",) in tier
     runner.state = FakeState(kv=((k.at[:, 0].set(5.0), (k + 10).at[:, 0].set(15.0)),))   # a step wrote A
     pool.events = [("evict", 0, ("A",)), ("restore", 0, ("B",)), ("restore", 1, ("B",)), ("evict", 1, ("B",))]
     tier.sync(pool, runner)
-    tier.sync(pool, runner)                             # lands A
     k, v = runner.state.kv[0]
     assert k.ravel().tolist() == [0.0, 1.0] and v.ravel().tolist() == [10.0, 11.0]
     assert [x.ravel().tolist() for x in tier.get(("A",))] == [[5.0, 15.0]]    # saved before B came back
@@ -178,3 +176,18 @@ def test_the_cli_flag_reaches_the_config():
     add_engine_args(p)
     assert EngineConfig(**engine_kwargs(p.parse_args(["--kv-offloading-size", "2.5"]))).kv_offloading_size == 2.5
     assert engine_kwargs(p.parse_args([]))["kv_offloading_size"] is None
+
+
+def test_the_start_warmup_compiles_the_copies_without_changing_the_pool(plain, offload):
+    """What compile_at_start (serve) runs: page 0 copied out and back in every chunk size."""
+    first, *others = prompts(4, 3)
+    expected = answer(plain, first).outputs[0].token_ids
+    offload.reset_prefix_cache()
+    answer(offload, first)                       # its pages (page 0 among them) stay cached on the device
+    offload.engine.kv_offload.warmup(offload.engine.runner)
+    assert offload.engine.kv_offload.num_pages == 0
+    assert answer(offload, first).outputs[0].token_ids == expected
+    for ids in others:
+        answer(offload, ids)
+    again = answer(offload, first)
+    assert again.num_cached_tokens == 36 and again.outputs[0].token_ids == expected
