@@ -40,7 +40,7 @@ serve: install
 	$(BIN)/python -m atlasjax serve
 
 test: install-test
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
