@@ -58,10 +58,6 @@ class HostKVCache:
     def num_pages(self) -> int:
         return len(self.entries)
 
-    @property
-    def used_bytes(self) -> int:
-        return len(self.entries) * self.page_bytes
-
     def get(self, key: tuple) -> tuple[np.ndarray, ...]:
         """A page held here, per KV pool (for inspection)."""
         return tuple(np.asarray(x) for x in self.entries[key])
@@ -134,10 +130,10 @@ class HostKVCache:
             self._scatter = jax.jit(_scatter, donate_argnums=0,
                                     out_shardings=jax.tree.map(lambda x: x.sharding, pools))
         chunk = _padded(chunk)
-        n = len(chunk)
-        flat = [arrays[p] for _, arrays in chunk for p in range(len(chunk[0][1]))]
+        n, num_pools = len(chunk), len(chunk[0][1])
+        flat = [arrays[p] for _, arrays in chunk for p in range(num_pools)]
         on_device = jax.device_put(flat, [x.sharding.with_memory_kind("device") for x in flat])
-        data = tuple(tuple(on_device[i * len(chunk[0][1]) + p] for i in range(n)) for p in range(len(chunk[0][1])))
+        data = tuple(tuple(on_device[i * num_pools + p] for i in range(n)) for p in range(num_pools))
         kv, draft_kv = self._scatter(pools, np.asarray([page for page, _ in chunk], np.int32), data)
         runner.state = runner.state.replace(kv=kv, draft_kv=draft_kv)
         self.num_restored_pages += len({page for page, _ in chunk})

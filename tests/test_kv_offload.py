@@ -183,7 +183,7 @@ def test_the_start_warmup_compiles_the_copies_without_changing_the_pool(plain, o
     first, *others = prompts(4, 3)
     expected = answer(plain, first).outputs[0].token_ids
     offload.reset_prefix_cache()
-    answer(offload, first)                       # its pages (page 0 among them) stay cached on the device
+    answer(offload, first)                       # its pages stay cached on the device
     offload.engine.kv_offload.warmup(offload.engine.runner)
     assert offload.engine.kv_offload.num_pages == 0
     assert answer(offload, first).outputs[0].token_ids == expected
