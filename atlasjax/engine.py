@@ -42,7 +42,7 @@ from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolv
 from atlasjax.draft_model import load_draft
 from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
-from atlasjax.kv_offload import GiB, HostKVCache, check_host_memory, page_layouts
+from atlasjax.kv_offload import check_host_memory, host_tier
 from atlasjax.lora import LoRAManager, LoRARequest
 from atlasjax.output_processor import OutputProcessor
 from atlasjax.outputs import StreamDelta
@@ -167,7 +167,7 @@ class LLMEngine:
                      self.runner.num_compiles, self.runner.num_loaded, time.perf_counter() - t0)
         self.runner.allocate(num_pages)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
-        self.kv_offload = self._kv_offload(config)
+        self.kv_offload = None if self.pooling_only else host_tier(config, self.pool, self.runner)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_scheduler_steps=config.num_scheduler_steps,
@@ -191,25 +191,6 @@ class LLMEngine:
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
         self.profiler = Profiler(profiler_dir(config.profiler_dir))   # start_profile / stop_profile (profiling.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
-
-    def _kv_offload(self, config: EngineConfig) -> HostKVCache | None:
-        """The host-memory tier under the prefix cache (config.kv_offloading_size), or None."""
-        if config.kv_offloading_size is None or self.pooling_only:
-            return None
-        if distributed.is_multiprocess():
-            raise EngineConfigError("kv_offloading_size runs on one host; this engine spans "
-                                    f"{jax.process_count()} processes")
-        try:
-            tier = HostKVCache(int(config.kv_offloading_size * GiB), page_layouts(self.runner.state))
-        except ValueError as e:
-            raise EngineConfigError(str(e)) from None
-        self.pool.second_tier = tier
-        seconds = tier.reserve(self.runner.state)
-        if config.compile_at_start:
-            tier.warmup(self.runner)
-        log.info("KV offloading: %d pages (%.2f GiB) of pinned host memory under the prefix cache (reserved in "
-                 "%.1f s)", tier.capacity_pages, config.kv_offloading_size, seconds)
-        return tier
 
     def _verify_buckets(self, config: EngineConfig) -> tuple[int, ...]:
         """Token counts of the verify steps speculation can run: prefill buckets up to one that holds every slot's

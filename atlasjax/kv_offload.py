@@ -17,6 +17,7 @@ pool is).
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
 import time
@@ -25,7 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from atlasjax import distributed
 from atlasjax.errors import EngineConfigError
+
+log = logging.getLogger("atlasjax.engine")
 
 GiB = 1 << 30
 CHUNK = 64   # pages per copy program: one program per power of two up to it
@@ -137,6 +141,27 @@ class HostKVCache:
         kv, draft_kv = self._scatter(pools, np.asarray([page for page, _ in chunk], np.int32), data)
         runner.state = runner.state.replace(kv=kv, draft_kv=draft_kv)
         self.num_restored_pages += len({page for page, _ in chunk})
+
+
+def host_tier(config, pool, runner) -> HostKVCache | None:
+    """The host tier config.kv_offloading_size asks for under `pool` (its memory reserved, its copy programs
+    compiled with compile_at_start), or None."""
+    if config.kv_offloading_size is None:
+        return None
+    if distributed.is_multiprocess():
+        raise EngineConfigError("kv_offloading_size runs on one host; this engine spans "
+                                f"{jax.process_count()} processes")
+    try:
+        tier = HostKVCache(int(config.kv_offloading_size * GiB), page_layouts(runner.state))
+    except ValueError as e:
+        raise EngineConfigError(str(e)) from None
+    pool.second_tier = tier
+    seconds = tier.reserve(runner.state)
+    if config.compile_at_start:
+        tier.warmup(runner)
+    log.info("KV offloading: %d pages (%.2f GiB) of pinned host memory under the prefix cache (reserved in "
+             "%.1f s)", tier.capacity_pages, config.kv_offloading_size, seconds)
+    return tier
 
 
 def check_host_memory(size_gib: float | None) -> None:
