@@ -147,6 +147,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                    help="GiB of host memory under the prefix cache: pages the device pool evicts are kept there and "
                         "copied back when a prompt needs them again, instead of computed again (default: off)")
+    g.add_argument("--kv-offloading-disk", default=None, metavar="DIR",
+                   help="with --kv-offloading-size: a third tier in files under DIR; pages saved to host memory are "
+                        "written there too and outlive the server (a restart on the same weights reads them back)")
+    g.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
+                   help="GiB of files --kv-offloading-disk may hold (least recently used dropped first)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="which waiting request a free slot admits and which running one is preempted when "
                         "pages run out: fcfs (arrival order) or priority (requests' `priority`, lower first, "
@@ -219,6 +224,7 @@ def engine_kwargs(args) -> dict:
                 page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, kv_offloading_size=args.kv_offloading_size,
+                kv_offloading_disk=args.kv_offloading_disk, kv_offloading_disk_size=args.kv_offloading_disk_size,
                 async_scheduling=not args.no_async_scheduling,
                 scheduling_policy=args.scheduling_policy,
                 num_scheduler_steps=args.num_scheduler_steps, attention_backend=args.attention_backend,

@@ -42,6 +42,7 @@ from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolv
 from atlasjax.draft_model import load_draft
 from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
+from atlasjax.kv_disk import check_directory
 from atlasjax.kv_offload import check_host_memory, host_tier
 from atlasjax.lora import LoRAManager, LoRARequest
 from atlasjax.output_processor import OutputProcessor
@@ -90,6 +91,7 @@ class LLMEngine:
         # read before the model loads: a missing or broken template fails at once
         chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
         check_host_memory(config.kv_offloading_size)
+        check_directory(config.kv_offloading_disk)
         given = loaded
         self.loaded = with_user_settings(shard_loaded(loaded or load_for_engine(config, self.dtype),
                                                       config.tensor_parallel_size, self.dtype), config, chat_template)
@@ -167,7 +169,8 @@ class LLMEngine:
                      self.runner.num_compiles, self.runner.num_loaded, time.perf_counter() - t0)
         self.runner.allocate(num_pages)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
-        self.kv_offload = None if self.pooling_only else host_tier(config, self.pool, self.runner)
+        self.kv_offload = None if self.pooling_only else host_tier(config, self.pool, self.runner,
+                                                                   weights_named=given is None)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_scheduler_steps=config.num_scheduler_steps,

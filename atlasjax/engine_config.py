@@ -127,6 +127,10 @@ class EngineConfig:
                                              # device pool evicts are copied there and copied back when a prompt
                                              # needs them again, instead of computed again (atlasjax/kv_offload.py;
                                              # one host; None: off)
+    kv_offloading_disk: str | None = None    # a directory for a third tier under it, in files (atlasjax/kv_disk.py):
+                                             # every page saved to host memory is written there too, and the
+                                             # pages outlive the process for engines of the same weights
+    kv_offloading_disk_size: float | None = None   # GiB the disk tier may fill (required with kv_offloading_disk)
     scheduling_policy: str = "fcfs"          # fcfs | priority: which waiting request a free slot admits
                                              # and which running one gives way when pages run out
                                              # (atlasjax/waiting_queue.py)
@@ -219,6 +223,14 @@ class EngineConfig:
             if not self.enable_prefix_caching:
                 bad("kv_offloading_size keeps evicted prefix-cache pages in host memory: it needs prefix caching "
                     "(enable_prefix_caching=False turns that off)")
+        if self.kv_offloading_disk is not None or self.kv_offloading_disk_size is not None:
+            if self.kv_offloading_size is None:
+                bad("kv_offloading_disk is a tier under host memory: it needs kv_offloading_size too")
+            if not isinstance(self.kv_offloading_disk, str) or not self.kv_offloading_disk:
+                bad(f"kv_offloading_disk must name a directory, got {self.kv_offloading_disk!r}")
+            size = self.kv_offloading_disk_size
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+                bad(f"kv_offloading_disk_size must be a positive number of GiB, got {size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in LOAD_FORMATS:

@@ -28,6 +28,7 @@ import numpy as np
 
 from atlasjax import distributed
 from atlasjax.errors import EngineConfigError
+from atlasjax.kv_disk import DiskKVStore, fingerprint
 
 log = logging.getLogger("atlasjax.engine")
 
@@ -37,9 +38,9 @@ RESERVE_BLOCK = 1 << 28
 
 
 class HostKVCache:
-    def __init__(self, capacity_bytes: int, page_layouts: list[tuple[tuple[int, ...], np.dtype]]):
+    def __init__(self, capacity_bytes: int, page_layouts: list[tuple[tuple[int, ...], np.dtype]], disk=None):
         """page_layouts: per KV pool, one page's shape ([2 * layers, kv heads, page_size, head_dim]) and dtype
-        (`page_layouts(state)`)."""
+        (`page_layouts(state)`); disk: a DiskKVStore under this tier (atlasjax/kv_disk.py), or None."""
         self.page_bytes = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in page_layouts)
         self.capacity_pages = int(capacity_bytes // self.page_bytes)
         if self.capacity_pages < 1:
@@ -48,6 +49,9 @@ class HostKVCache:
         # key -> the page per KV pool, in pinned host memory; least recently used first
         self.entries: collections.OrderedDict[tuple, tuple[jax.Array, ...]] = collections.OrderedDict()
         self._scatter = None
+        self.disk = disk
+        self._claimed: dict[tuple, tuple[jax.Array, ...]] = {}   # keys the pool refills at the next sync
+        self.host_shardings = None   # per pool, where a page's host arrays live (set by the first gather)
         self.num_saved_pages = 0
         self.num_restored_pages = 0
 
@@ -55,8 +59,27 @@ class HostKVCache:
     def __contains__(self, key: tuple) -> bool:
         return key in self.entries
 
+    def claim(self, keys: list[tuple], limit: int) -> int:
+        """How many of `keys`, from the first, this tier can refill (at most `limit`): those in host memory, and
+        those on disk, which are read into host memory now (an unreadable one ends the run). Each is held for the
+        next `sync` whatever host memory drops meanwhile."""
+        n = 0
+        for key in keys[:limit]:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+            elif self.disk is None or self.host_shardings is None or (arrays := self.disk.get(key)) is None:
+                break
+            else:
+                self.entries[key] = tuple(jax.device_put(list(arrays), list(self.host_shardings)))
+                self._drop_oldest()
+            self._claimed[key] = self.entries[key]   # held for the refill, whatever host memory drops meanwhile
+            n += 1
+        return n
+
     def clear(self) -> None:
         self.entries.clear()
+        if self.disk is not None:
+            self.disk.clear()
 
     @property
     def num_pages(self) -> int:
@@ -100,10 +123,12 @@ class HostKVCache:
                 loads[page] = key
             elif loads.pop(page, None) is None:   # a refill evicted before it landed has nothing new to save
                 saves.append((page, key))
-        loads = {page: key for page, key in loads.items() if key in self.entries}   # (all but after a clear())
-        refills = [(page, self.entries[key]) for page, key in loads.items()]        # before saves push any out
+        claimed, self._claimed = self._claimed, {}
+        refills = [(page, arrays) for page, key in loads.items()                   # before saves push any out
+                   if (arrays := claimed.get(key) or self.entries.get(key)) is not None]
         for key in loads.values():
-            self.entries.move_to_end(key)
+            if key in self.entries:
+                self.entries.move_to_end(key)
         for _, key in saves:
             if key in self.entries:
                 self.entries.move_to_end(key)
@@ -116,16 +141,22 @@ class HostKVCache:
     def _save(self, state, chunk: list[tuple[int, tuple]]) -> None:
         for (_, key), arrays in zip(chunk, self._gathered(state, [page for page, _ in chunk])):
             self.entries[key] = arrays
+            if self.disk is not None:     # written through: the disk keeps what host memory drops
+                self.disk.put(key, arrays)
         self.num_saved_pages += len(chunk)
+        self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
         while len(self.entries) > self.capacity_pages:
             self.entries.popitem(last=False)
 
-    @staticmethod
-    def _gathered(state, pages: list[int]) -> list[tuple[jax.Array, ...]]:
+    def _gathered(self, state, pages: list[int]) -> list[tuple[jax.Array, ...]]:
         """Each page's arrays (per KV pool), copied to pinned host memory (queued, not waited for)."""
         per_pool = _gather(_pools(state), np.asarray(_padded(pages), np.int32))   # per pool: an array per page
         flat = [x for arrays in per_pool for x in arrays[:len(pages)]]
         host = jax.device_put(flat, [x.sharding.with_memory_kind("pinned_host") for x in flat])
+        if self.host_shardings is None:
+            self.host_shardings = tuple(host[p * len(pages)].sharding for p in range(len(per_pool)))
         return [tuple(host[p * len(pages) + i] for p in range(len(per_pool))) for i in range(len(pages))]
 
     def _restore(self, runner, chunk: list[tuple[int, tuple]]) -> None:
@@ -143,24 +174,36 @@ class HostKVCache:
         self.num_restored_pages += len({page for page, _ in chunk})
 
 
-def host_tier(config, pool, runner) -> HostKVCache | None:
+def host_tier(config, pool, runner, weights_named: bool = True) -> HostKVCache | None:
     """The host tier config.kv_offloading_size asks for under `pool` (its memory reserved, its copy programs
-    compiled with compile_at_start), or None."""
+    compiled with compile_at_start), with a disk tier under it where config.kv_offloading_disk names one, or
+    None. weights_named: the weights are the files config.model names (else the disk's pages last one run)."""
     if config.kv_offloading_size is None:
         return None
     if distributed.is_multiprocess():
         raise EngineConfigError("kv_offloading_size runs on one host; this engine spans "
                                 f"{jax.process_count()} processes")
+    layouts = page_layouts(runner.state)
     try:
-        tier = HostKVCache(int(config.kv_offloading_size * GiB), page_layouts(runner.state))
-    except ValueError as e:
-        raise EngineConfigError(str(e)) from None
+        disk = None
+        if config.kv_offloading_disk is not None:
+            disk = DiskKVStore(config.kv_offloading_disk, int(config.kv_offloading_disk_size * GiB), layouts,
+                               fingerprint(config, layouts, weights_named))
+        tier = HostKVCache(int(config.kv_offloading_size * GiB), layouts, disk)
+    except (ValueError, OSError) as e:
+        raise EngineConfigError(f"KV offloading: {e}") from None
     pool.second_tier = tier
     seconds = tier.reserve(runner.state)
     if config.compile_at_start:
         tier.warmup(runner)
+    else:
+        tier._gathered(runner.state, [0])     # where host pages live, for pages read from disk before any save
     log.info("KV offloading: %d pages (%.2f GiB) of pinned host memory under the prefix cache (reserved in "
              "%.1f s)", tier.capacity_pages, config.kv_offloading_size, seconds)
+    if disk is not None:
+        log.info("KV offloading to disk: up to %d pages (%.2f GiB) in %s%s, %d found there", disk.capacity_pages,
+                 config.kv_offloading_disk_size, disk.path, "" if disk.persistent else
+                 " (removed at exit: the weights are not named by files)", disk.num_found)
     return tier
 
 

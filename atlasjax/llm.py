@@ -95,6 +95,8 @@ class LLM:
         placed = [jax.device_put(b, a.sharding) for (_, a), (_, b) in zip(old, new)]
         self.engine.runner.params = jax.tree.unflatten(treedef, placed)
         self.engine.sleep_state.weights_discarded = False
+        if self.engine.kv_offload is not None and self.engine.kv_offload.disk is not None:
+            self.engine.kv_offload.disk.forget_weights()   # its files name the old weights
         self.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:

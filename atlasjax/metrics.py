@@ -30,6 +30,9 @@ class EngineStats:
     kv_offload_saved: int = 0       # evicted pages copied to host memory
     kv_offload_pages: int = 0       # pages held in host memory now
     kv_offload_capacity: int = 0    # and the most it holds (0: offloading off)
+    kv_offload_disk_pages: int = 0      # pages held in files (kv_offloading_disk)
+    kv_offload_disk_capacity: int = 0   # and the most they may be
+    kv_offload_disk_reads: int = 0      # pages read back from files
     last_step_seconds: float = 0.0
     read_wait_seconds: float = 0.0  # time the engine thread spent blocked reading step outputs back
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)   # speculative decoding's drafts
@@ -53,6 +56,9 @@ class EngineStats:
         if (tier := getattr(engine, "kv_offload", None)) is not None:
             self.kv_offload_hits, self.kv_offload_saved = pool.num_second_tier_hit_pages, tier.num_saved_pages
             self.kv_offload_pages, self.kv_offload_capacity = tier.num_pages, tier.capacity_pages
+            if (disk := tier.disk) is not None:
+                self.kv_offload_disk_pages, self.kv_offload_disk_capacity = disk.num_pages, disk.capacity_pages
+                self.kv_offload_disk_reads = disk.num_read
         if getattr(engine, "lora", None) is not None:
             self.max_lora = engine.lora.max_loras
             self.running_lora_adapters, self.waiting_lora_adapters = (

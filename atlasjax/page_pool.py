@@ -29,7 +29,7 @@ class PagePool:
         self.num_hit_queries = 0
         self.num_hit_pages = 0       # device and second-tier hits
         self.num_queried_pages = 0
-        self.second_tier = None      # keys held in host memory (`in`, `clear()`); None: one tier
+        self.second_tier = None      # pages held in host memory (`claim(keys, limit)`, `clear()`); None: one tier
         self.num_second_tier_hit_pages = 0
         self.events: list[tuple[str, int, tuple]] = []   # ("evict" | "restore", page, key), second tier only
 
@@ -98,10 +98,10 @@ class PagePool:
 
     def _restore(self, keys: list[tuple]) -> list[int]:
         """The second tier's run of these keys, each in a fresh page (registered as cached, its copy logged)."""
+        if self.second_tier is None or not keys:
+            return []
         pages = []
-        for key in keys:
-            if self.second_tier is None or key not in self.second_tier or not self.can_allocate(1):
-                break
+        for key in keys[:self.second_tier.claim(keys, self.num_free_pages)]:
             page = self.allocate(1)[0]
             self.cached[key], self.page_key[page] = page, key
             self.events.append(("restore", page, key))

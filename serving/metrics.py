@@ -40,6 +40,10 @@ class EngineCollector(Collector):
              stats.kv_offload_pages),
             ("atlasjax_kv_offload_pages_total", "KV pages host memory holds at most (0: offloading off)",
              stats.kv_offload_capacity),
+            ("atlasjax_kv_offload_disk_pages", "KV pages held in files (--kv-offloading-disk)",
+             stats.kv_offload_disk_pages),
+            ("atlasjax_kv_offload_disk_pages_total", "KV pages the files may hold at most (0: no disk tier)",
+             stats.kv_offload_disk_capacity),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -50,6 +54,8 @@ class EngineCollector(Collector):
             ("atlasjax_kv_offload_hits", "Prompt pages copied back from host memory (among the prefix cache hits)",
              stats.kv_offload_hits),
             ("atlasjax_kv_offload_saved", "Evicted KV pages copied to host memory", stats.kv_offload_saved),
+            ("atlasjax_kv_offload_disk_reads", "KV pages read back from files (among the host-memory hits)",
+             stats.kv_offload_disk_reads),
             ("atlasjax_num_preemptions", "Sequences preempted for lack of KV pages", stats.num_preemptions),
             ("atlasjax_engine_steps", "Engine steps run", stats.num_steps),
             ("atlasjax_embedding_inputs", "Inputs embedded or classified", stats.num_embedding_inputs),

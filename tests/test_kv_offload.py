@@ -144,9 +144,16 @@ class FakeState(types.SimpleNamespace):
         return FakeState(**{**vars(self), **kw})
 
 
+class KeySetTier(set):
+    """A second tier holding the keys in the set."""
+
+    def claim(self, keys, limit):
+        return next((i for i, key in enumerate(keys[:limit]) if key not in self), min(limit, len(keys)))
+
+
 def test_pool_refills_only_a_run_after_the_device_hits():
     pool = PagePool(4, 2)
-    pool.second_tier = {("b",), ("c",), ("x",)}
+    pool.second_tier = KeySetTier({("b",), ("c",), ("x",)})
     [p] = pool.allocate(1)
     pool.register([p], [("a",)], 0, 1)
     pool.free([p])
@@ -176,6 +183,9 @@ def test_the_cli_flag_reaches_the_config():
     add_engine_args(p)
     assert EngineConfig(**engine_kwargs(p.parse_args(["--kv-offloading-size", "2.5"]))).kv_offloading_size == 2.5
     assert engine_kwargs(p.parse_args([]))["kv_offloading_size"] is None
+    config = EngineConfig(**engine_kwargs(p.parse_args(["--kv-offloading-size", "2", "--kv-offloading-disk", "/d",
+                                                        "--kv-offloading-disk-size", "100"])))
+    assert (config.kv_offloading_disk, config.kv_offloading_disk_size) == ("/d", 100)
 
 
 def test_the_start_warmup_compiles_the_copies_without_changing_the_pool(plain, offload):
