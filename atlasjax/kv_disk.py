@@ -1,5 +1,5 @@
 """KV cache offloading's third tier: prefix-cache pages in files on a local disk (`kv_offloading_disk`), under
-the host-memory tier (atlasjax/kv_offload.py), as the NVMe tiers of LMCache, SGLang's HiCache and ARLE.
+the host-memory tier (atlasjax/kv_offload.py), as the local-disk tiers of LMCache, SGLang's HiCache and ARLE.
 
 Every page the host tier saves is also written here (write-through, by a background thread), so the disk
 holds what host memory drops, and what a later engine on the same weights may read: the files outlive the
@@ -12,7 +12,8 @@ namespace of their own that is removed at exit.
 Reads happen when a prompt's lookup reaches a page held only here (`HostKVCache.claim`): the engine thread
 reads the file and the page joins host memory before its copy to the device is queued. A file that is missing,
 truncated or unreadable is a miss: the prompt computes that page again. Files are dropped least recently used
-first beyond `capacity_bytes` (several engines sharing a directory each count only what they know of).
+first beyond `capacity_bytes`. Engines of the same namespace running at once (data-parallel replicas) read each
+other's files; each counts toward its size only the files it wrote or read.
 """
 from __future__ import annotations
 
@@ -143,15 +144,18 @@ class DiskKVStore:
 
     def get(self, key: tuple) -> tuple | None:
         """A page's arrays per pool (numpy, or the host arrays of a write still queued); None when it is not
-        here or its file cannot be read (then it is forgotten)."""
+        here or its file cannot be read (then it is forgotten). A file another engine wrote to the same
+        namespace since this one started is found too."""
         digest = key_digest(key)
         with self._lock:
-            if digest not in self.index:
-                return None
-            self.index.move_to_end(digest)
+            known = digest in self.index
+            if known:
+                self.index.move_to_end(digest)
             pending = self._pending.get(digest)
         if pending is not None:
             return pending
+        if not known and not os.path.exists(self._file(digest)):
+            return None
         try:
             data = np.fromfile(self._file(digest), np.uint8)
             if data.size != self.page_bytes:
@@ -162,6 +166,11 @@ class DiskKVStore:
                 self.index.pop(digest, None)
             self._remove([digest])
             return None
+        if not known:
+            with self._lock:
+                self.index[digest] = None
+                dropped = self._over_capacity()
+            self._remove(dropped)
         self.num_read += 1
         self._touch(self._file(digest))
         out, start = [], 0

@@ -94,6 +94,9 @@ def test_the_files_keep_their_size_and_least_recently_used_go_first(tmp_path):
 
     again = store(tmp_path, 2)         # a smaller store on the same files keeps the newest
     assert again.num_found == 2 and ("k", 3) in again and ("k", 2) not in again
+    disk.put(("k", 4), (np.full(2, 4.0, np.float32),))   # written by one engine while another runs
+    assert disk.flush(timeout=10)
+    assert again.get(("k", 4))[0].tolist() == [4.0, 4.0] and ("k", 4) in again
 
     disk.forget_weights()              # update_params: later pages under a namespace of their own
     assert not disk.persistent and ("k", 3) not in disk
