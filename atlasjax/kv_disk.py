@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -35,6 +36,7 @@ import numpy as np
 log = logging.getLogger("atlasjax.engine")
 
 SUFFIX = ".kv"
+READERS = 8     # files read at once on a lookup
 
 
 def key_digest(key: tuple) -> str:
@@ -115,6 +117,7 @@ class DiskKVStore:
         self._queue: queue.Queue = queue.Queue()
         self.num_found = self._scan()
         self.num_written = self.num_read = 0
+        self._readers = concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="atlasjax-kv-disk-read")
         self._writer = threading.Thread(target=self._write_loop, name="atlasjax-kv-disk", daemon=True)
         self._writer.start()
         atexit.register(self.close)
@@ -146,16 +149,33 @@ class DiskKVStore:
         """A page's arrays per pool (numpy, or the host arrays of a write still queued); None when it is not
         here or its file cannot be read (then it is forgotten). A file another engine wrote to the same
         namespace since this one started is found too."""
-        digest = key_digest(key)
-        with self._lock:
-            known = digest in self.index
-            if known:
-                self.index.move_to_end(digest)
-            pending = self._pending.get(digest)
+        run = self.get_run([key])
+        return run[0] if run else None
+
+    def get_run(self, keys: list[tuple]) -> list[tuple]:
+        """`get` of the leading keys held here, up to the first that is not or cannot be read (files read in
+        parallel)."""
+        found = []
+        for key in keys:
+            digest = key_digest(key)
+            with self._lock:
+                known = digest in self.index
+                if known:
+                    self.index.move_to_end(digest)
+                pending = self._pending.get(digest)
+            if pending is None and not known and not os.path.exists(self._file(digest)):
+                break
+            found.append((digest, known, pending))
+        out = []
+        for arrays in self._readers.map(lambda item: self._load(*item), found):
+            if arrays is None:
+                break
+            out.append(arrays)
+        return out
+
+    def _load(self, digest: str, known: bool, pending: tuple | None) -> tuple | None:
         if pending is not None:
             return pending
-        if not known and not os.path.exists(self._file(digest)):
-            return None
         try:
             data = np.fromfile(self._file(digest), np.uint8)
             if data.size != self.page_bytes:
@@ -171,7 +191,8 @@ class DiskKVStore:
                 self.index[digest] = None
                 dropped = self._over_capacity()
             self._remove(dropped)
-        self.num_read += 1
+        with self._lock:
+            self.num_read += 1
         self._touch(self._file(digest))
         out, start = [], 0
         for shape, dtype in self.layouts:

@@ -17,6 +17,7 @@ pool is).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import os
@@ -61,19 +62,23 @@ class HostKVCache:
 
     def claim(self, keys: list[tuple], limit: int) -> int:
         """How many of `keys`, from the first, this tier can refill (at most `limit`): those in host memory, and
-        those on disk, which are read into host memory now (an unreadable one ends the run). Each is held for the
-        next `sync` whatever host memory drops meanwhile."""
-        n = 0
-        for key in keys[:limit]:
-            if key in self.entries:
-                self.entries.move_to_end(key)
-            elif self.disk is None or self.host_shardings is None or (arrays := self.disk.get(key)) is None:
+        those in files, which are read now (an unreadable one ends the run). Each is held for the next `sync`
+        (the copy to the device), whatever host memory drops meanwhile."""
+        keys, n = keys[:limit], 0
+        while n < len(keys):
+            if keys[n] in self.entries:
+                self.entries.move_to_end(keys[n])
+                self._claimed[keys[n]] = self.entries[keys[n]]
+                n += 1
+                continue
+            if self.disk is None or self.host_shardings is None:
                 break
-            else:
-                self.entries[key] = tuple(jax.device_put(list(arrays), list(self.host_shardings)))
-                self._drop_oldest()
-            self._claimed[key] = self.entries[key]   # held for the refill, whatever host memory drops meanwhile
-            n += 1
+            run = list(itertools.takewhile(lambda key: key not in self.entries, keys[n:]))
+            read = self.disk.get_run(run)        # numpy arrays, copied straight to the device at the sync
+            self._claimed.update(zip(run, read))
+            n += len(read)
+            if len(read) < len(run):
+                break
         return n
 
     def clear(self) -> None:
@@ -167,7 +172,8 @@ class HostKVCache:
         chunk = _padded(chunk)
         n, num_pools = len(chunk), len(chunk[0][1])
         flat = [arrays[p] for _, arrays in chunk for p in range(num_pools)]
-        on_device = jax.device_put(flat, [x.sharding.with_memory_kind("device") for x in flat])
+        on_device = jax.device_put(flat, [self.host_shardings[p].with_memory_kind("device")
+                                          for _ in range(n) for p in range(num_pools)])
         data = tuple(tuple(on_device[i * num_pools + p] for i in range(n)) for p in range(num_pools))
         kv, draft_kv = self._scatter(pools, np.asarray([page for page, _ in chunk], np.int32), data)
         runner.state = runner.state.replace(kv=kv, draft_kv=draft_kv)
