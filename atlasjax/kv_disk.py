@@ -85,6 +85,11 @@ def _files(path: str) -> list:
     return out
 
 
+def layout_bytes(page_layouts) -> int:
+    """One page's bytes across its KV pools (page_layouts: per pool, a shape and a dtype)."""
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in page_layouts)
+
+
 def check_directory(path: str | None) -> None:
     """Refuse a kv_offloading_disk that cannot be a writable directory (before the model loads)."""
     from atlasjax.errors import EngineConfigError  # noqa: PLC0415
@@ -103,7 +108,7 @@ class DiskKVStore:
         """page_layouts: per KV pool, one page's shape and dtype (kv_offload.page_layouts); fingerprint_: the
         namespace (None: a fresh one, removed at exit)."""
         self.layouts = [(tuple(shape), np.dtype(dtype)) for shape, dtype in page_layouts]
-        self.page_bytes = sum(math.prod(s) * d.itemsize for s, d in self.layouts)
+        self.page_bytes = layout_bytes(self.layouts)
         self.capacity_pages = int(capacity_bytes // self.page_bytes)
         if self.capacity_pages < 1:
             raise ValueError(f"kv_offloading_disk_size holds no page: {capacity_bytes} bytes for pages of "

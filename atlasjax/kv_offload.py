@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import math
 import os
 import time
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from atlasjax import distributed
 from atlasjax.errors import EngineConfigError
-from atlasjax.kv_disk import DiskKVStore, fingerprint
+from atlasjax.kv_disk import DiskKVStore, fingerprint, layout_bytes
 
 log = logging.getLogger("atlasjax.engine")
 
@@ -42,7 +41,7 @@ class HostKVCache:
     def __init__(self, capacity_bytes: int, page_layouts: list[tuple[tuple[int, ...], np.dtype]], disk=None):
         """page_layouts: per KV pool, one page's shape ([2 * layers, kv heads, page_size, head_dim]) and dtype
         (`page_layouts(state)`); disk: a DiskKVStore under this tier (atlasjax/kv_disk.py), or None."""
-        self.page_bytes = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in page_layouts)
+        self.page_bytes = layout_bytes(page_layouts)
         self.capacity_pages = int(capacity_bytes // self.page_bytes)
         if self.capacity_pages < 1:
             raise ValueError(f"kv_offloading_size holds no page: {capacity_bytes} bytes for pages of "
@@ -202,7 +201,7 @@ def host_tier(config, pool, runner, weights_named: bool = True) -> HostKVCache |
     seconds = tier.reserve(runner.state)
     if config.compile_at_start:
         tier.warmup(runner)
-    else:
+    elif disk is not None:
         tier._gathered(runner.state, [0])     # where host pages live, for pages read from disk before any save
     log.info("KV offloading: %d pages (%.2f GiB) of pinned host memory under the prefix cache (reserved in "
              "%.1f s)", tier.capacity_pages, config.kv_offloading_size, seconds)
