@@ -413,6 +413,8 @@ class LLMEngine:
         else:
             done = launched
         if launched is None and done is None and not first:
+            if self.kv_offload is not None:   # only requests whose prefix is on its way from disk: wait for it
+                self.kv_offload.wait_for_reads(0.01)
             return []
         deltas = first + (self._process(done) if done is not None else [])
         self.stats.record_step(time.perf_counter() - t0, sched, self)

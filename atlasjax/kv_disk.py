@@ -9,8 +9,9 @@ page layout, tensor parallelism, atlasjax's version); engines of other weights o
 other's pages. Weights that cannot be named that way (given in memory, or changed by `update_params`) get a
 namespace of their own that is removed at exit.
 
-Reads happen when a prompt's lookup reaches a page held only here (`HostKVCache.claim`): the engine thread
-reads the file and the page joins host memory before its copy to the device is queued. A file that is missing,
+Reads happen when a waiting prompt's prefix reaches a page held only here (`HostKVCache.fetching`): a background
+thread reads the rest of its run while other requests are scheduled, and the prompt is admitted with those pages
+once they are in memory. A file that is missing,
 truncated or unreadable is a miss: the prompt computes that page again. Files are dropped least recently used
 first beyond `capacity_bytes`. Engines of the same namespace running at once (data-parallel replicas) read each
 other's files; each counts toward its size only the files it wrote or read.
@@ -129,7 +130,12 @@ class DiskKVStore:
 
     # ---- what the host tier asks
     def __contains__(self, key: tuple) -> bool:
-        return key_digest(key) in self.index
+        """Whether a page's file is known here, or was written by another engine of this namespace."""
+        digest = key_digest(key)
+        with self._lock:
+            if digest in self.index:
+                return True
+        return os.path.exists(self._file(digest))
 
     @property
     def num_pages(self) -> int:

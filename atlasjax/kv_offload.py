@@ -13,10 +13,14 @@ Pages evicted are gathered first (before a refill or the step can overwrite them
 scattered in. A page is one array per KV pool (the model's, and a draft model's): every layer's K and V
 for it, [2 * layers, kv heads, page_size, head_dim] (under tensor parallelism split over KV heads as the
 pool is).
+
+Pages held only on disk (atlasjax/kv_disk.py) are read in the background (`fetching`): their request waits
+in the queue while others run, and is admitted once its pages are in memory.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -35,6 +39,7 @@ log = logging.getLogger("atlasjax.engine")
 GiB = 1 << 30
 CHUNK = 64   # pages per copy program: one program per power of two up to it
 RESERVE_BLOCK = 1 << 28
+STAGED_SECONDS = 60.0   # pages read for a request that never claims them (aborted) are dropped after this
 
 
 class HostKVCache:
@@ -51,6 +56,11 @@ class HostKVCache:
         self._scatter = None
         self.disk = disk
         self._claimed: dict[tuple, tuple[jax.Array, ...]] = {}   # keys the pool refills at the next sync
+        # disk reads in the background: key -> its run's future; pages read, waiting for their request's lookup
+        self._reading: dict[tuple, concurrent.futures.Future] = {}
+        self._staged: collections.OrderedDict[tuple, tuple[tuple, float]] = collections.OrderedDict()
+        self._fetcher = None if disk is None else concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="atlasjax-kv-fetch")
         self.host_shardings = None   # per pool, where a page's host arrays live (set by the first gather)
         self.num_saved_pages = 0
         self.num_restored_pages = 0
@@ -59,20 +69,80 @@ class HostKVCache:
     def __contains__(self, key: tuple) -> bool:
         return key in self.entries
 
+    def fetching(self, keys: list[tuple], limit: int) -> bool:
+        """True while pages of this run of keys (past the device's hits; at most `limit`) are being read from
+        files: its request should wait while others are scheduled. The first time a run reaches a page held only
+        in a file, the reads of the rest of the run start in the background. False once nothing more is to be
+        read: `claim` then finds the pages in memory."""
+        if self._fetcher is None or self.host_shardings is None:
+            return False
+        self._collect()
+        keys = keys[:limit]
+        n = 0
+        while n < len(keys) and self._in_memory(keys[n]):
+            n += 1
+        if n == len(keys):
+            return False
+        if keys[n] in self._reading:
+            return True
+        if keys[n] not in self.disk:
+            return False
+        run = [key for key in keys[n:] if not self._in_memory(key)]
+        future = self._fetcher.submit(self.disk.get_run, run)
+        future.run_keys = run
+        for key in run:
+            self._reading[key] = future
+        return True
+
+    @property
+    def num_reading(self) -> int:
+        """Pages being read from files in the background now."""
+        return sum(not future.done() for future in self._reading.values())
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a background read lands or `timeout` seconds pass (the engine has nothing else to run)."""
+        if self._reading:
+            concurrent.futures.wait(set(self._reading.values()), timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _in_memory(self, key: tuple) -> bool:
+        return key in self.entries or key in self._staged
+
+    def _collect(self) -> None:
+        """Pages of finished reads wait for their request's lookup (unclaimed ones only STAGED_SECONDS)."""
+        now = time.monotonic()
+        for future in {f for f in self._reading.values() if f.done()}:
+            for key in future.run_keys:
+                self._reading.pop(key, None)
+            try:
+                read = future.result()
+            except Exception as e:  # noqa: BLE001 (a failing disk: the pages are computed again)
+                log.warning("KV offloading: reading disk pages failed: %s", e)
+                continue
+            for key, arrays in zip(future.run_keys, read):
+                self._staged[key] = (arrays, now)
+        while self._staged and next(iter(self._staged.values()))[1] < now - STAGED_SECONDS:
+            self._staged.popitem(last=False)
+
     def claim(self, keys: list[tuple], limit: int) -> int:
-        """How many of `keys`, from the first, this tier can refill (at most `limit`): those in host memory, and
-        those in files, which are read now (an unreadable one ends the run). Each is held for the next `sync`
-        (the copy to the device), whatever host memory drops meanwhile."""
+        """How many of `keys`, from the first, this tier can refill (at most `limit`): those in host memory or
+        read already (`fetching`), and those in files, which are read now (an unreadable one ends the run). Each is
+        held for the next `sync` (the copy to the device), whatever host memory drops meanwhile."""
         keys, n = keys[:limit], 0
+        self._collect()
         while n < len(keys):
             if keys[n] in self.entries:
                 self.entries.move_to_end(keys[n])
                 self._claimed[keys[n]] = self.entries[keys[n]]
                 n += 1
                 continue
+            if keys[n] in self._staged:
+                self._claimed[keys[n]] = self._staged.pop(keys[n])[0]
+                n += 1
+                continue
             if self.disk is None or self.host_shardings is None:
                 break
-            run = list(itertools.takewhile(lambda key: key not in self.entries, keys[n:]))
+            run = list(itertools.takewhile(lambda key: not self._in_memory(key), keys[n:]))
             read = self.disk.get_run(run)        # numpy arrays, copied straight to the device at the sync
             self._claimed.update(zip(run, read))
             n += len(read)
@@ -82,6 +152,8 @@ class HostKVCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self._staged.clear()
+        self._reading.clear()      # reads in flight land nowhere
         if self.disk is not None:
             self.disk.clear()
 

@@ -33,6 +33,7 @@ class EngineStats:
     kv_offload_disk_pages: int = 0      # pages held in files (kv_offloading_disk)
     kv_offload_disk_capacity: int = 0   # and the most they may be
     kv_offload_disk_reads: int = 0      # pages read back from files
+    kv_offload_disk_reading: int = 0    # pages being read from files now (their requests wait in the queue)
     last_step_seconds: float = 0.0
     read_wait_seconds: float = 0.0  # time the engine thread spent blocked reading step outputs back
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)   # speculative decoding's drafts
@@ -58,7 +59,7 @@ class EngineStats:
             self.kv_offload_pages, self.kv_offload_capacity = tier.num_pages, tier.capacity_pages
             if (disk := tier.disk) is not None:
                 self.kv_offload_disk_pages, self.kv_offload_disk_capacity = disk.num_pages, disk.capacity_pages
-                self.kv_offload_disk_reads = disk.num_read
+                self.kv_offload_disk_reads, self.kv_offload_disk_reading = disk.num_read, tier.num_reading
         if getattr(engine, "lora", None) is not None:
             self.max_lora = engine.lora.max_loras
             self.running_lora_adapters, self.waiting_lora_adapters = (

@@ -29,7 +29,8 @@ class PagePool:
         self.num_hit_queries = 0
         self.num_hit_pages = 0       # device and second-tier hits
         self.num_queried_pages = 0
-        self.second_tier = None      # pages held in host memory (`claim(keys, limit)`, `clear()`); None: one tier
+        # pages held in host memory (`claim(keys, limit)`, `fetching(keys, limit)`, `clear()`); None: one tier
+        self.second_tier = None
         self.num_second_tier_hit_pages = 0
         self.events: list[tuple[str, int, tuple]] = []   # ("evict" | "restore", page, key), second tier only
 
@@ -95,6 +96,16 @@ class PagePool:
         self.num_hit_pages += len(hits) + len(restored)
         self.num_second_tier_hit_pages += len(restored)
         return hits + restored
+
+    def fetching(self, keys: list[tuple]) -> bool:
+        """True while the second tier reads pages of this prefix (past the device's hits) from disk: its request
+        waits while others are admitted (`HostKVCache.fetching`)."""
+        if self.second_tier is None or not self.enable_prefix_caching:
+            return False
+        n = 0
+        while n < len(keys) and keys[n] in self.cached:
+            n += 1
+        return self.second_tier.fetching(keys[n:], self.num_free_pages)
 
     def _restore(self, keys: list[tuple]) -> list[int]:
         """The second tier's run of these keys, each in a fresh page (registered as cached, its copy logged)."""

@@ -203,16 +203,14 @@ class Scheduler:
         while self.waiting and self.free_slots and budget > 0 and len(prefills) < self.max_prefill_seqs:
             req = self._next_admissible()
             if req is None:
-                break                                # every LoRA slot holds another adapter in use
+                break                 # every LoRA slot holds another adapter in use, or every prefix is on its way
             if req.num_pending_tokens:
                 break                                # preempted with a token still on the device: next step
             room = self._room(req, budget, prefills)
             if room <= 0:
                 break                                # the step's prompt-logprob cap is full: next step
             if not req.pages:
-                keys = self.pool.extend_keys(req.page_keys, req.all_token_ids, req.cache_root)
-                # Leave at least one token to compute (its logits give the next token), starting on a page boundary.
-                hits = self.pool.lookup(keys[:(self._cacheable(req) - 1) // ps])
+                hits = self.pool.lookup(self._cache_keys(req))
                 req.pages = hits
                 req.num_registered_pages = len(hits)
                 req.num_computed_tokens = len(hits) * ps
@@ -234,11 +232,21 @@ class Scheduler:
             budget -= num
 
     def _next_admissible(self) -> Request | None:
-        """The waiting request admitted next: the first in the queue's order, or with LoRA the first whose
-        adapter can have a device slot now (requests behind one that cannot wait less)."""
-        if self.lora is None:
-            return self.waiting[0]
-        return next((req for req in self.waiting if self.lora.can_place(req)), None)
+        """The waiting request admitted next: the first in the queue's order whose LoRA adapter can have a device
+        slot now and whose cached prefix is not being read from disk (requests behind those wait less)."""
+        for req in self.waiting:
+            if self.lora is not None and not self.lora.can_place(req):
+                continue
+            if not req.pages and self.pool.fetching(self._cache_keys(req)):
+                continue
+            return req
+        return None
+
+    def _cache_keys(self, req: Request) -> list[tuple]:
+        """The keys of req's pages a lookup may take from the prefix cache: at least one token is left to compute
+        (its logits give the next token), starting on a page boundary."""
+        keys = self.pool.extend_keys(req.page_keys, req.all_token_ids, req.cache_root)
+        return keys[:(self._cacheable(req) - 1) // self.pool.page_size]
 
     @staticmethod
     def _cacheable(req: Request) -> int:

@@ -44,6 +44,8 @@ class EngineCollector(Collector):
              stats.kv_offload_disk_pages),
             ("atlasjax_kv_offload_disk_pages_total", "KV pages the files may hold at most (0: no disk tier)",
              stats.kv_offload_disk_capacity),
+            ("atlasjax_kv_offload_disk_reading_pages", "KV pages being read from files now (their requests wait)",
+             stats.kv_offload_disk_reading),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -74,6 +75,49 @@ def test_pages_come_back_from_disk_in_this_engine_and_the_next(model, tmp_path):
     before = llm.engine.stats.kv_offload_disk_reads
     assert answer(llm, second).outputs[0].token_ids == expected[1]       # the first engine: files gone, a miss
     assert llm.engine.stats.kv_offload_disk_reads == before
+
+
+def test_a_prompt_whose_prefix_is_read_from_disk_waits_while_others_run(model, tmp_path, monkeypatch):
+    """The files are read in the background: a request whose prefix lies only on disk waits in the queue while
+    others are scheduled, and runs with its prefix cached once the reads land. One aborted meanwhile leaks
+    nothing."""
+    first, second, fresh, *others = prompts(1, 6)
+    llm = LLM(model, kv_offloading_disk=str(tmp_path), **ENGINE)
+    expected = [answer(llm, ids).outputs[0].token_ids for ids in (first, second)]
+    for ids in others:                 # both pushed out of the device pool and out of host memory
+        answer(llm, ids)
+    engine, tier = llm.engine, llm.engine.kv_offload
+    assert tier.disk.flush(timeout=60)
+
+    gate, load = threading.Event(), DiskKVStore._load
+    monkeypatch.setattr(DiskKVStore, "_load", lambda *args: gate.wait(60) and load(*args))   # a slow disk
+    engine.add_request("slow", first, GREEDY)
+    engine.add_request("gone", second, GREEDY)
+    engine.add_request("fresh", fresh, GREEDY)
+    streamed: dict[str, list[int]] = {}
+    for _ in range(200):
+        deltas = engine.step()
+        for d in deltas:
+            streamed.setdefault(d.request_id, []).extend(d.new_token_ids)
+        if any(d.finished for d in deltas):
+            break
+    assert list(streamed) == ["fresh"] and len(streamed["fresh"]) == GREEDY.max_tokens   # not held up
+    assert tier.num_reading >= 18 and engine.stats.kv_offload_disk_reading == tier.num_reading
+    exported = {m.name: m.samples[0].value for m in EngineCollector(engine).collect() if m.samples}
+    assert exported["atlasjax_kv_offload_disk_reading_pages"] == tier.num_reading
+    assert engine.abort("gone")
+
+    gate.set()
+    while engine.has_unfinished():
+        for d in engine.step():
+            streamed.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.finished and d.request_id == "slow":
+                assert d.num_cached_tokens == 36                  # its prefix came from the files
+    assert streamed["slow"] == expected[0] and "gone" not in streamed
+    for rid in list(engine.requests):
+        engine.release(rid)
+    assert tier.num_reading == 0 and engine.pool.num_free_pages == ENGINE["num_pages"]
+    assert answer(llm, second).outputs[0].token_ids == expected[1]   # the aborted one's pages, read, serve later
 
 
 def store(tmp_path, pages: int, name: str | None = "fp") -> DiskKVStore:
