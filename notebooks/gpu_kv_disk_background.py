@@ -48,7 +48,10 @@ def drop_page_cache(directory: str) -> int:
     n = 0
     for root, _, names in os.walk(directory):
         for name in names:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:     # a write's temporary file, renamed meanwhile
+                continue
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
@@ -58,6 +61,7 @@ def drop_page_cache(directory: str) -> int:
 
 def run(llm, mode: str, docs: list[list[int]], rng) -> None:
     engine = llm.engine
+    engine.kv_offload.disk.flush()
     drop_page_cache(DISK)
     stream = SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, ignore_eos=True)
     for i in range(STREAMS):
