@@ -88,11 +88,23 @@ class HostKVCache:
         if keys[n] not in self.disk:
             return False
         run = [key for key in keys[n:] if not self._in_memory(key)]
-        future = self._fetcher.submit(self.disk.get_run, run)
+        future = self._fetcher.submit(self._read_pinned, run)
         future.run_keys = run
         for key in run:
             self._reading[key] = future
         return True
+
+    def _read_pinned(self, keys: list[tuple]) -> list[tuple]:
+        """The leading pages of keys read from files (a fetch thread), copied to pinned host memory there: the
+        copy to the device at the sync is then a DMA the engine thread does not wait for."""
+        read = self.disk.get_run(keys)
+        if not read:
+            return read
+        num_pools = len(read[0])
+        pinned = jax.device_put([x for arrays in read for x in arrays],
+                                [self.host_shardings[p] for _ in read for p in range(num_pools)])
+        jax.block_until_ready(pinned)
+        return [tuple(pinned[i * num_pools:(i + 1) * num_pools]) for i in range(len(read))]
 
     @property
     def num_reading(self) -> int:
