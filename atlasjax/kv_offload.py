@@ -40,6 +40,7 @@ GiB = 1 << 30
 CHUNK = 64   # pages per copy program: one program per power of two up to it
 RESERVE_BLOCK = 1 << 28
 STAGED_SECONDS = 60.0   # pages read for a request that never claims them (aborted) are dropped after this
+FETCH_SECONDS = 30.0    # a request waits at most this long for its files (a stalled disk): then it computes them
 
 
 class HostKVCache:
@@ -84,12 +85,12 @@ class HostKVCache:
         if n == len(keys):
             return False
         if keys[n] in self._reading:
-            return True
+            return time.monotonic() - self._reading[keys[n]].started < FETCH_SECONDS
         if keys[n] not in self.disk:
             return False
         run = [key for key in keys[n:] if not self._in_memory(key)]
         future = self._fetcher.submit(self._read_pinned, run)
-        future.run_keys = run
+        future.run_keys, future.started = run, time.monotonic()
         for key in run:
             self._reading[key] = future
         return True
@@ -138,8 +139,9 @@ class HostKVCache:
 
     def claim(self, keys: list[tuple], limit: int) -> int:
         """How many of `keys`, from the first, this tier can refill (at most `limit`): those in host memory or
-        read already (`fetching`), and those in files, which are read now (an unreadable one ends the run). Each is
-        held for the next `sync` (the copy to the device), whatever host memory drops meanwhile."""
+        read already (`fetching`), and those in files, which are read now (an unreadable one, or one whose
+        background read is late, ends the run). Each is held for the next `sync` (the copy to the device),
+        whatever host memory drops meanwhile."""
         keys, n = keys[:limit], 0
         self._collect()
         while n < len(keys):
@@ -152,9 +154,10 @@ class HostKVCache:
                 self._claimed[keys[n]] = self._staged.pop(keys[n])[0]
                 n += 1
                 continue
-            if self.disk is None or self.host_shardings is None:
-                break
-            run = list(itertools.takewhile(lambda key: not self._in_memory(key), keys[n:]))
+            if self.disk is None or self.host_shardings is None or keys[n] in self._reading:
+                break                            # (a background read given up on: not read twice)
+            run = list(itertools.takewhile(lambda key: not self._in_memory(key) and key not in self._reading,
+                                           keys[n:]))
             read = self.disk.get_run(run)        # numpy arrays, copied straight to the device at the sync
             self._claimed.update(zip(run, read))
             n += len(read)

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from atlasjax import LLM, SamplingParams
+from atlasjax import LLM, SamplingParams, kv_offload
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError
 from atlasjax.kv_disk import SUFFIX, DiskKVStore, fingerprint, key_digest
@@ -118,6 +118,22 @@ def test_a_prompt_whose_prefix_is_read_from_disk_waits_while_others_run(model, t
         engine.release(rid)
     assert tier.num_reading == 0 and engine.pool.num_free_pages == ENGINE["num_pages"]
     assert answer(llm, second).outputs[0].token_ids == expected[1]   # the aborted one's pages, read, serve later
+
+
+def test_a_stalled_disk_read_is_given_up_and_the_prefix_computed(model, tmp_path, monkeypatch):
+    first, *others = prompts(2, 5)
+    llm = LLM(model, kv_offloading_disk=str(tmp_path), **ENGINE)
+    expected = answer(llm, first).outputs[0].token_ids
+    for ids in others:
+        answer(llm, ids)
+    assert llm.engine.kv_offload.disk.flush(timeout=60)
+    gate, load = threading.Event(), DiskKVStore._load
+    monkeypatch.setattr(DiskKVStore, "_load", lambda *args: gate.wait(60) and load(*args))   # a disk that hangs
+    monkeypatch.setattr(kv_offload, "FETCH_SECONDS", 0.5)
+    out = answer(llm, first)
+    assert out.outputs[0].token_ids == expected and out.num_cached_tokens == 0   # computed after half a second
+    gate.set()
+    assert llm.engine.pool.num_free_pages == ENGINE["num_pages"]
 
 
 def store(tmp_path, pages: int, name: str | None = "fp") -> DiskKVStore:
