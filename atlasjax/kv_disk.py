@@ -11,10 +11,10 @@ namespace of their own that is removed at exit.
 
 Reads happen when a waiting prompt's prefix reaches a page held only here (`HostKVCache.fetching`): a background
 thread reads the rest of its run while other requests are scheduled, and the prompt is admitted with those pages
-once they are in memory. A file that is missing,
-truncated or unreadable is a miss: the prompt computes that page again. Files are dropped least recently used
-first beyond `capacity_bytes`. Engines of the same namespace running at once (data-parallel replicas) read each
-other's files; each counts toward its size only the files it wrote or read.
+once they are in memory. A file that is missing, truncated or unreadable is a miss: the prompt computes that page
+again. Files are dropped least recently used first beyond `capacity_bytes`. Engines of the same namespace running
+at once (data-parallel replicas) read each other's files; each counts toward its size only the files it wrote or
+read.
 """
 from __future__ import annotations
 

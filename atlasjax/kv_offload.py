@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
 import logging
 import os
 import time
@@ -139,30 +138,19 @@ class HostKVCache:
 
     def claim(self, keys: list[tuple], limit: int) -> int:
         """How many of `keys`, from the first, this tier can refill (at most `limit`): those in host memory or
-        read already (`fetching`), and those in files, which are read now (an unreadable one, or one whose
-        background read is late, ends the run). Each is held for the next `sync` (the copy to the device),
-        whatever host memory drops meanwhile."""
-        keys, n = keys[:limit], 0
+        read from files already (`fetching`, which the scheduler asks first). Each is held for the next `sync`
+        (the copy to the device), whatever host memory drops meanwhile."""
         self._collect()
-        while n < len(keys):
-            if keys[n] in self.entries:
-                self.entries.move_to_end(keys[n])
-                self._claimed[keys[n]] = self.entries[keys[n]]
-                n += 1
-                continue
-            if keys[n] in self._staged:
-                self._claimed[keys[n]] = self._staged.pop(keys[n])[0]
-                n += 1
-                continue
-            if self.disk is None or self.host_shardings is None or keys[n] in self._reading:
-                break                            # (a background read given up on: not read twice)
-            run = list(itertools.takewhile(lambda key: not self._in_memory(key) and key not in self._reading,
-                                           keys[n:]))
-            read = self.disk.get_run(run)        # numpy arrays, copied straight to the device at the sync
-            self._claimed.update(zip(run, read))
-            n += len(read)
-            if len(read) < len(run):
+        n = 0
+        for key in keys[:limit]:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                self._claimed[key] = self.entries[key]
+            elif key in self._staged:
+                self._claimed[key] = self._staged.pop(key)[0]
+            else:
                 break
+            n += 1
         return n
 
     def clear(self) -> None:

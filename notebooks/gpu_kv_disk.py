@@ -69,7 +69,10 @@ def drop_page_cache(directory: str) -> int:
     n = 0
     for root, _, names in os.walk(directory):
         for name in names:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:     # a write's temporary file, renamed meanwhile
+                continue
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)

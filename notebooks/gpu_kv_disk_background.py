@@ -1,6 +1,7 @@
-"""GPU: what a cold disk read costs the requests already running (`kv_offloading_disk`), with the reads done on the
-engine thread as the request is scheduled (`blocking`, session 73's design, forced here) and in the background while
-the request waits in the queue (`background`, the default since session 74).
+"""GPU: what a cold disk read costs the requests already running (`kv_offloading_disk`), with the engine thread
+waiting for the reads as the request is scheduled (`blocking`, session 73's design, forced here; session 74's
+figures ran an earlier form of it, the files read by `HostKVCache.claim` itself) and with the reads in the
+background while the request waits in the queue (`background`, the default since session 74).
 
 Llama-3.1-8B shapes (random bf16 weights over MODEL's config.json). DOCS documents of DOC_LEN random tokens are
 read once, so their pages land in files under DISK (the device pool and host memory keep only the last few). Then,
@@ -16,12 +17,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
 
 from atlasjax import LLM, SamplingParams, compile_cache
 from atlasjax.kv_offload import HostKVCache
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_kv_disk import drop_page_cache  # noqa: E402  (the notebook beside this one)
 
 MODEL = os.environ.get("MODEL", ".cache/llama8b")
 DOCS = int(os.environ.get("DOCS", 32))
@@ -31,6 +36,7 @@ STREAMS = int(os.environ.get("STREAMS", 4))
 GAP = int(os.environ.get("GAP", 12))
 DISK = os.environ.get("DISK", "/tmp/kvdisk")
 PAGE = 16
+
 
 def page_bytes(model: str) -> int:
     """One page's K and V over every layer, in bf16 (an 8B: 2 MiB)."""
@@ -42,21 +48,6 @@ def page_bytes(model: str) -> int:
 
 STREAM_TOKENS = GAP * (READS + 2) * 4                      # the streams outlast the reads
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-
-def drop_page_cache(directory: str) -> int:
-    n = 0
-    for root, _, names in os.walk(directory):
-        for name in names:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except FileNotFoundError:     # a write's temporary file, renamed meanwhile
-                continue
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-            n += 1
-    return n
 
 
 def run(llm, mode: str, docs: list[list[int]], rng) -> None:
@@ -123,7 +114,13 @@ def main() -> None:
     llm.engine.kv_offload.disk.flush()
     run(llm, "warm-up (compiles the step shapes; files cold)", docs[2 * READS:3 * READS], rng)
     background = HostKVCache.fetching
-    HostKVCache.fetching = lambda self, keys, limit: False   # claim reads the files on the engine thread
+
+    def blocking(self, keys, limit):     # the engine thread waits for the files as the request is scheduled
+        while background(self, keys, limit):
+            self.wait_for_reads(1.0)
+        return False
+
+    HostKVCache.fetching = blocking
     run(llm, "blocking", docs[:READS], rng)
     HostKVCache.fetching = background
     run(llm, "background", docs[READS:2 * READS], rng)
