@@ -33,7 +33,8 @@ class StreamingLLM:
     """The asyncio side of an engine that runs elsewhere (a thread: AsyncLLM; a process:
     atlasjax.engine_process.EngineProcessLLM): per-request queues fed by `_deliver`, and commands
     ("add" / "abort" / "release" / "reset_prefix_cache"; "embed", "sleep", "wake_up", "is_sleeping", "start_profile",
-    "stop_profile" answer once) sent through `_submit`, carried out in order."""
+    "stop_profile", "pause", "resume", "is_paused", "update_weights" answer once) sent through `_submit`, carried
+    out in order."""
 
     def __init__(self):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -95,6 +96,23 @@ class StreamingLLM:
 
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping", f"sleeping-{next(self._ids)}")
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
+        """vLLM's `pause_generation` (atlasjax/pause.py): "abort", "wait" for or "keep" the requests in flight;
+        later ones wait for `resume_generation`. Answers once the pause has taken effect (True), or False when a
+        resume called it off first."""
+        return await self._call("pause", f"pause-{next(self._ids)}", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._call("resume", f"resume-{next(self._ids)}")
+
+    async def is_paused(self) -> bool:
+        return await self._call("is_paused", f"paused-{next(self._ids)}")
+
+    async def update_weights_from_disk(self, model_path: str) -> dict:
+        """`LLM.update_weights_from_disk` between the engine's steps (atlasjax/weight_update.py): refused while
+        requests run, so pause first; {"model_path", "seconds"}."""
+        return await self._call("update_weights", f"weights-{next(self._ids)}", model_path)
 
     async def start_profile(self, directory: str | None = None) -> str:
         """`LLM.start_profile` between the engine's steps (atlasjax/profiling.py); returns the trace's directory."""
@@ -222,12 +240,14 @@ class AsyncLLM(StreamingLLM):
                     self._inbox.clear()
                     stopping = self._stopping
                 apply_commands(engine, commands, self._deliver)
+                if stopping == "drain" and engine.is_paused:
+                    engine.resume_generation()    # the requests a pause kept or held finish too
                 if commands:
                     engine.stats.refresh(engine)   # gauges stay true after aborts with no step
                 if stopping == "now" or (stopping == "drain" and not engine.has_unfinished() and not self._inbox):
                     return
-                if deltas := engine.step():
-                    self._deliver([(d.request_id, d) for d in deltas])
+                if out := [(d.request_id, d) for d in engine.step()] + engine.pause_state.answers():
+                    self._deliver(out)
         except BaseException as e:  # noqa: BLE001 (report to every waiter, then stop)
             log.exception("engine thread failed")
             self._fail_all(e)
@@ -283,12 +303,33 @@ def apply_command(engine: LLMEngine, cmd) -> list:
         except AtlasJaxError as e:
             return [(request_id, e)]
         return [(request_id, kind)]
+    elif kind in ("pause", "resume", "is_paused", "update_weights"):
+        return _pausing_command(engine, cmd)
     elif kind in ("start_profile", "stop_profile"):
         try:
             return [(request_id, engine.profiler.start(cmd[2]) if kind == "start_profile" else engine.profiler.stop())]
         except AtlasJaxError as e:
             return [(request_id, e)]
     return []
+
+
+def _pausing_command(engine: LLMEngine, cmd) -> list:
+    """A pause ("pause", id, mode, clear_cache: answered once it takes effect, after the deltas of the requests it
+    ended), "resume", "is_paused" or "update_weights" (id, model path) command; (request id, item) pairs."""
+    kind, request_id = cmd[0], cmd[1]
+    try:
+        if kind == "pause":
+            deltas = engine.pause_generation(cmd[2], cmd[3])
+            engine.pause_state.waiters.append(request_id)
+            return [(d.request_id, d) for d in deltas] + engine.pause_state.answers()
+        if kind == "resume":
+            engine.resume_generation()
+            return engine.pause_state.answers() + [(request_id, None)]
+        if kind == "is_paused":
+            return [(request_id, engine.is_paused)]
+        return [(request_id, engine.update_weights_from_disk(cmd[2]))]
+    except AtlasJaxError as e:
+        return [(request_id, e)]
 
 
 @dataclasses.dataclass

@@ -251,6 +251,21 @@ class DataParallelLLM:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await _on_all(r.wake_up(tags) for r in self.replicas)
 
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> bool:
+        return all(await _on_all(r.pause_generation(mode, clear_cache) for r in self.replicas))
+
+    async def resume_generation(self) -> None:
+        await _on_all(r.resume_generation() for r in self.replicas)
+
+    async def is_paused(self) -> bool:
+        return any(await asyncio.gather(*(r.is_paused() for r in self.replicas)))
+
+    async def update_weights_from_disk(self, model_path: str) -> dict:
+        """Every replica loads the checkpoint (at the same time); the slowest one's time."""
+        answers = await _on_all(r.update_weights_from_disk(model_path) for r in self.replicas)
+        self.router.forget()     # the replicas' prefix caches were forgotten
+        return {"model_path": model_path, "seconds": max(a["seconds"] for a in answers)}
+
     async def start_profile(self, directory: str | None = None) -> str:
         """Every replica traces into a subdirectory `dp<N>` of `directory` (default: the engine's profiler_dir)."""
         base = trace_dir(directory, self._profiler_dir)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import bad_words, distributed, hub, long_context_decode, metrics, weights_summary
+from atlasjax import bad_words, distributed, hub, long_context_decode, metrics, pause, weights_summary
 from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolve_max_model_len,
                                     resolve_scheduler_steps)
 from atlasjax.draft_model import load_draft
@@ -192,6 +192,7 @@ class LLMEngine:
             log.info("speculative decoding: %s drafts, %s", "draft model" if self.speculative.uses_draft_model
                      else "n-gram", self.speculative)
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
+        self.pause_state = pause.PauseState()   # a pause for new weights (atlasjax/pause.py)
         self.profiler = Profiler(profiler_dir(config.profiler_dir))   # start_profile / stop_profile (profiling.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
@@ -267,6 +268,8 @@ class LLMEngine:
             self.outputs.add(req)
             seqs.append(req)
             self.scheduler.add(req)
+            if self.pause_state.is_paused:
+                self.scheduler.held.add(req)     # waits for resume
         self.requests[request_id] = seqs
         self.stats.num_requests += 1
         return seqs
@@ -384,7 +387,38 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or self._in_flight is not None
+        """Whether `step()` has work: requests to run (none while a pause is in effect) or a step to read back."""
+        return self._in_flight is not None or (self.scheduler.has_work and not self.pause_state.settled)
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def drain(self) -> list[StreamDelta]:
+        """Read back the step dispatched by the last `step()` (asynchronous scheduling), if any; its deltas."""
+        done, self._in_flight = self._in_flight, None
+        return self._process(done) if done is not None else []
+
+    # ---- pausing for new weights (atlasjax/pause.py, atlasjax/weight_update.py)
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> list[StreamDelta]:
+        """vLLM's `pause_generation`: "abort", "wait" for or "keep" the requests in flight; later ones wait for
+        `resume_generation`. Returns the deltas of the requests it ended; `pause_state.settled` says whether it
+        has taken effect ("wait": once `step()` has run the requests in flight to completion)."""
+        return pause.pause(self, mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        pause.resume(self)
+
+    @property
+    def is_paused(self) -> bool:
+        return self.pause_state.is_paused
+
+    def update_weights_from_disk(self, model_path: str) -> dict:
+        """SGLang's `update_weights_from_disk`: load a checkpoint of the same architecture in place of the weights,
+        quantized and placed as they were, between steps (atlasjax/weight_update.py); what it loaded and how long
+        it took."""
+        from atlasjax import weight_update  # noqa: PLC0415
+        return weight_update.from_disk(self, model_path)
 
     @property
     def async_scheduling(self) -> bool:
@@ -401,6 +435,8 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """Schedule and dispatch a step; return the deltas of the step read back now: this one
         (synchronous) or the one dispatched by the previous call (asynchronous)."""
+        if self.pause_state.is_paused and (paused := pause.step_paused(self)) is not None:
+            return paused
         t0 = time.perf_counter()
         first = []
         if self._in_flight is not None and self._in_flight.spans is not None:

@@ -241,9 +241,11 @@ def _serve(conn, engine, max_waiting: int) -> None:
             apply_commands(engine, embeds, lambda items: conn.send(("out", items, _snapshot(engine.stats))))
         if had_commands:
             engine.stats.refresh(engine)   # gauges stay true after aborts with no step (a step refreshes them itself)
+        if stopping == "drain" and engine.is_paused:
+            engine.resume_generation()    # the requests a pause kept or held finish too
         if stopping == "now" or (stopping == "drain" and not engine.has_unfinished()):
             return
-        out += [(d.request_id, d) for d in engine.step()]
+        out += [(d.request_id, d) for d in engine.step()] + engine.pause_state.answers()
         conn.send(("out", out, _snapshot(engine.stats)))
 
 

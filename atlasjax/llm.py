@@ -71,33 +71,17 @@ class LLM:
         say, after a gradient step on them), placed where the current ones are. The compiled steps stay (the
         weights are their arguments), and the prefix cache is cleared, since its K/V came from the old
         weights. Between requests only: requests in flight would mix the two."""
-        import jax  # noqa: PLC0415
+        from atlasjax import weight_update  # noqa: PLC0415
+        weight_update.check_can_update(self.engine, "LLM.update_params")
+        weight_update.install(self.engine, params)
 
-        from atlasjax import distributed  # noqa: PLC0415
-        if distributed.is_multiprocess():
-            raise RuntimeError("LLM.update_params runs in a single-process engine")
-        if self.engine.has_unfinished():
-            raise RuntimeError("requests are in flight: update the params between requests")
-        if "weights" in self.engine.sleep_state.asleep:
-            raise InvalidRequestError("the weights are asleep in host memory: wake_up(tags=['weights']) before "
-                                      "updating them (or sleep(level=2), which discards them)")
-        old, treedef = jax.tree_util.tree_flatten_with_path(self.engine.runner.params)
-        new, new_treedef = jax.tree_util.tree_flatten_with_path(params)
-        if new_treedef != treedef:
-            raise InvalidRequestError("the params' tree differs from LLM.params' (update with a tree shaped as "
-                                      "LLM.params: the execution layout, q/k/v and gate/up fused)")
-        for (path, a), (_, b) in zip(old, new):
-            dtype = b.dtype if hasattr(b, "dtype") else np.asarray(b).dtype
-            if np.shape(b) != a.shape or dtype != a.dtype:
-                given = f"{dtype}{list(np.shape(b))}"
-                raise InvalidRequestError(f"params{jax.tree_util.keystr(path)}: {given}, but the engine runs "
-                                          f"{a.dtype}{list(a.shape)}")
-        placed = [jax.device_put(b, a.sharding) for (_, a), (_, b) in zip(old, new)]
-        self.engine.runner.params = jax.tree.unflatten(treedef, placed)
-        self.engine.sleep_state.weights_discarded = False
-        if self.engine.kv_offload is not None and self.engine.kv_offload.disk is not None:
-            self.engine.kv_offload.disk.forget_weights()   # its files name the old weights
-        self.reset_prefix_cache()
+    def update_weights_from_disk(self, model_path: str) -> dict:
+        """SGLang's `update_weights_from_disk` (vLLM's weight reload): the checkpoint at `model_path` (a Hugging
+        Face directory, a .gguf file or an `LLM.save` directory of the same architecture) replaces the weights,
+        quantized as the engine's own were (atlasjax/weight_update.py); the compiled steps stay. A checkpoint
+        that cannot be read, or of another architecture, is refused with the reason, the old weights serving on.
+        Returns {"model_path", "seconds"}."""
+        return self.engine.update_weights_from_disk(model_path)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (atlasjax/sleep_mode.py), between requests: release the device memory the engine

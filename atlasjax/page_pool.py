@@ -128,9 +128,11 @@ class PagePool:
                 self.cached[keys[i]] = pages[i]
                 self.page_key[pages[i]] = keys[i]
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, held_too: bool = False) -> None:
+        """Forget the cached prompt pages no request holds (held_too: those requests hold as well, which stay theirs
+        but are nobody's prefix any more), and the second tier's."""
         for page in list(self.page_key):
-            if self.ref_counts[page] == 0:
+            if self.ref_counts[page] == 0 or held_too:
                 key = self.page_key.pop(page)
                 self.cached.pop(key, None)
         if self.second_tier is not None:

@@ -100,6 +100,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.held: set[Request] = set()   # arrived during a pause (atlasjax/pause.py): not admitted until resume
 
     # ---- queue
     def add(self, req: Request) -> None:
@@ -233,8 +234,11 @@ class Scheduler:
 
     def _next_admissible(self) -> Request | None:
         """The waiting request admitted next: the first in the queue's order whose LoRA adapter can have a device
-        slot now and whose cached prefix is not being read from disk (requests behind those wait less)."""
+        slot now and whose cached prefix is not being read from disk (requests behind those wait less), and that
+        did not arrive during a pause."""
         for req in self.waiting:
+            if req in self.held:
+                continue
             if self.lora is not None and not self.lora.can_place(req):
                 continue
             if not req.pages and self.pool.fetching(self._cache_keys(req)):
@@ -326,6 +330,7 @@ class Scheduler:
         self.waiting.requeue(req)
 
     def finish(self, req: Request, reason: str) -> None:
+        self.held.discard(req)
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             if req.pages:

@@ -42,7 +42,7 @@ def sleep(engine, level: int = 1) -> None:
     """Release the engine's weights (level 1: kept in host memory; level 2: discarded) and its KV pool."""
     if level not in (1, 2):
         raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-    if engine.has_unfinished():
+    if engine.has_unfinished() or engine.scheduler.has_work:   # (requests kept by a pause hold K/V in the pool)
         raise InvalidRequestError("requests are in flight: sleep between requests")
     state, runner = engine.sleep_state, engine.runner
     if "weights" not in state.asleep and not state.weights_discarded:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from serving import (anthropic_routes, embeddings_routes, invocations, lora_routes, openai_routes, responses_routes,
-                     utility_routes)
+                     utility_routes, weight_routes)
 from serving.bridge import ClientDisconnected
 from serving.errors import APIError, error_response
 from serving.metrics import ServerMetrics
@@ -61,7 +61,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
                reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
                max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0,
                enable_sleep_mode: bool = False, lora_modules: dict | None = None,
-               enable_profiler: bool = False) -> Starlette:
+               enable_profiler: bool = False, enable_weight_updates: bool = False) -> Starlette:
     """Build the server app.
 
     Args:
@@ -85,6 +85,8 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, /v1/load_lora_adapter and /v1/unload_lora_adapter change them.
       enable_profiler: serve /start_profile and /stop_profile (the engine needs a profiler directory:
         atlasjax/profiling.py).
+      enable_weight_updates: serve the routes an RL loop gives the engine new weights by (serving/weight_routes.py:
+        vLLM's /pause, /resume, /is_paused; SGLang's /update_weights_from_disk and its pause routes).
     """
     max_lora_rank = _max_lora_rank(engine)
     if lora_modules and max_lora_rank is None:
@@ -94,6 +96,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
               + invocations.ROUTES
               + utility_routes.ROUTES + (utility_routes.SLEEP_ROUTES if enable_sleep_mode else [])
               + (utility_routes.PROFILE_ROUTES if enable_profiler else [])
+              + (weight_routes.ROUTES if enable_weight_updates else [])
               + (lora_routes.ROUTES if max_lora_rank is not None and lora_routes.runtime_updates_allowed() else []))
     known_paths = {r.path for r in routes if "{" not in r.path}
     middleware = []

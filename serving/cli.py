@@ -95,6 +95,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's): the idle engine "
                         "gives its device memory back to a trainer sharing the devices, and takes it again")
+    g.add_argument("--enable-weight-updates", action="store_true",
+                   help="serve the routes an RL loop drives the server with between rollouts: POST /pause?mode="
+                        "abort|wait|keep, POST /resume, GET /is_paused (vLLM's), POST /update_weights_from_disk "
+                        "{\"model_path\"} (SGLang's: a checkpoint of the same architecture replaces the weights, "
+                        "without compiling again), GET /get_weight_version, POST /pause_generation, "
+                        "/continue_generation")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -244,7 +250,8 @@ def serve(args) -> int:
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval,
                          enable_sleep_mode=args.enable_sleep_mode, lora_modules=lora_modules,
-                         enable_profiler=profiler_dir(args.profiler_dir) is not None)
+                         enable_profiler=profiler_dir(args.profiler_dir) is not None,
+                         enable_weight_updates=args.enable_weight_updates)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.graceful_timeout,
                                 access_log=args.uvicorn_log_level in ("info", "debug", "trace"),
                                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)

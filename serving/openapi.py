@@ -117,6 +117,17 @@ OPERATIONS = {
                                         "adapter ({\"lora_name\", \"lora_path\"}; vLLM's)", None, False),
     ("/v1/unload_lora_adapter", "post"): ("With --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: stop serving "
                                           "a LoRA adapter ({\"lora_name\"})", None, False),
+    ("/pause", "post"): ("With --enable-weight-updates: pause generation (?mode=abort|wait|keep&clear_cache=true|"
+                         "false; vLLM's); answered once it has taken effect", None, False),
+    ("/resume", "post"): ("With --enable-weight-updates: resume generation (vLLM's)", None, False),
+    ("/is_paused", "get"): ("With --enable-weight-updates: {\"is_paused\": bool}", None, False),
+    ("/pause_generation", "post"): ("With --enable-weight-updates: SGLang's pause ({\"mode\": \"abort\" | "
+                                    "\"retract\" | \"in_place\"})", None, False),
+    ("/continue_generation", "post"): ("With --enable-weight-updates: SGLang's resume", None, False),
+    ("/update_weights_from_disk", "post"): ("With --enable-weight-updates: load a checkpoint of the same architecture "
+                                            "in place of the weights ({\"model_path\", \"abort_all_requests\", "
+                                            "\"weight_version\"}; SGLang's)", None, False),
+    ("/get_weight_version", "get"): ("With --enable-weight-updates: {\"weight_version\"} (SGLang's)", None, False),
     ("/openapi.json", "get"): ("This document", None, False),
 }
 ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "413": "Request body too large",

@@ -37,6 +37,8 @@ class ServerState:
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)   # the Responses API's `store`
     lora_modules: dict = dataclasses.field(default_factory=dict)   # adapter name -> LoRARequest (lora_routes.py)
     max_lora_rank: int | None = None    # the engine's, with LoRA enabled (None: no adapters)
+    weight_version: str = "default"     # SGLang's: named by the last /update_weights_from_disk (weight_routes.py)
+    weights_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)   # one weight update at a time
     model_names: tuple[str, ...] = dataclasses.field(init=False, default=())   # every served name, main first
     _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once
     _end_ids: tuple[int, ...] | None = None     # the reasoning's end tag alone, tokenized once

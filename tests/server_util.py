@@ -31,8 +31,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _cache: dict = {}
 
 
-def make_tiny_model(out_dir: str) -> str:
-    """A random Llama with the Llama 3 tokenizer (skips the test when the tokenizer asset is absent)."""
+def make_tiny_model(out_dir: str, seed: int = 0) -> str:
+    """A random Llama with the Llama 3 tokenizer (skips the test when the tokenizer asset is absent); another
+    seed, other weights of the same architecture."""
     if not os.path.exists(os.path.join(TOKENIZER_DIR, "tokenizer.json")):
         pytest.skip(f"test assets not found at {TOKENIZER_DIR} (the Llama 3 tokenizer is needed for text)")
     from safetensors.numpy import save_file
@@ -43,7 +44,7 @@ def make_tiny_model(out_dir: str) -> str:
                   num_key_value_heads=kv_heads, max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
                   hidden_act="silu", tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128009],
                   torch_dtype="float32")
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
 
     def w(*shape, std=0.08):
         return rng.normal(0.0, std, shape).astype(np.float32)

@@ -17,15 +17,15 @@ import time
 import httpx
 import pytest
 
-from atlasjax import SamplingParams
+from atlasjax import LLM, SamplingParams
 from atlasjax.data_parallel import (AFFINITY_SLACK, DataParallelLLM, PrefixRouter, combine_stats,
                                     replica_environments, visible_gpus)
 from atlasjax.engine_config import EngineConfig
 from atlasjax.errors import EngineConfigError, InvalidRequestError, UnsupportedModelError
 from atlasjax.metrics import EngineStats
 from atlasjax.speculative import SpecStats
-from tests.server_util import (API_KEY, ENGINE_KWARGS, MODEL_NAME, greedy_reference, metric_value, reference_llm,
-                               shared_server, tiny_model_dir)
+from tests.server_util import (API_KEY, ENGINE_KWARGS, MODEL_NAME, greedy_reference, make_tiny_model, metric_value,
+                               reference_llm, shared_server, tiny_model_dir)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 PAGE = ENGINE_KWARGS.get("page_size", 16)
@@ -175,6 +175,25 @@ def test_sleep_and_wake_up_reach_every_replica(dp):
         return asleep, await dp.is_sleeping(), [await r.is_sleeping() for r in dp.replicas]
     assert asyncio.run(cycle()) == (True, False, [False, False])
     assert [asyncio.run(_tokens(dp, prompt)) for _ in range(2)] == [before, before]   # on both replicas
+
+
+def test_pauses_and_new_weights_reach_every_replica(dp, tmp_path_factory):
+    first = tiny_model_dir(tmp_path_factory)
+    second = make_tiny_model(str(tmp_path_factory.mktemp("tiny_llama3_second")), seed=1)
+    prompt = [128000, *range(8000, 8020)]
+    want = [o.outputs[0].token_ids for o in greedy_reference(LLM(second, **ENGINE_KWARGS), [prompt], 6)][0]
+    before = asyncio.run(_tokens(dp, prompt))
+
+    async def cycle():
+        await dp.pause_generation("keep")
+        paused = await dp.is_paused(), [await r.is_paused() for r in dp.replicas]
+        loaded = await dp.update_weights_from_disk(second)
+        await dp.resume_generation()
+        return paused, loaded["seconds"] > 0, await dp.is_paused()
+    assert asyncio.run(cycle()) == ((True, [True, True]), True, False)
+    assert [asyncio.run(_tokens(dp, prompt)) for _ in range(2)] == [list(want)] * 2   # on both replicas
+    asyncio.run(dp.update_weights_from_disk(first))
+    assert asyncio.run(_tokens(dp, prompt)) == before
 
 
 def test_embeddings_come_from_a_replica(dp, tmp_path_factory):

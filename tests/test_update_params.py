@@ -83,7 +83,7 @@ def test_a_mismatched_tree_is_refused_and_the_old_weights_serve_on(models):
         llm.update_params({k: v for k, v in params.items() if k != "embed_tokens"})
     assert _greedy(llm, 4).outputs[0].token_ids == want
     llm.engine.add_request("busy", PROMPT, SamplingParams(max_tokens=2))
-    with pytest.raises(RuntimeError, match="in flight"):
+    with pytest.raises(InvalidRequestError, match="in flight"):
         llm.update_params(params)
     while llm.engine.has_unfinished():
         llm.engine.step()
