@@ -83,17 +83,22 @@ def from_disk(engine: LLMEngine, model_path: str) -> dict:
         _delete(jax.tree.leaves(weights))
         runner.params = abstract
     del weights
+    t_kept = time.perf_counter()
     try:
-        install(engine, _load(engine, model_path))
+        params = _load(engine, model_path)
+        t_loaded = time.perf_counter()
+        install(engine, params)
     except BaseException as e:
         if kept is not None:       # the old weights serve on
             runner.params = jax.tree.map(lambda host, a: jax.device_put(host, a.sharding), kept, abstract)
         if isinstance(e, AtlasJaxError) or not isinstance(e, Exception):
             raise
         raise CheckpointError(f"cannot load new weights from {model_path}: {type(e).__name__}: {e}") from e
-    seconds = time.perf_counter() - t0
-    log.info("new weights from %s in %.1f s", model_path, seconds)
-    return {"model_path": model_path, "seconds": seconds}
+    t1 = time.perf_counter()
+    log.info("new weights from %s in %.1f s (old ones to host memory %.1f s, read %.1f s, placed %.1f s)",
+             model_path, t1 - t0, t_kept - t0, t_loaded - t_kept, t1 - t_loaded)
+    return {"model_path": model_path, "seconds": t1 - t0, "keep_seconds": t_kept - t0,
+            "read_seconds": t_loaded - t_kept, "place_seconds": t1 - t_loaded}
 
 
 def _load(engine: LLMEngine, model_path: str):
