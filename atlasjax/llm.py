@@ -211,6 +211,8 @@ class LLM:
         priority: one integer per prompt, with `scheduling_policy="priority"` (lower is served sooner).
         lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model); the engine
         needs enable_lora=True (atlasjax/lora.py)."""
+        if self.engine.is_paused:
+            raise InvalidRequestError("generation is paused (engine.pause_generation): resume_generation() first")
         given = [split_prompt(p) for p in prompt_list(prompts)]
         prompts, salts = [p for p, _ in given], [salt for _, salt in given]
         if isinstance(sampling_params, list):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from atlasjax import distributed
+from atlasjax import distributed, weights_summary
 from atlasjax.errors import AtlasJaxError, CheckpointError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -37,13 +37,18 @@ def check_can_update(engine: LLMEngine, what: str) -> None:
                                   "updating them (or sleep(level=2), which discards them)")
 
 
-def install(engine: LLMEngine, params) -> None:
+def install(engine: LLMEngine, params, source: str | None = None) -> None:
     """Run `engine` on `params`, a tree shaped as `LLM.params` (checked leaf by leaf: a mismatch is refused with
-    the leaf named, the old weights still serving), placed where the current weights are."""
+    the leaf named, the old weights still serving), placed where the current weights are. source: the checkpoint
+    they were read from (for the errors)."""
     current = engine.runner.params
     old, treedef = jax.tree_util.tree_flatten_with_path(current)
     new, new_treedef = jax.tree_util.tree_flatten_with_path(params)
     if new_treedef != treedef:
+        if source is not None:
+            raise InvalidRequestError(f"{source} loads in other formats than the engine's weights "
+                                      f"({weights_summary.describe(params)}; the engine runs "
+                                      f"{weights_summary.describe(current)})")
         raise InvalidRequestError("the params' tree differs from LLM.params' (update with a tree shaped as "
                                   "LLM.params: the execution layout, q/k/v and gate/up fused)")
     for (path, a), (_, b) in zip(old, new):
@@ -87,7 +92,7 @@ def from_disk(engine: LLMEngine, model_path: str) -> dict:
     try:
         params = _load(engine, model_path)
         t_loaded = time.perf_counter()
-        install(engine, params)
+        install(engine, params, model_path)
     except BaseException as e:
         if kept is not None:       # the old weights serve on
             runner.params = jax.tree.map(lambda host, a: jax.device_put(host, a.sharding), kept, abstract)

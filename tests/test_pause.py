@@ -170,7 +170,7 @@ def test_kept_pages_from_the_old_weights_serve_no_later_prompt(llm, second, dirs
     llm.update_weights_from_disk(dirs["first"])
 
 
-def test_quantized_engine_takes_the_checkpoint_quantized_as_its_own(dirs, tmp_path):
+def test_quantized_engine_takes_the_checkpoint_quantized_as_its_own(llm, dirs, tmp_path):
     first = LLM(dirs["first"], quantization="int8", **KW)
     before = _greedy(first, PROMPTS["a"])
     saved = str(tmp_path / "int8")
@@ -181,6 +181,10 @@ def test_quantized_engine_takes_the_checkpoint_quantized_as_its_own(dirs, tmp_pa
     assert _greedy(first, PROMPTS["a"]) == _greedy(want, PROMPTS["a"])
     first.update_weights_from_disk(saved)
     assert _greedy(first, PROMPTS["a"]) == before
+    want = _greedy(llm, PROMPTS["a"])
+    with pytest.raises(InvalidRequestError, match="loads in other formats than the engine's weights .*int8"):
+        llm.update_weights_from_disk(saved)           # int8 weights saved as such, for an engine running floats
+    assert _greedy(llm, PROMPTS["a"]) == want
 
 
 def test_under_tensor_parallelism_and_after_sleep_level_2(dirs, second):
