@@ -80,6 +80,7 @@ def from_disk(engine: LLMEngine, model_path: str) -> dict:
     from atlasjax.sleep_mode import _abstract, _delete, _to_host  # noqa: PLC0415
     check_can_update(engine, "update_weights_from_disk")
     t0 = time.perf_counter()
+    path = _checkpoint_path(model_path)     # no checkpoint there: refused before the weights move
     runner = engine.runner
     weights, kept = runner.params, None
     abstract = _abstract(weights)
@@ -90,7 +91,7 @@ def from_disk(engine: LLMEngine, model_path: str) -> dict:
     del weights
     t_kept = time.perf_counter()
     try:
-        params = _load(engine, model_path)
+        params = _load(engine, path)
         t_loaded = time.perf_counter()
         install(engine, params, model_path)
     except BaseException as e:
@@ -106,16 +107,30 @@ def from_disk(engine: LLMEngine, model_path: str) -> dict:
             "read_seconds": t_loaded - t_kept, "place_seconds": t1 - t_loaded}
 
 
+def _checkpoint_path(model_path: str) -> str:
+    """The local path of the checkpoint `model_path` names (a Hub id resolved as at start), refused with the reason
+    when nothing loadable is there."""
+    from atlasjax import hub  # noqa: PLC0415
+    from atlasjax.loader import model_format  # noqa: PLC0415
+    if not isinstance(model_path, str) or not model_path:
+        raise InvalidRequestError("model_path must name a checkpoint (a directory or a .gguf file)")
+    try:
+        path = hub.resolve(model_path)
+        model_format(path)
+    except AtlasJaxError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a Hub lookup's failures, as the reason)
+        raise CheckpointError(f"cannot find the checkpoint {model_path}: {type(e).__name__}: {e}") from e
+    return path
+
+
 def _load(engine: LLMEngine, model_path: str):
     """The checkpoint's params in the engine's execution layout (not placed yet where the engine's are)."""
-    from atlasjax import hub  # noqa: PLC0415
     from atlasjax.hf_overrides import with_model_overrides  # noqa: PLC0415
     from atlasjax.model_source import load_for_engine, shard_loaded, with_weight_settings  # noqa: PLC0415
     from atlasjax.sharding import TP_AXIS  # noqa: PLC0415
     from models.fused import fuse_projections  # noqa: PLC0415
-    if not isinstance(model_path, str) or not model_path:
-        raise InvalidRequestError("model_path must name a checkpoint (a directory or a .gguf file)")
-    config = dataclasses.replace(engine.config, model=hub.resolve(model_path), load_format="auto")
+    config = dataclasses.replace(engine.config, model=model_path, load_format="auto")
     loaded = shard_loaded(load_for_engine(config, engine.dtype), config.tensor_parallel_size, engine.dtype)
     cfg = with_model_overrides(loaded.config, config.hf_overrides)
     _check_same_architecture(cfg, engine.model_config, model_path)

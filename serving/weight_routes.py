@@ -96,7 +96,7 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         if version is not None:
             state.weight_version = version
-    return JSONResponse({"success": True, "num_paused_requests": 0, "weight_version": state.weight_version,
+    return JSONResponse({"success": True, "weight_version": state.weight_version,
                          "message": f"loaded {model_path} in {loaded['seconds']:.2f} s "
                                     f"({time.perf_counter() - t0:.2f} s with the pause)"})
 
