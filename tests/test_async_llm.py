@@ -109,3 +109,18 @@ def test_the_capacity_check_is_safe_while_other_threads_fill_and_empty_the_inbox
         stop.set()
         filler.join()
         llm.shutdown()
+
+
+def test_a_draining_shutdown_finishes_the_requests_a_pause_held(tiny):
+    """A server stopping gracefully while paused: the requests a pause kept or held are not left hanging."""
+    want = [o.outputs[0].text for o in LLM.from_engine(_engine(tiny)).generate(PROMPTS[:2], PARAMS)]
+    llm = AsyncLLM(engine=_engine(tiny))
+
+    async def run():
+        assert await llm.pause_generation("keep") and await llm.is_paused()
+        streams = asyncio.gather(*(_texts(llm, [p]) for p in PROMPTS[:2]))
+        await asyncio.sleep(0.3)
+        assert llm.engine.scheduler.held and not llm.engine.scheduler.running
+        await asyncio.to_thread(llm.shutdown, True, 60)
+        return [texts[0] for texts in await asyncio.wait_for(streams, 30)]
+    assert asyncio.run(run()) == want

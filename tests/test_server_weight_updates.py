@@ -93,6 +93,24 @@ def test_new_weights_from_disk_and_a_checkpoint_it_cannot_load(server, second_di
     assert _complete(server)["text"] == want_first
 
 
+def test_an_update_lets_the_requests_in_flight_finish_on_the_old_weights(server, second_dir, tmp_path_factory):
+    """Without a pause, /update_weights_from_disk waits for the requests in flight (SGLang's default): one running
+    when it comes ends as the old weights make it, whole; the next answers as the new weights do."""
+    first = tiny_model_dir(tmp_path_factory)
+    long = 96
+    want_old = greedy_reference(reference_llm(tmp_path_factory), [PROMPT], long)[0].outputs[0].text
+    want_new = greedy_reference(LLM(second_dir, **ENGINE_KWARGS), [PROMPT], MAX_TOKENS)[0].outputs[0].text
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_complete, server, PROMPT, long)
+        time.sleep(0.3)
+        r = _post(server, "/update_weights_from_disk", json={"model_path": second_dir})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        finished = pending.result(timeout=60)
+    assert finished["text"] == want_old and finished["finish_reason"] == "length"
+    assert _complete(server)["text"] == want_new
+    assert _post(server, "/update_weights_from_disk", json={"model_path": first}).status_code == 200
+
+
 def test_bad_pause_requests_are_refused(server):
     assert _post(server, "/pause", params={"mode": "freeze"}).status_code == 400
     assert _post(server, "/pause", params={"clear_cache": "maybe"}).status_code == 400
