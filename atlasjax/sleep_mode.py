@@ -42,25 +42,25 @@ def sleep(engine, level: int = 1) -> None:
     """Release the engine's weights (level 1: kept in host memory; level 2: discarded) and its KV pool."""
     if level not in (1, 2):
         raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-    if engine.has_unfinished() or engine.scheduler.has_work:   # (requests kept by a pause hold K/V in the pool)
+    if engine.has_step_in_flight or engine.scheduler.has_work:   # (requests kept by a pause hold K/V in the pool)
         raise InvalidRequestError("requests are in flight: sleep between requests")
     state, runner = engine.sleep_state, engine.runner
     if "weights" not in state.asleep and not state.weights_discarded:
-        state.abstract_params = _abstract(runner.params)
-        state.host_params = _to_host(runner.params) if level == 1 else None
+        state.abstract_params = abstract(runner.params)
+        state.host_params = to_host(runner.params) if level == 1 else None
         state.weights_discarded = level == 2
-        _delete(jax.tree.leaves(runner.params))
+        delete_arrays(jax.tree.leaves(runner.params))
         runner.params = state.abstract_params
         if level == 1:
             state.asleep.add("weights")
     if runner.draft_params is not None and "draft weights" not in state.asleep:
-        state.abstract_draft = _abstract(runner.draft_params)
-        state.host_draft = _to_host(runner.draft_params)
-        _delete(jax.tree.leaves(runner.draft_params))
+        state.abstract_draft = abstract(runner.draft_params)
+        state.host_draft = to_host(runner.draft_params)
+        delete_arrays(jax.tree.leaves(runner.draft_params))
         runner.draft_params = state.abstract_draft
         state.asleep.add("draft weights")
     if "kv_cache" not in state.asleep:
-        _delete(jax.tree.leaves(runner.state))
+        delete_arrays(jax.tree.leaves(runner.state))
         runner.state = None
         engine.pool.reset_prefix_cache()
         state.asleep.add("kv_cache")
@@ -73,13 +73,11 @@ def wake_up(engine, tags: list[str] | None = None) -> None:
         raise InvalidRequestError(f"wake_up tags must be among {', '.join(TAGS)}, got {tags!r}")
     state, runner = engine.sleep_state, engine.runner
     if "weights" in tags and "weights" in state.asleep:
-        runner.params = jax.tree.map(lambda host, a: jax.device_put(host, a.sharding), state.host_params,
-                                     state.abstract_params)
+        runner.params = to_device(state.host_params, state.abstract_params)
         state.host_params = None
         state.asleep.discard("weights")
     if "weights" in tags and "draft weights" in state.asleep:
-        runner.draft_params = jax.tree.map(lambda host, a: jax.device_put(host, a.sharding), state.host_draft,
-                                           state.abstract_draft)
+        runner.draft_params = to_device(state.host_draft, state.abstract_draft)
         state.host_draft = None
         state.asleep.discard("draft weights")
     if "kv_cache" in tags and "kv_cache" in state.asleep:
@@ -87,12 +85,12 @@ def wake_up(engine, tags: list[str] | None = None) -> None:
         state.asleep.discard("kv_cache")
 
 
-def _abstract(params):
+def abstract(params):
     """params as shapes, dtypes and shardings (what waking places host copies or new weights by)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
 
 
-def _to_host(params):
+def to_host(params):
     """The params copied to host memory: pinned host buffers where the platform has them (a GPU: DMA, and
     waking copies them back the same way), else numpy arrays."""
     try:
@@ -102,7 +100,12 @@ def _to_host(params):
         return jax.device_get(params)
 
 
-def _delete(arrays) -> None:
+def to_device(host, abstract_params):
+    """`to_host`'s copy placed back on the devices, each leaf with its `abstract` sharding."""
+    return jax.tree.map(lambda h, a: jax.device_put(h, a.sharding), host, abstract_params)
+
+
+def delete_arrays(arrays) -> None:
     """Free the device buffers now (not when the last reference goes), each once."""
     for x in {id(x): x for x in arrays}.values():
         if not x.is_deleted():

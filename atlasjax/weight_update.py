@@ -77,17 +77,17 @@ def from_disk(engine: LLMEngine, model_path: str) -> dict:
     the engine's architecture) as the engine loaded its own: quantized by the same settings, placed over the same
     devices, fused into the execution layout. The old weights leave the device while it loads (the KV pool holds
     the memory beside them) and come back from host memory if the checkpoint cannot be read or does not fit."""
-    from atlasjax.sleep_mode import _abstract, _delete, _to_host  # noqa: PLC0415
+    from atlasjax.sleep_mode import abstract, delete_arrays, to_device, to_host  # noqa: PLC0415
     check_can_update(engine, "update_weights_from_disk")
     t0 = time.perf_counter()
     path = _checkpoint_path(model_path)     # no checkpoint there: refused before the weights move
     runner = engine.runner
     weights, kept = runner.params, None
-    abstract = _abstract(weights)
+    shapes = abstract(weights)
     if not engine.sleep_state.weights_discarded:    # (after sleep level 2 there are none to keep)
-        kept = _to_host(weights)
-        _delete(jax.tree.leaves(weights))
-        runner.params = abstract
+        kept = to_host(weights)
+        delete_arrays(jax.tree.leaves(weights))
+        runner.params = shapes
     del weights
     t_kept = time.perf_counter()
     try:
@@ -96,7 +96,7 @@ def from_disk(engine: LLMEngine, model_path: str) -> dict:
         install(engine, params, model_path)
     except BaseException as e:
         if kept is not None:       # the old weights serve on
-            runner.params = jax.tree.map(lambda host, a: jax.device_put(host, a.sharding), kept, abstract)
+            runner.params = to_device(kept, shapes)
         if isinstance(e, AtlasJaxError) or not isinstance(e, Exception):
             raise
         raise CheckpointError(f"cannot load new weights from {model_path}: {type(e).__name__}: {e}") from e

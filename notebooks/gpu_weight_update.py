@@ -106,7 +106,7 @@ def main() -> None:
         import jax
 
         from atlasjax import sleep_mode
-        sleep_mode._to_host = jax.device_get
+        sleep_mode.to_host = jax.device_get
     sources = os.environ.get("SOURCES", "orbax").split(",")
     if "hf" in sources:
         t0 = time.perf_counter()
