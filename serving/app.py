@@ -2,8 +2,9 @@
 
     app = create_app(AsyncLLM(model), served_model_name="my-model", api_key="secret")
 
-Handlers live in openai_routes.py, anthropic_routes.py and utility_routes.py; they reach the
-engine through `app.state.server` (state.py) and the bridge (bridge.py). Every error, raised by
+Handlers live in openai_routes.py, anthropic_routes.py, generate_routes.py (SGLang's native API) and
+utility_routes.py; they reach the engine through `app.state.server` (state.py) and the bridge
+(bridge.py). Every error, raised by
 a handler, the router (404/405) or a middleware (401/413), leaves in the error shape of the
 API its path belongs to; an unexpected exception is logged and answered 500 in that shape, and
 the server keeps serving.
@@ -21,8 +22,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving import (anthropic_routes, embeddings_routes, invocations, lora_routes, openai_routes, responses_routes,
-                     utility_routes, weight_routes)
+from serving import (anthropic_routes, embeddings_routes, generate_routes, invocations, lora_routes, openai_routes,
+                     responses_routes, utility_routes, weight_routes)
 from serving.bridge import ClientDisconnected
 from serving.errors import APIError, error_response
 from serving.metrics import ServerMetrics
@@ -93,7 +94,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         raise ValueError("LoRA modules need an engine with LoRA enabled (enable_lora=True / --enable-lora)")
     metrics = ServerMetrics(engine)
     routes = (openai_routes.ROUTES + responses_routes.ROUTES + embeddings_routes.ROUTES + anthropic_routes.ROUTES
-              + invocations.ROUTES
+              + invocations.ROUTES + generate_routes.ROUTES
               + utility_routes.ROUTES + (utility_routes.SLEEP_ROUTES if enable_sleep_mode else [])
               + (utility_routes.PROFILE_ROUTES if enable_profiler else [])
               + (weight_routes.ROUTES if enable_weight_updates else [])

@@ -117,6 +117,7 @@ async def chat_completions(request: Request):
     max_tokens = f.int("max_tokens", None, lo=1) if max_tokens is None else max_tokens
     stream = f.bool("stream")
     include_usage = _include_usage(f, stream)
+    with_ids = f.bool("return_token_ids")
     params = sampling_params(f, n=n, max_tokens=max_tokens, max_model_len=state.max_model_len,
                              logprobs=(top_k or 0) if want_logprobs else None, model_defaults=state.model_defaults)
     prompt_ids = params.truncated_prompt(await state.chat_prompt(messages, **chat_render_options(f)),
@@ -139,14 +140,16 @@ async def chat_completions(request: Request):
     if stream:
         first = await first_delta(request, deltas)
         events = _chat_events(request, head, first, deltas, n, len(prompt_ids), top_k or 0, want_logprobs,
-                              include_usage, state.reasoning_parser, as_ids)
+                              include_usage, state.reasoning_parser, as_ids, prompt_ids if with_ids else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     completions = (await until_disconnect(request, collect(deltas, 1, n)))[0]
     choices = [{"index": i, "message": _message(c.text, state.reasoning_parser),
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, top_k or 0, as_ids) if want_logprobs else None,
-                "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
+                "finish_reason": c.finish_reason, **({"token_ids": c.token_ids} if with_ids else {})}
+               for i, c in enumerate(completions)]
     num_generated = sum(len(c.token_ids) for c in completions)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                         **({"prompt_token_ids": prompt_ids} if with_ids else {}),
                          "usage": usage(len(prompt_ids), num_generated, completions[0].num_cached_tokens or 0)})
 
 
@@ -174,26 +177,32 @@ def _text_delta(text: str, finished: bool, splitter: ReasoningStream | None) -> 
 
 
 async def _chat_events(request, head, first, deltas, n, num_prompt_tokens, top_k, want_logprobs, include_usage,
-                       reasoning_parser=None, as_ids=False):
+                       reasoning_parser=None, as_ids=False, prompt_ids=None):
+    """prompt_ids: vLLM's `return_token_ids` (the first chunk names the prompt's token ids, each choice chunk its
+    new ones)."""
     chunk = {**head, "object": "chat.completion.chunk"}
+    with_ids = prompt_ids is not None
     num_generated, cached = 0, CachedTokens()
     splitters = [ReasoningStream(reasoning_parser) if reasoning_parser else None for _ in range(n)]
     async with contextlib.aclosing(deltas):
         for i in range(n):
             yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}],
+                                             "logprobs": None, "finish_reason": None,
+                                             **({"token_ids": []} if with_ids else {})}],
+                       **({"prompt_token_ids": prompt_ids} if with_ids and i == 0 else {}),
                        **_chunk_usage(include_usage, num_prompt_tokens, 0, cached)})
         try:
             async for j, delta in with_first(first, deltas):
                 num_generated += len(delta.new_token_ids)
                 cached.add(j, delta)
                 text = _text_delta(delta.new_text, delta.finished, splitters[delta.index])
-                if not (text or delta.finished or (want_logprobs and delta.new_token_ids)):
+                if not (text or delta.finished or ((want_logprobs or with_ids) and delta.new_token_ids)):
                     continue
                 choice = {"index": delta.index, "delta": text,
                           "logprobs": chat_logprobs(delta.new_token_ids, delta.new_logprobs or [], top_k, as_ids)
                           if want_logprobs else None,
-                          "finish_reason": delta.finish_reason if delta.finished else None}
+                          "finish_reason": delta.finish_reason if delta.finished else None,
+                          **({"token_ids": delta.new_token_ids} if with_ids else {})}
                 yield sse({**chunk, "choices": [choice],
                            **_chunk_usage(include_usage, num_prompt_tokens, num_generated, cached)})
         except APIError as e:
@@ -220,6 +229,7 @@ async def completions(request: Request):
         raise invalid("'suffix' is not supported", param="suffix")
     stream = f.bool("stream")
     include_usage = _include_usage(f, stream)
+    with_ids = f.bool("return_token_ids")
     # echo + logprobs: the prompt's own logprobs too (what evaluation harnesses score a text by); vLLM's
     # `prompt_logprobs` field asks for them in its own shape
     vllm_prompt_logprobs = f.int("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
@@ -252,7 +262,8 @@ async def completions(request: Request):
     if stream:
         first = await first_delta(request, deltas)
         events = _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
-                                    include_usage, vllm_prompt_logprobs is not None, as_ids)
+                                    include_usage, vllm_prompt_logprobs is not None, as_ids,
+                                    prompt_ids if with_ids else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await until_disconnect(request, collect(deltas, len(jobs), n))
     choices = []
@@ -268,6 +279,8 @@ async def completions(request: Request):
             choice = {"index": j * n + i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
             if vllm_prompt_logprobs is not None:
                 choice["prompt_logprobs"] = CompletionLogprobs.vllm_prompt_logprobs(c.prompt_logprobs)
+            if with_ids:
+                choice.update(prompt_token_ids=prompt_ids[j], token_ids=c.token_ids)
             choices.append(choice)
     num_generated = sum(len(c.token_ids) for job_completions in results for c in job_completions)
     cached = sum(job_completions[0].num_cached_tokens or 0 for job_completions in results)
@@ -283,15 +296,27 @@ def _echo(state: ServerState, prompt, ids: list[int], as_ids: bool = False) -> t
 
 
 async def _completion_events(request, head, first, deltas, n, echoes, logprobs, num_prompt_tokens,
-                             include_usage, with_prompt_logprobs, as_ids=False):
+                             include_usage, with_prompt_logprobs, as_ids=False, prompt_ids=None):
+    """prompt_ids: vLLM's `return_token_ids` (each choice's first chunk names its prompt's token ids, every chunk
+    its new ones)."""
     builders: dict[int, CompletionLogprobs] = {}
     num_generated, cached = 0, CachedTokens()
+    with_ids, named_prompt = prompt_ids is not None, set()
+
+    def token_ids(j, index, new_ids):
+        if not with_ids:
+            return {}
+        if index in named_prompt:
+            return {"token_ids": new_ids}
+        named_prompt.add(index)
+        return {"prompt_token_ids": prompt_ids[j], "token_ids": new_ids}
 
     def echo_event(j, index, entries=None):
         echo = echoes[j]
         lp = builders.setdefault(index, CompletionLogprobs(as_ids=as_ids)).prompt(echo[1], echo[2], entries, logprobs) \
             if logprobs is not None else None
-        return sse({**head, "choices": [{"index": index, "text": echo[0], "logprobs": lp, "finish_reason": None}],
+        return sse({**head, "choices": [{"index": index, "text": echo[0], "logprobs": lp, "finish_reason": None,
+                                          **token_ids(j, index, [])}],
                     **_chunk_usage(include_usage, num_prompt_tokens, num_generated, cached)})
     async with contextlib.aclosing(deltas):
         if logprobs is None:     # with logprobs, each echo waits for its prompt's logprobs (on the first delta)
@@ -307,14 +332,15 @@ async def _completion_events(request, head, first, deltas, n, echoes, logprobs, 
                     yield echo_event(j, index, delta.prompt_logprobs)
                 first_of_choice = with_prompt_logprobs and delta.prompt_logprobs is not None
                 if not (delta.new_text or delta.finished or first_of_choice
-                        or (logprobs is not None and delta.new_token_ids)):
+                        or ((logprobs is not None or with_ids) and delta.new_token_ids)):
                     continue
                 lp = None
                 if logprobs is not None:
                     builder = builders.setdefault(index, CompletionLogprobs(as_ids=as_ids))
                     lp = builder.generated(delta.new_token_ids, delta.new_logprobs or [])
                 choice = {"index": index, "text": delta.new_text, "logprobs": lp,
-                          "finish_reason": delta.finish_reason if delta.finished else None}
+                          "finish_reason": delta.finish_reason if delta.finished else None,
+                          **token_ids(j, index, delta.new_token_ids)}
                 if first_of_choice:
                     choice["prompt_logprobs"] = CompletionLogprobs.vllm_prompt_logprobs(delta.prompt_logprobs)
                 yield sse({**head, "choices": [choice],

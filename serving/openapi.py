@@ -31,10 +31,10 @@ def _obj(required: list[str], **properties) -> dict:
 
 SCHEMAS = {
     "CompletionRequest": _obj(["prompt"], model=STR, prompt=PROMPT, max_tokens=INT, logprobs=INT, echo=BOOL,
-        prompt_logprobs=INT, return_tokens_as_token_ids=BOOL, **SAMPLING),
+        prompt_logprobs=INT, return_tokens_as_token_ids=BOOL, return_token_ids=BOOL, **SAMPLING),
     "ChatCompletionRequest": _obj(["messages"], model=STR, messages={"type": "array", "items": MESSAGE},
                                   max_tokens=INT, max_completion_tokens=INT, logprobs=BOOL, top_logprobs=INT,
-                                  return_tokens_as_token_ids=BOOL,
+                                  return_tokens_as_token_ids=BOOL, return_token_ids=BOOL,
                                   response_format={"type": "object", "properties": {"type": {"const": "text"}}},
                                   chat_template_kwargs={"type": "object"}, thinking_token_budget=INT, **SAMPLING),
     "MessagesRequest": _obj(["messages", "max_tokens"], model=STR, system=TEXT_OR_PARTS, max_tokens=INT,
@@ -65,6 +65,15 @@ SCHEMAS = {
     "TokenizeRequest": _obj([], model=STR, prompt=STR, messages={"type": "array", "items": MESSAGE},
                             add_special_tokens=BOOL, chat_template_kwargs={"type": "object"}),
     "DetokenizeRequest": _obj(["tokens"], model=STR, tokens={"type": "array", "items": INT}),
+    "GenerateRequest": _obj([], text={"oneOf": [STR, {"type": "array", "items": STR}]},
+                            input_ids={"oneOf": [{"type": "array", "items": INT},
+                                                 {"type": "array", "items": {"type": "array", "items": INT}}]},
+                            sampling_params={"oneOf": [{"type": "object"}, {"type": "array", "items": {
+                                "type": "object"}}]},
+                            stream=BOOL, rid={"oneOf": [STR, {"type": "array", "items": STR}]}, lora_path=STR,
+                            return_logprob=BOOL, logprob_start_len=INT, top_logprobs_num=INT,
+                            return_text_in_logprobs=BOOL, return_prompt_token_ids=BOOL, priority=INT,
+                            cache_salt=STR),
     "Error": _obj(["error"], error=_obj(["message", "type"], message=STR, type=STR, param=STR, code=STR)),
 }
 
@@ -128,6 +137,12 @@ OPERATIONS = {
                                             "in place of the weights ({\"model_path\", \"abort_all_requests\", "
                                             "\"weight_version\"}; SGLang's)", None, False),
     ("/get_weight_version", "get"): ("With --enable-weight-updates: {\"weight_version\"} (SGLang's)", None, False),
+    ("/generate", "post"): ("SGLang's native generation: text or token ids in, text, output_ids and meta_info out "
+                            "(no chat template)", "GenerateRequest", True),
+    ("/get_model_info", "get"): ("SGLang's model info ({\"model_path\", \"weight_version\", ...})", None, False),
+    ("/flush_cache", "get"): ("SGLang's: forget the prefix cache (as /reset_prefix_cache)", None, False),
+    ("/flush_cache", "post"): ("The same as GET /flush_cache", None, False),
+    ("/health_generate", "get"): ("SGLang's: healthy (200) when the engine generates a token, else 503", None, False),
     ("/openapi.json", "get"): ("This document", None, False),
 }
 ERRORS = {"400": "Invalid request", "401": "Missing or wrong API key", "413": "Request body too large",

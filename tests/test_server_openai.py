@@ -315,12 +315,12 @@ def test_metrics_and_openapi(server, client):
 
 
 def test_openapi_describes_every_route():
-    from serving import (anthropic_routes, embeddings_routes, invocations, lora_routes, openai_routes,
-                         responses_routes, utility_routes, weight_routes)
+    from serving import (anthropic_routes, embeddings_routes, generate_routes, invocations, lora_routes,
+                         openai_routes, responses_routes, utility_routes, weight_routes)
     from serving.openapi import openapi_schema
     paths = openapi_schema()["paths"]
     for route in (openai_routes.ROUTES + responses_routes.ROUTES + anthropic_routes.ROUTES + utility_routes.ROUTES
-                  + invocations.ROUTES
+                  + invocations.ROUTES + generate_routes.ROUTES
                   + utility_routes.SLEEP_ROUTES + utility_routes.PROFILE_ROUTES + embeddings_routes.ROUTES
                   + lora_routes.ROUTES + weight_routes.ROUTES):
         path = re.sub(r":\w+}", "}", route.path)      # {model:path} -> {model}

@@ -1,0 +1,339 @@
+"""SGLang's native routes, which RL frameworks drive their rollouts with: POST /generate (token ids in, token ids
+out, no chat template), GET /get_model_info, GET|POST /flush_cache and GET /health_generate.
+
+/generate takes `text` (a string or a batch of them) or `input_ids` (one list of token ids or a batch), a
+`sampling_params` object (or one per prompt) in SGLang's names (max_new_tokens, min_new_tokens, no_stop_trim,
+sampling_seed...), `stream`, `rid`, `lora_path` (a loaded adapter's name), `return_logprob` with
+`logprob_start_len`, `top_logprobs_num` and `return_text_in_logprobs`, and `return_prompt_token_ids`. It answers
+{"text", "output_ids", "meta_info"} per sequence (a list for a batch or n > 1, prompt-major); a stream sends that
+object, text and ids so far, after every step, then `data: [DONE]`. meta_info holds id, finish_reason ({"type":
+"stop", "matched": token id or string} | {"type": "length", "length": N} | {"type": "abort", "message"} | null
+while running), prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency at the end and, with
+return_logprob, (logprob, token id, text or null) triples: output_token_logprobs, input_token_logprobs (from
+logprob_start_len; the first prompt token has no logprob: null) and, with top_logprobs_num, the top ones per
+position.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from atlasjax.outputs import Logprob
+from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.bridge import Completion, Job, first_delta, stream_jobs, until_disconnect, with_first
+from serving.errors import APIError, invalid
+from serving.openai_shapes import finite
+from serving.protocol import INT32_MAX, MAX_N, Fields, sampling_params
+from serving.state import SSE_HEADERS, ServerState, read_json, server_state, sse
+
+DEFAULT_MAX_NEW_TOKENS = 128        # SGLang's
+MAX_BATCH = 1024                    # prompts in one /generate
+# SGLang's sampling parameter -> ours, where the names differ
+RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
+           "sampling_seed": "seed"}
+SAME_NAME = ("stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+             "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "logit_bias", "n")
+STRUCTURED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+NOT_SUPPORTED = ("input_embeds", "image_data", "video_data", "audio_data", "custom_logit_processor",
+                 "return_hidden_states", "token_ids_logprob", "session_params")
+
+
+@dataclasses.dataclass
+class _Prompt:
+    rid: str
+    ids: list[int]
+    params: SamplingParams
+    score_only: bool = False    # max_new_tokens 0: the prompt's logprobs alone (one token is run and dropped)
+
+
+@dataclasses.dataclass
+class _Logprobs:
+    """What a request asked of its logprobs (`return_logprob`)."""
+    start: int              # logprob_start_len: prompt positions from here (-1: none)
+    top: int                # top_logprobs_num
+    with_text: bool         # return_text_in_logprobs
+
+
+def _batch(value, name: str, size: int | None) -> list | None:
+    """A per-prompt field: one value for all, or a list with one per prompt."""
+    if value is None or size is None or not isinstance(value, list):
+        return None if value is None else [value] * (size or 1)
+    if len(value) != size:
+        raise invalid(f"'{name}' has {len(value)} entries for {size} prompts", param=name)
+    return value
+
+
+def _inputs(f: Fields) -> tuple[list[str | list[int]], bool]:
+    """The prompts (texts or token-id lists) and whether they came as a batch."""
+    for name in NOT_SUPPORTED:
+        if f.body.get(name) not in (None, False, [], {}):
+            raise invalid(f"'{name}' is not supported", param=name)
+    text, ids = f.body.get("text"), f.body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise invalid("send exactly one of 'text' and 'input_ids'", param="text")
+    if text is not None:
+        if isinstance(text, str):
+            return [text], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return _checked_size(text, "text"), True
+        raise invalid("'text' must be a string or a non-empty list of strings", param="text")
+    if isinstance(ids, list) and ids and all(_is_id(t) for t in ids):
+        return [ids], False
+    if isinstance(ids, list) and ids and all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in ids):
+        return _checked_size(ids, "input_ids"), True
+    raise invalid("'input_ids' must be a non-empty list of token ids or a list of such lists", param="input_ids")
+
+
+def _checked_size(prompts: list, name: str) -> list:
+    if len(prompts) > MAX_BATCH:
+        raise invalid(f"'{name}' holds {len(prompts)} prompts; at most {MAX_BATCH} are allowed", param=name)
+    return prompts
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+
+
+def _params(raw, state: ServerState, logprobs: _Logprobs | None) -> tuple[SamplingParams, bool]:
+    """One prompt's SamplingParams from SGLang's `sampling_params` object, and whether it only scores the prompt
+    (max_new_tokens 0: one token is run and dropped)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise invalid("'sampling_params' must be an object (or a list of one per prompt)", param="sampling_params")
+    structured = [k for k in STRUCTURED if raw.get(k) is not None]
+    if structured:
+        raise invalid(f"structured outputs ('{structured[0]}') are not supported yet", param="sampling_params")
+    unknown = sorted(k for k in raw if k not in RENAMED and k not in SAME_NAME
+                     and k not in ("spaces_between_special_tokens", "custom_params", "stream_interval"))
+    if unknown:
+        raise invalid(f"unknown sampling parameters: {', '.join(unknown)}", param="sampling_params")
+    if raw.get("spaces_between_special_tokens") is False:
+        raise invalid("'spaces_between_special_tokens': false is not supported", param="sampling_params")
+    if raw.get("custom_params") is not None:
+        raise invalid("'custom_params' (custom logit processors) is not supported", param="sampling_params")
+    f = Fields({RENAMED.get(k, k): v for k, v in raw.items()})
+    try:
+        max_new_tokens = f.int("max_tokens", DEFAULT_MAX_NEW_TOKENS, lo=0)
+        params = sampling_params(
+            f, n=f.int("n", 1, lo=1, hi=MAX_N), max_tokens=max(max_new_tokens, 1),
+            max_model_len=state.max_model_len, model_defaults=state.model_defaults,
+            logprobs=logprobs.top if logprobs else None,
+            prompt_logprobs=logprobs.top if logprobs and logprobs.start >= 0 else None)
+    except APIError as e:   # named as the client named them
+        for theirs, ours in RENAMED.items():
+            e.message = re.sub(rf"\b{ours}\b", theirs, e.message)
+        raise invalid(e.message, param="sampling_params") from None
+    return params, max_new_tokens == 0
+
+
+def _logprob_options(f: Fields) -> _Logprobs | None:
+    if not f.bool("return_logprob"):
+        for name in ("top_logprobs_num", "logprob_start_len"):
+            if f.body.get(name) not in (None, 0, -1):
+                raise invalid(f"'{name}' needs 'return_logprob': true", param=name)
+        return None
+    return _Logprobs(start=f.int("logprob_start_len", -1, lo=-1, hi=INT32_MAX),
+                     top=f.int("top_logprobs_num", 0, lo=0, hi=MAX_LOGPROBS),
+                     with_text=f.bool("return_text_in_logprobs"))
+
+
+async def _prompts(f: Fields, state: ServerState, logprobs: _Logprobs | None) -> tuple[list[_Prompt], bool]:
+    inputs, batched = _inputs(f)
+    size = len(inputs) if batched else None
+    raw_params = f.body.get("sampling_params")
+    per_prompt = raw_params if batched and isinstance(raw_params, list) else None
+    if per_prompt is not None and len(per_prompt) != len(inputs):
+        raise invalid(f"'sampling_params' has {len(per_prompt)} entries for {len(inputs)} prompts",
+                      param="sampling_params")
+    rids = _batch(f.body.get("rid"), "rid", size)
+    if rids is not None and not all(isinstance(r, str) and r for r in rids):
+        raise invalid("'rid' must be a non-empty string (or one per prompt)", param="rid")
+    prompts = []
+    for i, prompt in enumerate(inputs):
+        params, score_only = _params(per_prompt[i] if per_prompt is not None else raw_params, state, logprobs)
+        ids = prompt if isinstance(prompt, list) else await state.encode(prompt)
+        param = "input_ids" if isinstance(prompt, list) else "text"
+        state.check_prompt(ids, params, param)
+        if logprobs and logprobs.start >= len(ids):
+            raise invalid(f"'logprob_start_len' ({logprobs.start}) must be below the prompt's {len(ids)} tokens",
+                          param="logprob_start_len")
+        prompts.append(_Prompt(rids[i] if rids else uuid.uuid4().hex, ids, params, score_only))
+    if len({p.rid for p in prompts}) != len(prompts):
+        raise invalid("'rid' values must be distinct", param="rid")
+    return prompts, batched
+
+
+class _Sequence:
+    """One output sequence's state across the deltas, rendered in SGLang's shape."""
+
+    def __init__(self, rid: str, index: int, prompt: _Prompt, state: ServerState, logprobs: _Logprobs | None,
+                 with_prompt_ids: bool, start: float):
+        self.rid, self.index, self.prompt, self.state, self.logprobs = rid, index, prompt, state, logprobs
+        self.with_prompt_ids, self.start = with_prompt_ids, start
+        self.completion = Completion()
+
+    def add(self, delta) -> None:
+        if self.prompt.score_only:      # the token run for the prompt's logprobs is not an output
+            delta = dataclasses.replace(delta, new_token_ids=[], new_text="", new_logprobs=[],
+                                        finish_reason="length" if delta.finished else None)
+        self.completion.add(delta)
+
+    def finish_reason(self) -> dict | None:
+        c = self.completion
+        if c.finish_reason is None:
+            return None
+        if c.finish_reason == "length":
+            return {"type": "length", "length": len(c.token_ids)}
+        if c.finish_reason == "abort":
+            return {"type": "abort", "message": "the request was aborted"}
+        matched = c.stop_reason if c.stop_reason is not None else (c.token_ids[-1] if c.token_ids else None)
+        return {"type": "stop", "matched": matched}
+
+    def render(self, with_index: bool) -> dict:
+        c = self.completion
+        meta = {"id": self.rid, "finish_reason": self.finish_reason(), "prompt_tokens": len(self.prompt.ids),
+                "completion_tokens": len(c.token_ids), "cached_tokens": c.num_cached_tokens or 0,
+                "weight_version": self.state.weight_version}
+        if self.logprobs is not None:
+            meta.update(self._logprobs())
+        if c.finish_reason is not None:
+            meta["e2e_latency"] = time.perf_counter() - self.start
+        out = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+        if self.with_prompt_ids:
+            out["prompt_token_ids"] = self.prompt.ids
+        if with_index:
+            out["index"] = self.index
+        return out
+
+    def _logprobs(self) -> dict:
+        c, options = self.completion, self.logprobs
+        meta = {"output_token_logprobs": [self._triple(t, entry.get(t)) for t, entry in zip(c.token_ids, c.logprobs)]}
+        prompt_entries = []
+        if options.start >= 0:
+            entries = c.prompt_logprobs or [None] * len(self.prompt.ids)
+            prompt_entries = list(zip(self.prompt.ids, entries))[options.start:]
+        meta["input_token_logprobs"] = [self._triple(t, entry.get(t) if entry else None) for t, entry in prompt_entries]
+        if options.top > 0:
+            meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs]
+            meta["input_top_logprobs"] = [self._top(entry) if entry else None for _, entry in prompt_entries]
+        return meta
+
+    def _triple(self, token_id: int, lp: Logprob | None) -> list:
+        text = None
+        if self.logprobs.with_text:
+            text = lp.decoded_token if lp is not None and lp.decoded_token is not None else self._decode(token_id)
+        return [finite(lp.logprob) if lp is not None else None, token_id, text]
+
+    def _top(self, entry: dict[int, Logprob]) -> list:
+        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda item: item[1].rank)
+        return [self._triple(t, lp) for t, lp in ranked[:self.logprobs.top]]
+
+    def _decode(self, token_id: int) -> str | None:
+        tok = self.state.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else None
+
+
+async def generate(request: Request):
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    logprobs = _logprob_options(f)
+    prompts, batched = await _prompts(f, state, logprobs)
+    lora = _lora(f, state)
+    priority, stream = state.priority(f), f.bool("stream")
+    start, salt = time.perf_counter(), state.cache_salt(f)
+    # the engine's ids get a random suffix: a client may reuse a rid while its first use is still aborting
+    jobs = [Job(f"{p.rid}-{uuid.uuid4().hex[:8]}", p.ids, p.params, priority=priority, lora_request=lora,
+                cache_salt=salt) for p in prompts]
+    with_prompt_ids = f.bool("return_prompt_token_ids")
+    sequences, index = [], 0
+    for p in prompts:
+        sequences.append([])
+        for i in range(p.params.n):
+            rid = p.rid if p.params.n == 1 else f"{p.rid}-{i}"
+            sequences[-1].append(_Sequence(rid, index, p, state, logprobs, with_prompt_ids, start))
+            index += 1
+    many = batched or index > 1
+    deltas = stream_jobs(state.llm, jobs, state.metrics)
+    if stream:
+        first = await first_delta(request, deltas)
+        return StreamingResponse(_events(first, deltas, sequences, many), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def drain():
+        async with contextlib.aclosing(deltas):
+            async for j, delta in deltas:
+                sequences[j][delta.index].add(delta)
+    await until_disconnect(request, drain())
+    outputs = [seq.render(with_index=False) for per_prompt in sequences for seq in per_prompt]
+    return JSONResponse(outputs if many else outputs[0])
+
+
+async def _events(first, deltas, sequences, many):
+    async with contextlib.aclosing(deltas):
+        try:
+            async for j, delta in with_first(first, deltas):
+                seq = sequences[j][delta.index]
+                seq.add(delta)
+                if (delta.new_token_ids and not seq.prompt.score_only) or delta.finished:
+                    yield sse(seq.render(with_index=many))
+        except APIError as e:
+            yield sse({"error": {"message": e.message, "code": e.status}})
+            return
+    yield "data: [DONE]\n\n"
+
+
+def _lora(f: Fields, state: ServerState):
+    """SGLang's `lora_path`: the name of an adapter the server serves (`--lora-modules` or loaded at runtime)."""
+    name = f.body.get("lora_path")
+    if isinstance(name, list):
+        if len(set(map(str, name))) > 1:
+            raise invalid("one 'lora_path' for every prompt of a batch is supported", param="lora_path")
+        name = name[0] if name else None
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in state.lora_modules:
+        served = ", ".join(sorted(state.lora_modules)) or "none"
+        raise invalid(f"'lora_path' must name a loaded adapter (served: {served}), got {name!r}", param="lora_path")
+    return state.lora_modules[name]
+
+
+async def get_model_info(request: Request) -> JSONResponse:
+    state = server_state(request)
+    return JSONResponse({"model_path": state.model_name, "tokenizer_path": state.model_name,
+                         "is_generation": True, "preferred_sampling_params": None,
+                         "weight_version": state.weight_version, "max_model_len": state.max_model_len,
+                         "served_model_names": list(state.model_names)})
+
+
+async def flush_cache(request: Request) -> Response:
+    """SGLang's /flush_cache: forget the prefix cache (vLLM's /reset_prefix_cache)."""
+    server_state(request).llm.reset_prefix_cache()
+    return Response("Cache flushed.\n", status_code=200)
+
+
+async def health_generate(request: Request) -> Response:
+    """SGLang's /health_generate: healthy when the engine generates a token."""
+    state = server_state(request)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    try:
+        async for _ in state.llm.generate([0], params, f"health-{uuid.uuid4().hex}"):
+            pass
+    except Exception as e:  # noqa: BLE001 (any failure is unhealthy)
+        return JSONResponse({"status": "error", "error": str(e)}, status_code=503)
+    return Response(status_code=200)
+
+
+ROUTES = [
+    Route("/generate", generate, methods=["POST"]),
+    Route("/get_model_info", get_model_info, methods=["GET"]),
+    Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+    Route("/health_generate", health_generate, methods=["GET"]),
+]
