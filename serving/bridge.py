@@ -24,7 +24,7 @@ from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.sampling_params import SamplingParams
 from serving import request_log
 from serving.errors import from_engine_error
-from serving.streams import merge
+from serving.streams import merge, until_set
 from serving.thinking_budget import ThinkingBudget, budgeted
 
 
@@ -41,6 +41,7 @@ class Job:
     priority: int = 0                               # with --scheduling-policy priority: lower is served sooner
     lora_request: object = None                     # the LoRA adapter its "model" names (serving/lora_routes.py)
     cache_salt: str | None = None                   # vLLM's: prefix-cache pages shared only with the same salt
+    stop: asyncio.Event | None = None               # set: the job's stream ends now, its request aborted
 
 
 @dataclasses.dataclass
@@ -122,10 +123,12 @@ async def stream_jobs(llm, jobs: list[Job], metrics) -> AsyncIterator[tuple[int,
 
 def _stream(llm, job: Job) -> AsyncIterator[StreamDelta]:
     if job.thinking_budget is not None:
-        return budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget, job.priority,
-                        job.lora_request, job.cache_salt)
-    return llm.generate(job.prompt_ids, job.params, job.request_id, priority=job.priority,
-                        lora_request=job.lora_request, cache_salt=job.cache_salt)
+        stream = budgeted(llm, job.prompt_ids, job.params, job.request_id, job.thinking_budget, job.priority,
+                          job.lora_request, job.cache_salt)
+    else:
+        stream = llm.generate(job.prompt_ids, job.params, job.request_id, priority=job.priority,
+                              lora_request=job.lora_request, cache_salt=job.cache_salt)
+    return stream if job.stop is None else until_set(stream, job.stop)
 
 
 def _merge(llm, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:

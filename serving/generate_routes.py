@@ -1,5 +1,5 @@
 """SGLang's native routes, which RL frameworks drive their rollouts with: POST /generate (token ids in, token ids
-out, no chat template), GET /get_model_info, GET|POST /flush_cache and GET /health_generate.
+out, no chat template), POST /abort_request, GET /get_model_info, GET|POST /flush_cache and GET /health_generate.
 
 /generate takes `text` (a string or a batch of them) or `input_ids` (one list of token ids or a batch), a
 `sampling_params` object (or one per prompt) in SGLang's names (max_new_tokens, min_new_tokens, no_stop_trim,
@@ -11,10 +11,12 @@ object, text and ids so far, after every step, then `data: [DONE]`. meta_info ho
 while running), prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency at the end and, with
 return_logprob, (logprob, token id, text or null) triples: output_token_logprobs, input_token_logprobs (from
 logprob_start_len; the first prompt token has no logprob: null) and, with top_logprobs_num, the top ones per
-position.
+position. POST /abort_request {"rid"} (or {"abort_all": true}) ends those prompts now: their answers come back
+with what they generated and finish_reason {"type": "abort"}.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import re
@@ -168,6 +170,9 @@ async def _prompts(f: Fields, state: ServerState, logprobs: _Logprobs | None) ->
         prompts.append(_Prompt(rids[i] if rids else uuid.uuid4().hex, ids, params, score_only))
     if len({p.rid for p in prompts}) != len(prompts):
         raise invalid("'rid' values must be distinct", param="rid")
+    live = [p.rid for p in prompts if p.rid in state.generations]
+    if live:
+        raise invalid(f"the rid '{live[0]}' names a request still running", param="rid")
     return prompts, batched
 
 
@@ -185,6 +190,13 @@ class _Sequence:
             delta = dataclasses.replace(delta, new_token_ids=[], new_text="", new_logprobs=[],
                                         finish_reason="length" if delta.finished else None)
         self.completion.add(delta)
+
+    def end_aborted(self) -> bool:
+        """Mark the sequence aborted if it had not finished (/abort_request); whether it had not."""
+        if self.completion.finish_reason is not None:
+            return False
+        self.completion.finish_reason = "abort"
+        return True
 
     def finish_reason(self) -> dict | None:
         c = self.completion
@@ -251,7 +263,7 @@ async def generate(request: Request):
     start, salt = time.perf_counter(), state.cache_salt(f)
     # the engine's ids get a random suffix: a client may reuse a rid while its first use is still aborting
     jobs = [Job(f"{p.rid}-{uuid.uuid4().hex[:8]}", p.ids, p.params, priority=priority, lora_request=lora,
-                cache_salt=salt) for p in prompts]
+                cache_salt=salt, stop=asyncio.Event()) for p in prompts]
     with_prompt_ids = f.bool("return_prompt_token_ids")
     sequences, index = [], 0
     for p in prompts:
@@ -261,33 +273,75 @@ async def generate(request: Request):
             sequences[-1].append(_Sequence(rid, index, p, state, logprobs, with_prompt_ids, start))
             index += 1
     many = batched or index > 1
+    state.generations.update((p.rid, job.stop) for p, job in zip(prompts, jobs))
     deltas = stream_jobs(state.llm, jobs, state.metrics)
     if stream:
-        first = await first_delta(request, deltas)
-        return StreamingResponse(_events(first, deltas, sequences, many), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        try:
+            first = await first_delta(request, deltas)
+        except StopAsyncIteration:     # aborted before its first token
+            first = None
+        except BaseException:
+            _forget(state, prompts)
+            raise
+        return StreamingResponse(_events(first, deltas, sequences, many, state, prompts),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def drain():
         async with contextlib.aclosing(deltas):
             async for j, delta in deltas:
                 sequences[j][delta.index].add(delta)
-    await until_disconnect(request, drain())
-    outputs = [seq.render(with_index=False) for per_prompt in sequences for seq in per_prompt]
+    try:
+        await until_disconnect(request, drain())
+    finally:
+        _forget(state, prompts)
+    outputs = []
+    for seq in (seq for per_prompt in sequences for seq in per_prompt):
+        seq.end_aborted()
+        outputs.append(seq.render(with_index=False))
     return JSONResponse(outputs if many else outputs[0])
 
 
-async def _events(first, deltas, sequences, many):
-    async with contextlib.aclosing(deltas):
-        try:
-            async for j, delta in with_first(first, deltas):
-                seq = sequences[j][delta.index]
-                seq.add(delta)
-                if (delta.new_token_ids and not seq.prompt.score_only) or delta.finished:
-                    yield sse(seq.render(with_index=many))
-        except APIError as e:
-            yield sse({"error": {"message": e.message, "code": e.status}})
-            return
-    yield "data: [DONE]\n\n"
+def _forget(state: ServerState, prompts: list[_Prompt]) -> None:
+    for p in prompts:
+        state.generations.pop(p.rid, None)
+
+
+async def _events(first, deltas, sequences, many, state, prompts):
+    try:
+        async with contextlib.aclosing(deltas):
+            try:
+                async for j, delta in (deltas if first is None else with_first(first, deltas)):
+                    seq = sequences[j][delta.index]
+                    seq.add(delta)
+                    if (delta.new_token_ids and not seq.prompt.score_only) or delta.finished:
+                        yield sse(seq.render(with_index=many))
+            except APIError as e:
+                yield sse({"error": {"message": e.message, "code": e.status}})
+                return
+        for seq in (seq for per_prompt in sequences for seq in per_prompt):
+            if seq.end_aborted():
+                yield sse(seq.render(with_index=many))
+        yield "data: [DONE]\n\n"
+    finally:
+        _forget(state, prompts)
+
+
+async def abort_request(request: Request) -> Response:
+    """SGLang's POST /abort_request {"rid": ..., "abort_all": false}: the /generate prompts named (or all of them)
+    end now, answering what they generated with finish_reason {"type": "abort"}. An unknown or finished rid is
+    no error (it may have just finished)."""
+    state = server_state(request)
+    f = Fields(await read_json(request))
+    if f.bool("abort_all"):
+        stops = list(state.generations.values())
+    else:
+        rid = f.str("rid")
+        if not rid:
+            raise invalid("send 'rid' (a /generate request's id) or 'abort_all': true", param="rid")
+        stops = [state.generations[rid]] if rid in state.generations else []
+    for stop in stops:
+        stop.set()
+    return Response(status_code=200)
 
 
 def _lora(f: Fields, state: ServerState):
@@ -333,6 +387,7 @@ async def health_generate(request: Request) -> Response:
 
 ROUTES = [
     Route("/generate", generate, methods=["POST"]),
+    Route("/abort_request", abort_request, methods=["POST"]),
     Route("/get_model_info", get_model_info, methods=["GET"]),
     Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
     Route("/health_generate", health_generate, methods=["GET"]),

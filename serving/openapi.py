@@ -139,6 +139,8 @@ OPERATIONS = {
     ("/get_weight_version", "get"): ("With --enable-weight-updates: {\"weight_version\"} (SGLang's)", None, False),
     ("/generate", "post"): ("SGLang's native generation: text or token ids in, text, output_ids and meta_info out "
                             "(no chat template)", "GenerateRequest", True),
+    ("/abort_request", "post"): ("SGLang's: end /generate prompts now ({\"rid\"} or {\"abort_all\": true}); they "
+                                 "answer what they generated, finish_reason abort", None, False),
     ("/get_model_info", "get"): ("SGLang's model info ({\"model_path\", \"weight_version\", ...})", None, False),
     ("/flush_cache", "get"): ("SGLang's: forget the prefix cache (as /reset_prefix_cache)", None, False),
     ("/flush_cache", "post"): ("The same as GET /flush_cache", None, False),

@@ -39,6 +39,7 @@ class ServerState:
     max_lora_rank: int | None = None    # the engine's, with LoRA enabled (None: no adapters)
     weight_version: str = "default"     # SGLang's: named by the last /update_weights_from_disk (weight_routes.py)
     weights_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)   # one weight update at a time
+    generations: dict = dataclasses.field(default_factory=dict)   # rid -> the Event aborting a /generate prompt
     model_names: tuple[str, ...] = dataclasses.field(init=False, default=())   # every served name, main first
     _close_ids: tuple[int, ...] | None = None   # the reasoning budget's close tag, tokenized once
     _end_ids: tuple[int, ...] | None = None     # the reasoning's end tag alone, tokenized once

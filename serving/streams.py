@@ -44,3 +44,25 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:   # streams whose pump never started are closed too
             await stream.aclose()
+
+
+async def until_set(stream: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
+    """The items of `stream` until `stop` is set; then the stream is closed (an engine stream: its request is
+    aborted and its pages freed) and this iterator ends, as if the stream had."""
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        async with contextlib.aclosing(stream):
+            while not stop.is_set():
+                step = asyncio.ensure_future(stream.__anext__())
+                await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+                    return
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+    finally:
+        waiter.cancel()

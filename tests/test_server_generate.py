@@ -7,6 +7,8 @@ logprobs must be the model's; bad requests get a 400 naming the field and the se
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -161,6 +163,55 @@ def test_generate_refuses_bad_requests_and_serves_on(server, body, says):
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
     assert _generate(server, text=PROMPT, sampling_params={"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+
+
+def _pages_free(server) -> tuple[int, int]:
+    health = httpx.get(server.url + "/health").json()
+    return health["kv_pages_free"], health["kv_pages_total"]
+
+
+def _until_pages_free(server) -> bool:
+    for _ in range(100):
+        free, total = _pages_free(server)
+        if free == total:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_abort_request_ends_a_stream_with_what_it_generated(server):
+    body = dict(text=PROMPT, rid="rollout-7", stream=True,
+                sampling_params={"max_new_tokens": 240, "ignore_eos": True, "temperature": 1.0})
+    events = []
+    with httpx.stream("POST", server.url + "/generate", json=body, headers=HEADERS, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: "):]))
+            if len(events) == 1:
+                assert _post(server, "/abort_request", {"rid": "rollout-7"}).status_code == 200
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["id"] == "rollout-7"
+    assert 0 < len(last["output_ids"]) < 240 and len(last["output_ids"]) == last["meta_info"]["completion_tokens"]
+    assert _until_pages_free(server)
+    assert _post(server, "/abort_request", {"rid": "rollout-7"}).status_code == 200   # finished: no error
+
+
+def test_abort_all_ends_whole_requests_in_flight(server):
+    result = {}
+    body = dict(text=[PROMPT, PROMPT + " and"], sampling_params={"max_new_tokens": 240, "ignore_eos": True})
+    thread = threading.Thread(target=lambda: result.update(r=_post(server, "/generate", body)))
+    thread.start()
+    while thread.is_alive():
+        _post(server, "/abort_request", {"abort_all": True})
+        time.sleep(0.05)
+    outs = result["r"].json()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+    assert all(len(o["output_ids"]) < 240 for o in outs)
+    assert _until_pages_free(server)
+    r = _post(server, "/abort_request", {})
+    assert r.status_code == 400 and "'rid'" in r.json()["error"]["message"]
 
 
 def test_sglang_operational_routes(server):
