@@ -41,8 +41,9 @@ SCHEMAS = {
                             messages={"type": "array", "items": _obj(["role", "content"], role={
                                 "enum": ["user", "assistant"]}, content=TEXT_OR_PARTS)},
                             stop_sequences={"type": "array", "items": STR}, temperature=NUM, top_p=NUM, top_k=INT,
-                            stream=BOOL, priority=INT, thinking=_obj(["type"], type={"enum": ["enabled", "adaptive", "disabled"]},
-                                                       budget_tokens=INT)),
+                            stream=BOOL, priority=INT,
+                            thinking=_obj(["type"], type={"enum": ["enabled", "adaptive", "disabled"]},
+                                          budget_tokens=INT)),
     "ResponseRequest": _obj(["input"], model=STR, input={"oneOf": [STR, {"type": "array", "items": _obj(
         ["role", "content"], type={"const": "message"}, role={"enum": ["system", "developer", "user", "assistant"]},
         content={"oneOf": [STR, {"type": "array", "items": _obj(["type", "text"], type={
