@@ -118,6 +118,10 @@ OPERATIONS = {
                          "to host memory, 2: discarded; the KV pool dropped)", None, False),
     ("/wake_up", "post"): ("With --enable-sleep-mode: take back what /sleep released (?tags=weights&tags=kv_cache)",
                            None, False),
+    ("/release_memory_occupation", "post"): ("With --enable-sleep-mode: SGLang's, as /sleep?level=1 ({\"tags\"}: "
+                                             "weights and kv_cache together)", None, False),
+    ("/resume_memory_occupation", "post"): ("With --enable-sleep-mode: SGLang's, as /wake_up ({\"tags\"})", None,
+                                            False),
     ("/is_sleeping", "get"): ("With --enable-sleep-mode: {\"is_sleeping\": bool}", None, False),
     ("/invocations", "post"): ("SageMaker's route (vLLM's): a chat, completion, embedding, rerank or score request, "
                                "by its body's fields (messages / prompt / input / documents / text_1)", None, False),

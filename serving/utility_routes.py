@@ -1,5 +1,6 @@
 """Operational routes: /health, /ping, /version, /metrics, /tokenize, /detokenize, /reset_prefix_cache,
-/openapi.json, and with --enable-sleep-mode /sleep, /wake_up, /is_sleeping.
+/openapi.json, and with --enable-sleep-mode /sleep, /wake_up, /is_sleeping (and SGLang's
+/release_memory_occupation, /resume_memory_occupation).
 
 /health, /ping, /version and /openapi.json stay open when an API key is set; the others need it.
 """
@@ -112,6 +113,34 @@ async def wake_up(request: Request) -> Response:
     return Response(status_code=200)
 
 
+SGLANG_TAGS = ("weights", "kv_cache", "cuda_graph")   # cuda_graph: nothing of ours to release (XLA's executables)
+
+
+def _sglang_tags(f: Fields) -> list[str]:
+    tags = f.raw("tags", list(SGLANG_TAGS))
+    if not isinstance(tags, list) or not tags or any(t not in SGLANG_TAGS for t in tags):
+        raise invalid(f"'tags' must be a non-empty list among {', '.join(SGLANG_TAGS)}", param="tags")
+    return [t for t in tags if t != "cuda_graph"]
+
+
+async def release_memory_occupation(request: Request) -> JSONResponse:
+    """SGLang's POST /release_memory_occupation {"tags": [...]} (with --enable-sleep-mode): /sleep?level=1, the
+    weights kept in host memory. The weights and the KV cache go together: one alone is refused."""
+    tags = _sglang_tags(Fields(await read_json(request)))
+    if sorted(tags) != ["kv_cache", "weights"]:
+        raise invalid("releasing the weights or the KV cache alone is not supported: send both tags (or none)",
+                      param="tags")
+    await engine_answer(server_state(request).llm.sleep(1))
+    return JSONResponse({"success": True, "message": "released"})
+
+
+async def resume_memory_occupation(request: Request) -> JSONResponse:
+    """SGLang's POST /resume_memory_occupation {"tags": [...]}: /wake_up for those tags (default: all)."""
+    tags = _sglang_tags(Fields(await read_json(request)))
+    await engine_answer(server_state(request).llm.wake_up(tags or None))
+    return JSONResponse({"success": True, "message": "resumed"})
+
+
 async def is_sleeping(request: Request) -> JSONResponse:
     return JSONResponse({"is_sleeping": await engine_answer(server_state(request).llm.is_sleeping())})
 
@@ -151,4 +180,6 @@ SLEEP_ROUTES = [   # only with --enable-sleep-mode (vLLM serves them in its dev 
     Route("/sleep", sleep, methods=["POST"]),
     Route("/wake_up", wake_up, methods=["POST"]),
     Route("/is_sleeping", is_sleeping, methods=["GET"]),
+    Route("/release_memory_occupation", release_memory_occupation, methods=["POST"]),
+    Route("/resume_memory_occupation", resume_memory_occupation, methods=["POST"]),
 ]

@@ -105,6 +105,16 @@ def test_a_server_with_sleep_mode_sleeps_and_wakes(request, tmp_path_factory):
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
         assert http.get("/health").json()["status"] == "ok"
+        # SGLang's names for the same (RL frameworks colocating a trainer): weights and KV cache go together
+        r = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert r.status_code == 400 and "alone" in r.json()["error"]["message"]
+        assert http.post("/release_memory_occupation", json={}).json()["success"]
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert http.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}      # the KV cache is still released
+        assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]}).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
 
 
 def test_a_draft_models_weights_sleep_in_host_memory_at_both_levels(tmp_path_factory):
