@@ -62,7 +62,8 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
                reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
                max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0,
                enable_sleep_mode: bool = False, lora_modules: dict | None = None,
-               enable_profiler: bool = False, enable_weight_updates: bool = False) -> Starlette:
+               enable_profiler: bool = False, enable_weight_updates: bool = False,
+               incremental_streaming_output: bool = False) -> Starlette:
     """Build the server app.
 
     Args:
@@ -77,6 +78,8 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         (serving/reasoning.py); None: all of the text is content.
       return_tokens_as_token_ids: logprob entries name tokens `token_id:N` by default (a request's own
         `return_tokens_as_token_ids` field still decides for it).
+      incremental_streaming_output: /generate streams send each sequence's new text, ids and logprobs per event
+        (SGLang's flag) instead of the whole answer so far.
       max_stored_responses: Responses API answers kept in memory for GET /v1/responses/{id} and
         `previous_response_id` (least recently used out first; 0 keeps none).
       log_stats_interval: seconds between the engine's stats lines in the log (serving/stats_log.py; 0: none).
@@ -123,6 +126,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _disconnected, Exception: _unexpected})
     app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser,
                                    return_tokens_as_token_ids=return_tokens_as_token_ids,
+                                   incremental_streaming_output=incremental_streaming_output,
                                    responses=ResponseStore(max_stored_responses),
                                    lora_modules=dict(lora_modules or {}), max_lora_rank=max_lora_rank)
     return app

@@ -184,6 +184,7 @@ class _Sequence:
         self.rid, self.index, self.prompt, self.state, self.logprobs = rid, index, prompt, state, logprobs
         self.with_prompt_ids, self.start = with_prompt_ids, start
         self.completion = Completion()
+        self.sent_tokens, self.sent_text = 0, 0     # what incremental streaming events have carried
 
     def add(self, delta) -> None:
         if self.prompt.score_only:      # the token run for the prompt's logprobs is not an output
@@ -209,7 +210,9 @@ class _Sequence:
         matched = c.stop_reason if c.stop_reason is not None else (c.token_ids[-1] if c.token_ids else None)
         return {"type": "stop", "matched": matched}
 
-    def render(self, with_index: bool) -> dict:
+    def render(self, with_index: bool, incremental: bool = False) -> dict:
+        """The sequence in SGLang's shape: the whole answer so far, or (incremental streaming) what is new since
+        the last event: text, ids and the generated tokens' logprobs."""
         c = self.completion
         meta = {"id": self.rid, "finish_reason": self.finish_reason(), "prompt_tokens": len(self.prompt.ids),
                 "completion_tokens": len(c.token_ids), "cached_tokens": c.num_cached_tokens or 0,
@@ -219,6 +222,12 @@ class _Sequence:
         if c.finish_reason is not None:
             meta["e2e_latency"] = time.perf_counter() - self.start
         out = {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+        if incremental:
+            out["text"], out["output_ids"] = c.text[self.sent_text:], out["output_ids"][self.sent_tokens:]
+            for key in ("output_token_logprobs", "output_top_logprobs"):
+                if key in meta:
+                    meta[key] = meta[key][self.sent_tokens:]
+            self.sent_tokens, self.sent_text = len(c.token_ids), len(c.text)
         if self.with_prompt_ids:
             out["prompt_token_ids"] = self.prompt.ids
         if with_index:
@@ -258,12 +267,12 @@ async def generate(request: Request):
     f = Fields(await read_json(request))
     logprobs = _logprob_options(f)
     prompts, batched = await _prompts(f, state, logprobs)
-    lora = _lora(f, state)
+    loras = _loras(f, state, len(prompts))
     priority, stream = state.priority(f), f.bool("stream")
     start, salt = time.perf_counter(), state.cache_salt(f)
     # the engine's ids get a random suffix: a client may reuse a rid while its first use is still aborting
     jobs = [Job(f"{p.rid}-{uuid.uuid4().hex[:8]}", p.ids, p.params, priority=priority, lora_request=lora,
-                cache_salt=salt, stop=asyncio.Event()) for p in prompts]
+                cache_salt=salt, stop=asyncio.Event()) for p, lora in zip(prompts, loras)]
     with_prompt_ids = f.bool("return_prompt_token_ids")
     sequences, index = [], 0
     for p in prompts:
@@ -283,7 +292,8 @@ async def generate(request: Request):
         except BaseException:
             _forget(state, prompts)
             raise
-        return StreamingResponse(_events(first, deltas, sequences, many, state, prompts),
+        return StreamingResponse(_events(first, deltas, sequences, many, state, prompts,
+                                         state.incremental_streaming_output),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def drain():
@@ -306,7 +316,7 @@ def _forget(state: ServerState, prompts: list[_Prompt]) -> None:
         state.generations.pop(p.rid, None)
 
 
-async def _events(first, deltas, sequences, many, state, prompts):
+async def _events(first, deltas, sequences, many, state, prompts, incremental):
     try:
         async with contextlib.aclosing(deltas):
             try:
@@ -314,13 +324,13 @@ async def _events(first, deltas, sequences, many, state, prompts):
                     seq = sequences[j][delta.index]
                     seq.add(delta)
                     if (delta.new_token_ids and not seq.prompt.score_only) or delta.finished:
-                        yield sse(seq.render(with_index=many))
+                        yield sse(seq.render(many, incremental))
             except APIError as e:
                 yield sse({"error": {"message": e.message, "code": e.status}})
                 return
         for seq in (seq for per_prompt in sequences for seq in per_prompt):
             if seq.end_aborted():
-                yield sse(seq.render(with_index=many))
+                yield sse(seq.render(many, incremental))
         yield "data: [DONE]\n\n"
     finally:
         _forget(state, prompts)
@@ -344,19 +354,22 @@ async def abort_request(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def _lora(f: Fields, state: ServerState):
-    """SGLang's `lora_path`: the name of an adapter the server serves (`--lora-modules` or loaded at runtime)."""
-    name = f.body.get("lora_path")
-    if isinstance(name, list):
-        if len(set(map(str, name))) > 1:
-            raise invalid("one 'lora_path' for every prompt of a batch is supported", param="lora_path")
-        name = name[0] if name else None
-    if name is None:
-        return None
-    if not isinstance(name, str) or name not in state.lora_modules:
-        served = ", ".join(sorted(state.lora_modules)) or "none"
-        raise invalid(f"'lora_path' must name a loaded adapter (served: {served}), got {name!r}", param="lora_path")
-    return state.lora_modules[name]
+def _loras(f: Fields, state: ServerState, num_prompts: int) -> list:
+    """SGLang's `lora_path`, one for all prompts or a list with one per prompt: the name of an adapter the server
+    serves (`--lora-modules` or loaded at runtime), or null for the base model."""
+    names = f.body.get("lora_path")
+    if not isinstance(names, list):
+        names = [names] * num_prompts
+    elif len(names) != num_prompts:
+        raise invalid(f"'lora_path' has {len(names)} entries for {num_prompts} prompts", param="lora_path")
+    loras = []
+    for name in names:
+        if name is not None and (not isinstance(name, str) or name not in state.lora_modules):
+            served = ", ".join(sorted(state.lora_modules)) or "none"
+            raise invalid(f"'lora_path' must name a loaded adapter (served: {served}), got {name!r}",
+                          param="lora_path")
+        loras.append(None if name is None else state.lora_modules[name])
+    return loras
 
 
 async def get_model_info(request: Request) -> JSONResponse:

@@ -34,6 +34,7 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
     return_tokens_as_token_ids: bool = False   # logprob entries name tokens `token_id:N` unless a request says
+    incremental_streaming_output: bool = False   # /generate streams send deltas (SGLang's flag)
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)   # the Responses API's `store`
     lora_modules: dict = dataclasses.field(default_factory=dict)   # adapter name -> LoRARequest (lora_routes.py)
     max_lora_rank: int | None = None    # the engine's, with LoRA enabled (None: no adapters)

@@ -244,3 +244,55 @@ def test_chat_return_token_ids(server, llm):
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == ref.outputs[0].token_ids
     plain = _post(server, "/v1/chat/completions", {**body, "return_token_ids": False}).json()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+# ---- in process, on a scripted engine (tests/test_reasoning.py): what needs no model
+
+
+def _scripted_events(llm, body: dict, **app_kwargs) -> list[dict]:
+    import asyncio
+
+    from serving.app import create_app
+    app = create_app(llm, served_model_name=MODEL_NAME, **app_kwargs)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            r = await client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.text if body.get("stream") else r.json()
+    out = asyncio.run(go())
+    if not body.get("stream"):
+        return out
+    lines = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_incremental_streaming_output_sends_only_what_is_new():
+    from tests.test_reasoning import ScriptedLLM
+    pieces = ["Hel", "lo", " wor", "ld"]
+    body = {"text": "Hi", "stream": True, "return_logprob": False}
+    whole = _scripted_events(ScriptedLLM(pieces), body)
+    assert [e["text"] for e in whole] == ["Hel", "Hello", "Hello wor", "Hello world"]
+    new = _scripted_events(ScriptedLLM(pieces), body, incremental_streaming_output=True)
+    assert [e["text"] for e in new] == pieces
+    assert [e["output_ids"] for e in new] == [[0], [1], [2], [3]]
+    assert new[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": 3}
+    assert new[-1]["meta_info"]["completion_tokens"] == 4
+
+
+def test_lora_path_names_an_adapter_per_prompt():
+    from atlasjax.lora import LoRARequest
+    from tests.test_reasoning import ScriptedLLM
+
+    class Recording(ScriptedLLM):
+        async def generate(self, prompt_ids, params, request_id, priority=0, lora_request=None, cache_salt=None):
+            self.loras.append((prompt_ids[-1], lora_request and lora_request.lora_name))
+            async for delta in super().generate(prompt_ids, params, request_id, priority, lora_request, cache_salt):
+                yield delta
+
+    llm = Recording(["ok"])
+    llm.loras, llm.engine.max_lora_rank = [], 8
+    adapters = {"sql": LoRARequest("sql", 1, "/nowhere")}
+    outs = _scripted_events(llm, {"input_ids": [[1, 7], [1, 8]], "lora_path": ["sql", None]}, lora_modules=adapters)
+    assert len(outs) == 2 and sorted(llm.loras) == [(7, "sql"), (8, None)]
