@@ -174,6 +174,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "server's defaults for requests that leave them out (auto: the file beside the "
                         "checkpoint; vllm: ignore it; PATH: that directory or file). The generate / chat "
                         "commands take its end ids; their sampling comes from their own flags")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='vLLM\'s: sampling defaults over the generation_config.json ones (over none with '
+                        '--generation-config vllm), e.g. \'{"temperature": 0.6, "top_p": 0.95, "max_new_tokens": '
+                        '1024}\' (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)')
     g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve embeddings, scores and classification only (an embedding model: "
                         "Qwen3-Embedding, ...): no generation steps compiled, a KV pool of one sequence, the "
@@ -235,6 +239,7 @@ def engine_kwargs(args) -> dict:
                 quantization_symmetric=args.quantization_symmetric,
                 tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
                 chat_template=args.chat_template, generation_config=args.generation_config,
+                override_generation_config=getattr(args, "override_generation_config", None),
                 pooling_type=args.pooling_type, runner=args.runner,
                 speculative_config=getattr(args, "speculative_config", None),
                 hf_overrides=getattr(args, "hf_overrides", None),

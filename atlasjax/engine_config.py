@@ -5,7 +5,7 @@ import dataclasses
 import os
 
 from atlasjax.errors import EngineConfigError
-from atlasjax.generation_config import check_setting
+from atlasjax.generation_config import check_setting, parse_overrides
 from atlasjax.hf_overrides import parse_hf_overrides
 from atlasjax.lora import check_config as check_lora_config
 from atlasjax.pooling import POOLING_TYPES
@@ -167,6 +167,8 @@ class EngineConfig:
                                              # (read and checked by the engine before the model loads)
     generation_config: str = "auto"          # the model's generation_config.json (atlasjax/generation_config.py):
                                              # auto (beside the checkpoint) | vllm (ignored) | a directory or file
+    override_generation_config: object = None   # vLLM's: {"temperature": 0.6, "max_new_tokens": 512, ...} over the
+                                             # generation_config.json defaults (a dict or its JSON)
     runner: str = "auto"                     # auto | generate | pooling (vLLM's --runner): pooling serves
                                              # embeddings, scores and classification only: a KV pool of one
                                              # sequence, no generation steps compiled; compile_at_start compiles
@@ -254,6 +256,7 @@ class EngineConfig:
         if not isinstance(self.quantize_lm_head, bool):
             bad(f"quantize_lm_head must be True or False, got {self.quantize_lm_head!r}")
         check_setting(self.generation_config)
+        object.__setattr__(self, "override_generation_config", parse_overrides(self.override_generation_config))
         if self.runner not in RUNNERS:
             bad(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.pooling_type not in (None, *POOLING_TYPES):

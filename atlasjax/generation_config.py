@@ -17,6 +17,9 @@ What is taken from it, as vLLM takes it:
     left after its prompt.
 Other keys (`do_sample`, beam settings, `bos_token_id`...) are ignored, as vLLM ignores them. A file
 that is not JSON, or whose values are of the wrong type or out of range, is a CheckpointError.
+
+`override_generation_config` (vLLM's `--override-generation-config '{"temperature": 0.6}'`) sets those
+sampling keys and `max_new_tokens` over what the file gave (over nothing with "vllm").
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import dataclasses
 import json
 import os
 
+from atlasjax.config_json import json_dict
 from atlasjax.errors import CheckpointError, EngineConfigError, InvalidRequestError
 
 FILENAME = "generation_config.json"
@@ -128,6 +132,34 @@ def parse(data: dict, where: str) -> GenerationDefaults:
     except InvalidRequestError as e:
         bad(str(e))
     return GenerationDefaults(tuple(dict.fromkeys(eos_ids)), tuple(sampling), max_tokens, where)
+
+
+OVERRIDE_KEYS = (*SAMPLING_KEYS, "max_new_tokens")
+
+
+def parse_overrides(value) -> dict | None:
+    """`override_generation_config`: None, or a dict (or its JSON) of OVERRIDE_KEYS with valid values; anything else
+    is an EngineConfigError naming it."""
+    if value is None:
+        return None
+    value = json_dict(value, "override_generation_config")
+    unknown = sorted(set(value) - set(OVERRIDE_KEYS))
+    if unknown:
+        raise EngineConfigError(f"override_generation_config: {unknown} not supported (supported: "
+                                f"{list(OVERRIDE_KEYS)})")
+    try:
+        parse(value, "override_generation_config")
+    except CheckpointError as e:
+        raise EngineConfigError(str(e)) from None
+    return value
+
+
+def with_overrides(defaults: GenerationDefaults, overrides: dict | None) -> GenerationDefaults:
+    """The defaults with `overrides` (checked by parse_overrides) set over them."""
+    if not overrides:
+        return defaults
+    where = f"{defaults.source} and override_generation_config" if defaults.source else "override_generation_config"
+    return parse({**defaults.to_json(), **overrides}, where)
 
 
 def default_sampling_params(defaults: GenerationDefaults | None):

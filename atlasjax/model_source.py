@@ -119,8 +119,9 @@ def random_model(cfg, dtype, seed: int, tensor_parallel_size: int, tokenizer, so
 def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -> LoadedModel:
     """The loaded model with what the user set beside its own files: `config.tokenizer` instead of the model's,
     `chat_template` (read by `read_chat_template`) instead of the tokenizer's, the generation_config.json
-    defaults that `config.generation_config` selects, unless the model carries them already (a saved checkpoint),
-    and `config.hf_overrides` (RoPE and positions over the model's config; a classifier head)."""
+    defaults that `config.generation_config` selects, unless the model carries them already (a saved checkpoint), with
+    `config.override_generation_config` over them, and `config.hf_overrides` (RoPE and positions over the model's
+    config; a classifier head)."""
     import dataclasses  # noqa: PLC0415
     import logging  # noqa: PLC0415
 
@@ -135,6 +136,8 @@ def with_user_settings(loaded: LoadedModel, config, chat_template: str | None) -
     if loaded.generation is None:
         loaded = dataclasses.replace(loaded, generation=generation_config.resolve(config.generation_config,
                                                                                     loaded.source))
+    loaded = dataclasses.replace(loaded, generation=generation_config.with_overrides(
+        loaded.generation, config.override_generation_config))
     if loaded.generation:
         logging.getLogger("atlasjax.engine").info("%s: defaults from %s: %s", loaded.source,
                                                   loaded.generation.source, loaded.generation.describe())

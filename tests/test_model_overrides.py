@@ -91,6 +91,25 @@ def test_server_fields_fall_back_to_the_model_then_openai():
     assert (p.temperature, p.top_k, p.repetition_penalty) == (1.0, 0, 1.0)
 
 
+def test_override_generation_config_sets_keys_over_the_file(tmp_path_factory):
+    """vLLM's --override-generation-config: its keys over the file's (the others stay), over none with "vllm"; a key
+    it does not take or a value out of range is refused before anything loads."""
+    from atlasjax.__main__ import build_parser, engine_kwargs
+    model = _model_with(tmp_path_factory, "overridden", {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64})
+    args = build_parser().parse_args(["serve", "--model", model, "--override-generation-config",
+                                      '{"temperature": 0.2, "max_new_tokens": 7}'])
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k not in KW and k != "model"}
+    p = LLM(model, **{**kwargs, **KW}).get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.max_tokens) == (0.2, 0.9, 7)
+    llm = LLM(model, generation_config="vllm", override_generation_config={"top_k": 5}, **KW)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 5)
+    for bad, says in (({"do_sample": True}, "not supported"), ({"temperature": -1}, "temperature"),
+                      ("{not json", "not valid JSON")):
+        with pytest.raises(EngineConfigError, match=says):
+            LLM("/no/such/model", override_generation_config=bad)
+
+
 # ---- an engine on a model with the file
 
 
