@@ -63,7 +63,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
                max_stored_responses: int = DEFAULT_MAX_STORED, log_stats_interval: float = 0.0,
                enable_sleep_mode: bool = False, lora_modules: dict | None = None,
                enable_profiler: bool = False, enable_weight_updates: bool = False,
-               incremental_streaming_output: bool = False) -> Starlette:
+               incremental_streaming_output: bool = False, force_include_usage: bool = False) -> Starlette:
     """Build the server app.
 
     Args:
@@ -80,6 +80,8 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
         `return_tokens_as_token_ids` field still decides for it).
       incremental_streaming_output: /generate streams send each sequence's new text, ids and logprobs per event
         (SGLang's flag) instead of the whole answer so far.
+      force_include_usage: every /v1/completions and /v1/chat/completions stream ends with a usage chunk, as if
+        it asked `stream_options.include_usage` (vLLM's --enable-force-include-usage).
       max_stored_responses: Responses API answers kept in memory for GET /v1/responses/{id} and
         `previous_response_id` (least recently used out first; 0 keeps none).
       log_stats_interval: seconds between the engine's stats lines in the log (serving/stats_log.py; 0: none).
@@ -127,6 +129,7 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
     app.state.server = ServerState(engine, served_model_name, metrics, reasoning_parser=reasoning_parser,
                                    return_tokens_as_token_ids=return_tokens_as_token_ids,
                                    incremental_streaming_output=incremental_streaming_output,
+                                   force_include_usage=force_include_usage,
                                    responses=ResponseStore(max_stored_responses),
                                    lora_modules=dict(lora_modules or {}), max_lora_rank=max_lora_rank)
     return app

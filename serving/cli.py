@@ -47,6 +47,9 @@ def add_answer_args(g) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name tokens in logprobs as `token_id:N` instead of their text (as vLLM; for tokens that "
                         "do not decode alone); a request's `return_tokens_as_token_ids` field overrides it")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every /v1/completions and /v1/chat/completions stream with a usage chunk, as if it "
+                        "asked stream_options.include_usage (vLLM's)")
     g.add_argument("--incremental-streaming-output", action="store_true",
                    help="SGLang's: each event of a /generate stream carries only the new text, ids and logprobs "
                         "(by default each resends the whole answer so far)")
@@ -252,6 +255,7 @@ def serve(args) -> int:
                          reasoning_parser=args.reasoning_parser,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          incremental_streaming_output=args.incremental_streaming_output,
+                         force_include_usage=args.enable_force_include_usage,
                          max_stored_responses=args.max_stored_responses, log_stats_interval=stats_interval,
                          enable_sleep_mode=args.enable_sleep_mode, lora_modules=lora_modules,
                          enable_profiler=profiler_dir(args.profiler_dir) is not None,

@@ -111,6 +111,7 @@ def _replica_gauges(replicas):
 
 class ServerMetrics:
     def __init__(self, llm):
+        self.server_load = 0     # HTTP requests in progress, probes aside (serving/middleware.py; vLLM's /load)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("atlasjax_http_requests", "HTTP requests by endpoint and status",

@@ -44,8 +44,12 @@ class RequestIdMiddleware:
         return await self.app(scope, receive, send_wrapper)
 
 
+UNLOADED_PATHS = frozenset({"/load", "/health", "/ping", "/metrics", "/version"})   # probes: not server load
+
+
 class RequestMetricsMiddleware:
-    """Counts every HTTP response by endpoint (unknown paths pooled as "other") and status."""
+    """Counts every HTTP response by endpoint (unknown paths pooled as "other") and status, and the requests in
+    progress other than probes (`metrics.server_load`, vLLM's /load)."""
 
     def __init__(self, app, metrics, known_paths: set[str]):
         self.app, self.metrics, self.known_paths = app, metrics, known_paths
@@ -62,9 +66,12 @@ class RequestMetricsMiddleware:
             await send(message)
 
         path = scope["path"]
+        load = path not in UNLOADED_PATHS
+        self.metrics.server_load += load
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            self.metrics.server_load -= load
             self.metrics.observe_request(path if path in self.known_paths else "other", status)
 
 

@@ -80,16 +80,17 @@ def _reject_unsupported(f: Fields) -> None:
                       param="response_format")
 
 
-def _include_usage(f: Fields, stream: bool) -> str | None:
-    """A stream's usage: None, "final" (one chunk at the end: `include_usage`) or "continuous" (also on
-    every chunk, counted so far: vLLM's `continuous_usage_stats` beside `include_usage`)."""
+def _include_usage(f: Fields, stream: bool, forced: bool = False) -> str | None:
+    """A stream's usage: None, "final" (one chunk at the end: `include_usage`, or every stream with vLLM's
+    --enable-force-include-usage: `forced`) or "continuous" (also on every chunk, counted so far: vLLM's
+    `continuous_usage_stats` beside `include_usage`)."""
     options = f.object("stream_options")
     if options is None:
-        return None
+        return "final" if forced and stream else None
     if not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     options = Fields(options)
-    if not options.bool("include_usage"):
+    if not (options.bool("include_usage") or forced):
         return None
     return "continuous" if options.bool("continuous_usage_stats") else "final"
 
@@ -116,7 +117,7 @@ async def chat_completions(request: Request):
     max_tokens = f.int("max_completion_tokens", None, lo=1)
     max_tokens = f.int("max_tokens", None, lo=1) if max_tokens is None else max_tokens
     stream = f.bool("stream")
-    include_usage = _include_usage(f, stream)
+    include_usage = _include_usage(f, stream, state.force_include_usage)
     with_ids = f.bool("return_token_ids")
     params = sampling_params(f, n=n, max_tokens=max_tokens, max_model_len=state.max_model_len,
                              logprobs=(top_k or 0) if want_logprobs else None, model_defaults=state.model_defaults)
@@ -228,7 +229,7 @@ async def completions(request: Request):
     if f.str("suffix"):
         raise invalid("'suffix' is not supported", param="suffix")
     stream = f.bool("stream")
-    include_usage = _include_usage(f, stream)
+    include_usage = _include_usage(f, stream, state.force_include_usage)
     with_ids = f.bool("return_token_ids")
     # echo + logprobs: the prompt's own logprobs too (what evaluation harnesses score a text by); vLLM's
     # `prompt_logprobs` field asks for them in its own shape

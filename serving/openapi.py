@@ -110,6 +110,8 @@ OPERATIONS = {
     ("/ping", "get"): ("Liveness as /health's status code, no body (SageMaker's probe; no API key needed)", None,
                        False),
     ("/ping", "post"): ("The same as GET /ping (SageMaker sends either)", None, False),
+    ("/load", "get"): ("vLLM's: {\"server_load\": HTTP requests in progress, probes aside} (no API key needed)", None,
+                       False),
     ("/version", "get"): ("The engine's version (no API key needed)", None, False),
     ("/reset_prefix_cache", "post"): ("Forget the cached prompt pages no running request holds (vLLM's)", None,
                                       False),

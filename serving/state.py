@@ -35,6 +35,7 @@ class ServerState:
     reasoning_parser: str | None = None   # serving/reasoning.py: splits chat answers' <think> part off
     return_tokens_as_token_ids: bool = False   # logprob entries name tokens `token_id:N` unless a request says
     incremental_streaming_output: bool = False   # /generate streams send deltas (SGLang's flag)
+    force_include_usage: bool = False   # every OpenAI stream ends with a usage chunk (vLLM's flag)
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)   # the Responses API's `store`
     lora_modules: dict = dataclasses.field(default_factory=dict)   # adapter name -> LoRARequest (lora_routes.py)
     max_lora_rank: int | None = None    # the engine's, with LoRA enabled (None: no adapters)

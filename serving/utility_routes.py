@@ -1,8 +1,8 @@
-"""Operational routes: /health, /ping, /version, /metrics, /tokenize, /detokenize, /reset_prefix_cache,
+"""Operational routes: /health, /ping, /version, /load, /metrics, /tokenize, /detokenize, /reset_prefix_cache,
 /openapi.json, and with --enable-sleep-mode /sleep, /wake_up, /is_sleeping (and SGLang's
 /release_memory_occupation, /resume_memory_occupation).
 
-/health, /ping, /version and /openapi.json stay open when an API key is set; the others need it.
+/health, /ping, /version, /load and /openapi.json stay open when an API key is set; the others need it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from serving.openapi import openapi_schema
 from serving.protocol import INT32_MAX, Fields, chat_render_options, check_model, text_content
 from serving.state import read_json, server_state
 
-OPEN_PATHS = {"/health", "/ping", "/version", "/openapi.json"}
+OPEN_PATHS = {"/health", "/ping", "/version", "/openapi.json", "/load"}
 
 
 def _engine_failure(state):
@@ -46,6 +46,12 @@ async def health(request: Request) -> JSONResponse:
 async def ping(request: Request) -> Response:
     """SageMaker's liveness probe, as vLLM serves it: /health's status, no body."""
     return Response(status_code=200 if _engine_failure(server_state(request)) is None else 503)
+
+
+async def load(request: Request) -> JSONResponse:
+    """vLLM's GET /load: the HTTP requests in progress (streams until their last event), probes aside, for a load
+    balancer (vLLM counts them with --enable-server-load-tracking; this server always does)."""
+    return JSONResponse({"server_load": server_state(request).metrics.server_load})
 
 
 async def version(request: Request) -> JSONResponse:
@@ -166,6 +172,7 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/ping", ping, methods=["GET", "POST"]),
     Route("/version", version, methods=["GET"]),
+    Route("/load", load, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
