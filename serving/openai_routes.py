@@ -119,8 +119,12 @@ async def chat_completions(request: Request):
     stream = f.bool("stream")
     include_usage = _include_usage(f, stream, state.force_include_usage)
     with_ids = f.bool("return_token_ids")
+    prompt_logprobs = f.int("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)    # vLLM's, not in a stream (as vLLM)
+    if prompt_logprobs is not None and stream:
+        raise invalid("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
     params = sampling_params(f, n=n, max_tokens=max_tokens, max_model_len=state.max_model_len,
-                             logprobs=(top_k or 0) if want_logprobs else None, model_defaults=state.model_defaults)
+                             logprobs=(top_k or 0) if want_logprobs else None, model_defaults=state.model_defaults,
+                             prompt_logprobs=prompt_logprobs)
     prompt_ids = params.truncated_prompt(await state.chat_prompt(messages, **chat_render_options(f)),
                                          state.max_model_len)
     if max_tokens is None:
@@ -151,6 +155,8 @@ async def chat_completions(request: Request):
     num_generated = sum(len(c.token_ids) for c in completions)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          **({"prompt_token_ids": prompt_ids} if with_ids else {}),
+                         **({"prompt_logprobs": CompletionLogprobs.vllm_prompt_logprobs(completions[0].prompt_logprobs)}
+                            if prompt_logprobs is not None else {}),
                          "usage": usage(len(prompt_ids), num_generated, completions[0].num_cached_tokens or 0)})
 
 

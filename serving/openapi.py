@@ -34,7 +34,7 @@ SCHEMAS = {
         prompt_logprobs=INT, return_tokens_as_token_ids=BOOL, return_token_ids=BOOL, **SAMPLING),
     "ChatCompletionRequest": _obj(["messages"], model=STR, messages={"type": "array", "items": MESSAGE},
                                   max_tokens=INT, max_completion_tokens=INT, logprobs=BOOL, top_logprobs=INT,
-                                  return_tokens_as_token_ids=BOOL, return_token_ids=BOOL,
+                                  return_tokens_as_token_ids=BOOL, return_token_ids=BOOL, prompt_logprobs=INT,
                                   response_format={"type": "object", "properties": {"type": {"const": "text"}}},
                                   chat_template_kwargs={"type": "object"}, thinking_token_budget=INT, **SAMPLING),
     "MessagesRequest": _obj(["messages", "max_tokens"], model=STR, system=TEXT_OR_PARTS, max_tokens=INT,

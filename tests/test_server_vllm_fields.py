@@ -108,6 +108,22 @@ def test_completion_vllm_prompt_logprobs(server, llm):
     assert firsts == [got]
 
 
+def test_chat_vllm_prompt_logprobs(server, llm):
+    """vLLM's `prompt_logprobs` on a chat completion: the rendered prompt's logprobs beside the choices (not in a
+    stream: a 400, as vLLM answers)."""
+    from atlasjax import SamplingParams
+    ref = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))[0]
+    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    got = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120).json()
+    entries = got["prompt_logprobs"]
+    assert len(entries) == len(ref.prompt_token_ids) and entries[0] is None
+    for token, entry, want in zip(ref.prompt_token_ids[1:], entries[1:], ref.prompt_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(want[token].logprob, abs=1e-4)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_chat_continues_a_final_assistant_message(server, client, llm):
     # vLLM's continue_final_message / add_generation_prompt fields; /tokenize renders the same
     from atlasjax import SamplingParams
