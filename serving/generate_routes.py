@@ -1,5 +1,6 @@
 """SGLang's native routes, which RL frameworks drive their rollouts with: POST /generate (token ids in, token ids
-out, no chat template), POST /abort_request, GET /get_model_info, GET|POST /flush_cache and GET /health_generate.
+out, no chat template), POST /abort_request, GET /get_model_info, GET /get_server_info, GET|POST /flush_cache and
+GET /health_generate (/model_info and /server_info: SGLang's newer names).
 
 /generate takes `text` (a string or a batch of them) or `input_ids` (one list of token ids or a batch), a
 `sampling_params` object (or one per prompt) in SGLang's names (max_new_tokens, min_new_tokens, no_stop_trim,
@@ -380,6 +381,24 @@ async def get_model_info(request: Request) -> JSONResponse:
                          "served_model_names": list(state.model_names)})
 
 
+async def get_server_info(request: Request) -> JSONResponse:
+    """SGLang's /get_server_info (and its newer name /server_info): the settings a client sizes its work by, in
+    SGLang's names, beside the engine's own."""
+    from atlasjax import __version__
+    state = server_state(request)
+    config = state.llm.engine.config
+    stats = state.llm.stats
+    replicas = getattr(state.llm, "replicas", None)
+    return JSONResponse({
+        "model_path": config.model, "served_model_name": state.model_name, "version": __version__,
+        "tp_size": config.tensor_parallel_size, "dp_size": len(replicas) if replicas else 1,
+        "context_len": state.max_model_len, "max_running_requests": config.max_num_seqs,
+        "chunked_prefill_size": config.max_num_batched_tokens, "max_prefill_tokens": config.max_num_batched_tokens,
+        "max_total_num_tokens": stats.pages_total * config.page_size, "page_size": config.page_size,
+        "kv_cache_dtype": config.kv_cache_dtype, "quantization": config.quantization,
+        "enable_prefix_caching": config.enable_prefix_caching, "weight_version": state.weight_version})
+
+
 async def flush_cache(request: Request) -> Response:
     """SGLang's /flush_cache: forget the prefix cache (vLLM's /reset_prefix_cache)."""
     server_state(request).llm.reset_prefix_cache()
@@ -402,6 +421,9 @@ ROUTES = [
     Route("/generate", generate, methods=["POST"]),
     Route("/abort_request", abort_request, methods=["POST"]),
     Route("/get_model_info", get_model_info, methods=["GET"]),
+    Route("/model_info", get_model_info, methods=["GET"]),
+    Route("/get_server_info", get_server_info, methods=["GET"]),
+    Route("/server_info", get_server_info, methods=["GET"]),
     Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
     Route("/health_generate", health_generate, methods=["GET"]),
 ]

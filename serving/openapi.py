@@ -149,6 +149,10 @@ OPERATIONS = {
     ("/abort_request", "post"): ("SGLang's: end /generate prompts now ({\"rid\"} or {\"abort_all\": true}); they "
                                  "answer what they generated, finish_reason abort", None, False),
     ("/get_model_info", "get"): ("SGLang's model info ({\"model_path\", \"weight_version\", ...})", None, False),
+    ("/model_info", "get"): ("The same as /get_model_info (SGLang's newer name)", None, False),
+    ("/get_server_info", "get"): ("SGLang's server info: context_len, max_running_requests, max_total_num_tokens, "
+                                  "tp_size, dp_size, ...", None, False),
+    ("/server_info", "get"): ("The same as /get_server_info (SGLang's newer name)", None, False),
     ("/flush_cache", "get"): ("SGLang's: forget the prefix cache (as /reset_prefix_cache)", None, False),
     ("/flush_cache", "post"): ("The same as GET /flush_cache", None, False),
     ("/health_generate", "get"): ("SGLang's: healthy (200) when the engine generates a token, else 503", None, False),

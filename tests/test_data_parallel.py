@@ -282,6 +282,10 @@ def test_a_server_with_two_replicas_answers_as_one_and_reports_each(request, tmp
     with httpx.Client(base_url=server.url, headers=headers, timeout=120) as http:
         health = http.get("/health").json()
         metrics = http.get("/metrics").text
+        assert http.get("/get_server_info").json()["dp_size"] == 2
+        sglang = http.post("/generate", json={"text": prompts[0], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 6}}).json()                  # SGLang's route through the router
+        assert sglang["text"] == ref[0].outputs[0].text
     assert health["status"] == "ok"
     assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
     assert sum(r["kv_pages_total"] for r in health["replicas"]) == health["kv_pages_total"]

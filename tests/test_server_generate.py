@@ -217,6 +217,11 @@ def test_abort_all_ends_whole_requests_in_flight(server):
 def test_sglang_operational_routes(server):
     info = httpx.get(server.url + "/get_model_info", headers=HEADERS).json()
     assert info["model_path"] == MODEL_NAME and info["weight_version"] == "default" and info["is_generation"]
+    assert httpx.get(server.url + "/model_info", headers=HEADERS).json() == info
+    server_info = httpx.get(server.url + "/get_server_info", headers=HEADERS).json()
+    assert (server_info["context_len"], server_info["max_running_requests"]) == (256, 8)   # ENGINE_KWARGS
+    assert (server_info["tp_size"], server_info["dp_size"]) == (1, 1) and server_info["max_total_num_tokens"] > 256
+    assert httpx.get(server.url + "/server_info", headers=HEADERS).json() == server_info
     assert httpx.post(server.url + "/flush_cache", headers=HEADERS).status_code == 200
     assert httpx.get(server.url + "/health_generate", headers=HEADERS, timeout=120).status_code == 200
 
