@@ -186,6 +186,8 @@ class _Sequence:
         self.with_prompt_ids, self.start = with_prompt_ids, start
         self.completion = Completion()
         self.sent_tokens, self.sent_text = 0, 0     # what incremental streaming events have carried
+        self._generated, self._generated_top = [], []   # rendered logprob triples, token by token
+        self._prompt = self._prompt_top = None          # the prompt's, once they arrive
 
     def add(self, delta) -> None:
         if self.prompt.score_only:      # the token run for the prompt's logprobs is not an output
@@ -236,16 +238,21 @@ class _Sequence:
         return out
 
     def _logprobs(self) -> dict:
+        """The logprob fields, rendered once per token: a stream renders the sequence at every step."""
         c, options = self.completion, self.logprobs
-        meta = {"output_token_logprobs": [self._triple(t, entry.get(t)) for t, entry in zip(c.token_ids, c.logprobs)]}
-        prompt_entries = []
-        if options.start >= 0:
-            entries = c.prompt_logprobs or [None] * len(self.prompt.ids)
-            prompt_entries = list(zip(self.prompt.ids, entries))[options.start:]
-        meta["input_token_logprobs"] = [self._triple(t, entry.get(t) if entry else None) for t, entry in prompt_entries]
+        done = len(self._generated)
+        for t, entry in zip(c.token_ids[done:], c.logprobs[done:]):
+            self._generated.append(self._triple(t, entry.get(t)))
+            if options.top > 0:
+                self._generated_top.append(self._top(entry))
+        if self._prompt is None and (options.start < 0 or c.prompt_logprobs is not None):
+            entries = list(zip(self.prompt.ids, c.prompt_logprobs or []))[options.start:] if options.start >= 0 else []
+            self._prompt = [self._triple(t, entry.get(t) if entry else None) for t, entry in entries]
+            self._prompt_top = [self._top(entry) if entry else None for _, entry in entries]
+        meta = {"output_token_logprobs": list(self._generated), "input_token_logprobs": list(self._prompt or [])}
         if options.top > 0:
-            meta["output_top_logprobs"] = [self._top(entry) for entry in c.logprobs]
-            meta["input_top_logprobs"] = [self._top(entry) if entry else None for _, entry in prompt_entries]
+            meta["output_top_logprobs"] = list(self._generated_top)
+            meta["input_top_logprobs"] = list(self._prompt_top or [])
         return meta
 
     def _triple(self, token_id: int, lp: Logprob | None) -> list:
