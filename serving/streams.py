@@ -48,21 +48,25 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
 
 async def until_set(stream: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
     """The items of `stream` until `stop` is set; then the stream is closed (an engine stream: its request is
-    aborted and its pages freed) and this iterator ends, as if the stream had."""
+    aborted and its pages freed) and this iterator ends, as if the stream had. Leaving it early (a consumer
+    closing it, a cancellation) closes the stream too."""
     waiter = asyncio.ensure_future(stop.wait())
+    step = None
     try:
-        async with contextlib.aclosing(stream):
-            while not stop.is_set():
-                step = asyncio.ensure_future(stream.__anext__())
-                await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    await asyncio.gather(step, return_exceptions=True)
-                    return
-                try:
-                    item = step.result()
-                except StopAsyncIteration:
-                    return
-                yield item
+        while not stop.is_set():
+            step = asyncio.ensure_future(stream.__anext__())
+            await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
     finally:
         waiter.cancel()
+        if step is not None and not step.done():    # the stream is inside __anext__: cancelling ends it there
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        await stream.aclose()
