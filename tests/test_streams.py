@@ -10,8 +10,9 @@ import pytest
 from serving.streams import merge, until_set
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "merged"])
 @pytest.mark.parametrize("how", ["cancel", "stop", "break", "end"])
-def test_until_set_closes_its_stream_however_it_ends(how):
+def test_until_set_closes_its_stream_however_it_ends(how, alone):
     async def run():
         closed = []
 
@@ -25,7 +26,7 @@ def test_until_set_closes_its_stream_however_it_ends(how):
         stop, got = asyncio.Event(), []
 
         async def consume():
-            streams = [until_set(numbers(5 if how == "end" else 1000), stop), numbers(2)]
+            streams = [until_set(numbers(5 if how == "end" else 1000), stop)] + ([] if alone else [numbers(2)])
             async with contextlib.aclosing(merge(streams)) as merged:
                 async for _, item in merged:
                     got.append(item)
@@ -40,7 +41,7 @@ def test_until_set_closes_its_stream_however_it_ends(how):
         await asyncio.gather(task, return_exceptions=True)
         return closed, got, task.cancelled(), [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     closed, got, cancelled, left = asyncio.run(run())
-    assert closed == [True, True] and not left          # both streams closed, no task left behind
+    assert closed == [True] * (1 if alone else 2) and not left     # every stream closed, no task left behind
     assert cancelled == (how == "cancel")
     if how == "end":
-        assert sorted(got) == [0, 0, 1, 1, 2, 3, 4]
+        assert sorted(got) == ([0, 1, 2, 3, 4] if alone else [0, 0, 1, 1, 2, 3, 4])
