@@ -38,6 +38,7 @@ from serving.state import SSE_HEADERS, ServerState, read_json, server_state, sse
 
 DEFAULT_MAX_NEW_TOKENS = 128        # SGLang's
 MAX_BATCH = 1024                    # prompts in one /generate
+HEALTH_GENERATE_TIMEOUT_S = 20.0    # SGLang's
 # SGLang's sampling parameter -> ours, where the names differ
 RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
            "sampling_seed": "seed"}
@@ -413,12 +414,21 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def health_generate(request: Request) -> Response:
-    """SGLang's /health_generate: healthy when the engine generates a token."""
+    """SGLang's /health_generate: healthy (200) when the engine generates a token within HEALTH_GENERATE_TIMEOUT_S
+    (a paused or asleep engine, or one that failed, is not: 503)."""
     state = server_state(request)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    async def one_token():
+        stream = state.llm.generate([0], params, f"health-{uuid.uuid4().hex}")
+        async with contextlib.aclosing(stream):
+            async for _ in stream:
+                pass
     try:
-        async for _ in state.llm.generate([0], params, f"health-{uuid.uuid4().hex}"):
-            pass
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        return JSONResponse({"status": "error", "error": f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"},
+                            status_code=503)
     except Exception as e:  # noqa: BLE001 (any failure is unhealthy)
         return JSONResponse({"status": "error", "error": str(e)}, status_code=503)
     return Response(status_code=200)

@@ -1,5 +1,5 @@
 """Server options a load balancer or client library relies on, in process on a scripted engine
-(tests/test_reasoning.py): vLLM's GET /load and --enable-force-include-usage."""
+(tests/test_reasoning.py): vLLM's GET /load and --enable-force-include-usage, SGLang's /health_generate."""
 from __future__ import annotations
 
 import asyncio
@@ -74,3 +74,17 @@ def test_force_include_usage_ends_every_stream_with_its_usage():
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
     continuous = _stream_chunks(True, {**completion, "stream_options": {"continuous_usage_stats": True}})
     assert all(c["usage"] is not None for c in continuous)
+
+
+def test_health_generate_answers_503_when_no_token_comes(monkeypatch):
+    """SGLang's /health_generate: 200 once a token is generated; 503 when none comes in time (a paused engine)."""
+    from serving import generate_routes
+    monkeypatch.setattr(generate_routes, "HEALTH_GENERATE_TIMEOUT_S", 0.3)
+
+    async def go(llm):
+        app = create_app(llm, served_model_name=MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.get("/health_generate")
+    assert asyncio.run(go(ScriptedLLM(["ok"]))).status_code == 200
+    r = asyncio.run(go(GatedLLM(["ok"])))          # its gate never opens
+    assert r.status_code == 503 and "no token within" in r.json()["error"]
