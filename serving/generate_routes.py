@@ -291,18 +291,15 @@ async def generate(request: Request):
             sequences[-1].append(_Sequence(rid, index, p, state, logprobs, with_prompt_ids, start))
             index += 1
     many = batched or index > 1
-    state.generations.update((p.rid, job.stop) for p, job in zip(prompts, jobs))
-    deltas = stream_jobs(state.llm, jobs, state.metrics)
+    stops = {p.rid: job.stop for p, job in zip(prompts, jobs)}
+    state.generations.update(stops)          # /abort_request finds them from now until the stream is done
+    deltas = _forgetting(stream_jobs(state.llm, jobs, state.metrics), state, stops)
     if stream:
         try:
             first = await first_delta(request, deltas)
         except StopAsyncIteration:     # aborted before its first token
             first = None
-        except BaseException:
-            _forget(state, prompts)
-            raise
-        return StreamingResponse(_events(first, deltas, sequences, many, state, prompts,
-                                         state.incremental_streaming_output),
+        return StreamingResponse(_events(first, deltas, sequences, many, state.incremental_streaming_output),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def drain():
@@ -312,7 +309,7 @@ async def generate(request: Request):
     try:
         await until_disconnect(request, drain())
     finally:
-        _forget(state, prompts)
+        _forget(state, stops)    # (also when drain never started)
     outputs = []
     for seq in (seq for per_prompt in sequences for seq in per_prompt):
         seq.end_aborted()
@@ -320,29 +317,38 @@ async def generate(request: Request):
     return JSONResponse(outputs if many else outputs[0])
 
 
-def _forget(state: ServerState, prompts: list[_Prompt]) -> None:
-    for p in prompts:
-        state.generations.pop(p.rid, None)
-
-
-async def _events(first, deltas, sequences, many, state, prompts, incremental):
+async def _forgetting(deltas, state: ServerState, stops: dict[str, asyncio.Event]):
+    """`deltas`, whose rids /abort_request forgets when the stream ends or is closed (by its consumer, or by the
+    garbage collector when a streaming response never starts)."""
     try:
         async with contextlib.aclosing(deltas):
-            try:
-                async for j, delta in (deltas if first is None else with_first(first, deltas)):
-                    seq = sequences[j][delta.index]
-                    seq.add(delta)
-                    if (delta.new_token_ids and not seq.prompt.score_only) or delta.finished:
-                        yield sse(seq.render(many, incremental))
-            except APIError as e:
-                yield sse({"error": {"message": e.message, "code": e.status}})
-                return
-        for seq in (seq for per_prompt in sequences for seq in per_prompt):
-            if seq.end_aborted():
-                yield sse(seq.render(many, incremental))
-        yield "data: [DONE]\n\n"
+            async for item in deltas:
+                yield item
     finally:
-        _forget(state, prompts)
+        _forget(state, stops)
+
+
+def _forget(state: ServerState, stops: dict[str, asyncio.Event]) -> None:
+    for rid, stop in stops.items():
+        if state.generations.get(rid) is stop:
+            del state.generations[rid]
+
+
+async def _events(first, deltas, sequences, many, incremental):
+    async with contextlib.aclosing(deltas):
+        try:
+            async for j, delta in (deltas if first is None else with_first(first, deltas)):
+                seq = sequences[j][delta.index]
+                seq.add(delta)
+                if (delta.new_token_ids and not seq.prompt.score_only) or delta.finished:
+                    yield sse(seq.render(many, incremental))
+        except APIError as e:
+            yield sse({"error": {"message": e.message, "code": e.status}})
+            return
+    for seq in (seq for per_prompt in sequences for seq in per_prompt):
+        if seq.end_aborted():
+            yield sse(seq.render(many, incremental))
+    yield "data: [DONE]\n\n"
 
 
 async def abort_request(request: Request) -> Response:

@@ -199,13 +199,14 @@ def test_abort_request_ends_a_stream_with_what_it_generated(server):
 
 
 def test_a_client_leaving_a_stream_gives_its_pages_back(server):
-    body = dict(text=PROMPT, stream=True, sampling_params={"max_new_tokens": 240, "ignore_eos": True})
+    body = dict(text=PROMPT, rid="leaver", stream=True, sampling_params={"max_new_tokens": 240, "ignore_eos": True})
     with httpx.stream("POST", server.url + "/generate", json=body, headers=HEADERS, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break          # leaves after the first event: the connection closes
     assert _until_pages_free(server)
-    assert _generate(server, text=PROMPT, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    again = _generate(server, text=PROMPT, rid="leaver", sampling_params={"max_new_tokens": 2})   # the rid is free
+    assert again["meta_info"]["completion_tokens"] == 2
 
 
 def test_abort_all_ends_whole_requests_in_flight(server):
