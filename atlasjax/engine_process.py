@@ -58,8 +58,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()   # the model's end tokens (beam search completes a beam on them)
     classifier_labels: tuple[str, ...] = ()   # a sequence classifier's labels (/classify)
     pooling_only: bool = False    # a pooling runner (no generation)
-    max_lora_rank: int | None = None   # with LoRA enabled, the largest adapter rank it takes (else None)
-    config: Any = None            # the engine's EngineConfig, as it resolved it (SGLang's /get_server_info)
+    config: Any = None            # the engine's EngineConfig, as it resolved it (its LoRA rank, /get_server_info)
 
     def stop_followers(self) -> None:
         """Multi-host runs keep their engine in the server's process (EngineProcessLLM refuses them)."""
@@ -194,9 +193,7 @@ def child_main(fd: int) -> None:
         conn.send(("ready", EngineInfo(engine.max_model_len, engine.model_config, engine.weights_summary,
                                        engine.tokenizer, _snapshot(engine.stats), engine.generation_defaults,
                                        engine.scheduling_policy, engine.eos_token_ids,
-                                       engine.classifier_labels, engine.pooling_only,
-                                       engine.config.max_lora_rank if engine.config.enable_lora else None,
-                                       engine.config)))
+                                       engine.classifier_labels, engine.pooling_only, engine.config)))
         _serve(conn, engine, max_waiting)
     except (EOFError, OSError):   # the server's process is gone
         return

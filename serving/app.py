@@ -138,6 +138,4 @@ def create_app(engine, *, served_model_name: str | list[str], api_key: str | Non
 def _max_lora_rank(engine) -> int | None:
     """The engine's max_lora_rank with LoRA enabled, else None (an AsyncLLM's engine, or an engine process's info)."""
     config = getattr(engine.engine, "config", None)
-    if config is not None:
-        return config.max_lora_rank if config.enable_lora else None
-    return getattr(engine.engine, "max_lora_rank", None)
+    return config.max_lora_rank if config is not None and config.enable_lora else None

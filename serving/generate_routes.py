@@ -32,7 +32,7 @@ from atlasjax.outputs import Logprob
 from atlasjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.bridge import Completion, Job, first_delta, stream_jobs, until_disconnect, with_first
 from serving.errors import APIError, invalid
-from serving.openai_shapes import finite
+from serving.openai_shapes import finite, ranked
 from serving.protocol import INT32_MAX, MAX_N, Fields, sampling_params
 from serving.state import SSE_HEADERS, ServerState, read_json, server_state, sse
 
@@ -65,12 +65,12 @@ class _Logprobs:
     with_text: bool         # return_text_in_logprobs
 
 
-def _batch(value, name: str, size: int | None) -> list | None:
-    """A per-prompt field: one value for all, or a list with one per prompt."""
-    if value is None or size is None or not isinstance(value, list):
-        return None if value is None else [value] * (size or 1)
-    if len(value) != size:
-        raise invalid(f"'{name}' has {len(value)} entries for {size} prompts", param=name)
+def _per_prompt(value, name: str, num_prompts: int, lists: bool = True) -> list:
+    """A per-prompt field: one value for every prompt, or (with `lists`) a list with one per prompt."""
+    if not (lists and isinstance(value, list)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise invalid(f"'{name}' has {len(value)} entries for {num_prompts} prompts", param=name)
     return value
 
 
@@ -151,25 +151,20 @@ def _logprob_options(f: Fields) -> _Logprobs | None:
 
 async def _prompts(f: Fields, state: ServerState, logprobs: _Logprobs | None) -> tuple[list[_Prompt], bool]:
     inputs, batched = _inputs(f)
-    size = len(inputs) if batched else None
-    raw_params = f.body.get("sampling_params")
-    per_prompt = raw_params if batched and isinstance(raw_params, list) else None
-    if per_prompt is not None and len(per_prompt) != len(inputs):
-        raise invalid(f"'sampling_params' has {len(per_prompt)} entries for {len(inputs)} prompts",
-                      param="sampling_params")
-    rids = _batch(f.body.get("rid"), "rid", size)
-    if rids is not None and not all(isinstance(r, str) and r for r in rids):
+    raw_params = _per_prompt(f.body.get("sampling_params"), "sampling_params", len(inputs), lists=batched)
+    rids = _per_prompt(f.body.get("rid"), "rid", len(inputs), lists=batched)
+    if f.body.get("rid") is not None and not all(isinstance(r, str) and r for r in rids):
         raise invalid("'rid' must be a non-empty string (or one per prompt)", param="rid")
     prompts = []
     for i, prompt in enumerate(inputs):
-        params, score_only = _params(per_prompt[i] if per_prompt is not None else raw_params, state, logprobs)
+        params, score_only = _params(raw_params[i], state, logprobs)
         ids = prompt if isinstance(prompt, list) else await state.encode(prompt)
         param = "input_ids" if isinstance(prompt, list) else "text"
         state.check_prompt(ids, params, param)
         if logprobs and logprobs.start >= len(ids):
             raise invalid(f"'logprob_start_len' ({logprobs.start}) must be below the prompt's {len(ids)} tokens",
                           param="logprob_start_len")
-        prompts.append(_Prompt(rids[i] if rids else uuid.uuid4().hex, ids, params, score_only))
+        prompts.append(_Prompt(rids[i] or uuid.uuid4().hex, ids, params, score_only))
     if len({p.rid for p in prompts}) != len(prompts):
         raise invalid("'rid' values must be distinct", param="rid")
     live = [p.rid for p in prompts if p.rid in state.generations]
@@ -263,8 +258,7 @@ class _Sequence:
         return [finite(lp.logprob) if lp is not None else None, token_id, text]
 
     def _top(self, entry: dict[int, Logprob]) -> list:
-        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda item: item[1].rank)
-        return [self._triple(t, lp) for t, lp in ranked[:self.logprobs.top]]
+        return [self._triple(t, lp) for t, lp in ranked(entry, self.logprobs.top)]
 
     def _decode(self, token_id: int) -> str | None:
         tok = self.state.tokenizer
@@ -372,13 +366,8 @@ async def abort_request(request: Request) -> Response:
 def _loras(f: Fields, state: ServerState, num_prompts: int) -> list:
     """SGLang's `lora_path`, one for all prompts or a list with one per prompt: the name of an adapter the server
     serves (`--lora-modules` or loaded at runtime), or null for the base model."""
-    names = f.body.get("lora_path")
-    if not isinstance(names, list):
-        names = [names] * num_prompts
-    elif len(names) != num_prompts:
-        raise invalid(f"'lora_path' has {len(names)} entries for {num_prompts} prompts", param="lora_path")
     loras = []
-    for name in names:
+    for name in _per_prompt(f.body.get("lora_path"), "lora_path", num_prompts):
         if name is not None and (not isinstance(name, str) or name not in state.lora_modules):
             served = ", ".join(sorted(state.lora_modules)) or "none"
             raise invalid(f"'lora_path' must name a loaded adapter (served: {served}), got {name!r}",

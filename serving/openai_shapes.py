@@ -56,7 +56,7 @@ def _chosen_and_top(entry: dict[int, Logprob], token_id: int, k: int | None = No
     return finite(entry[token_id].logprob), top
 
 
-def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+def ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda item: item[1].rank)
     return ranked[:k]
 
@@ -70,7 +70,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_k
     content = []
     for token_id, entry in zip(token_ids, entries):
         content.append({**item(token_id, entry[token_id]),
-                        "top_logprobs": [item(t, lp) for t, lp in _ranked(entry, top_k)]})
+                        "top_logprobs": [item(t, lp) for t, lp in ranked(entry, top_k)]})
     return {"content": content}
 
 

@@ -176,3 +176,23 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def sse_events(lines) -> list[dict]:
+    """The JSON events of a server-sent-events body (its lines), which must end with `data: [DONE]`."""
+    data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", data[-1:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def post_in_process(app, path: str, body: dict):
+    """POST `body` to an ASGI app in this process (a scripted engine behind `create_app`); the httpx response,
+    read whole."""
+    import asyncio
+
+    import httpx
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post(path, json=body)
+    return asyncio.run(go())

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from tests.server_util import API_KEY, CHAT, MODEL_NAME, chat_reference, greedy_reference, main_server, reference_llm
+from tests.server_util import (API_KEY, CHAT, MODEL_NAME, chat_reference, greedy_reference, main_server,
+                               post_in_process, reference_llm, sse_events)
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "The capital of France is"
@@ -42,9 +44,7 @@ def _generate(server, **body):
 def _events(server, path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", server.url + path, json=body, headers=HEADERS, timeout=120) as r:
         assert r.status_code == 200
-        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
+        return sse_events(list(r.iter_lines()))
 
 
 def test_generate_text_greedy_equals_llm(server, llm):
@@ -266,22 +266,10 @@ def test_chat_return_token_ids(server, llm):
 
 
 def _scripted_events(llm, body: dict, **app_kwargs) -> list[dict]:
-    import asyncio
-
     from serving.app import create_app
-    app = create_app(llm, served_model_name=MODEL_NAME, **app_kwargs)
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            r = await client.post("/generate", json=body)
-            assert r.status_code == 200, r.text
-            return r.text if body.get("stream") else r.json()
-    out = asyncio.run(go())
-    if not body.get("stream"):
-        return out
-    lines = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
+    r = post_in_process(create_app(llm, served_model_name=MODEL_NAME, **app_kwargs), "/generate", body)
+    assert r.status_code == 200, r.text
+    return sse_events(r.text.splitlines()) if body.get("stream") else r.json()
 
 
 def test_incremental_streaming_output_sends_only_what_is_new():
@@ -308,7 +296,7 @@ def test_lora_path_names_an_adapter_per_prompt():
                 yield delta
 
     llm = Recording(["ok"])
-    llm.loras, llm.engine.max_lora_rank = [], 8
+    llm.loras, llm.engine.config = [], SimpleNamespace(enable_lora=True, max_lora_rank=8)
     adapters = {"sql": LoRARequest("sql", 1, "/nowhere")}
     outs = _scripted_events(llm, {"input_ids": [[1, 7], [1, 8]], "lora_path": ["sql", None]}, lora_modules=adapters)
     assert len(outs) == 2 and sorted(llm.loras) == [(7, "sql"), (8, None)]

@@ -8,7 +8,7 @@ import json
 import httpx
 
 from serving.app import create_app
-from tests.server_util import MODEL_NAME
+from tests.server_util import MODEL_NAME, post_in_process, sse_events
 from tests.test_reasoning import ScriptedLLM
 
 
@@ -54,15 +54,9 @@ def test_load_counts_the_requests_in_progress_and_not_the_probes():
 
 def _stream_chunks(force: bool, body: dict, path: str = "/v1/completions") -> list[dict]:
     app = create_app(ScriptedLLM(["a", "b"]), served_model_name=MODEL_NAME, force_include_usage=force)
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            r = await client.post(path, json={**body, "stream": True})
-            assert r.status_code == 200, r.text
-            return r.text
-    lines = [line[len("data: "):] for line in asyncio.run(go()).splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
+    r = post_in_process(app, path, {**body, "stream": True})
+    assert r.status_code == 200, r.text
+    return sse_events(r.text.splitlines())
 
 
 def test_force_include_usage_ends_every_stream_with_its_usage():
