@@ -40,6 +40,7 @@ from atlasjax import bad_words, distributed, hub, long_context_decode, metrics, 
 from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolve_max_model_len,
                                     resolve_scheduler_steps)
 from atlasjax.draft_model import load_draft
+from atlasjax.eagle3 import load_eagle3
 from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
 from atlasjax.kv_disk import check_directory
@@ -119,9 +120,16 @@ class LLMEngine:
         draft = None   # speculative decoding's draft model (atlasjax/draft_model.py): (config, params, plan, k)
         if self.speculative is not None and self.speculative.uses_draft_model:
             if distributed.is_multiprocess():
-                raise EngineConfigError("a draft model (speculative_config) across several hosts is not supported")
-            draft = load_draft(self.speculative, self.tokenizer, self.dtype, self.max_model_len,
-                               None if self.loaded.plan is None else self.loaded.plan.mesh)
+                raise EngineConfigError(f"a {self.speculative.draft_name} (speculative_config) across several hosts "
+                                        "is not supported")
+            if self.speculative.method == "eagle3":
+                if self.loaded.plan is not None:
+                    raise EngineConfigError("an EAGLE-3 head (speculative_config) under tensor parallelism is not "
+                                            "supported yet")
+                draft = (*load_eagle3(self.speculative, cfg, self.dtype, self.max_model_len), None)
+            else:
+                draft = load_draft(self.speculative, self.tokenizer, self.dtype, self.max_model_len,
+                                   None if self.loaded.plan is None else self.loaded.plan.mesh)
             draft = (*draft, self.speculative.num_speculative_tokens)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
@@ -189,8 +197,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
         self._async_scheduling = config.async_scheduling
         if self.speculative is not None:
-            log.info("speculative decoding: %s drafts, %s", "draft model" if self.speculative.uses_draft_model
-                     else "n-gram", self.speculative)
+            spec = self.speculative
+            log.info("speculative decoding: %s drafts, %s", spec.draft_name if spec.uses_draft_model else "n-gram",
+                     spec)
         self.sleep_state = SleepState()    # what `LLM.sleep` released (atlasjax/sleep_mode.py)
         self.pause_state = pause.PauseState()   # a pause for new weights (atlasjax/pause.py)
         self.profiler = Profiler(profiler_dir(config.profiler_dir))   # start_profile / stop_profile (profiling.py)

@@ -23,10 +23,12 @@ import numpy as np
 
 from atlasjax import bad_words, program_store, sampling, steps
 from atlasjax.bad_words import HISTORY, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS
+from atlasjax.eagle3 import Eagle3Spec
 from atlasjax.sharding import TP_AXIS
 from atlasjax.sampling_params import MAX_LOGIT_BIAS
 from atlasjax.step_options import step_compiler_options
 from atlasjax.steps import DeviceState, StepOutput
+from models.eagle3 import Eagle3Head
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
 from models.transformer import Transformer, init_kv_cache
 from pallas_kernels import lowering_memo
@@ -110,6 +112,16 @@ class ModelRunner:
     def _set_draft(self, cfg, params, plan, num_tokens: int, *, attn_backend: str, own_params: bool) -> None:
         """Speculative decoding's draft model (atlasjax/draft_model.py): run as the target is, fused, and under
         tensor parallelism (its `plan`, on the target's mesh) inside shard_map with its KV pool split over heads."""
+        if isinstance(cfg, Eagle3Spec):   # an EAGLE-3 head (atlasjax/eagle3.py), which reads the target's layers
+            if self.plan is not None:
+                raise ValueError("an EAGLE-3 head under tensor parallelism is not supported")
+            self.draft_cfg = cfg.cfg
+            self.draft_params = fuse_projections(params, in_place=own_params)
+            head = Eagle3Head(cfg.cfg, cfg.target_hidden, cfg.draft_vocab, attn_backend, self.dtype,
+                              cfg.norm_before_residual)
+            self.draft = steps.Eagle3Draft(head, num_tokens, "embed_tokens" in params)
+            self.model = Transformer(self.cfg, attn_backend=attn_backend, dtype=self.dtype, aux_layers=cfg.aux_layers)
+            return
         if (plan is None) != (self.plan is None):
             raise ValueError("the draft model must be split over the target's mesh, or neither")
         self.draft_cfg, self.draft_plan = cfg, plan
@@ -149,7 +161,11 @@ class ModelRunner:
         draft_kv = () if self.draft is None else self._kv_pool_shapes(self.draft_cfg, self.draft_plan, num_pages)
         shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
         extra = {} if plan is None else dict(sharding=plan.replicated)
-        return DeviceState(kv=kv, draft_kv=draft_kv, counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
+        draft_hidden = ()   # an EAGLE-3 head's output at each slot's last position
+        if isinstance(self.draft, steps.Eagle3Draft):
+            draft_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.draft_cfg.hidden_size), self.dtype)
+        return DeviceState(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden,
+                           counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
                            prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
                            bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),
                            bias_vals=jax.ShapeDtypeStruct(bias, jnp.float32, **extra),

@@ -31,8 +31,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None   # shortest                         } the one given for both
     disable_by_batch_size: int | None = None   # no drafts in a step of this many running requests or more
                                                # (where the batch already fills the device)
-    method: str | None = None   # "ngram" (default without `model`) or "draft_model" (default with it)
-    model: str | None = None    # the draft model (method "draft_model"): a local path, as the engine's model
+    method: str | None = None   # "ngram" (default without `model`), "draft_model" (default with it) or "eagle3"
+    model: str | None = None    # the draft model or EAGLE-3 head: a local path or Hub id, as the engine's model
     draft_tensor_parallel_size: int | None = None   # None or the engine's tensor_parallel_size: the draft is split
                                                     # over the target's devices (EngineConfig checks it)
     quantization: str | None = None   # the draft's weights: only None (they run in the engine's dtype)
@@ -46,12 +46,13 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else hi if hi is not None else 5)
         object.__setattr__(self, "prompt_lookup_max", hi if hi is not None else self.prompt_lookup_min)
-        if self.method not in ("ngram", "draft_model"):
+        if self.method not in ("ngram", "draft_model", "eagle3"):
             bad(f"method {self.method!r} is not supported (supported: 'ngram', drafts looked up in the request's own "
-                "tokens, and 'draft_model', a smaller model's; EAGLE, Medusa and MTP are not implemented)")
-        if self.method == "draft_model":
+                "tokens, 'draft_model', a smaller model's, and 'eagle3', an EAGLE-3 head's; EAGLE-1, Medusa and MTP "
+                "are not implemented)")
+        if self.method in ("draft_model", "eagle3"):
             if not isinstance(self.model, str) or not self.model:
-                bad("method 'draft_model' needs model: the draft model's path")
+                bad(f"method {self.method!r} needs model: the {self.draft_name}'s path")
             d = self.draft_tensor_parallel_size
             if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
                 bad(f"draft_tensor_parallel_size must be a positive integer, got {d!r}")
@@ -61,7 +62,7 @@ class SpeculativeConfig:
             if self.revision is not None:
                 bad("revision of the draft model is not supported (model is a local path; nothing is downloaded)")
         elif self.model is not None:
-            bad("model is for method 'draft_model'; n-gram drafts need none")
+            bad("model is for method 'draft_model' or 'eagle3'; n-gram drafts need none")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -90,7 +91,13 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """Whether a network proposes the drafts, on the device inside the verify step (a draft model or an
+        EAGLE-3 head): the scheduler reserves their rows."""
+        return self.method in ("draft_model", "eagle3")
+
+    @property
+    def draft_name(self) -> str:
+        return "EAGLE-3 head" if self.method == "eagle3" else "draft model"
 
 
 MAX_SPECULATIVE_TOKENS = 15

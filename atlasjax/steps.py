@@ -14,7 +14,10 @@ Device state (donated to every step, so it is updated in place and never copied)
                the full plan (a request with bad words never runs a greedy-plan step)
   draft_kv:    a draft model's KV pool, as kv (speculative decoding with a draft model; () without): the same
                pages as the target's, and every step that runs the target over tokens runs the draft over them
-               too (`_run_draft`), so the draft's cache always holds what the target's holds
+               too (`_run_draft`), so the draft's cache always holds what the target's holds. An EAGLE-3 head's
+               (one layer) follows the target the same way, one position behind (`_eagle_follow`)
+  draft_hidden: [max_num_seqs, hidden] an EAGLE-3 head's output at each slot's last position, which its
+               next drafts start from (() without a head)
 
 A step's small host inputs cross to the device as one packed int32 array (`pack_host`).
 """
@@ -29,6 +32,7 @@ import numpy as np
 
 from atlasjax import sampling
 from models.attention import AttentionMetadata
+from models.eagle3 import Eagle3Head
 from models.transformer import Transformer
 from pallas_kernels.kv_write import decode_slots
 
@@ -42,6 +46,7 @@ class DeviceState:
     bad_words: jax.Array
     recent: jax.Array
     draft_kv: tuple = ()
+    draft_hidden: jax.Array | tuple = ()
 
 
 @flax.struct.dataclass
@@ -102,12 +107,15 @@ def _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens):
 
 
 def _run_model(model: Transformer, params, lora, tokens, positions, kv, meta, token_slots):
-    """The model over a step's tokens -> (hidden, kv). lora: the runner's LoRA tree (atlasjax/lora.py) or None; with
-    it each token runs its engine slot's adapter (token_slots: each token's engine slot; padding: any)."""
+    """The model over a step's tokens -> (hidden, kv, aux: the EAGLE-3 head's features, or None). lora: the runner's
+    LoRA tree (atlasjax/lora.py) or None; with it each token runs its engine slot's adapter (token_slots: each
+    token's engine slot; padding: any)."""
     if lora is None:
-        return model.apply({"params": params}, tokens, positions, kv, meta)
-    return model.apply({"params": params, "lora": lora["layers"]}, tokens, positions, kv, meta,
-                       _slot_rows(lora["adapter_of_slot"], token_slots))
+        out = model.apply({"params": params}, tokens, positions, kv, meta)
+    else:
+        out = model.apply({"params": params, "lora": lora["layers"]}, tokens, positions, kv, meta,
+                          _slot_rows(lora["adapter_of_slot"], token_slots))
+    return out if len(out) == 3 else (*out, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +127,87 @@ class Draft:
     vocab: int
 
 
-def _run_draft(draft: Draft | None, draft_params, tokens, positions, kv, meta):
-    """The draft model over the tokens the target runs in this step (the same positions and pages) -> its kv."""
-    if draft is None:
+@dataclasses.dataclass(frozen=True)
+class Eagle3Draft:
+    """Speculative decoding's EAGLE-3 head (atlasjax/eagle3.py), static in the step programs: its module, the drafts
+    it proposes per request and step, and whether it has an embedding of its own (else it reads the target's)."""
+    head: Eagle3Head
+    num_tokens: int
+    own_embedding: bool
+
+
+def _run_draft(draft, draft_params, tokens, positions, kv, meta):
+    """The draft model over the tokens the target runs in this step (the same positions and pages) -> its kv (an
+    EAGLE-3 head runs after the target instead: `_eagle_follow`)."""
+    if not isinstance(draft, Draft):
         return kv
     return draft.model.apply({"params": draft_params}, tokens, positions, kv, meta)[1]
+
+
+def _eagle_embed(draft: Eagle3Draft, draft_params, model, params, tokens):
+    tokens = jnp.maximum(tokens, 0)   # -1: a row whose next token is unknown (padding, or past what is accepted)
+    if draft.own_embedding:
+        return draft.head.apply({"params": draft_params}, tokens, method=Eagle3Head.embed)
+    return model.apply({"params": params}, tokens, method=Transformer.embed)
+
+
+def _eagle_follow(draft: Eagle3Draft, draft_params, model, params, aux, next_tokens, positions, draft_kv, meta):
+    """The EAGLE-3 head over the rows the target just ran: row i (position p) takes the token at p + 1 (the next
+    prompt token, or the one sampled at row i) and the target's features at p, and writes the head's K/V at p, so
+    its cache covers what the target's does. -> (draft_kv, the head's output per row [rows, hidden])."""
+    embeds = _eagle_embed(draft, draft_params, model, params, next_tokens)
+    prenorm, draft_kv = draft.head.apply({"params": draft_params}, embeds, aux, positions, draft_kv, meta)
+    return draft_kv, prenorm
+
+
+def _eagle_propose(draft: Eagle3Draft, draft_params, model, params, draft_hidden, kv, tokens, page_table, seq_lens,
+                   query_start, num_seqs, row_slots):
+    """An EAGLE-3 head's greedy drafts, filled into a verify step's rows (as `_propose`): request i's last token
+    sits at position L, and its slot keeps the head's output at L - 1, whose prediction is draft 1; iteration j
+    takes draft j and the previous output at position L + j - 1 and proposes draft j + 1. Its K/V writes
+    (positions L onwards) are overwritten by `_eagle_follow` after the verify. Returns (kv, tokens)."""
+    _, num_pages, page_size, _ = kv[0][0].shape
+    rows = min(page_table.shape[0], tokens.shape[0])
+    page_table, seq_lens, query_start = page_table[:rows], seq_lens[:rows], query_start[:rows + 1]
+    chunk = query_start[1:] - query_start[:-1]        # [rows] 1 + request i's drafts (past num_seqs: 0)
+    last = seq_lens - chunk                           # position L of its last token
+    slots = row_slots[jnp.minimum(query_start[:-1], tokens.shape[0] - 1)]
+    hidden = _slot_rows(draft_hidden, slots)
+    first = draft.head.apply({"params": draft_params}, hidden, method=Eagle3Head.propose)
+
+    def body(carry, j):
+        kv, x, hidden = carry
+        lens = jnp.where(j + 1 < chunk, last + j, 0)   # iteration j writes position L + j - 1 (lens - 1)
+        meta = AttentionMetadata(slot_mapping=decode_slots(page_table, lens, page_size, num_pages),
+                                 page_table=page_table, seq_lens=lens)
+        embeds = _eagle_embed(draft, draft_params, model, params, x)
+        hidden, kv = draft.head.apply({"params": draft_params}, embeds, hidden, jnp.maximum(lens - 1, 0), kv, meta)
+        proposed = draft.head.apply({"params": draft_params}, hidden, method=Eagle3Head.propose)
+        return (kv, proposed, hidden), proposed
+
+    proposed = first[None]
+    if draft.num_tokens > 1:
+        (kv, _, _), more = jax.lax.scan(body, (kv, first, hidden), jnp.arange(1, draft.num_tokens))
+        proposed = jnp.concatenate([proposed, more])   # [k, rows]
+    seq = _token_sequences(query_start, tokens.shape[0])
+    at = jnp.minimum(seq, rows - 1)
+    offset = jnp.arange(tokens.shape[0]) - query_start[at]
+    fill = (seq < num_seqs) & (offset >= 1)
+    drafts = proposed[jnp.clip(offset - 1, 0, draft.num_tokens - 1), at]
+    return kv, jnp.where(fill, drafts, tokens)
+
+
+def _accepted_rows(tokens, sampled, query_start, num_seqs, max_drafts: int):
+    """[R] the row of each request's last accepted token in a verify step (its first row + the drafts accepted
+    before the first that differs from the token sampled ahead of it: speculative.num_accepted's rule), and [R]
+    whether request i is one (i < num_seqs)."""
+    requests = min(query_start.shape[0] - 1, tokens.shape[0])
+    start, chunk = query_start[:requests], query_start[1:requests + 1] - query_start[:requests]
+    j = jnp.arange(max_drafts)[None, :]
+    at = jnp.minimum(start[:, None] + j, tokens.shape[0] - 2)
+    match = (j + 1 < chunk[:, None]) & (tokens[at + 1] == sampled[at])
+    accepted = jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)
+    return jnp.minimum(start + accepted, tokens.shape[0] - 1), jnp.arange(requests) < num_seqs
 
 
 def _token_sequences(query_start, num_tokens: int):
@@ -192,25 +276,30 @@ def _advance_recent(recent, slots, new_tokens):
 
 
 def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: DeviceState, tokens, page_table,
-                 seq_lens, slots, st, split_rows=None, lora=None, draft=None, draft_params=None, draft_kv=()):
+                 seq_lens, slots, st, split_rows=None, lora=None, draft=None, draft_params=None, drafting=((), ())):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv, counts, recent and draft_kv are the iteration's own. split_rows:
-    AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft: `Draft` or None.
-    Returns (kv, draft_kv, counts, recent, StepOutput)."""
+    per-slot sampling state; kv, counts, recent and drafting (draft_kv, draft_hidden) are the iteration's own.
+    split_rows: AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft: `Draft`,
+    `Eagle3Draft` or None. Returns (kv, drafting, counts, recent, StepOutput)."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              split_rows=split_rows)
-    hidden, kv = _run_model(model, params, lora, tokens, positions, kv, meta, slots)
+    hidden, kv, aux = _run_model(model, params, lora, tokens, positions, kv, meta, slots)
+    draft_kv, draft_hidden = drafting
     draft_kv = _run_draft(draft, draft_params, tokens, positions, draft_kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, counts, recent, logits, slots, st, plan)
+    if isinstance(draft, Eagle3Draft):
+        draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, positions, draft_kv,
+                                          meta)
+        draft_hidden = draft_hidden.at[jnp.where(seq_lens > 0, slots, counts.shape[0])].set(prenorm, mode="drop")
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
     if not plan.greedy:
         recent = _advance_recent(recent, jnp.where(seq_lens > 0, slots, counts.shape[0]), new_tokens)
-    return kv, draft_kv, counts, recent, StepOutput(new_tokens, lp, tv, ti)
+    return kv, (draft_kv, draft_hidden), counts, recent, StepOutput(new_tokens, lp, tv, ti)
 
 
 def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, lora, state: DeviceState, packed,
@@ -218,11 +307,11 @@ def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     """One decode iteration (split_rows: the attention's, AttentionMetadata; lora, draft: `_decode_once`'s)."""
     tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    kv, draft_kv, counts, recent, out = _decode_once(
+    kv, (draft_kv, draft_hidden), counts, recent, out = _decode_once(
         model, plan, params, state.kv, state.counts, state.recent, state, tokens, page_table, seq_lens, slots,
-        sampling.SamplingTensors(f, i), split_rows, lora, draft, draft_params, state.draft_kv)
+        sampling.SamplingTensors(f, i), split_rows, lora, draft, draft_params, (state.draft_kv, state.draft_hidden))
     out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
-    return state.replace(kv=kv, draft_kv=draft_kv, counts=counts, recent=recent), out
+    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, counts=counts, recent=recent), out
 
 
 def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params, lora,
@@ -235,19 +324,20 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
 
     def body(carry, j):
-        kv, draft_kv, counts, recent, tokens = carry
+        kv, drafting, counts, recent, tokens = carry
         active = (seq_lens > 0) & (j < row_steps)
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
-        kv, draft_kv, counts, recent, out = _decode_once(
+        kv, drafting, counts, recent, out = _decode_once(
             model, plan, params, kv, counts, recent, state, tokens, page_table, jnp.where(active, seq_lens + j, 0),
-            slots, st, split_rows, lora, draft, draft_params, draft_kv)
+            slots, st, split_rows, lora, draft, draft_params, drafting)
         tokens = jnp.where(active, out.tokens, tokens)
-        return (kv, draft_kv, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
+        return (kv, drafting, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
-    (kv, draft_kv, counts, recent, tokens), outs = jax.lax.scan(
-        body, (state.kv, state.draft_kv, state.counts, state.recent, tokens), jnp.arange(num_steps))
-    return state.replace(kv=kv, draft_kv=draft_kv, counts=counts, recent=recent), StepOutput(
+    (kv, (draft_kv, draft_hidden), counts, recent, tokens), outs = jax.lax.scan(
+        body, (state.kv, (state.draft_kv, state.draft_hidden), state.counts, state.recent, tokens),
+        jnp.arange(num_steps))
+    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, counts=counts, recent=recent), StepOutput(
         *outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
 
 
@@ -266,11 +356,18 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
     token_slots = None
     if lora is not None:   # each token's engine slot: its sequence's (tokens past the sequences: the last's)
         token_slots = slot_ids[jnp.minimum(_token_sequences(query_start, tokens.shape[0]), slot_ids.shape[0] - 1)]
-    hidden, kv = _run_model(model, params, lora, tokens, positions, state.kv, meta, token_slots)
+    hidden, kv, aux = _run_model(model, params, lora, tokens, positions, state.kv, meta, token_slots)
     state = state.replace(draft_kv=_run_draft(draft, draft_params, tokens, positions, state.draft_kv, meta))
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
     slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, slots, st)
+    if isinstance(draft, Eagle3Draft):   # a completed prompt's last row is followed by the token just sampled
+        follow = next_tokens.at[jnp.where(commit, sample_rows, tokens.shape[0])].set(new_tokens, mode="drop")
+        draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, follow, positions,
+                                          state.draft_kv, meta)
+        ends = jnp.where(jnp.arange(slot_ids.shape[0]) < num_seqs, slot_ids, state.counts.shape[0])   # each chunk's
+        state = state.replace(draft_kv=draft_kv,
+                              draft_hidden=state.draft_hidden.at[ends].set(prenorm[sample_rows], mode="drop"))
     counts = state.counts.at[slots, new_tokens].add(1, mode="drop")
     state = state.replace(recent=_advance_recent(state.recent, slots, new_tokens))
     out = StepOutput(new_tokens, lp, tv, ti)
@@ -295,17 +392,29 @@ def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, row_slots, f, i = unpack_host(
         packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    draft_kv = state.draft_kv
-    if draft is not None:
+    draft_kv, draft_hidden = state.draft_kv, state.draft_hidden
+    if isinstance(draft, Draft):
         draft_kv, tokens = _propose(draft, draft_params, draft_kv, tokens, page_table, seq_lens, query_start,
                                     num_seqs)
+    elif draft is not None:
+        draft_kv, tokens = _eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
+                                          page_table, seq_lens, query_start, num_seqs, row_slots)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
-    hidden, kv = _run_model(model, params, lora, tokens, positions, state.kv, meta, row_slots)
+    hidden, kv, aux = _run_model(model, params, lora, tokens, positions, state.kv, meta, row_slots)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots,
                                           sampling.SamplingTensors(f, i), plan)
-    return state.replace(kv=kv, draft_kv=draft_kv), StepOutput(new_tokens, lp, tv, ti, inputs=tokens)
+    if isinstance(draft, Eagle3Draft):   # each row is followed by the token sampled at it; the slot keeps the
+        # head's output at the request's last accepted row
+        draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, positions, draft_kv,
+                                          meta)
+        rows, real = _accepted_rows(tokens, new_tokens, query_start, num_seqs, draft.num_tokens)
+        slots = jnp.where(real, row_slots[jnp.minimum(query_start[:rows.shape[0]], tokens.shape[0] - 1)],
+                          draft_hidden.shape[0])
+        draft_hidden = draft_hidden.at[slots].set(prenorm[rows], mode="drop")
+    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden), StepOutput(
+        new_tokens, lp, tv, ti, inputs=tokens)
 
 
 def admit_step(layout, state: DeviceState, packed):

@@ -100,6 +100,9 @@ class Transformer(nn.Module):
     attn_backend: str = "auto"
     dtype: jnp.dtype = jnp.float32
     parallel: Parallel = Parallel()
+    # layers whose input (the residual stream) is also returned, concatenated: an EAGLE-3 head's features
+    # (models/eagle3.py); empty: the call returns (hidden, kv_caches) only
+    aux_layers: tuple[int, ...] = ()
 
     def setup(self):
         cfg = self.cfg
@@ -114,7 +117,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens, positions, kv_caches: KVCache, meta: AttentionMetadata, lora_ids=None):
         """tokens, positions: [num_tokens] int32 -> (hidden [num_tokens, embed], kv_caches). lora_ids: [num_tokens]
         each token's LoRA slot (-1: none), with the adapters' stacks passed as the "lora" collection
-        (atlasjax/lora.py)."""
+        (atlasjax/lora.py). With aux_layers: (hidden, kv_caches, [num_tokens, len(aux_layers) * embed])."""
         x = self.embed_tokens(tokens)
         lora = self.variables.get("lora") if lora_ids is not None else None
         lora_mask = None
@@ -124,9 +127,11 @@ class Transformer(nn.Module):
         # A decode step's RoPE tables, once for all layers, for attention kernels that rotate q and k
         rope = (rope_tables(positions, rope_inv_freq(self.cfg), rope_attention_factor(self.cfg))
                 if meta.is_decode and rope_in_kernel() else None)
-        new_caches = []
+        new_caches, aux = [], []
         call_layer = _layer_caller() if layer_calls() and not self.is_initializing() else None
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x)
             with jax.named_scope(f"layer_{i}"):
                 if call_layer:
                     x, kv = call_layer(layer.clone(parent=None, name=None), self.variables["params"][layer.name],
@@ -135,11 +140,16 @@ class Transformer(nn.Module):
                 else:
                     x, kv = layer(x, positions, kv_caches[i], meta, rope, lora_mask)
             new_caches.append(kv)
+        if self.aux_layers:
+            return self.norm(x), tuple(new_caches), jnp.concatenate(aux, axis=-1)
         return self.norm(x), tuple(new_caches)
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
 
     def init_all(self, tokens, positions, kv_caches, meta):
         """Touches every parameter (used by `init` to create the full tree)."""
-        hidden, _ = self(tokens, positions, kv_caches, meta)
+        hidden = self(tokens, positions, kv_caches, meta)[0]
         return self.logits(hidden)
 
     def logits(self, hidden):

@@ -29,6 +29,9 @@ CASES = {
                                                  tie_word_embeddings=False, rope_scaling={
                                                      "rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64})),
+    # an EAGLE-3 head's target: its default layers (2, L // 2, L - 3) are three distinct ones from 7 layers on
+    "llama_7layers": (transformers.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                     num_hidden_layers=7, tie_word_embeddings=False)),
 }
 
 

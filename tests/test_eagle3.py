@@ -1,0 +1,251 @@
+"""Speculative decoding with an EAGLE-3 head (atlasjax/eagle3.py, models/eagle3.py): a one-layer draft that reads
+the target's hidden states. The output must be the target's alone (greedy and seeded); every draft the engine
+proposes must be what an independent torch implementation of the head proposes from the same tokens (the head's
+cache follows prefill chunks, verifies with any number of drafts accepted, plain and multi-step decodes and the
+prefix cache); a bad head is refused with the reason."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from atlasjax import LLM, SamplingParams
+from atlasjax.eagle3 import make_tensors
+from atlasjax.errors import EngineConfigError
+from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
+
+# float32: on a GPU in bf16 a verify's rows round unlike a decode's and near-equal tokens of a random model flip
+ENGINE = dict(max_num_seqs=8, max_model_len=160, page_size=8, max_num_batched_tokens=64, dtype="float32")
+GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+PROMPTS = [[7, 8, 9, 10, 7, 8], list(range(3, 40)), list(range(3, 100))]   # the last prefills in two chunks
+K = 3
+# On a GPU float32 matmuls round as TF32: a draft whose logit leads the next by less is not compared (nor those after)
+TIE = 0.05 if jax.default_backend() == "gpu" else 0.0
+LOGPROB_ATOL = 5e-3 if jax.default_backend() == "gpu" else 1e-4
+
+
+def _head_config(draft_vocab=None, **extra):
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+            "vocab_size": 512, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 1024, **extra}
+
+
+def _save_head(path, hf, tensors):
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target(hf_model_factory):
+    return hf_model_factory("llama_7layers")
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A random head over a draft vocabulary of 96 of the 512 tokens (d2t), (path, config, tensors)."""
+    hf = _head_config(draft_vocab=96)
+    tensors = make_tensors(hf, 64, np.random.default_rng(0), std=0.15)
+    return _save_head(tmp_path_factory.mktemp("eagle3"), hf, tensors), hf, tensors
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return LLM(target[1], **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def eagle(target, head):
+    return LLM(target[1], speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": K},
+               **ENGINE)
+
+
+def _tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+class ReferenceHead:
+    """The EAGLE-3 head in torch, from the checkpoint's tensors, written from its published definition (vLLM's and
+    SGLang's): every draft recomputed over the whole sequence, no cache."""
+
+    def __init__(self, hf_target, hf, tensors, aux=None):
+        self.target, self.hf = hf_target, hf
+        self.t = {k: torch.tensor(np.asarray(v, np.float32) if v.dtype != np.int64 else v) for k, v in tensors.items()}
+        layers = hf_target.config.num_hidden_layers
+        self.aux = aux or (2, layers // 2, layers - 3)
+
+    def _rms(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.hf["rms_norm_eps"]))
+
+    def _layer(self, embeds, features):
+        t, hf = self.t, self.hf
+        n, heads, kv = embeds.shape[0], hf["num_attention_heads"], hf["num_key_value_heads"]
+        hd = hf["hidden_size"] // heads
+        x = torch.cat([self._rms(embeds, t["midlayer.input_layernorm.weight"]),
+                       self._rms(features, t["midlayer.hidden_norm.weight"])], -1)
+        q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, hd)
+        k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv, hd)
+        v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, hd)
+        inv = 1.0 / hf["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        ang = torch.arange(n, dtype=torch.float32)[:, None] * inv[None]
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+        def rope(a):
+            return a * cos + torch.cat([-a[..., hd // 2:], a[..., :hd // 2]], -1) * sin
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+        scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
+        x = features + out @ t["midlayer.self_attn.o_proj.weight"].T
+        h = self._rms(x, t["midlayer.post_attention_layernorm.weight"])
+        gate, up = h @ t["midlayer.mlp.gate_proj.weight"].T, h @ t["midlayer.mlp.up_proj.weight"].T
+        return x + (torch.nn.functional.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T
+
+    def _propose(self, prenorm):
+        """(the draft token, how far its logit leads the next)"""
+        logits = self._rms(prenorm, self.t["norm.weight"]) @ self.t["lm_head.weight"].T
+        top = logits.topk(2).values
+        d = int(logits.argmax())
+        return d + int(self.t["d2t"][d]) if "d2t" in self.t else d, float(top[0] - top[1])
+
+    @torch.no_grad()
+    def drafts(self, seq: list[int], k: int) -> list[int]:
+        """The k drafts after seq (its last token is the verify step's last token, not yet run by the target), up to
+        the first whose logit leads the next by less than TIE (where the engine's rounding may pick the other)."""
+        hidden = self.target(torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i][0] for i in self.aux], -1) @ self.t["fc.weight"].T
+        embed = self.target.get_input_embeddings()
+        embeds = embed(torch.tensor(seq[1:]))
+        out = []
+        for _ in range(k):
+            prenorm = self._layer(embeds, features)[-1]
+            token, lead = self._propose(prenorm)
+            if lead < TIE:
+                return out
+            out.append(token)
+            embeds = torch.cat([embeds, embed(torch.tensor([out[-1]]))])
+            features = torch.cat([features, prenorm[None]])
+        return out
+
+
+def _recorded_drafts(llm):
+    """Wraps the runner's verify: each step's (request's last position, its drafts) for one-request steps."""
+    runner, seen = llm.engine.runner, []
+    verify = runner.verify
+
+    def recording(batch, *args, **kwargs):
+        out = verify(batch, *args, **kwargs)
+        n = int(batch["query_start"][1])
+        if int(batch["num_seqs"]) == 1:
+            seen.append((int(batch["positions"][0]), np.asarray(out.inputs)[1:n].tolist()))
+        return out
+    runner.verify = recording
+    return seen
+
+
+def test_greedy_tokens_are_the_targets_and_every_draft_is_the_reference_heads(target, head, plain, eagle):
+    seen = _recorded_drafts(eagle)
+    try:
+        for prompt in PROMPTS:
+            seen.clear()
+            got = _tokens(eagle, [prompt], GREEDY)[0]
+            assert got == _tokens(plain, [prompt], GREEDY)[0]
+            _assert_reference_drafts(seen, prompt + got, ReferenceHead(target[0], head[1], head[2]))
+    finally:
+        del eagle.engine.runner.verify
+    spec = eagle.engine.stats.spec
+    assert spec.num_draft_tokens > 0
+    _assert_idle(eagle.engine)
+
+
+def _assert_reference_drafts(seen, seq, reference):
+    assert len(seen) > 2
+    for position, drafts in seen:
+        want = reference.drafts(seq[:position + 1], K)
+        assert drafts[:len(want)] == want[:len(drafts)], position
+
+
+def test_drafts_accepted_in_part_and_every_kind_of_step(target, tmp_path, plain):
+    """A head whose draft vocabulary is two tokens, 5 and 6, beside a target that repeats 5 (a logit bias): about
+    half its drafts are accepted, so verifies advance by 1 to K + 1 positions, and the drafts after each are still
+    the reference's (the head's cache and kept output follow the accepted rows). A penalized request beside it runs
+    plain decodes, four per launch, first; the prompt served again from the prefix cache drafts as the reference."""
+    hf = _head_config(draft_vocab=2)
+    tensors = make_tensors(hf, 64, np.random.default_rng(1), std=0.15)
+    tensors["d2t"] = np.array([5, 5], np.int64)   # draft ids 0, 1 -> tokens 5, 6
+    path = _save_head(tmp_path / "h", hf, tensors)
+    llm = LLM(target[1], speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": K},
+              num_scheduler_steps=4, **ENGINE)
+    seen = _recorded_drafts(llm)
+    reference = ReferenceHead(target[0], hf, tensors)
+    biased = SamplingParams(temperature=0, ignore_eos=True, max_tokens=30, logit_bias={5: 50.0})
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=9, ignore_eos=True), biased]
+    got = _tokens(llm, PROMPTS[:2], params)
+    assert got == _tokens(plain, PROMPTS[:2], params)
+    assert any(k[0] == "decode" and len(k) == 4 for k in llm.engine.runner._compiled)   # a multi-step launch
+    _assert_reference_drafts(seen, PROMPTS[1] + got[1], reference)
+    spec = llm.engine.stats.spec
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert spec.accepted_per_pos[1] > 0   # some verifies kept 2 drafts or more
+    hits = llm.engine.pool.num_hit_pages
+    seen.clear()
+    assert _tokens(llm, [PROMPTS[1]], [biased])[0] == got[1]
+    assert llm.engine.pool.num_hit_pages > hits
+    _assert_reference_drafts(seen, PROMPTS[1] + got[1], reference)
+    _assert_idle(llm.engine)
+
+
+def test_seeded_sampling_and_logprobs_are_the_targets(target, head, plain, eagle):
+    seeded = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True,
+                             logprobs=3),
+              SamplingParams(temperature=0.5, min_p=0.05, seed=4, max_tokens=12, min_tokens=6, logprobs=1)]
+    for a, b in zip(plain.generate(PROMPTS[:2], seeded), eagle.generate(PROMPTS[:2], seeded)):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            np.testing.assert_allclose([v.logprob for v in da.values()], [v.logprob for v in db.values()],
+                                       atol=LOGPROB_ATOL)
+    _assert_idle(eagle.engine)
+
+
+def test_staggered_requests_and_preemption_equal_plain_decoding(target, head):
+    work = _workload(n=16, seed=3)
+    want = _alone(LLM(target[1], enable_prefix_caching=False, **ENGINE).engine, work)
+    engine = LLM(target[1], speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": 2},
+                 num_pages=24, enable_prefix_caching=False, **ENGINE).engine
+    assert _run_staggered(engine, work) == want
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.spec.num_draft_tokens > 0
+    _assert_idle(engine)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda hf, t: hf.update(architectures=["LlamaForCausalLM"]), "is not an EAGLE-3 checkpoint"),
+    (lambda hf, t: hf.update(num_hidden_layers=2), "only one"),
+    (lambda hf, t: hf.update(vocab_size=1000), "vocabulary of 1000 tokens"),
+    (lambda hf, t: t.pop("fc.weight"), "has no tensor fc.weight"),
+    (lambda hf, t: t.update({"fc.weight": t["fc.weight"][:, :128]}), r"fc.weight has shape \[64, 128\]"),
+    (lambda hf, t: hf.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]}), "three distinct layers"),
+    (lambda hf, t: t.update(d2t=t["d2t"] + 1000), "past the model's vocabulary"),
+])
+def test_a_bad_head_is_refused_with_the_reason(target, head, tmp_path, change, match):
+    hf, tensors = dict(head[1]), dict(head[2])
+    change(hf, tensors)
+    path = _save_head(tmp_path / "bad", hf, tensors)
+    with pytest.raises(EngineConfigError, match=match):
+        LLM(target[1], speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": 2}, **ENGINE)
+
+
+def test_eagle3_needs_a_model_and_one_device(target, head):
+    with pytest.raises(EngineConfigError, match="'eagle3' needs model"):
+        LLM(target[1], speculative_config={"method": "eagle3", "num_speculative_tokens": 2}, **ENGINE)
+    with pytest.raises(EngineConfigError, match="EAGLE-1"):
+        LLM(target[1], speculative_config={"method": "eagle", "model": head[0], "num_speculative_tokens": 2},
+            **ENGINE)
