@@ -1,10 +1,11 @@
-"""Speculative decoding, as vLLM's `speculative_config`: n-gram (prompt lookup) drafts (`method: "ngram"`) or a
-smaller draft model's (`method: "draft_model"`, atlasjax/draft_model.py).
+"""Speculative decoding, as vLLM's `speculative_config`: n-gram (prompt lookup) drafts (`method: "ngram"`), a
+smaller draft model's (`method: "draft_model"`, atlasjax/draft_model.py) or an EAGLE-3 head's (`method: "eagle3"`,
+atlasjax/eagle3.py).
 
 Plain Python and numpy, no jax. Each decode-only step, every running request proposes up to
 `num_speculative_tokens` draft tokens. n-gram: the tokens that followed the latest earlier occurrence of its last
 n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output, found on the host.
-Draft model: the draft model's greedy tokens, proposed on the device inside the verify step. The engine
+Draft model or EAGLE-3 head: its greedy tokens, proposed on the device inside the verify step. The engine
 then runs one verify step (atlasjax/steps.py `verify_step`) over each request's last token and its drafts,
 samples a token at every position from the target model's own distribution, as a decode step would, and
 keeps the drafts up to the first that differs from the token sampled before it, plus that sampled token.
