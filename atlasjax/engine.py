@@ -123,9 +123,6 @@ class LLMEngine:
                 raise EngineConfigError(f"a {self.speculative.draft_name} (speculative_config) across several hosts "
                                         "is not supported")
             if self.speculative.method == "eagle3":
-                if self.loaded.plan is not None:
-                    raise EngineConfigError("an EAGLE-3 head (speculative_config) under tensor parallelism is not "
-                                            "supported yet")
                 draft = (*load_eagle3(self.speculative, cfg, self.dtype, self.max_model_len), None)
             else:
                 draft = load_draft(self.speculative, self.tokenizer, self.dtype, self.max_model_len,

@@ -113,14 +113,16 @@ class ModelRunner:
         """Speculative decoding's draft model (atlasjax/draft_model.py): run as the target is, fused, and under
         tensor parallelism (its `plan`, on the target's mesh) inside shard_map with its KV pool split over heads."""
         if isinstance(cfg, Eagle3Spec):   # an EAGLE-3 head (atlasjax/eagle3.py), which reads the target's layers
-            if self.plan is not None:
-                raise ValueError("an EAGLE-3 head under tensor parallelism is not supported")
             self.draft_cfg = cfg.cfg
             self.draft_params = fuse_projections(params, in_place=own_params)
             head = Eagle3Head(cfg.cfg, cfg.target_hidden, cfg.draft_vocab, attn_backend, self.dtype,
                               cfg.norm_before_residual)
+            if self.plan is not None:   # whole on every device of the target's mesh (it is small)
+                from atlasjax.sharding import Replicated  # noqa: PLC0415
+                self.draft_params = jax.device_put(self.draft_params, self.plan.replicated)
+                head = Replicated(head, self.plan.mesh)
             self.draft = steps.Eagle3Draft(head, num_tokens, "embed_tokens" in params)
-            self.model = Transformer(self.cfg, attn_backend=attn_backend, dtype=self.dtype, aux_layers=cfg.aux_layers)
+            self.model = self._executed_model(self.cfg, self.params, self.plan, attn_backend, cfg.aux_layers)
             return
         if (plan is None) != (self.plan is None):
             raise ValueError("the draft model must be split over the target's mesh, or neither")
@@ -130,14 +132,15 @@ class ModelRunner:
         self.draft = steps.Draft(self._executed_model(cfg, self.draft_params, plan, attn_backend), num_tokens,
                                  min(cfg.vocab_size, self.cfg.vocab_size))
 
-    def _executed_model(self, cfg, fused_params, plan, attn_backend: str):
+    def _executed_model(self, cfg, fused_params, plan, attn_backend: str, aux_layers: tuple[int, ...] = ()):
         """The module the steps apply to `fused_params`: a Transformer, or under tensor parallelism (`plan`) one that
         every device runs on its shard inside shard_map (KV pools split over KV heads; host inputs and the per-slot
         sampling state replicated)."""
         if plan is None:
-            return Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype)
+            return Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype, aux_layers=aux_layers)
         from atlasjax.sharding import ShardedModel, logical_axes  # noqa: PLC0415
-        local = Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype, parallel=plan.parallel)
+        local = Transformer(cfg, attn_backend=attn_backend, dtype=self.dtype, parallel=plan.parallel,
+                            aux_layers=aux_layers)
         logical = fuse_logical_axes(logical_axes(cfg, self.dtype), fused_params)
         return ShardedModel(local, plan, plan.param_specs(fused_params, logical))
 
@@ -162,8 +165,9 @@ class ModelRunner:
         shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
         extra = {} if plan is None else dict(sharding=plan.replicated)
         draft_hidden = ()   # an EAGLE-3 head's output at each slot's last position
-        if isinstance(self.draft, steps.Eagle3Draft):
-            draft_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.draft_cfg.hidden_size), self.dtype)
+        if isinstance(self.draft, steps.Eagle3Draft):   # its KV pool and outputs replicated under TP, as the head
+            draft_kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **extra), draft_kv)
+            draft_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.draft_cfg.hidden_size), self.dtype, **extra)
         return DeviceState(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden,
                            counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
                            prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),

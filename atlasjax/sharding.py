@@ -321,14 +321,32 @@ class ShardedModel:
             def forward(v, kv, rest):
                 local = dict(v, params=local_params(v["params"]))
                 return self.model.apply(local, rest[0], rest[1], kv, rest[2], *rest[3:])
+            aux = (P(),) if getattr(self.model, "aux_layers", ()) else ()   # an EAGLE-3 head's features
             return jax.shard_map(forward, mesh=mesh, in_specs=(specs, kv_specs, P()),
-                                 out_specs=(P(), kv_specs), check_vma=False)(
+                                 out_specs=(P(), kv_specs, *aux), check_vma=False)(
                 {k: variables[k] for k in specs}, kv, (tokens, positions, meta, *lora_ids))
 
         def other(v, rest):
             return self.model.apply({"params": local_params(v["params"])}, *rest, method=method)
         return jax.shard_map(other, mesh=mesh, in_specs=(self.param_specs, P()), out_specs=P(),
                              check_vma=False)(variables, args)
+
+
+class Replicated:
+    """A module run whole on every device of a mesh (inside shard_map, its params, operands and results replicated):
+    an EAGLE-3 head beside a tensor-parallel target (`apply` as flax's)."""
+
+    def __init__(self, module, mesh):
+        self.module = module
+        self.mesh = mesh
+
+    def __repr__(self) -> str:   # what the program store keys a step on
+        return f"Replicated({self.module!r}, {dict(self.mesh.shape)!r})"
+
+    def apply(self, variables, *args, method=None):
+        def run(v, rest):
+            return self.module.apply(v, *rest, method=method)
+        return jax.shard_map(run, mesh=self.mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(variables, args)
 
 
 @functools.cache

@@ -131,7 +131,7 @@ class Draft:
 class Eagle3Draft:
     """Speculative decoding's EAGLE-3 head (atlasjax/eagle3.py), static in the step programs: its module, the drafts
     it proposes per request and step, and whether it has an embedding of its own (else it reads the target's)."""
-    head: Eagle3Head
+    head: Eagle3Head   # or sharding.Replicated(Eagle3Head) beside a tensor-parallel target
     num_tokens: int
     own_embedding: bool
 

@@ -249,3 +249,32 @@ def test_eagle3_needs_a_model_and_one_device(target, head):
     with pytest.raises(EngineConfigError, match="EAGLE-1"):
         LLM(target[1], speculative_config={"method": "eagle", "model": head[0], "num_speculative_tokens": 2},
             **ENGINE)
+
+
+def test_a_head_beside_a_tensor_parallel_target_proposes_as_on_one_device(target, head):
+    """TP=2: the target split over two devices returns its (replicated) residual stream; the head runs whole on
+    each device with a replicated KV pool; tokens and every draft are one device's."""
+    llm = LLM(target[1], tensor_parallel_size=2,
+              speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": K}, **ENGINE)
+    pool = llm.engine.runner.state.draft_kv[0][0]
+    assert len(pool.sharding.device_set) == 2 and pool.sharding.is_fully_replicated
+    seen = _recorded_drafts(llm)
+    got = _tokens(llm, [PROMPTS[1]], GREEDY)[0]
+    assert got == _tokens(LLM(target[1], **ENGINE), [PROMPTS[1]], GREEDY)[0]
+    _assert_reference_drafts(seen, PROMPTS[1] + got, ReferenceHead(target[0], head[1], head[2]))
+    _assert_idle(llm.engine)
+
+
+def test_the_heads_weights_sleep_and_wake_with_the_targets(target, head, eagle, plain):
+    before = _tokens(eagle, PROMPTS[:2], GREEDY)
+    weights = eagle.engine.runner.draft_params
+    for level in (1, 2):
+        params = jax.tree.map(np.asarray, eagle.params) if level == 2 else None
+        eagle.sleep(level=level)
+        assert all(x.is_deleted() for x in jax.tree.leaves(weights))
+        eagle.wake_up()
+        if level == 2:
+            eagle.update_params(params)
+        assert _tokens(eagle, PROMPTS[:2], GREEDY) == before == _tokens(plain, PROMPTS[:2], GREEDY)
+        weights = eagle.engine.runner.draft_params
+    _assert_idle(eagle.engine)
