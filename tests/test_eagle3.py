@@ -278,3 +278,23 @@ def test_the_heads_weights_sleep_and_wake_with_the_targets(target, head, eagle, 
         assert _tokens(eagle, PROMPTS[:2], GREEDY) == before == _tokens(plain, PROMPTS[:2], GREEDY)
         weights = eagle.engine.runner.draft_params
     _assert_idle(eagle.engine)
+
+
+def test_a_pytorch_bin_head_with_other_names_loads_as_the_same_head(target, head, eagle, tmp_path):
+    """pytorch_model.bin (read with torch), names `model.layers.0.*` instead of `midlayer.*`: the same drafts."""
+    path = tmp_path / "bin"
+    path.mkdir()
+    torch.save({("model." + k.replace("midlayer.", "layers.0.")): torch.from_numpy(np.asarray(v))
+                for k, v in head[2].items()}, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(head[1]))
+    other = LLM(target[1], speculative_config={"method": "eagle3", "model": str(path), "num_speculative_tokens": K},
+                **ENGINE)
+    drafts = []
+    for llm in (eagle, other):
+        seen = _recorded_drafts(llm)
+        try:
+            _tokens(llm, [PROMPTS[1]], GREEDY)
+        finally:
+            del llm.engine.runner.verify
+        drafts.append(seen)
+    assert drafts[0] == drafts[1] and len(drafts[0]) > 2

@@ -223,6 +223,10 @@ def test_cli_flag_reaches_the_engine_config():
     draft = EngineConfig(**engine_kwargs(p.parse_args(
         ["--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 5}']))).speculative_config
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 5)
+    head = EngineConfig(**engine_kwargs(p.parse_args(["--speculative-config", json.dumps(
+        {"method": "eagle3", "model": "/models/head", "num_speculative_tokens": 3})]))).speculative_config
+    assert (head.method, head.model, head.num_speculative_tokens, head.uses_draft_model) == (
+        "eagle3", "/models/head", 3, True)
 
 
 @pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
