@@ -32,6 +32,8 @@ CASES = {
     # an EAGLE-3 head's target: its default layers (2, L // 2, L - 3) are three distinct ones from 7 layers on
     "llama_7layers": (transformers.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2,
                                                      num_hidden_layers=7, tie_word_embeddings=False)),
+    "qwen3_7layers": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                     num_hidden_layers=7, tie_word_embeddings=True)),
 }
 
 

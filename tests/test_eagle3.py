@@ -122,6 +122,8 @@ class ReferenceHead:
         hidden = self.target(torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
         features = torch.cat([hidden[i][0] for i in self.aux], -1) @ self.t["fc.weight"].T
         embed = self.target.get_input_embeddings()
+        if "embed_tokens.weight" in self.t:   # the head's own
+            embed = torch.nn.Embedding.from_pretrained(self.t["embed_tokens.weight"])
         embeds = embed(torch.tensor(seq[1:]))
         out = []
         for _ in range(k):
@@ -298,3 +300,20 @@ def test_a_pytorch_bin_head_with_other_names_loads_as_the_same_head(target, head
             del llm.engine.runner.verify
         drafts.append(seen)
     assert drafts[0] == drafts[1] and len(drafts[0]) > 2
+
+
+def test_a_qwen3_target_and_a_head_with_its_own_embedding(hf_model_factory, tmp_path):
+    """A Qwen3 target (q/k norms, tied embeddings) and a head that carries its own embed_tokens: tokens are the
+    target's, drafts the reference head's (which embeds with the head's table)."""
+    qwen, path = hf_model_factory("qwen3_7layers")
+    hf = _head_config(draft_vocab=64)
+    tensors = make_tensors(hf, 64, np.random.default_rng(2), std=0.15)
+    tensors["embed_tokens.weight"] = np.random.default_rng(3).standard_normal((512, 64)).astype(np.float32)
+    head_dir = _save_head(tmp_path / "h", hf, tensors)
+    llm = LLM(path, speculative_config={"method": "eagle3", "model": head_dir, "num_speculative_tokens": K}, **ENGINE)
+    assert llm.engine.runner.draft.own_embedding
+    seen = _recorded_drafts(llm)
+    got = _tokens(llm, [PROMPTS[1]], GREEDY)[0]
+    assert got == _tokens(LLM(path, **ENGINE), [PROMPTS[1]], GREEDY)[0]
+    _assert_reference_drafts(seen, PROMPTS[1] + got, ReferenceHead(qwen, hf, tensors))
+    _assert_idle(llm.engine)
