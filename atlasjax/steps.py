@@ -189,12 +189,7 @@ def _eagle_propose(draft: Eagle3Draft, draft_params, model, params, draft_hidden
     if draft.num_tokens > 1:
         (kv, _, _), more = jax.lax.scan(body, (kv, first, hidden), jnp.arange(1, draft.num_tokens))
         proposed = jnp.concatenate([proposed, more])   # [k, rows]
-    seq = _token_sequences(query_start, tokens.shape[0])
-    at = jnp.minimum(seq, rows - 1)
-    offset = jnp.arange(tokens.shape[0]) - query_start[at]
-    fill = (seq < num_seqs) & (offset >= 1)
-    drafts = proposed[jnp.clip(offset - 1, 0, draft.num_tokens - 1), at]
-    return kv, jnp.where(fill, drafts, tokens)
+    return kv, _fill_drafts(proposed, tokens, query_start, num_seqs)
 
 
 def _accepted_rows(tokens, sampled, query_start, num_seqs, max_drafts: int):
@@ -243,12 +238,18 @@ def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query
         return (kv, proposed), proposed
 
     (kv, _), proposed = jax.lax.scan(body, (kv, last), jnp.arange(draft.num_tokens + 1))   # [k + 1, rows]
-    seq = _token_sequences(query_start, tokens.shape[0])
+    return kv, _fill_drafts(proposed[:draft.num_tokens], tokens, query_start, num_seqs)
+
+
+def _fill_drafts(proposed, tokens, query_start, num_seqs):
+    """tokens with each request's rows after its first (pack_verify's reserved rows) holding its drafts:
+    proposed [k, requests], draft j of request i at proposed[j, i]."""
+    k, rows = proposed.shape
+    seq = _token_sequences(query_start[:rows + 1], tokens.shape[0])
     at = jnp.minimum(seq, rows - 1)
     offset = jnp.arange(tokens.shape[0]) - query_start[at]
     fill = (seq < num_seqs) & (offset >= 1)
-    drafts = proposed[jnp.clip(offset - 1, 0, draft.num_tokens - 1), at]
-    return kv, jnp.where(fill, drafts, tokens)
+    return jnp.where(fill, proposed[jnp.clip(offset - 1, 0, k - 1), at], tokens)
 
 
 def _slot_rows(state_rows, slots):

@@ -9,22 +9,16 @@ Both against the default engine (no speculation) on the same prompts (128 random
 bias), for batches of 1 and 8:
   KS="1 3 5" python3 notebooks/gpu_eagle3_step_cost.py 1 8     # -> $OUT/eagle3_step_cost.json
 """
-import gc
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
-from atlasjax.bench.__main__ import build_parser
-from atlasjax.bench.presets import build_engine
 from atlasjax.eagle3 import make_tensors
-from atlasjax.sampling_params import SamplingParams
+from notebooks.gpu_spec_step_cost import OUT, results, run   # the same timing loop (the bias is toward token 1000)
 
-OUT = os.environ.get("OUT", ".")
 TOKEN = 1000
-results = []
 
 
 def head(kind: str) -> str:
@@ -47,49 +41,14 @@ def head(kind: str) -> str:
     return path
 
 
-def run(label, batch, *flags):
-    args = build_parser().parse_args(["latency", "--preset", "llama-3.1-8b", "--batch-size", str(batch), *flags])
-    t0 = time.perf_counter()
-    engine = build_engine(args, max_num_seqs=batch, max_model_len=512, max_num_batched_tokens=256)
-    start_s = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logit_bias={TOKEN: 100.0})
-    per_iter = []
-    for it in range(3):   # the first compiles
-        ids = [f"{it}-{b}" for b in range(batch)]
-        for rid in ids:
-            engine.add_request(rid, rng.integers(0, 128000, 128).tolist(), params)
-        reqs = [engine.requests[r][0] for r in ids]
-        steps = []
-        while engine.has_unfinished():
-            decoding = all(r.output_token_ids for r in reqs)
-            n0 = sum(len(r.output_token_ids) for r in reqs)
-            t0 = time.perf_counter()
-            engine.step()
-            if decoding:
-                steps.append((time.perf_counter() - t0, (sum(len(r.output_token_ids) for r in reqs) - n0) / batch))
-        for rid in ids:
-            engine.release(rid)
-        if it:
-            per_iter += steps
-    step_s = float(np.median([s for s, _ in per_iter]))
-    tokens = float(np.mean([n for _, n in per_iter]))
-    tpot = float(np.sum([s for s, _ in per_iter]) / np.sum([n for _, n in per_iter]))
-    row = dict(label=label, batch=batch, median_step_ms=step_s * 1e3, tokens_per_step=tokens, tpot_ms=tpot * 1e3,
-               engine_start_s=start_s, spec=vars(engine.stats.spec))
-    print(json.dumps(row), flush=True)
-    results.append(row)
-    del engine
-    gc.collect()
-
-
 def eagle(kind, k):
     return ["--speculative-config", json.dumps({"method": "eagle3", "model": head(kind), "num_speculative_tokens": k})]
 
 
-for batch in [int(b) for b in sys.argv[1:]] or [1]:
-    run("default", batch)
-    for k in map(int, os.environ.get("KS", "1 3 5").split()):
-        run(f"eagle3 k={k}, all accepted", batch, *eagle("all", k))
-    run("eagle3 k=3, none accepted", batch, *eagle("none", 3))
-json.dump(results, open(os.path.join(OUT, "eagle3_step_cost.json"), "w"), indent=1)
+if __name__ == "__main__":
+    for batch in [int(b) for b in sys.argv[1:]] or [1]:
+        run("default", batch)
+        for k in map(int, os.environ.get("KS", "1 3 5").split()):
+            run(f"eagle3 k={k}, all accepted", batch, *eagle("all", k))
+        run("eagle3 k=3, none accepted", batch, *eagle("none", 3))
+    json.dump(results, open(os.path.join(OUT, "eagle3_step_cost.json"), "w"), indent=1)

@@ -25,7 +25,9 @@ results = []
 
 def run(label, batch, *flags):
     args = build_parser().parse_args(["latency", "--preset", "llama-3.1-8b", "--batch-size", str(batch), *flags])
+    t0 = time.perf_counter()
     engine = build_engine(args, max_num_seqs=batch, max_model_len=512, max_num_batched_tokens=256)
+    start_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logit_bias={1000: 100.0})
     per_iter = []
@@ -50,7 +52,7 @@ def run(label, batch, *flags):
     tokens = float(np.mean([n for _, n in per_iter]))
     tpot = float(np.sum([s for s, _ in per_iter]) / np.sum([n for _, n in per_iter]))
     row = dict(label=label, batch=batch, median_step_ms=step_s * 1e3, tokens_per_step=tokens, tpot_ms=tpot * 1e3,
-               read_wait_s=engine.stats.read_wait_seconds, spec=vars(engine.stats.spec))
+               read_wait_s=engine.stats.read_wait_seconds, engine_start_s=start_s, spec=vars(engine.stats.spec))
     print(json.dumps(row), flush=True)
     results.append(row)
     del engine
@@ -62,9 +64,10 @@ def spec(k):
                                                 "prompt_lookup_min": 1})]
 
 
-for batch in [int(b) for b in sys.argv[1:]] or [1]:
-    run("default", batch)
-    run("sync", batch, "--no-async-scheduling", "--num-scheduler-steps", "1")
-    for k in map(int, os.environ.get("KS", "1 2 4 8").split()):
-        run(f"k{k}", batch, *spec(k))
-json.dump(results, open(os.path.join(OUT, "spec_step_cost.json"), "w"), indent=1)
+if __name__ == "__main__":
+    for batch in [int(b) for b in sys.argv[1:]] or [1]:
+        run("default", batch)
+        run("sync", batch, "--no-async-scheduling", "--num-scheduler-steps", "1")
+        for k in map(int, os.environ.get("KS", "1 2 4 8").split()):
+            run(f"k{k}", batch, *spec(k))
+    json.dump(results, open(os.path.join(OUT, "spec_step_cost.json"), "w"), indent=1)
