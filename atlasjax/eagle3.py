@@ -6,8 +6,8 @@ Loading: a checkpoint directory as EAGLE-3's trainers publish it (config.json wi
 optionally `embed_tokens`, in safetensors, or a `pytorch_model.bin` where torch is installed). Checked against the
 target: its hidden size (fc takes three of the target's layers), its vocabulary, one decoder layer.
 
-How it runs (atlasjax/steps.py): the target returns its residual stream at three layers (`aux_layers`: the
-checkpoint's `eagle_aux_hidden_state_layer_ids`, else 2, L // 2 and L - 3 of L layers, as vLLM's). After the target,
+How it runs (atlasjax/steps.py): the target returns its residual stream entering three layers (`aux_layers`: the
+checkpoint's, else 2, L // 2 and L - 3 of L layers, as vLLM's and SGLang's). After the target,
 every step runs the head over the step's rows with each row's next token (the next prompt token, or the token just
 sampled; `_eagle_follow`): its KV pool (one layer, on the target's pages) then covers every position the target's
 does, and each slot keeps the head's output at its request's last position (`DeviceState.draft_hidden`). A verify
@@ -73,11 +73,10 @@ def load_eagle3(spec, target_cfg: ModelConfig, dtype, max_model_len: int) -> tup
         bad(f"has a config this engine cannot read: {e}")
     if cfg.vocab_size != target_cfg.vocab_size:
         bad(f"is for a vocabulary of {cfg.vocab_size} tokens, the model's has {target_cfg.vocab_size}")
-    layers = target_cfg.num_layers
-    aux = tuple(sorted({int(i) for i in eagle.get("eagle_aux_hidden_state_layer_ids")
-                        or (2, layers // 2, layers - 3)}))
-    if len(aux) != 3 or not all(0 <= i < layers for i in aux):
-        bad(f"reads the model's layers {list(aux)}: three distinct layers of its {layers} are needed")
+    aux = aux_layers(hf, target_cfg.num_layers)
+    if len(aux) != 3 or not all(0 <= i < target_cfg.num_layers for i in aux):
+        bad(f"reads the model's residual stream entering layers {list(aux)}: three distinct layers of its "
+            f"{target_cfg.num_layers} are needed")
     target_hidden = int(hf.get("target_hidden_size") or target_cfg.hidden_size)
     if target_hidden != target_cfg.hidden_size:
         bad(f"is for a model of hidden size {target_hidden}, this model's is {target_cfg.hidden_size}")
@@ -90,6 +89,18 @@ def load_eagle3(spec, target_cfg: ModelConfig, dtype, max_model_len: int) -> tup
     log.info("speculative decoding: EAGLE-3 head %s (hidden %d, draft vocabulary %d, reads layers %s)", spec.model,
              cfg.hidden_size, draft_vocab, list(aux))
     return Eagle3Spec(cfg, aux, target_hidden, draft_vocab, bool(hf.get("norm_before_residual", False))), params
+
+
+def aux_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose input (residual stream) the head reads, ascending. Two conventions name them:
+    vLLM's top-level `eagle_aux_hidden_state_layer_ids` are Hugging Face hidden_states indices (j: the input of layer
+    j); SGLang's and SpecForge's `eagle_config.eagle_aux_hidden_state_layer_ids` name layer outputs (j: the input of
+    layer j + 1). Neither: 2, L // 2 and L - 3 (both engines' default)."""
+    if ids := hf.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(sorted({int(i) for i in ids}))
+    if ids := (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(sorted({int(i) + 1 for i in ids}))
+    return tuple(sorted({2, num_layers // 2, num_layers - 3}))
 
 
 def _read_config(path: str) -> dict:

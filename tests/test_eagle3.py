@@ -235,6 +235,7 @@ def test_staggered_requests_and_preemption_equal_plain_decoding(target, head):
     (lambda hf, t: t.pop("fc.weight"), "has no tensor fc.weight"),
     (lambda hf, t: t.update({"fc.weight": t["fc.weight"][:, :128]}), r"fc.weight has shape \[64, 128\]"),
     (lambda hf, t: hf.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]}), "three distinct layers"),
+    (lambda hf, t: hf.update(eagle_aux_hidden_state_layer_ids=[1, 4, 7]), r"layers \[1, 4, 7\]"),
     (lambda hf, t: t.update(d2t=t["d2t"] + 1000), "past the model's vocabulary"),
 ])
 def test_a_bad_head_is_refused_with_the_reason(target, head, tmp_path, change, match):
@@ -317,3 +318,17 @@ def test_a_qwen3_target_and_a_head_with_its_own_embedding(hf_model_factory, tmp_
     assert got == _tokens(LLM(path, **ENGINE), [PROMPTS[1]], GREEDY)[0]
     _assert_reference_drafts(seen, PROMPTS[1] + got, ReferenceHead(qwen, hf, tensors))
     _assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("names", [{"eagle_aux_hidden_state_layer_ids": [1, 3, 6]},
+                                   {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}}])
+def test_the_layers_a_head_reads_in_either_engines_convention(target, head, tmp_path, names):
+    """vLLM's top-level ids are hidden_states indices (the input of layer j); SGLang's eagle_config ids name layer
+    outputs (the input of layer j + 1): both name layers 1, 3 and 6 here, and the drafts are the reference's."""
+    hf = {**head[1], **names}
+    path = _save_head(tmp_path / "h", hf, head[2])
+    llm = LLM(target[1], speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": K}, **ENGINE)
+    assert llm.engine.runner.model.aux_layers == (1, 3, 6)
+    seen = _recorded_drafts(llm)
+    got = _tokens(llm, [PROMPTS[1]], GREEDY)[0]
+    _assert_reference_drafts(seen, PROMPTS[1] + got, ReferenceHead(target[0], hf, head[2], aux=(1, 3, 6)))
