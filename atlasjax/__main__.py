@@ -197,8 +197,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s flag: n-gram drafts looked up in each request\'s own '
                         'tokens (\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\') or a '
-                        'smaller draft model\'s (\'{"model": "path/to/draft", "num_speculative_tokens": 4}\'), '
-                        'verified in one step. docs/speculative_decoding.md')
+                        'smaller draft model\'s (\'{"model": "path/to/draft", "num_speculative_tokens": 4}\') or an '
+                        'EAGLE-3 head\'s (\'{"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": '
+                        '3}\'), verified in one step. docs/speculative_decoding.md')
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters per request (PEFT directories; --lora-modules for the server, "
                         "lora_request= in Python); docs/serving.md")

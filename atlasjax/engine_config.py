@@ -284,7 +284,9 @@ class EngineConfig:
                 f"quantization_group_size={self.quantization_group_size} makes groups")
         check_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         spec = self.speculative_config
-        if spec is not None and spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
+        # a draft model is split over the target's devices; an EAGLE-3 head runs whole on each (1 or the same)
+        allowed = (None, self.tensor_parallel_size) + ((1,) if spec is not None and spec.method == "eagle3" else ())
+        if spec is not None and spec.draft_tensor_parallel_size not in allowed:
             bad(f"speculative_config: draft_tensor_parallel_size={spec.draft_tensor_parallel_size} must equal "
                 f"tensor_parallel_size={self.tensor_parallel_size}: the draft is split over the target's devices")
         if self.quantize_lm_head and self.quantization is None:

@@ -257,8 +257,9 @@ def test_eagle3_needs_a_model_and_one_device(target, head):
 def test_a_head_beside_a_tensor_parallel_target_proposes_as_on_one_device(target, head):
     """TP=2: the target split over two devices returns its (replicated) residual stream; the head runs whole on
     each device with a replicated KV pool; tokens and every draft are one device's."""
-    llm = LLM(target[1], tensor_parallel_size=2,
-              speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": K}, **ENGINE)
+    llm = LLM(target[1], tensor_parallel_size=2,   # vLLM's draft_tensor_parallel_size 1 (or 2): the head is whole
+              speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": K,
+                                  "draft_tensor_parallel_size": 1}, **ENGINE)
     pool = llm.engine.runner.state.draft_kv[0][0]
     assert len(pool.sharding.device_set) == 2 and pool.sharding.is_fully_replicated
     seen = _recorded_drafts(llm)
