@@ -2,9 +2,10 @@
 "model": ...}`): a one-layer draft that proposes from the target's own hidden states (models/eagle3.py).
 
 Loading: a checkpoint directory as EAGLE-3's trainers publish it (config.json with `LlamaForCausalLMEagle3` or
-`Eagle3LlamaForCausalLM`, `draft_vocab_size`; weights `fc`, `midlayer.*` (or `layers.0.*`), `norm`, `lm_head`, `d2t`,
-optionally `embed_tokens`, in safetensors, or a `pytorch_model.bin` where torch is installed). Checked against the
-target: its hidden size (fc takes three of the target's layers), its vocabulary, one decoder layer.
+`Eagle3LlamaForCausalLM`, `draft_vocab_size`, or the speculators library's `Eagle3Speculator` format; weights `fc`,
+`midlayer.*` (or `layers.0.*`), `norm`, `lm_head`, `d2t`, optionally `embed_tokens`, in safetensors, or a
+`pytorch_model.bin` where torch is installed). Checked against the target: its hidden size (fc takes three of the
+target's layers), its vocabulary, one decoder layer.
 
 How it runs (atlasjax/steps.py): the target returns its residual stream entering three layers (`aux_layers`: the
 checkpoint's, else 2, L // 2 and L - 3 of L layers, as vLLM's and SGLang's). After the target,
@@ -55,7 +56,7 @@ def load_eagle3(spec, target_cfg: ModelConfig, dtype, max_model_len: int) -> tup
         if path.startswith("preset:"):
             hf, tensors = random_head(path[len("preset:"):], target_cfg)
         else:
-            hf = _read_config(path)
+            hf = flat_config(_read_config(path))
             tensors = _read_tensors(path)
     except (AtlasJaxError, OSError, ValueError) as e:
         bad(f"cannot be loaded: {e}")
@@ -101,6 +102,23 @@ def aux_layers(hf: dict, num_layers: int) -> tuple[int, ...]:
     if ids := (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
         return tuple(sorted({int(i) + 1 for i in ids}))
     return tuple(sorted({2, num_layers // 2, num_layers - 3}))
+
+
+SPECULATORS_KEYS = ("draft_vocab_size", "norm_before_residual", "target_hidden_size",
+                    "eagle_aux_hidden_state_layer_ids")
+
+
+def flat_config(hf: dict) -> dict:
+    """The config as EAGLE-3's trainers write it. The speculators library's format (vLLM's `Eagle3Speculator`, Red
+    Hat's published heads) nests the layer's config in `transformer_layer_config`: flattened here, its head-level keys
+    kept (the weights are named as the trainers' are)."""
+    if hf.get("speculators_model_type") != "eagle3" and "Eagle3Speculator" not in (hf.get("architectures") or []):
+        return hf
+    layer = hf.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError("a speculators eagle3 config without a transformer_layer_config object")
+    return {**layer, **{k: hf[k] for k in SPECULATORS_KEYS if k in hf}, "architectures": [ARCHITECTURES[0]],
+            "model_type": layer.get("model_type", "llama")}
 
 
 def _read_config(path: str) -> dict:

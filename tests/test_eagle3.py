@@ -333,3 +333,18 @@ def test_the_layers_a_head_reads_in_either_engines_convention(target, head, tmp_
     seen = _recorded_drafts(llm)
     got = _tokens(llm, [PROMPTS[1]], GREEDY)[0]
     _assert_reference_drafts(seen, PROMPTS[1] + got, ReferenceHead(target[0], hf, head[2], aux=(1, 3, 6)))
+
+
+def test_a_head_in_the_speculators_format_drafts_as_the_reference(target, head, tmp_path):
+    """vLLM's speculators format (Red Hat's published heads): the layer's config nested in transformer_layer_config,
+    weights named layers.0.*, aux layers as vLLM's hidden_states indices."""
+    layer = {k: v for k, v in head[1].items() if k not in ("architectures", "draft_vocab_size")}
+    hf = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+          "draft_vocab_size": head[1]["draft_vocab_size"], "norm_before_residual": False,
+          "eagle_aux_hidden_state_layer_ids": [1, 3, 6], "speculators_config": {"algorithm": "eagle3"}}
+    tensors = {k.replace("midlayer.", "layers.0."): v for k, v in head[2].items()}
+    path = _save_head(tmp_path / "h", hf, tensors)
+    llm = LLM(target[1], speculative_config={"method": "eagle3", "model": path, "num_speculative_tokens": K}, **ENGINE)
+    seen = _recorded_drafts(llm)
+    got = _tokens(llm, [PROMPTS[1]], GREEDY)[0]
+    _assert_reference_drafts(seen, PROMPTS[1] + got, ReferenceHead(target[0], head[1], head[2], aux=(1, 3, 6)))
