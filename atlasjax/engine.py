@@ -139,7 +139,8 @@ class LLMEngine:
                                       config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
                                       attention_backend=config.attention_backend, decode_buckets=decode_buckets,
                                       max_model_len=self.max_model_len),
-                                  verify_buckets=self._verify_buckets(config), draft=draft)
+                                  verify_buckets=self._verify_buckets(config), draft=draft,
+                                  verify_rounds=config.num_scheduler_steps if draft is not None else 1)
         del params, draft
         self.lora = None   # LoRA adapters' device slots and host copies (atlasjax/lora.py)
         if config.enable_lora:
@@ -493,18 +494,19 @@ class LLMEngine:
         return launched
 
     def _launch_verify(self, sched: SchedulerOutput) -> LaunchedStep:
-        """A speculative step (only decodes, some with drafts): one verify launch samples every row; its
-        output takes the decode's place, read back by request (`LaunchedStep.spans`)."""
+        """A speculative step (only decodes, some with drafts): one verify launch (of sched.rounds rounds) samples
+        every row; its output takes the decode's place, read back by request (`LaunchedStep.spans`)."""
         t = self.runner.bucket_for(sum(1 + len(sched.drafts.get(r, ())) for r in sched.decodes))
         prev = self._in_flight
         batch, rows, spans = pack_verify(sched, {} if prev is None else prev.sample_rows, num_tokens=t,
                                          num_slots=self.num_slots, page_size=self.pool.page_size,
                                          num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq)
         f, ints = pack_rows(rows, t)
-        out = self.runner.verify(batch, f, ints, self._prev_tokens(prev), plan_rows(rows))
+        out = self.runner.verify(batch, f, ints, self._prev_tokens(prev), plan_rows(rows), sched.rounds)
         s = self.num_slots
-        for r, req in enumerate(sched.decodes):
-            req.num_pending_tokens += 1 + len(sched.drafts.get(req, ()))   # at most: read back as accepted
+        for r, req in enumerate(sched.decodes):   # at most: read back as accepted
+            req.num_pending_tokens += min(sched.rounds * (1 + len(sched.drafts.get(req, ()))),
+                                          req.max_tokens - req.num_generated)
         self.scheduler.dispatched(sched)
         launched = LaunchedStep(sched, None, out, [], {req: s + r for r, req in enumerate(sched.decodes)},
                                 any(r.params.logprobs is not None for r in sched.decodes), spans=spans)

@@ -15,7 +15,6 @@ from atlasjax.metrics import EngineStats
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.request import Request
 from atlasjax.scheduler import Scheduler
-from atlasjax.speculative import num_accepted
 from atlasjax.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -48,17 +47,18 @@ class OutputProcessor:
             self.stats.prompt_tokens += c.num_tokens
         for req, r in step.sample_rows.items():
             delta = None
-            num_tokens = step.sched.steps.get(req, 1)
-            if step.spans is not None:   # a verify step: the accepted drafts, then the token sampled after them
-                drafts = host.drafts[r - (host.tokens.shape[1] - len(host.drafts))]   # columns num_slots + i
-                accepted = num_accepted(host.tokens[:, r], drafts)
-                self.stats.spec.record(len(drafts), accepted)
-                num_tokens = accepted + 1
+            num_tokens, rounds = step.sched.steps.get(req, 1), {}
+            if step.spans is not None:   # a verify step: per round, the accepted drafts and the token after them
+                for num_drafts, accepted in host.spec_rounds[r - (host.tokens.shape[1] - len(host.spec_rounds))]:
+                    rounds[sum(a + 1 for _, a in rounds.values())] = num_drafts, accepted   # by its first token
+                num_tokens = sum(a + 1 for _, a in rounds.values())
             for j in range(num_tokens):
                 # A request finished (or aborted) while this step ran, or at an earlier token of this
-                # step: its tokens from here on are dropped unread.
+                # step: its tokens from here on are dropped unread (and the rounds after, uncounted).
                 if req.is_finished:
                     break
+                if j in rounds:
+                    self.stats.spec.record(*rounds[j])
                 delta = merged(delta, self._append_token(req, host, r, j))
             if step.spans is not None:
                 req.num_pending_tokens = 0          # the rejected drafts' tokens were never sampled

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import bad_words, program_store, sampling, steps
+from atlasjax import bad_words, program_store, sampling, steps, verify_rounds
 from atlasjax.bad_words import HISTORY, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS
 from atlasjax.eagle3 import Eagle3Spec
 from atlasjax.sharding import TP_AXIS
@@ -58,7 +58,7 @@ class ModelRunner:
                  attn_backend: str = "auto", plan=None, own_params: bool = False,
                  prompt_logprobs_tokens: int | None = None,
                  long_context_split_rows: dict[int, tuple[int, ...]] | None = None,
-                 verify_buckets: tuple[int, ...] = (), draft=None):
+                 verify_buckets: tuple[int, ...] = (), draft=None, verify_rounds: int = 1):
         """The device state (KV pool included) comes after, from `allocate(num_pages)`: the pool is sized
         from the device memory left once the params are in their execution layout.
         decode_buckets: row counts the decode step compiles for, ascending, the last max_num_seqs
@@ -73,6 +73,7 @@ class ModelRunner:
         is given it.
         verify_buckets: token counts (prefill buckets) of the speculative verify step that warmup compiles (one
         per sampling plan); () without speculative decoding.
+        verify_rounds: with a draft, also compile the verify step of that many rounds per launch (verify_rounds.py).
         draft: speculative decoding's draft model (atlasjax/draft_model.py): (its config, params, plan, drafts per
         step); every step then runs it beside the target over a KV pool of its own on the same pages."""
         self.cfg = cfg
@@ -94,6 +95,7 @@ class ModelRunner:
         self.decode_buckets = tuple(decode_buckets) or (max_num_seqs,)
         self.long_context_split_rows = dict(long_context_split_rows or {})
         self.verify_buckets = tuple(verify_buckets)
+        self.verify_rounds = verify_rounds
         self.model = self._executed_model(cfg, self.params, plan, attn_backend)
         self.lora_slots = None   # LoRA adapters' device slots (atlasjax/lora_slots.py), set by lora.LoRAManager
         self.draft: steps.Draft | None = None
@@ -356,10 +358,13 @@ class ModelRunner:
                                           **self._draft_options), (2,),
                         (self.params, self.lora, self._state_arg, self._host(packed), *self._draft_args))
 
-    def _verify_spec(self, host_inputs, prev, plan) -> StepSpec:
-        packed, layout = steps.pack_host(host_inputs)
-        return StepSpec(("verify", host_inputs[0].shape[0], plan),
-                        functools.partial(steps.verify_step, self.model, plan, layout, **self._draft_options), (2,),
+    def _verify_spec(self, batch: dict, f, i, prev, plan, rounds: int = 1) -> StepSpec:
+        names = steps.VERIFY_INPUTS + (verify_rounds.ROUND_INPUTS if rounds > 1 else ())
+        packed, layout = steps.pack_host([batch[n] for n in names] + [f, i])
+        key, step = ("verify", batch["tokens"].shape[0], plan), functools.partial(steps.verify_step, self.model, plan)
+        if rounds > 1:
+            key, step = key + (rounds,), functools.partial(verify_rounds.verify_rounds_step, self.model, plan, rounds)
+        return StepSpec(key, functools.partial(step, layout, **self._draft_options), (2,),
                         (self.params, self.lora, self._state_arg, self._host(packed), *prev, *self._draft_args))
 
     @property
@@ -433,11 +438,13 @@ class ModelRunner:
         return out
 
     def verify(self, batch: dict, f, i, prev_tokens=(None, None),
-               plan: sampling.SamplingPlan = sampling.FULL) -> StepOutput:
+               plan: sampling.SamplingPlan = sampling.FULL, rounds: int = 1) -> StepOutput:
         """Speculative decoding's verify step (steps.verify_step) over a batch of `step_packing.pack_verify`:
-        one sampled token per row [T]. prev_tokens: as `decode`'s (negative tokens gather from them)."""
+        one sampled token per row [T]. prev_tokens: as `decode`'s (negative tokens gather from them).
+        rounds > 1: that many verify rounds in one launch (atlasjax/verify_rounds.py; drafts proposed on the
+        device only), outputs with a leading [rounds] axis."""
         prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
-        self.state, out = self._run(self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], prev, plan))
+        self.state, out = self._run(self._verify_spec(batch, f, i, prev, plan, rounds))
         return out
 
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None,
@@ -501,9 +508,9 @@ class ModelRunner:
             specs.append(self._admit_spec([]))
         for t in self.verify_buckets if serving else ():
             f, i = sampling.pack_rows([], t)
-            batch = dict(ragged(t), row_slots=z(t))
-            specs += [self._verify_spec([batch[n] for n in steps.VERIFY_INPUTS] + [f, i], (self._no_prev_tokens,) * 2,
-                                        plan) for plan in plans]
+            batch = dict(ragged(t), row_slots=z(t), budgets=z(s), caps=z(s))
+            specs += [self._verify_spec(batch, f, i, (self._no_prev_tokens,) * 2, plan, rounds) for plan in plans
+                      for rounds in dict.fromkeys((1, self.verify_rounds))]
         specs = [spec for spec in specs if spec.key not in self._compiled]
         t0 = time.perf_counter()
         _ = self._program_store, self._execution_devices   # made here, not raced for in the threads

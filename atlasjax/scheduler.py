@@ -25,8 +25,10 @@ Speculative decoding (`speculative`, atlasjax/speculative.py): a decode-only ste
 drafts (`SchedulerOutput.drafts`), within its max_tokens, the step's token budget and the pages it can get
 without preempting anyone; a step where no request has a draft is a plain (multi-step) decode. n-gram drafts are
 looked up here, tokens still pending on the device included and passed over (the drafts follow them); a draft
-model's are placeholders (`DRAFT_ON_DEVICE`) that the verify step proposes on the device. The engine reads a verify
-step back before it schedules the next one: its accepted drafts move every later position. Its K/V is written
+model's are placeholders (`DRAFT_ON_DEVICE`) that the verify step proposes on the device, and such a step runs
+num_scheduler_steps verify rounds in one launch (`SchedulerOutput.rounds`, atlasjax/verify_rounds.py) under multi-step's
+conditions. The engine reads a verify step back before it schedules the next one: its accepted drafts move every
+later position. Its K/V is written
 for its last token and every draft; once the step is read back, `speculated` sets its computed tokens to
 those the accepted drafts reach. Pages are registered in the prefix cache only for known tokens, never drafts.
 
@@ -68,6 +70,7 @@ class SchedulerOutput:
     preempted: list[Request]
     steps: dict[Request, int] = dataclasses.field(default_factory=dict)  # decode iterations (absent: 1)
     drafts: dict[Request, list[int]] = dataclasses.field(default_factory=dict)  # speculative drafts (absent: none)
+    rounds: int = 1                   # verify rounds of a launch with drafts proposed on the device (verify_rounds.py)
 
     @property
     def num_steps(self) -> int:
@@ -134,13 +137,14 @@ class Scheduler:
         if not preempted:  # admit new work only when nothing had to give way this step
             self._admit(budget, prefills, admitted)
         drafts = self._drafts(decodes) if self.speculative is not None and not prefills else {}
-        steps = self._multi_steps(decodes) if not prefills and not drafts and not (
-            self.waiting and self.free_slots) else {}
+        admitting = bool(self.waiting and self.free_slots)   # a request could be admitted next step: one iteration
+        steps = self._multi_steps(decodes) if not prefills and not drafts and not admitting else {}
+        rounds = self._verify_rounds(decodes, drafts) if drafts and not admitting else 1
         for chunk in prefills:
             self._computed(chunk.request, chunk.start + chunk.num_tokens)
         for req in decodes:
             self._computed(req, req.num_total_tokens + steps.get(req, 1) - 1 + len(drafts.get(req, ())))
-        return SchedulerOutput(decodes, prefills, admitted, preempted, steps, drafts)
+        return SchedulerOutput(decodes, prefills, admitted, preempted, steps, drafts, rounds)
 
     def _drafts(self, decodes: list[Request]) -> dict[Request, list[int]]:
         """Drafts per request of a decode-only step (atlasjax/speculative.py): n-gram lookups, or a draft model's
@@ -171,6 +175,21 @@ class Scheduler:
                 drafts[req] = proposed
                 budget -= len(proposed)
         return drafts
+
+    def _verify_rounds(self, decodes: list[Request], drafts: dict[Request, list[int]]) -> int:
+        """Verify rounds of a launch whose drafts are proposed on the device: num_scheduler_steps (n-gram drafts are
+        looked up here, one round at a time). Each request gets the pages for what its rounds may write, within
+        its max_tokens, as far as they can be had without preempting anyone (the step stops a request whose next
+        round would write past its pages)."""
+        rounds = self.num_scheduler_steps
+        if rounds == 1 or not self.speculative.uses_draft_model:
+            return 1
+        for req in decodes:
+            # round q writes K/V at positions num_total_tokens - 1 onwards, 1 + drafts of them, moved along by the
+            # tokens emitted so far (at most max_tokens - num_generated in all)
+            self._allocate_for(req, req.num_total_tokens - 1 + min(rounds * (1 + len(drafts.get(req, ()))),
+                                                                   req.max_tokens - req.num_generated))
+        return rounds
 
     def speculated(self, req: Request) -> None:
         """After a verify step is read back: req's K/V is valid up to its last accepted draft (its newest token,

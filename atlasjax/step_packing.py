@@ -90,13 +90,17 @@ def pack_verify(sched: SchedulerOutput, pending_rows: dict, *, num_tokens: int, 
     its drafts at positions num_total_tokens - 1 onwards, laid end to end as prefill chunks are; a last token
     still on the device is -1 - its row in the step in flight, as in `pack_decode`. Every row is sampled: row j
     of a chunk with the request's settings at output index num_generated + j (its seed stream and min_tokens),
-    and its slot (`row_slots`; padding rows num_slots, out of range).
-    Returns the batch, the sampling rows [num_tokens] and each request's (first row, number of drafts)."""
+    and its slot (`row_slots`; padding rows num_slots, out of range). Per request, for verify rounds: the tokens
+    its max_tokens leaves (`budgets`) and the positions its pages hold (`caps`).
+    Returns the batch, the sampling rows [num_tokens] and each request's (first row, number of drafts, positions
+    its pages hold from its last token's on)."""
     t = num_tokens
     b = _ragged(t, num_slots, page_size, num_pages, pages_per_seq, len(sched.decodes))
     b["row_slots"] = np.full(t, num_slots, np.int32)
+    b["budgets"], b["caps"] = np.zeros(num_slots, np.int32), np.zeros(num_slots, np.int32)   # verify rounds'
     rows, spans, row = [None] * t, [], 0
     for i, req in enumerate(sched.decodes):
+        b["budgets"][i], b["caps"][i] = req.max_tokens - req.num_generated, len(req.pages) * page_size
         drafts = sched.drafts.get(req, [])
         n = 1 + len(drafts)
         if req.num_pending_tokens:
@@ -106,6 +110,6 @@ def pack_verify(sched: SchedulerOutput, pending_rows: dict, *, num_tokens: int, 
         b["row_slots"][row:row + n] = req.slot
         params, seed, generated, eos = sampling_row(req)
         rows[row:row + n] = [(params, seed, generated + j, eos) for j in range(n)]
-        spans.append((row, len(drafts)))
+        spans.append((row, len(drafts), len(req.pages) * page_size - req.num_total_tokens + 1))
         row = _place(b, i, row, req.pages, req.num_total_tokens - 1, [last, *drafts], page_size)
     return b, rows, spans

@@ -15,6 +15,7 @@ import numpy as np
 from atlasjax.request import Request
 from atlasjax.sampling_params import MAX_LOGPROBS
 from atlasjax.scheduler import SchedulerOutput
+from atlasjax.speculative import num_accepted
 from atlasjax.steps import StepOutput
 
 
@@ -28,8 +29,8 @@ class LaunchedStep:
     sample_rows: dict[Request, int]        # request -> row of its new token in [prefill rows | decode rows]
     with_logprobs: bool                    # some sampled row asked for logprobs: read them back too
     num_steps: int = 1                     # decode iterations the launched decode runs (1, or the compiled K)
-    spans: list[tuple[int, int]] | None = None   # a speculative verify (in `decode`): per decode row, its first
-                                                 # row in the verify's output and its number of drafts
+    spans: list[tuple[int, int, int]] | None = None   # a speculative verify (in `decode`): per decode row, its
+    # first row in the verify's output, its number of drafts and the positions its pages hold from its last token's
 
 
 @dataclasses.dataclass
@@ -41,8 +42,9 @@ class HostOutput:
     top_vals: np.ndarray | None
     top_ids: np.ndarray | None
     prompt: tuple | None     # (chosen [T], top_vals [T, K], top_ids [T, K]) of a prefill with prompt logprobs
-    drafts: list[list[int]] | None = None   # a verify step's drafts per decode row (as verified: a draft model's
-                                            # were proposed on the device)
+    # a verify step's rounds per decode row: (drafts, accepted) of each round it emitted tokens in (its tokens
+    # above are those rounds' accepted drafts and the token sampled after them, one after another)
+    spec_rounds: list[list[tuple[int, int]]] | None = None
 
 
 def arrays_to_read(step: LaunchedStep) -> list[jax.Array]:
@@ -51,8 +53,7 @@ def arrays_to_read(step: LaunchedStep) -> list[jax.Array]:
     for out in (step.prefill, step.decode):
         if out is not None:
             arrays.append(out.tokens)
-            if out.inputs is not None:
-                arrays.append(out.inputs)
+            arrays += [x for x in (out.inputs, out.advance) if x is not None]
             if step.with_logprobs:
                 arrays += [out.logprob, out.top_vals, out.top_ids]
     if step.prefill is not None and step.prefill.prompt is not None:
@@ -71,11 +72,10 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
     k, n = MAX_LOGPROBS, step.num_steps
     want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
             for o in (step.prefill, step.decode)]
-    verify_inputs = None if step.spans is None else step.decode.inputs
-    got, prompt, verify_inputs = jax.device_get((want, None if step.prefill is None else step.prefill.prompt,
-                                                 verify_inputs))
+    verify = None if step.spans is None else (step.decode.inputs, step.decode.advance)
+    got, prompt, verify = jax.device_get((want, None if step.prefill is None else step.prefill.prompt, verify))
     if step.spans is not None:
-        return _verify_host(step.spans, got[1], verify_inputs, num_slots)
+        return _verify_host(step.spans, got[1], *verify, num_slots)
 
     def steps_axis(x, rows, dtype, tail=()):   # -> [n, rows, *tail]: single-step outputs are iteration 0
         if x is None:
@@ -96,20 +96,41 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
     return host
 
 
-def _verify_host(spans: list[tuple[int, int]], got, inputs: np.ndarray, num_slots: int) -> HostOutput:
-    """A verify step's flat rows [T] laid out as a multi-step decode's: [1 + most drafts, num_slots + requests],
-    request r's sampled tokens down column num_slots + r; its drafts from the step's input rows."""
+def _verify_host(spans: list[tuple[int, int, int]], got, inputs: np.ndarray, advance: np.ndarray | None,
+                 num_slots: int) -> HostOutput:
+    """A verify step's rows ([T], or [rounds, T] with `advance` [rounds, requests]) laid out as a multi-step
+    decode's: [most tokens a request emitted, num_slots + requests], request r's tokens down column num_slots + r:
+    in each round, its accepted drafts (those equal to the token sampled before them) and the token after them.
+    A round's drafts past the request's pages (verify_rounds.py) were not verified and are not counted."""
     tokens, lps = got
-    depth, width = 1 + max(n for _, n in spans), num_slots + len(spans)
+    tokens, inputs = tokens.reshape(-1, tokens.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
+    taken, rounds = [], []   # per request: (round, first row, rows) of each round it emitted tokens in
+    for r, (start, n, room) in enumerate(spans):
+        taken.append([])
+        rounds.append([])
+        done = 0
+        for q in range(len(tokens)):
+            if advance is None:
+                emitted = 1 + num_accepted(tokens[q, start:start + n + 1], inputs[q, start + 1:start + 1 + n].tolist())
+            else:
+                emitted = int(advance[q, r])
+            if not emitted:
+                break   # it sat this round out, and so every later one
+            taken[-1].append((q, start, emitted))
+            rounds[-1].append((min(n, room - done - 1), emitted - 1))
+            done += emitted
+    depth, width = max(sum(e for _, _, e in t) for t in taken), num_slots + len(spans)
 
-    def by_request(x, dtype):
-        out = np.zeros((depth, width, *x.shape[1:]), dtype)
-        for r, (start, n) in enumerate(spans):
-            out[:n + 1, num_slots + r] = x[start:start + n + 1]
+    def by_request(x, dtype, tail=()):
+        x = x.reshape(*tokens.shape, *tail)
+        out = np.zeros((depth, width, *tail), dtype)
+        for r, t in enumerate(taken):
+            if t:
+                out[:sum(e for _, _, e in t), num_slots + r] = np.concatenate([x[q, s:s + e] for q, s, e in t])
         return out
-    host = HostOutput(by_request(tokens, np.int32), None, None, None, None,
-                      [inputs[start + 1:start + 1 + n].tolist() for start, n in spans])
+    host = HostOutput(by_request(tokens, np.int32), None, None, None, None, rounds)
     if lps is not None:
-        host.logprob, host.top_vals, host.top_ids = (by_request(x, dt) for x, dt in
-                                                     zip(lps, (np.float32, np.float32, np.int32)))
+        k = MAX_LOGPROBS
+        host.logprob, host.top_vals, host.top_ids = (by_request(x, dt, tail) for x, dt, tail in
+                                                     zip(lps, (np.float32, np.float32, np.int32), ((), (k,), (k,))))
     return host

@@ -61,6 +61,9 @@ class StepOutput:
     # later step gathers from it, so that step compiles the same whatever this one's row count.
     last_tokens: jax.Array | None = None
     inputs: jax.Array | None = None   # a verify step's token rows [T]: each request's last token and its drafts
+    # Verify rounds (atlasjax/verify_rounds.py): tokens, logprobs and inputs gain a leading [rounds] axis, and this
+    # [rounds, requests] holds the tokens each request emitted in each round (0: it sat that round out)
+    advance: jax.Array | None = None
 
     @property
     def gather_tokens(self) -> jax.Array:
@@ -161,15 +164,17 @@ def _eagle_follow(draft: Eagle3Draft, draft_params, model, params, aux, next_tok
 
 
 def _eagle_propose(draft: Eagle3Draft, draft_params, model, params, draft_hidden, kv, tokens, page_table, seq_lens,
-                   query_start, num_seqs, row_slots):
+                   query_start, num_seqs, row_slots, active=None, caps=None):
     """An EAGLE-3 head's greedy drafts, filled into a verify step's rows (as `_propose`): request i's last token
     sits at position L, and its slot keeps the head's output at L - 1, whose prediction is draft 1; iteration j
     takes draft j and the previous output at position L + j - 1 and proposes draft j + 1. Its K/V writes
-    (positions L onwards) are overwritten by `_eagle_follow` after the verify. Returns (kv, tokens)."""
+    (positions L onwards) are overwritten by `_eagle_follow` after the verify. active: [rows] whether request i
+    drafts at all (None: all; an inactive one writes nothing); caps: [rows] the positions its pages hold (None:
+    every one it writes; none past them is written). Returns (kv, tokens)."""
     _, num_pages, page_size, _ = kv[0][0].shape
     rows = min(page_table.shape[0], tokens.shape[0])
     page_table, seq_lens, query_start = page_table[:rows], seq_lens[:rows], query_start[:rows + 1]
-    chunk = query_start[1:] - query_start[:-1]        # [rows] 1 + request i's drafts (past num_seqs: 0)
+    chunk = _active_chunks(query_start, active)       # [rows] 1 + request i's drafts (past num_seqs: 0)
     last = seq_lens - chunk                           # position L of its last token
     slots = row_slots[jnp.minimum(query_start[:-1], tokens.shape[0] - 1)]
     hidden = _slot_rows(draft_hidden, slots)
@@ -177,7 +182,7 @@ def _eagle_propose(draft: Eagle3Draft, draft_params, model, params, draft_hidden
 
     def body(carry, j):
         kv, x, hidden = carry
-        lens = jnp.where(j + 1 < chunk, last + j, 0)   # iteration j writes position L + j - 1 (lens - 1)
+        lens = jnp.where((j + 1 < chunk) & _within(last + j - 1, caps), last + j, 0)   # writes L + j - 1 (lens - 1)
         meta = AttentionMetadata(slot_mapping=decode_slots(page_table, lens, page_size, num_pages),
                                  page_table=page_table, seq_lens=lens)
         embeds = _eagle_embed(draft, draft_params, model, params, x)
@@ -211,25 +216,36 @@ def _token_sequences(query_start, num_tokens: int):
     return jnp.searchsorted(query_start[1:], jnp.arange(num_tokens), side="right", method="compare_all")
 
 
-def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query_start, num_seqs):
+def _active_chunks(query_start, active):
+    """[rows] each request's rows in a verify step (0 for one that `active` [rows] leaves out)."""
+    chunk = query_start[1:] - query_start[:-1]
+    return chunk if active is None else jnp.where(active, chunk, 0)
+
+
+def _within(positions, caps):
+    return True if caps is None else positions < caps
+
+
+def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query_start, num_seqs, active=None,
+             caps=None):
     """A draft model's greedy drafts, filled into a verify step's rows: request i's chunk (pack_verify) is its last
     token, then rows that hold draft j at offset j. num_tokens + 1 decode iterations of the draft over the requests:
     iteration j takes the token at position last + j (the last token, then draft j) and proposes
     draft j + 1; the last iteration only writes its input's K/V, so the draft's cache ends covering every position
-    the verify writes. A request's iterations past its own chunk are padding (no K/V write).
-    Returns (kv, tokens with the drafts in place)."""
+    the verify writes. A request's iterations past its own chunk are padding (no K/V write), and so are all of an
+    inactive one's (active, caps: as `_eagle_propose`'s). Returns (kv, tokens with the drafts in place)."""
     _, num_pages, page_size, _ = kv[0][0].shape
     # a request has one row at least: no more requests than the step's rows (a 256-slot engine's 16-token verify
     # runs the draft over 16 rows, not 256)
     rows = min(page_table.shape[0], tokens.shape[0])
     page_table, seq_lens, query_start = page_table[:rows], seq_lens[:rows], query_start[:rows + 1]
-    chunk = query_start[1:] - query_start[:-1]        # [rows] request i's rows: 1 + its drafts (past num_seqs: 0)
+    chunk = _active_chunks(query_start, active)       # [rows] request i's rows: 1 + its drafts (past num_seqs: 0)
     first = seq_lens - chunk                          # the position of its last token
     last = tokens[jnp.minimum(query_start[:-1], tokens.shape[0] - 1)]
 
     def body(carry, j):
         kv, x = carry
-        lens = jnp.where(j < chunk, first + j + 1, 0)
+        lens = jnp.where((j < chunk) & _within(first + j, caps), first + j + 1, 0)
         meta = AttentionMetadata(slot_mapping=decode_slots(page_table, lens, page_size, num_pages),
                                  page_table=page_table, seq_lens=lens)
         hidden, kv = draft.model.apply({"params": draft_params}, x, jnp.maximum(lens - 1, 0), kv, meta)

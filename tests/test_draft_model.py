@@ -46,6 +46,11 @@ def _tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def _ran_verify_rounds(llm, rounds: int) -> bool:
+    """Whether the engine ran (the offline engine compiles as it goes) a launch of that many verify rounds."""
+    return ("verify", rounds) in {(k[0], k[-1]) for k in llm.engine.runner._compiled if len(k) == 4}
+
+
 def test_a_draft_of_the_target_itself_is_accepted_whole(plain, self_draft):
     engine = self_draft.engine
     steps = engine.stats.num_steps
@@ -90,6 +95,7 @@ def test_the_draft_cache_follows_decodes_multi_step_launches_and_the_prefix_cach
     prompts = PROMPTS[:2]
     assert _tokens(llm, prompts, params) == _tokens(plain, prompts, params)
     assert any(k[0] == "decode" and len(k) == 4 for k in llm.engine.runner._compiled)   # a multi-step launch
+    assert _ran_verify_rounds(llm, 4)
     spec = llm.engine.stats.spec
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
     hits, drafted = llm.engine.pool.num_hit_pages, spec.num_draft_tokens
@@ -125,8 +131,10 @@ def test_a_draft_under_tensor_parallelism_is_split_as_the_target(hf_model_factor
     assert llm.engine.stats.spec.num_draft_tokens > 0
     _assert_idle(llm.engine)
     self_drafting = LLM(target, tensor_parallel_size=2, speculative_config={"model": target,
-                                                                           "num_speculative_tokens": 3}, **ENGINE)
+                                                                           "num_speculative_tokens": 3},
+                        num_scheduler_steps=3, **ENGINE)   # three verify rounds a launch
     assert _tokens(self_drafting, prompts, GREEDY) == want[0]
+    assert _ran_verify_rounds(self_drafting, 3)
     spec = self_drafting.engine.stats.spec
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
 

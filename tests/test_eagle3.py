@@ -14,6 +14,7 @@ import torch
 from atlasjax import LLM, SamplingParams
 from atlasjax.eagle3 import make_tensors
 from atlasjax.errors import EngineConfigError
+from tests.test_draft_model import _ran_verify_rounds
 from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
 
 # float32: on a GPU in bf16 a verify's rows round unlike a decode's and near-equal tokens of a random model flip
@@ -138,7 +139,8 @@ class ReferenceHead:
 
 
 def _recorded_drafts(llm):
-    """Wraps the runner's verify: each step's (request's last position, its drafts) for one-request steps."""
+    """Wraps the runner's verify: each round's (request's last position, its drafts) for one-request steps (a launch
+    of several rounds: each round it took part in, its position moved along by what the rounds before emitted)."""
     runner, seen = llm.engine.runner, []
     verify = runner.verify
 
@@ -146,7 +148,13 @@ def _recorded_drafts(llm):
         out = verify(batch, *args, **kwargs)
         n = int(batch["query_start"][1])
         if int(batch["num_seqs"]) == 1:
-            seen.append((int(batch["positions"][0]), np.asarray(out.inputs)[1:n].tolist()))
+            inputs = np.asarray(out.inputs).reshape(-1, len(batch["tokens"]))
+            advance = np.ones((1, 1), int) if out.advance is None else np.asarray(out.advance)
+            position = int(batch["positions"][0])
+            for q in range(len(inputs)):
+                if advance[q, 0]:
+                    seen.append((position, inputs[q, 1:n].tolist()))
+                    position += int(advance[q, 0])
         return out
     runner.verify = recording
     return seen
@@ -192,6 +200,7 @@ def test_drafts_accepted_in_part_and_every_kind_of_step(target, tmp_path, plain)
     got = _tokens(llm, PROMPTS[:2], params)
     assert got == _tokens(plain, PROMPTS[:2], params)
     assert any(k[0] == "decode" and len(k) == 4 for k in llm.engine.runner._compiled)   # a multi-step launch
+    assert _ran_verify_rounds(llm, 4)
     _assert_reference_drafts(seen, PROMPTS[1] + got[1], reference)
     spec = llm.engine.stats.spec
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
@@ -218,11 +227,55 @@ def test_seeded_sampling_and_logprobs_are_the_targets(target, head, plain, eagle
     _assert_idle(eagle.engine)
 
 
-def test_staggered_requests_and_preemption_equal_plain_decoding(target, head):
+@pytest.fixture(scope="module")
+def eagle_rounds(target, head):
+    """Three verify rounds per launch (num_scheduler_steps; a GPU's default of 4 gives four)."""
+    return LLM(target[1], speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": K},
+               num_scheduler_steps=3, **ENGINE)
+
+
+def test_several_verify_rounds_per_launch_emit_what_plain_decoding_does(target, head, plain, eagle_rounds):
+    """Each launch runs three rounds of drafting and verifying: the tokens, finish reasons and logprobs are plain
+    decoding's (greedy, seeded, ending mid-launch at max_tokens or at a stop token), every round's drafts are the
+    reference head's, and a request takes a launch per three rounds, not per round."""
+    engine = eagle_rounds.engine
+    seen = _recorded_drafts(eagle_rounds)
+    try:
+        for prompt in PROMPTS:
+            seen.clear()
+            launches = engine.stats.num_steps
+            got = _tokens(eagle_rounds, [prompt], GREEDY)[0]
+            assert got == _tokens(plain, [prompt], GREEDY)[0]
+            _assert_reference_drafts(seen, prompt + got, ReferenceHead(target[0], head[1], head[2]))
+            # one token from the prefill, then three rounds of one token at least per launch (+1: a 2-chunk prompt)
+            assert engine.stats.num_steps - launches <= 2 + -(-(GREEDY.max_tokens - 1) // 3)
+    finally:
+        del engine.runner.verify
+    assert _ran_verify_rounds(eagle_rounds, 3)
+    greedy = _tokens(plain, [PROMPTS[1]], GREEDY)[0]
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True,
+                             logprobs=3),
+              SamplingParams(temperature=0.5, min_p=0.05, seed=4, max_tokens=12, min_tokens=6, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[greedy[9]])]
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[1]]
+    for a, b in zip(plain.generate(prompts, params), eagle_rounds.generate(prompts, params)):
+        a, b = a.outputs[0], b.outputs[0]
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        for da, db in zip(a.logprobs or [], b.logprobs or []):
+            assert da.keys() == db.keys()
+            np.testing.assert_allclose([v.logprob for v in da.values()], [v.logprob for v in db.values()],
+                                       atol=LOGPROB_ATOL)
+    assert b.finish_reason == "stop" and len(b.token_ids) <= 10
+    _assert_idle(engine)
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_staggered_requests_and_preemption_equal_plain_decoding(target, head, rounds):
     work = _workload(n=16, seed=3)
     want = _alone(LLM(target[1], enable_prefix_caching=False, **ENGINE).engine, work)
     engine = LLM(target[1], speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": 2},
-                 num_pages=24, enable_prefix_caching=False, **ENGINE).engine
+                 num_pages=24, enable_prefix_caching=False, num_scheduler_steps=rounds, **ENGINE).engine
     assert _run_staggered(engine, work) == want
     assert engine.scheduler.num_preemptions > 0 and engine.stats.spec.num_draft_tokens > 0
     _assert_idle(engine)
@@ -256,16 +309,17 @@ def test_eagle3_needs_a_model_and_one_device(target, head):
 
 def test_a_head_beside_a_tensor_parallel_target_proposes_as_on_one_device(target, head):
     """TP=2: the target split over two devices returns its (replicated) residual stream; the head runs whole on
-    each device with a replicated KV pool; tokens and every draft are one device's."""
+    each device with a replicated KV pool; tokens and every draft are one device's (three verify rounds a launch)."""
     llm = LLM(target[1], tensor_parallel_size=2,   # vLLM's draft_tensor_parallel_size 1 (or 2): the head is whole
               speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": K,
-                                  "draft_tensor_parallel_size": 1}, **ENGINE)
+                                  "draft_tensor_parallel_size": 1}, num_scheduler_steps=3, **ENGINE)
     pool = llm.engine.runner.state.draft_kv[0][0]
     assert len(pool.sharding.device_set) == 2 and pool.sharding.is_fully_replicated
     seen = _recorded_drafts(llm)
     got = _tokens(llm, [PROMPTS[1]], GREEDY)[0]
     assert got == _tokens(LLM(target[1], **ENGINE), [PROMPTS[1]], GREEDY)[0]
     _assert_reference_drafts(seen, PROMPTS[1] + got, ReferenceHead(target[0], head[1], head[2]))
+    assert _ran_verify_rounds(llm, 3)
     _assert_idle(llm.engine)
 
 

@@ -1,0 +1,90 @@
+"""Several speculative verify rounds in one launch, for drafts proposed on the device (a draft model's or an EAGLE-3
+head's): the host issues the step once for all of them, as `steps.multi_decode_step` does for plain decoding.
+
+A verify step reads back before the next is scheduled (its accepted drafts move every later position), so each
+launch pays the host's work of a step in full; with R rounds per launch that work is paid once per R rounds. Each
+round is `steps.verify_step`'s work: propose each request's drafts, run the target over its last token and drafts,
+sample every row, accept the drafts up to the first that differs from the token sampled before it. The next round
+continues from each request's newest token, its rows moved along by the tokens it emitted; the rows keep their
+layout (`query_start`), so every round compiles to the same program.
+
+A request sits a round out (no K/V write, no tokens) once it has emitted its budget (`budgets`: the tokens its
+max_tokens leaves) or reached the end of the pages it holds (`caps`: its page count times the page size); rows
+past its pages write nothing, and a draft there is never accepted. Its later rounds emit nothing, and tokens past a
+stop are dropped by the engine, as after a multi-step decode.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from atlasjax import sampling
+from atlasjax.steps import (DeviceState, Draft, Eagle3Draft, StepOutput, _accepted_rows, _eagle_follow, _eagle_propose,
+                            _gather_prev, _propose, _run_model, _sample_rows, _token_sequences, unpack_host)
+from models.attention import AttentionMetadata
+from models.transformer import Transformer
+
+ROUND_INPUTS = ("budgets", "caps")   # [num_slots] each: after steps.VERIFY_INPUTS
+
+
+def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_rounds: int, layout, params, lora,
+                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, draft_params=None, *,
+                       draft: Draft | Eagle3Draft):
+    """`num_rounds` verify rounds over a batch of `step_packing.pack_verify` (round 0's rows) with each request's
+    budget and cap. Outputs: `StepOutput` with a leading [num_rounds] axis, and `advance`."""
+    (tokens, positions, _, page_table, seq_lens, query_start, num_seqs, row_slots, budgets, caps, f, i) = unpack_host(
+        packed, layout)
+    tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
+    _, num_pages, page_size, _ = state.kv[0][0].shape
+    t = tokens.shape[0]
+    n = min(seq_lens.shape[0], t)   # requests a step of t rows can hold (each has one row at least)
+    row_req = _token_sequences(query_start, t)    # [t] each row's request (num_seqs or more: padding)
+    rq = jnp.minimum(row_req, n - 1)
+    start, chunk = query_start[:n], query_start[1:n + 1] - query_start[:n]
+    last = seq_lens[:n] - chunk                   # round 0: the position of each request's last token
+    offset = jnp.arange(t) - start[rq]            # each row's place in its request's chunk
+    real_row = row_req < num_seqs
+    real = jnp.arange(n) < num_seqs
+    budgets, caps = budgets[:n], caps[:n]
+    num_drafts = draft.num_tokens
+
+    def body(carry, _):
+        kv, draft_kv, draft_hidden, tokens, emitted = carry          # emitted: [n] tokens so far, per request
+        active = real & (emitted < budgets) & (last + emitted < caps)
+        pos = jnp.where(real_row, last[rq] + emitted[rq] + offset, positions)
+        row_on = real_row & active[rq] & (pos < caps[rq])
+        page = jnp.take_along_axis(page_table[rq], jnp.minimum(pos // page_size, page_table.shape[1] - 1)[:, None],
+                                   axis=1)[:, 0]
+        meta = AttentionMetadata(slot_mapping=jnp.where(row_on, page * page_size + pos % page_size,
+                                                        num_pages * page_size),
+                                 page_table=page_table, seq_lens=seq_lens.at[:n].add(emitted),
+                                 query_start=query_start, num_seqs=num_seqs)
+        if isinstance(draft, Draft):
+            draft_kv, tokens = _propose(draft, draft_params, draft_kv, tokens, page_table, meta.seq_lens, query_start,
+                                        num_seqs, active, caps)
+        else:
+            draft_kv, tokens = _eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
+                                              page_table, meta.seq_lens, query_start, num_seqs, row_slots, active,
+                                              caps)
+        hidden, kv, aux = _run_model(model, params, lora, tokens, pos, kv, meta, row_slots)
+        logits = model.apply({"params": params}, hidden, method=Transformer.logits)
+        # each row draws with the seed stream and min_tokens of its output index, as one round per launch would
+        st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(emitted[rq]))
+        new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots, st, plan)
+        rows, _ = _accepted_rows(tokens, new_tokens, query_start, num_seqs, num_drafts)
+        rows = jnp.minimum(rows, start + caps - (last + emitted) - 1)   # no draft past its pages (K/V unwritten)
+        advance = jnp.where(active, rows - start + 1, 0)
+        if isinstance(draft, Eagle3Draft):   # as verify_step: the slot keeps the head's output at the accepted row
+            draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, pos, draft_kv,
+                                              meta)
+            slots = jnp.where(active, row_slots[jnp.minimum(start, t - 1)], draft_hidden.shape[0])
+            draft_hidden = draft_hidden.at[slots].set(prenorm[rows], mode="drop")
+        # the next round starts from each request's newest token (its drafts are proposed into the rows after it)
+        next_tokens = jnp.where((offset == 0) & row_on, new_tokens[rows][rq], tokens)
+        return (kv, draft_kv, draft_hidden, next_tokens, emitted + advance), (new_tokens, lp, tv, ti, tokens, advance)
+
+    (kv, draft_kv, draft_hidden, _, _), (new_tokens, lp, tv, ti, inputs, advance) = jax.lax.scan(
+        body, (state.kv, state.draft_kv, state.draft_hidden, tokens, jnp.zeros(n, jnp.int32)), None,
+        length=num_rounds)
+    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden), StepOutput(
+        new_tokens, lp, tv, ti, inputs=inputs, advance=advance)
