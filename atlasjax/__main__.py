@@ -57,7 +57,8 @@ def add_scheduler_steps_arg(g) -> None:
                    help="decode iterations per launch when a step has only decodes (default: 4 on GPU, 1 "
                         "elsewhere): the host issues one step for K tokens per sequence, which speeds up "
                         "host-bound decoding (small or quantized models, small batches); tokens then stream "
-                        "in bursts of up to K. 1: one token per step")
+                        "in bursts of up to K. With a draft model or an EAGLE-3 head, K verify rounds per "
+                        "launch. 1: one token (or one verify round) per step")
 
 
 def _sizes(text: str) -> tuple[int, ...]:

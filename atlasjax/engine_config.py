@@ -136,7 +136,9 @@ class EngineConfig:
                                              # (atlasjax/waiting_queue.py)
     async_scheduling: bool = True            # schedule step N+1 while step N runs (False: one step at a time)
     num_scheduler_steps: int | None = None   # decode iterations per launch when a step has only decodes (the
-                                             # host issues the step once for them; outputs arrive in bursts);
+                                             # host issues the step once for them; outputs arrive in bursts), and
+                                             # verify rounds per launch for drafts proposed on the device (a draft
+                                             # model's or an EAGLE-3 head's: atlasjax/verify_rounds.py);
                                              # None: `resolve_scheduler_steps` (4 on GPU, 1 elsewhere)
     long_context_decode: bool | None = None  # more programs for the 8-, 16- and 32-row decode buckets, whose
                                              # attention splits each context for fewer busy rows: a step of at
@@ -180,7 +182,8 @@ class EngineConfig:
                                              # "num_speculative_tokens": 4} (a draft model), its JSON, or a
                                              # SpeculativeConfig (atlasjax/speculative.py); a step without
                                              # drafts decodes as usual (num_scheduler_steps iterations per launch); the
-                                             # step after a verify step waits for it to be read back
+                                             # step after a verify step waits for it to be read back (a draft model's
+                                             # or head's: num_scheduler_steps verify rounds per launch)
     hf_overrides: object = None              # vLLM's (atlasjax/hf_overrides.py): config.json keys over the
                                              # model's: RoPE and positions ({"rope_scaling": {"rope_type": "yarn",
                                              # "factor": 4.0, "original_max_position_embeddings": 32768}}), or
