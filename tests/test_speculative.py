@@ -229,10 +229,11 @@ def test_cli_flag_reaches_the_engine_config():
         "eagle3", "/models/head", 3, True)
 
 
-@pytest.mark.parametrize("drafts", ["ngram", "draft_model"])
+@pytest.mark.parametrize("drafts", ["ngram", "draft_model", "draft_model_rounds"])
 def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_factory, drafts):
     """n-gram drafts (a logit bias makes the random model repeat one token, so the lookup drafts it), or the model
-    drafting for itself (atlasjax/draft_model.py: every greedy draft accepted)."""
+    drafting for itself (atlasjax/draft_model.py: every greedy draft accepted), one verify round per launch or three
+    (verify_rounds.py; the engine compiled at start, as `serve` does, compiles nothing more while serving)."""
     import asyncio
 
     import httpx
@@ -248,7 +249,10 @@ def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_f
                             logit_bias=bias)[0].outputs[0].text
     model = tiny_model_dir(tmp_path_factory)
     spec = NGRAM if drafts == "ngram" else {"model": model, "num_speculative_tokens": 3}
-    engine = AsyncLLM(model, **ENGINE_KWARGS, speculative_config=spec)
+    rounds = dict(num_scheduler_steps=3, compile_at_start=True) if drafts == "draft_model_rounds" else {}
+    engine = AsyncLLM(model, **ENGINE_KWARGS, speculative_config=spec, **rounds)
+    runner = engine.engine.runner if rounds else None
+    compiled = runner.num_compiles if rounds else None
     app = create_app(engine, served_model_name=MODEL_NAME)
 
     async def go():
@@ -273,6 +277,9 @@ def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_f
     accepted = metric_value(metrics, "atlasjax_spec_decode_num_accepted_tokens_total")
     assert drafted >= accepted > 0
     assert metric_value(metrics, 'atlasjax_spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
+    if rounds:
+        assert runner.num_compiles == compiled and any(k[0] == "verify" and k[-1] == 3 for k in runner._compiled)
+        assert drafted == accepted   # every round's drafts accepted: the draft's cache followed every round
 
 
 def test_compiled_at_start_with_every_sampling_feature(tiny):
