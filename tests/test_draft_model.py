@@ -19,7 +19,10 @@ from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
 
 # float32 everywhere: on a GPU in bf16 (its default) a verify's rows round unlike a decode's, and this random model's
 # near-equal tokens then flip (an H200 found greedy ties between two tokens that did; session 68)
-ENGINE = dict(max_num_seqs=8, max_model_len=160, page_size=8, max_num_batched_tokens=64, dtype="float32")
+# num_pages: a full-length sequence per slot (a CPU's default), so that on a GPU the many engines alive in one
+# module do not each take most of the free memory (the last got one page on an H200)
+ENGINE = dict(max_num_seqs=8, max_model_len=160, page_size=8, max_num_batched_tokens=64, dtype="float32",
+              num_pages=160)
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
 # short, repeating and long prompts; the long one (97 tokens) prefills in two chunks of the 64-token budget
 PROMPTS = [[7, 8, 9, 10, 7, 8], list(range(3, 40)), list(range(3, 100))]
@@ -110,7 +113,7 @@ def test_staggered_requests_and_preemption_equal_plain_decoding(target, hf_model
     work = _workload(n=16, seed=3)
     want = _alone(LLM(target, enable_prefix_caching=False, **ENGINE).engine, work)
     engine = LLM(target, speculative_config={"model": hf_model_factory("qwen3")[1], "num_speculative_tokens": 2},
-                 num_pages=24, enable_prefix_caching=False, **ENGINE).engine
+                 enable_prefix_caching=False, **{**ENGINE, "num_pages": 24}).engine
     assert _run_staggered(engine, work) == want
     assert engine.scheduler.num_preemptions > 0 and engine.stats.spec.num_draft_tokens > 0
     _assert_idle(engine)

@@ -18,7 +18,10 @@ from tests.test_draft_model import _ran_verify_rounds
 from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
 
 # float32: on a GPU in bf16 a verify's rows round unlike a decode's and near-equal tokens of a random model flip
-ENGINE = dict(max_num_seqs=8, max_model_len=160, page_size=8, max_num_batched_tokens=64, dtype="float32")
+# num_pages: a full-length sequence per slot (a CPU's default), so that on a GPU the many engines alive in one
+# module do not each take most of the free memory (the last got one page on an H200)
+ENGINE = dict(max_num_seqs=8, max_model_len=160, page_size=8, max_num_batched_tokens=64, dtype="float32",
+              num_pages=160)
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
 PROMPTS = [[7, 8, 9, 10, 7, 8], list(range(3, 40)), list(range(3, 100))]   # the last prefills in two chunks
 K = 3
@@ -275,7 +278,7 @@ def test_staggered_requests_and_preemption_equal_plain_decoding(target, head, ro
     work = _workload(n=16, seed=3)
     want = _alone(LLM(target[1], enable_prefix_caching=False, **ENGINE).engine, work)
     engine = LLM(target[1], speculative_config={"method": "eagle3", "model": head[0], "num_speculative_tokens": 2},
-                 num_pages=24, enable_prefix_caching=False, num_scheduler_steps=rounds, **ENGINE).engine
+                 enable_prefix_caching=False, num_scheduler_steps=rounds, **{**ENGINE, "num_pages": 24}).engine
     assert _run_staggered(engine, work) == want
     assert engine.scheduler.num_preemptions > 0 and engine.stats.spec.num_draft_tokens > 0
     _assert_idle(engine)
