@@ -354,3 +354,36 @@ def test_drafts_respect_max_tokens_budget_pages_and_batch_size():
     s = _scheduler(num_pages=4)                      # 16 tokens of pages: 15 known, room for one draft
     e = _decoding(s, "e", LOOP)
     assert e.num_tokens == 15 and s.schedule().drafts[e] == [LOOP[-3]]
+
+
+def test_verify_rounds_get_their_pages_within_max_tokens_and_never_preempt():
+    """Drafts proposed on the device run num_scheduler_steps verify rounds a launch (verify_rounds.py); each request
+    gets pages for what its rounds may write (4 rounds of its last token and 3 drafts, within what its max_tokens
+    leaves), as far as the pool has them, preempting nobody; n-gram drafts run one round a launch."""
+    from atlasjax.page_pool import PagePool
+    from atlasjax.scheduler import Scheduler
+    from atlasjax.speculative import DRAFT_ON_DEVICE
+
+    def scheduler(num_pages=32, **spec):
+        spec = spec or dict(method="draft_model", model="d")
+        return Scheduler(PagePool(num_pages, 4, True), max_num_seqs=2, max_num_batched_tokens=64,
+                         num_scheduler_steps=4, speculative=SpeculativeConfig(num_speculative_tokens=3, **spec))
+    s = scheduler()
+    a = _decoding(s, "a", LOOP, max_tokens=40)
+    out = s.schedule()
+    assert out.rounds == 4 and out.drafts[a] == [DRAFT_ON_DEVICE] * 3
+    assert len(a.pages) * 4 >= a.num_total_tokens - 1 + 16    # 4 rounds of 4 positions from its last token's
+
+    s = scheduler()
+    b = _decoding(s, "b", LOOP, max_tokens=6)                 # 1 of 6 generated: 5 tokens left, 3 drafts
+    assert s.schedule().rounds == 4
+    assert b.num_total_tokens - 1 + 5 <= len(b.pages) * 4 < b.num_total_tokens - 1 + 5 + 4   # only what is left
+
+    s = scheduler(num_pages=5)                                # 20 positions: 15 known, 5 free
+    c = _decoding(s, "c", LOOP, max_tokens=40)
+    assert s.schedule().rounds == 4 and len(c.pages) == 5 and s.num_preemptions == 0   # the step stops it there
+
+    s = scheduler(prompt_lookup_max=3, prompt_lookup_min=1)   # n-gram: looked up on the host, one round a launch
+    e = _decoding(s, "e", LOOP, max_tokens=40)
+    out = s.schedule()
+    assert out.drafts[e] and out.rounds == 1
