@@ -56,7 +56,7 @@ from atlasjax.request import Request
 from atlasjax.runner import ModelRunner
 from atlasjax.sampling import pack_rows, plan_rows
 from atlasjax.sampling_params import SamplingParams
-from atlasjax.scheduler import Scheduler, SchedulerOutput
+from atlasjax.scheduler import Scheduler, SchedulerOutput, verify_reach
 from atlasjax.sleep_mode import SleepState
 from atlasjax.step_options import use_process_flags
 from atlasjax.step_packing import pack_decode, pack_prefill, pack_verify
@@ -505,8 +505,7 @@ class LLMEngine:
         out = self.runner.verify(batch, f, ints, self._prev_tokens(prev), plan_rows(rows), sched.rounds)
         s = self.num_slots
         for r, req in enumerate(sched.decodes):   # at most: read back as accepted
-            req.num_pending_tokens += min(sched.rounds * (1 + len(sched.drafts.get(req, ()))),
-                                          req.max_tokens - req.num_generated)
+            req.num_pending_tokens += verify_reach(req, len(sched.drafts.get(req, ())), sched.rounds)
         self.scheduler.dispatched(sched)
         launched = LaunchedStep(sched, None, out, [], {req: s + r for r, req in enumerate(sched.decodes)},
                                 any(r.params.logprobs is not None for r in sched.decodes), spans=spans)

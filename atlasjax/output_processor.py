@@ -49,9 +49,10 @@ class OutputProcessor:
             delta = None
             num_tokens, rounds = step.sched.steps.get(req, 1), {}
             if step.spans is not None:   # a verify step: per round, the accepted drafts and the token after them
+                num_tokens = 0
                 for num_drafts, accepted in host.spec_rounds[r - (host.tokens.shape[1] - len(host.spec_rounds))]:
-                    rounds[sum(a + 1 for _, a in rounds.values())] = num_drafts, accepted   # by its first token
-                num_tokens = sum(a + 1 for _, a in rounds.values())
+                    rounds[num_tokens] = num_drafts, accepted   # by the index of its first token
+                    num_tokens += accepted + 1
             for j in range(num_tokens):
                 # A request finished (or aborted) while this step ran, or at an earlier token of this
                 # step: its tokens from here on are dropped unread (and the rounds after, uncounted).

@@ -86,6 +86,12 @@ class SchedulerOutput:
         return self.decodes + [c.request for c in self.prefills]
 
 
+def verify_reach(req: Request, num_drafts: int, rounds: int) -> int:
+    """Tokens a verify launch may emit for req, and K/V positions it may write from its last token's on: `rounds`
+    rounds of its last token and drafts, within what its max_tokens leaves."""
+    return min(rounds * (1 + num_drafts), req.max_tokens - req.num_generated)
+
+
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_seqs: int | None = None, num_scheduler_steps: int = 1,
@@ -179,16 +185,13 @@ class Scheduler:
     def _verify_rounds(self, decodes: list[Request], drafts: dict[Request, list[int]]) -> int:
         """Verify rounds of a launch whose drafts are proposed on the device: num_scheduler_steps (n-gram drafts are
         looked up here, one round at a time). Each request gets the pages for what its rounds may write, within
-        its max_tokens, as far as they can be had without preempting anyone (the step stops a request whose next
-        round would write past its pages)."""
+        its max_tokens, as far as they can be had without preempting anyone (the step writes nothing past its
+        pages and accepts no draft there)."""
         rounds = self.num_scheduler_steps
         if rounds == 1 or not self.speculative.uses_draft_model:
             return 1
-        for req in decodes:
-            # round q writes K/V at positions num_total_tokens - 1 onwards, 1 + drafts of them, moved along by the
-            # tokens emitted so far (at most max_tokens - num_generated in all)
-            self._allocate_for(req, req.num_total_tokens - 1 + min(rounds * (1 + len(drafts.get(req, ()))),
-                                                                   req.max_tokens - req.num_generated))
+        for req in decodes:   # its K/V positions start at its last token's, num_total_tokens - 1
+            self._allocate_for(req, req.num_total_tokens - 1 + verify_reach(req, len(drafts.get(req, ())), rounds))
         return rounds
 
     def speculated(self, req: Request) -> None:

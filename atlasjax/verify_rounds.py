@@ -53,8 +53,7 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
         active = real & (emitted < budgets) & (last + emitted < caps)
         pos = jnp.where(real_row, last[rq] + emitted[rq] + offset, positions)
         row_on = real_row & active[rq] & (pos < caps[rq])
-        page = jnp.take_along_axis(page_table[rq], jnp.minimum(pos // page_size, page_table.shape[1] - 1)[:, None],
-                                   axis=1)[:, 0]
+        page = page_table[rq, jnp.minimum(pos // page_size, page_table.shape[1] - 1)]
         meta = AttentionMetadata(slot_mapping=jnp.where(row_on, page * page_size + pos % page_size,
                                                         num_pages * page_size),
                                  page_table=page_table, seq_lens=seq_lens.at[:n].add(emitted),
