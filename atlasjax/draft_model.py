@@ -20,6 +20,23 @@ log = logging.getLogger("atlasjax.engine")
 PRESET = "preset:"   # `model` "preset:llama-3.2-1b": a bench preset's random weights (atlasjax/bench/presets.py)
 
 
+def load_speculative_draft(spec, target_cfg, target_tokenizer, dtype, max_model_len: int, plan=None):
+    """What `ModelRunner(draft=...)` runs beside the target for `spec` (a SpeculativeConfig or None): (a draft
+    model's ModelConfig or an EAGLE-3 head's Eagle3Spec, its params, its TensorParallel plan or None, drafts per
+    step); None without drafts proposed on the device (no speculation, or n-gram drafts). plan: the target's."""
+    if spec is None or not spec.uses_draft_model:
+        return None
+    from atlasjax import distributed  # noqa: PLC0415
+    if distributed.is_multiprocess():
+        raise EngineConfigError(f"a {spec.draft_name} (speculative_config) across several hosts is not supported")
+    if spec.method == "eagle3":
+        from atlasjax.eagle3 import load_eagle3  # noqa: PLC0415
+        draft = (*load_eagle3(spec, target_cfg, dtype, max_model_len), None)
+    else:
+        draft = load_draft(spec, target_tokenizer, dtype, max_model_len, None if plan is None else plan.mesh)
+    return (*draft, spec.num_speculative_tokens)
+
+
 def load_draft(spec, target_tokenizer, dtype, max_model_len: int, mesh=None):
     """The draft model of `spec` (SpeculativeConfig, method "draft_model") -> (its ModelConfig, its params, its
     TensorParallel plan or None), loaded unquantized in `dtype` (or random weights of a bench preset,

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable
 
 import numpy as np
 
-from atlasjax.errors import InvalidRequestError, UnsupportedModelError
+from atlasjax.errors import AtlasJaxError, InvalidRequestError, UnsupportedModelError
 from atlasjax.pooling import ClassifierHead, PoolerConfig, PoolingParams, finish, pool_ragged
 
 log = logging.getLogger("atlasjax.embedding")
@@ -195,3 +196,39 @@ class Embedder:
             log.info("embeddings: compiled %d more program(s) (%d in all)", self.num_programs - compiled,
                      self.num_programs)
         return pooled
+
+    def embed_requests(self, requests: list[tuple[list, object]], tokenize: Callable[[object], list[int]], stats,
+                       on_done: Callable | None = None) -> list:
+        """`LLMEngine.embed_requests`: several callers' (prompts, params) in shared batches, in order; per request
+        its vectors, or the error that refuses it. tokenize: a prompt's token ids (checked); stats: the engine's
+        EngineStats, which count the inputs and tokens embedded."""
+        out: list = [None] * len(requests)
+        ready = []
+        for i, (prompts, params) in enumerate(requests):
+            try:
+                params = params if isinstance(params, list) else [params or PoolingParams()] * len(prompts)
+                if len(params) != len(prompts):
+                    raise InvalidRequestError(f"got {len(params)} pooling params for {len(prompts)} inputs")
+                ready.append((i, self.check([tokenize(p) for p in prompts], params), params))
+            except AtlasJaxError as e:
+                out[i] = e
+                if on_done is not None:
+                    on_done(i, e)
+        if not ready:
+            return out
+        ids = [t for _, toks, _ in ready for t in toks]
+        ends = list(itertools.accumulate(len(toks) for _, toks, _ in ready))
+        done = 0
+
+        def landed(vectors: list) -> None:     # the first len(vectors) are final
+            nonlocal done
+            while done < len(ready) and ends[done] <= len(vectors):
+                i, toks, _ = ready[done]
+                out[i] = list(zip(toks, vectors[ends[done] - len(toks):ends[done]]))
+                stats.num_embedding_inputs += len(toks)       # counted before the answer leaves
+                stats.embedding_tokens += sum(map(len, toks))
+                if on_done is not None:
+                    on_done(i, out[i])
+                done += 1
+        self.embed(ids, [p for _, _, ps in ready for p in ps], on_ready=landed)
+        return out

@@ -1,7 +1,7 @@
 """LLMEngine: requests in, token deltas out, one `step()` at a time (single-threaded).
 
-A step asks the scheduler for work, packs it into the fixed bucket shapes (step_packing.py),
-dispatches the prefill and decode steps, reads their tokens back (step_readback.py) and turns them
+A step asks the scheduler for work, dispatches it (step_launch.py: packed into the fixed bucket shapes by
+step_packing.py, run by the runner), reads its tokens back (step_readback.py) and turns them
 into text deltas with incremental detokenization and stop checks (output_processor.py). `LLM`
 drives it synchronously; `AsyncLLM` runs it in a thread.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import random
 import time
@@ -39,9 +38,8 @@ import numpy as np
 from atlasjax import bad_words, distributed, hub, long_context_decode, metrics, pause, weights_summary
 from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolve_max_model_len,
                                     resolve_scheduler_steps)
-from atlasjax.draft_model import load_draft
-from atlasjax.eagle3 import load_eagle3
-from atlasjax.errors import AtlasJaxError, EngineConfigError, InvalidRequestError
+from atlasjax.draft_model import load_speculative_draft
+from atlasjax.errors import EngineConfigError, InvalidRequestError
 from atlasjax.kv_budget import auto_num_pages
 from atlasjax.kv_disk import check_directory
 from atlasjax.kv_offload import check_host_memory, host_tier
@@ -54,13 +52,12 @@ from atlasjax.profiling import Profiler, profiler_dir
 from atlasjax.prompts import check_cache_salt
 from atlasjax.request import Request
 from atlasjax.runner import ModelRunner
-from atlasjax.sampling import pack_rows, plan_rows
 from atlasjax.sampling_params import SamplingParams
-from atlasjax.scheduler import Scheduler, SchedulerOutput, verify_reach
+from atlasjax.scheduler import Scheduler
 from atlasjax.sleep_mode import SleepState
 from atlasjax.step_options import use_process_flags
-from atlasjax.step_packing import pack_decode, pack_prefill, pack_verify
-from atlasjax.step_readback import LaunchedStep, read_back, start_copies
+from atlasjax.step_launch import StepLauncher
+from atlasjax.step_readback import LaunchedStep, read_back
 from atlasjax.tokenizer import read_chat_template
 from atlasjax.waiting_queue import check_priority
 
@@ -117,17 +114,9 @@ class LLMEngine:
         if config.load_format == "dummy":
             self.weights_summary += " (random: load_format dummy)"
         log.info("%s: %s", self.loaded.source, self.weights_summary)
-        draft = None   # speculative decoding's draft model (atlasjax/draft_model.py): (config, params, plan, k)
-        if self.speculative is not None and self.speculative.uses_draft_model:
-            if distributed.is_multiprocess():
-                raise EngineConfigError(f"a {self.speculative.draft_name} (speculative_config) across several hosts "
-                                        "is not supported")
-            if self.speculative.method == "eagle3":
-                draft = (*load_eagle3(self.speculative, cfg, self.dtype, self.max_model_len), None)
-            else:
-                draft = load_draft(self.speculative, self.tokenizer, self.dtype, self.max_model_len,
-                                   None if self.loaded.plan is None else self.loaded.plan.mesh)
-            draft = (*draft, self.speculative.num_speculative_tokens)
+        # speculative decoding's draft model or EAGLE-3 head (atlasjax/draft_model.py): (config, params, plan, k)
+        draft = load_speculative_draft(self.speculative, cfg, self.tokenizer, self.dtype, self.max_model_len,
+                                       self.loaded.plan)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
                                   prefill_buckets=config.prefill_buckets(),
@@ -187,6 +176,9 @@ class LLMEngine:
             self._channel = distributed.StepChannel()
             if distributed.is_leader():
                 self.runner = distributed.BroadcastingRunner(self.runner, self._channel)
+        self.launcher = StepLauncher(self.runner, self.scheduler, self.pool, num_slots=self.num_slots,
+                                     num_scheduler_steps=config.num_scheduler_steps, kv_offload=self.kv_offload,
+                                     lora=self.lora)
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
         self.eos_token_ids = tuple(dict.fromkeys(eos + self.generation_defaults.eos_token_ids))
         self.requests: dict[str, list[Request]] = {}   # request id -> its n sequences
@@ -323,36 +315,7 @@ class LLMEngine:
         if distributed.is_multiprocess():
             raise InvalidRequestError("embeddings run in a single-process engine, not a multi-host one")
         self.sleep_state.check_awake()
-        out: list = [None] * len(requests)
-        ready = []
-        for i, (prompts, params) in enumerate(requests):
-            try:
-                params = params if isinstance(params, list) else [params or PoolingParams()] * len(prompts)
-                if len(params) != len(prompts):
-                    raise InvalidRequestError(f"got {len(params)} pooling params for {len(prompts)} inputs")
-                ready.append((i, self.embedder.check([self.tokenize_prompt(p) for p in prompts], params), params))
-            except AtlasJaxError as e:
-                out[i] = e
-                if on_done is not None:
-                    on_done(i, e)
-        if not ready:
-            return out
-        ids = [t for _, toks, _ in ready for t in toks]
-        ends = list(itertools.accumulate(len(toks) for _, toks, _ in ready))
-        done = 0
-
-        def landed(vectors: list) -> None:     # the first len(vectors) are final
-            nonlocal done
-            while done < len(ready) and ends[done] <= len(vectors):
-                i, toks, _ = ready[done]
-                out[i] = list(zip(toks, vectors[ends[done] - len(toks):ends[done]]))
-                self.stats.num_embedding_inputs += len(toks)       # counted before the answer leaves
-                self.stats.embedding_tokens += sum(map(len, toks))
-                if on_done is not None:
-                    on_done(i, out[i])
-                done += 1
-        self.embedder.embed(ids, [p for _, _, ps in ready for p in ps], on_ready=landed)
-        return out
+        return self.embedder.embed_requests(requests, self.tokenize_prompt, self.stats, on_done)
 
     @functools.cached_property
     def embedder(self):
@@ -450,7 +413,7 @@ class LLMEngine:
             # a verify step's accepted drafts move every later position: read it back before scheduling
             first, self._in_flight = self._process(self._in_flight), None
         sched = self.scheduler.schedule()
-        launched = None if sched.is_empty else self._launch(sched)
+        launched = None if sched.is_empty else self.launcher.launch(sched, self._in_flight)
         if self._async_scheduling:
             done, self._in_flight = self._in_flight, launched
         else:
@@ -462,86 +425,6 @@ class LLMEngine:
         deltas = first + (self._process(done) if done is not None else [])
         self.stats.record_step(time.perf_counter() - t0, sched, self)
         return deltas
-
-    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
-        """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device)."""
-        if self.kv_offload is not None:   # evicted pages out, refilled pages in, before the step reads them
-            self.kv_offload.sync(self.pool, self.runner)
-        if sched.admitted:
-            now = time.monotonic()
-            for req in sched.admitted:
-                if req.queue_seconds is None:
-                    req.queue_seconds = max(0.0, now - req.arrival_time)
-            self.runner.admit([(req.slot, req.all_token_ids, len(req.prompt_token_ids), req.params.bias_table(),
-                                req.bad_word_ids) for req in sched.admitted])
-            if self.lora is not None:
-                self.lora.assign(sched.admitted)
-        if sched.drafts:
-            return self._launch_verify(sched)
-        prefill_out, record_lp = self._run_prefill(sched) if sched.prefills else (None, [])
-        # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)
-        num_steps = self.config.num_scheduler_steps if sched.num_steps > 1 else 1
-        decode_out = self._run_decode(sched, num_steps) if sched.decodes else None
-        s = self.num_slots
-        rows = {c.request: i for i, c in enumerate(sched.prefills) if c.completes_prompt}
-        rows.update((req, s + r) for r, req in enumerate(sched.decodes))   # _run_decode's row order
-        for req in rows:
-            req.num_pending_tokens += sched.steps.get(req, 1)
-        self.scheduler.dispatched(sched)
-        launched = LaunchedStep(sched, prefill_out, decode_out, record_lp, rows,
-                                any(r.params.logprobs is not None for r in rows), num_steps)
-        start_copies(launched)
-        return launched
-
-    def _launch_verify(self, sched: SchedulerOutput) -> LaunchedStep:
-        """A speculative step (only decodes, some with drafts): one verify launch (of sched.rounds rounds) samples
-        every row; its output takes the decode's place, read back by request (`LaunchedStep.spans`)."""
-        t = self.runner.bucket_for(sum(1 + len(sched.drafts.get(r, ())) for r in sched.decodes))
-        prev = self._in_flight
-        batch, rows, spans = pack_verify(sched, {} if prev is None else prev.sample_rows, num_tokens=t,
-                                         num_slots=self.num_slots, page_size=self.pool.page_size,
-                                         num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq)
-        f, ints = pack_rows(rows, t)
-        out = self.runner.verify(batch, f, ints, self._prev_tokens(prev), plan_rows(rows), sched.rounds)
-        s = self.num_slots
-        for r, req in enumerate(sched.decodes):   # at most: read back as accepted
-            req.num_pending_tokens += verify_reach(req, len(sched.drafts.get(req, ())), sched.rounds)
-        self.scheduler.dispatched(sched)
-        launched = LaunchedStep(sched, None, out, [], {req: s + r for r, req in enumerate(sched.decodes)},
-                                any(r.params.logprobs is not None for r in sched.decodes), spans=spans)
-        start_copies(launched)
-        return launched
-
-    @staticmethod
-    def _prev_tokens(prev: LaunchedStep | None) -> tuple:
-        """The in-flight step's sampled tokens a new step gathers its pending tokens from (prefill, decode)."""
-        return (None, None) if prev is None else tuple(None if o is None else o.gather_tokens
-                                                       for o in (prev.prefill, prev.decode))
-
-    def _run_prefill(self, sched: SchedulerOutput):
-        # decided now: a preemption before a chunk is read back must not drop its rows
-        record_lp = [c.request.records_prompt_logprobs for c in sched.prefills]
-        t = self.runner.bucket_for(sum(c.num_tokens for c in sched.prefills), with_prompt_logprobs=any(record_lp))
-        batch, rows = pack_prefill(sched, num_tokens=t, num_slots=self.num_slots, page_size=self.pool.page_size,
-                                   num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq)
-        f, ints = pack_rows(rows, self.num_slots)
-        return self.runner.prefill(batch, f, ints, with_prompt_logprobs=any(record_lp)), record_lp
-
-    def _run_decode(self, sched: SchedulerOutput, num_steps: int):
-        """Row r of the step runs sched.decodes[r]; the rows are the smallest decode bucket that holds them."""
-        n = self.runner.decode_rows_for(len(sched.decodes))
-        prev = self._in_flight
-        b, rows = pack_decode(sched, {} if prev is None else prev.sample_rows, num_rows=n,
-                              num_slots=self.num_slots, pages_per_seq=self.runner.pages_per_seq)
-        f, ints = pack_rows(rows, n)
-        prev_tokens = self._prev_tokens(prev)
-        split_rows = None   # the default program, unless one of the bucket's long-context programs fits
-        if compiled := self.runner.long_context_split_rows.get(n):
-            longest = int((b["seq_lens"] + b["row_steps"] - 1).max())   # the longest context this launch reaches
-            split_rows = long_context_decode.split_rows(len(sched.decodes), longest, compiled)
-        return self.runner.decode(b["tokens"], b["page_table"], b["seq_lens"], f, ints, prev_tokens, plan_rows(rows),
-                                  b["row_steps"] if num_steps > 1 else None, num_steps, b["slots"],
-                                  split_rows=split_rows)
 
     # ---- results
     def _process(self, step: LaunchedStep) -> list[StreamDelta]:

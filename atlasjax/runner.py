@@ -1,56 +1,35 @@
-"""The runner: compiles the step programs (atlasjax/steps.py) per shape bucket and runs them; the only
-place (outside kernel entry points) where `jax.jit` appears.
+"""The runner: holds the params and the device state (KV pools, per-slot sampling state), packs each step's host
+inputs into a `StepSpec` and runs its compiled program (atlasjax/steps.py); the only place (outside kernel entry
+points) where `jax.jit` appears.
 
-Steps are compiled ahead of time (`jit(...).lower(...).compile()`) per shape bucket, so every
-compile is explicit, logged and counted, and a shape outside the buckets is an error rather than
-a silent recompile. Compiled programs are kept in the program store (atlasjax/program_store.py)
-when it is on, and a restart loads them instead.
+Steps are compiled ahead of time per shape bucket (atlasjax/step_compiler.py), so every compile is explicit, logged
+and counted, and a shape outside the buckets is an error rather than a silent recompile; `warmup` compiles every
+shape serving can reach (atlasjax/warmup.py) before the first request.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import json
-import logging
 import os
-import threading
-import time
-from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import bad_words, program_store, sampling, steps, verify_rounds
+from atlasjax import bad_words, sampling, steps, verify_rounds, warmup
 from atlasjax.bad_words import HISTORY, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS
 from atlasjax.eagle3 import Eagle3Spec
 from atlasjax.sharding import TP_AXIS
 from atlasjax.sampling_params import MAX_LOGIT_BIAS
-from atlasjax.step_options import step_compiler_options
+from atlasjax.step_compiler import StepCompiler, StepSpec
 from atlasjax.steps import DeviceState, StepOutput
 from models.eagle3 import Eagle3Head
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
 from models.transformer import Transformer, init_kv_cache
-from pallas_kernels import lowering_memo
 
-log = logging.getLogger("atlasjax.compile")
 ADMIT_ROWS = 16   # requests one admit step resets (runner.admit_rows)
 
 
-def _shape_of(key: tuple) -> list:
-    """A step key's shape part, as a compile log line prints it."""
-    return [k if isinstance(k, (int, bool)) else str(k) for k in key[1:]]
-
-
-class StepSpec(NamedTuple):
-    """One step program: its compile key, the function, the donated argument positions and the arguments."""
-    key: tuple
-    fn: Callable
-    donate: tuple[int, ...]
-    args: tuple[Any, ...]
-
-
-class ModelRunner:
+class ModelRunner(StepCompiler):
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
     def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int, kv_dtype=None,
@@ -104,12 +83,7 @@ class ModelRunner:
             self._set_draft(*draft, attn_backend=attn_backend, own_params=own_params)
         self.state: DeviceState | None = None
         self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
-        self.num_compiles = 0
-        self.num_loaded = 0   # step programs loaded from the program store instead of compiled
-        self.compile_seconds = 0.0
-        self._compiled: dict = {}
-        self._store_keys: dict = {}   # step key -> its program store key
-        self._compile_lock = threading.Lock()   # warmup compiles in threads
+        self._init_compiler()
 
     def _set_draft(self, cfg, params, plan, num_tokens: int, *, attn_backend: str, own_params: bool) -> None:
         """Speculative decoding's draft model (atlasjax/draft_model.py): run as the target is, fused, and under
@@ -209,110 +183,6 @@ class ModelRunner:
             return unfuse_projections(self.params, widths)
         return unfuse_projections(self.params, widths, self.plan.mesh, TP_AXIS)
 
-    # ---- compilation
-    def _compile(self, spec: StepSpec):
-        """The compiled step of `spec`: loaded from the program store, else lowered and compiled; once per key."""
-        if spec.key in self._compiled:
-            return self._compiled[spec.key]
-        loaded = self._load_stored(spec)
-        return loaded if loaded is not None else self._compile_lowered(spec, *self._lower(spec))
-
-    def _lower(self, spec: StepSpec):
-        """(jax's Lowered of spec, the seconds lowering took)."""
-        t0 = time.perf_counter()
-        lowered = jax.jit(spec.fn, donate_argnums=spec.donate).lower(*self._on_mesh(spec.args))
-        return lowered, time.perf_counter() - t0
-
-    def _compile_lowered(self, spec: StepSpec, lowered, lower_seconds: float):
-        t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options=self._compiler_options)
-        dt = time.perf_counter() - t0
-        store_key = self._store_key(spec)
-        stored = store_key is not None and self._program_store.save(store_key, compiled)
-        with self._compile_lock:
-            self.num_compiles += 1
-            self.compile_seconds += lower_seconds + dt
-            # One structured (JSON) line per compile, so logs can be counted and grepped.
-            log.info("compile %s", json.dumps({"step": spec.key[0], "shape": _shape_of(spec.key),
-                                               "seconds": round(lower_seconds + dt, 3),
-                                               "lower_seconds": round(lower_seconds, 3),
-                                               "num_compiles": self.num_compiles, "stored": stored}))
-            return self._register(spec.key, compiled)
-
-    def _load_stored(self, spec: StepSpec):
-        """The compiled step of `spec` from the program store (atlasjax/program_store.py), or None."""
-        store_key = self._store_key(spec)
-        if store_key is None:
-            return None
-        t0 = time.perf_counter()
-        compiled = self._program_store.load(store_key, self._execution_devices)
-        if compiled is None:
-            return None
-        with self._compile_lock:
-            self.num_loaded += 1
-            log.info("load %s", json.dumps({"step": spec.key[0], "shape": _shape_of(spec.key),
-                                            "seconds": round(time.perf_counter() - t0, 3)}))
-            return self._register(spec.key, compiled)
-
-    def _is_stored(self, spec: StepSpec) -> bool:
-        store_key = self._store_key(spec)
-        return store_key is not None and self._program_store.has(store_key)
-
-    def _register(self, key, compiled):
-        if self.plan is not None:
-            compiled = functools.partial(self._call_on_mesh, compiled)
-        return self._compiled.setdefault(key, compiled)
-
-    @functools.cached_property
-    def _program_store(self):   # asked first in the calling thread (warmup), before any compile thread
-        return program_store.from_jax_config()
-
-    def _store_key(self, spec: StepSpec) -> str | None:
-        """spec's key in the program store, made once per step (it flattens the params); None without a
-        store (or a key)."""
-        if self._program_store is None:
-            return None
-        if spec.key not in self._store_keys:
-            # host inputs keyed as they are (under TP `_on_mesh` replicates them, the same way every time)
-            self._store_keys[spec.key] = self._program_store.key(spec.key, spec.fn, spec.donate, spec.args,
-                                                                 self._compiler_options)
-        return self._store_keys[spec.key]
-
-    @functools.cached_property
-    def _execution_devices(self) -> list:
-        """The devices a step program runs on, in the order it was compiled for."""
-        if self.plan is not None:
-            return list(self.plan.mesh.devices.flat)
-        leaf = jax.tree.leaves(self.params)[0]
-        return sorted(leaf.sharding.device_set, key=lambda d: d.id)
-
-    def _on_mesh(self, tree):
-        """Tensor parallel: host inputs (and arrays on one device) become replicated over the mesh;
-        params and device state keep their shardings. Identity on one device."""
-        if self.plan is None:
-            return tree
-        leaves, treedef = jax.tree.flatten(tree)
-        host = [i for i, x in enumerate(leaves) if not isinstance(x, jax.ShapeDtypeStruct)
-                and not (isinstance(x, jax.Array) and x.sharding.device_set == self._mesh_devices)]
-        for i, x in zip(host, jax.device_put([leaves[i] for i in host], self.plan.replicated)):
-            leaves[i] = x
-        return jax.tree.unflatten(treedef, leaves)
-
-    @functools.cached_property
-    def _compiler_options(self) -> dict:
-        if self.plan is None:
-            return step_compiler_options(jax.devices()[0].platform, 1)
-        mesh = self.plan.mesh.devices
-        return step_compiler_options(mesh.flat[0].platform, mesh.size)
-
-    @functools.cached_property
-    def _mesh_devices(self):
-        return set(self.plan.mesh.devices.flat)
-
-    def _call_on_mesh(self, compiled, *args):
-        # params and device state are on the mesh already (and large): only the host inputs move
-        return compiled(*(a if a is self.params or a is self.state else self._on_mesh(a) for a in args))
-
     def bucket_for(self, num_tokens: int, with_prompt_logprobs: bool = False) -> int:
         """Tokens of the prefill step that runs `num_tokens`: the smallest prefill bucket that holds them,
         or with prompt logprobs always `prompt_logprobs_tokens` (one shape, compiled by the warm-up)."""
@@ -335,7 +205,7 @@ class ModelRunner:
 
     # ---- steps (all asynchronous: they return device arrays). Each `_*_spec` packs the host inputs and
     # names its step (StepSpec); `_compile` compiles each key once, and warmup compiles the same specs.
-    def _decode_spec(self, host_inputs, prev, plan, num_steps=1, split_rows=None) -> StepSpec:
+    def decode_spec(self, host_inputs, prev, plan, num_steps=1, split_rows=None) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
         args = (self.params, self.lora, self._state_arg, self._host(packed), *prev, *self._draft_args)
         rows = host_inputs[0].shape[0]
@@ -350,7 +220,7 @@ class ModelRunner:
                         functools.partial(steps.multi_decode_step, self.model, plan, num_steps, layout, **options),
                         (2,), args)
 
-    def _prefill_spec(self, host_inputs, with_prompt_logprobs) -> StepSpec:
+    def prefill_spec(self, host_inputs, with_prompt_logprobs) -> StepSpec:
         packed, layout = steps.pack_host(host_inputs)
         t = host_inputs[0].shape[0]
         return StepSpec(("prefill", t, with_prompt_logprobs),
@@ -358,7 +228,7 @@ class ModelRunner:
                                           **self._draft_options), (2,),
                         (self.params, self.lora, self._state_arg, self._host(packed), *self._draft_args))
 
-    def _verify_spec(self, batch: dict, f, i, prev, plan, rounds: int = 1) -> StepSpec:
+    def verify_spec(self, batch: dict, f, i, prev, plan, rounds: int = 1) -> StepSpec:
         names = steps.VERIFY_INPUTS + (verify_rounds.ROUND_INPUTS if rounds > 1 else ())
         packed, layout = steps.pack_host([batch[n] for n in names] + [f, i])
         key, step = ("verify", batch["tokens"].shape[0], plan), functools.partial(steps.verify_step, self.model, plan)
@@ -381,7 +251,7 @@ class ModelRunner:
         """Requests one admit step takes (more admitted in one engine step run more admit steps)."""
         return min(self.max_num_seqs, ADMIT_ROWS)
 
-    def _admit_spec(self, group) -> StepSpec:
+    def admit_spec(self, group) -> StepSpec:
         """group: (slot, token ids, prompt_len, bias table, bad-word sequences) of up to `admit_rows` requests,
         distinct slots, max_model_len tokens in all (`admit` packs them so)."""
         rows = self.admit_rows
@@ -403,9 +273,6 @@ class ModelRunner:
         return StepSpec(("admit", self.max_model_len, rows), functools.partial(steps.admit_step, layout), (0,),
                         (self._state_arg, self._host(packed)))
 
-    def _run(self, spec: StepSpec):
-        return self._compile(spec)(*spec.args)
-
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
                plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1,
                slots=None, split_rows: float | None = None) -> StepOutput:
@@ -420,20 +287,20 @@ class ModelRunner:
         if split_rows is not None and split_rows not in self.long_context_split_rows.get(len(tokens), ()):
             raise ValueError(f"no long-context decode program with split_rows={split_rows} for {len(tokens)} rows "
                              f"(long_context_split_rows={self.long_context_split_rows}, buckets {self.decode_buckets})")
-        prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
+        prev = tuple(self.no_prev_tokens if t is None else t for t in prev_tokens)
         slots = np.arange(len(tokens), dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
         host = (tokens, page_table, seq_lens, slots, f, i)
         if num_steps > 1:
             host += (np.asarray(row_steps, np.int32),)
-        self.state, out = self._run(self._decode_spec(host, prev, plan, num_steps, split_rows))
+        self.state, out = self._run(self.decode_spec(host, prev, plan, num_steps, split_rows))
         return out
 
     @functools.cached_property
-    def _no_prev_tokens(self):
+    def no_prev_tokens(self):
         return self._on_mesh(jnp.zeros((self.max_num_seqs,), jnp.int32))
 
     def prefill(self, batch: dict, f, i, with_prompt_logprobs: bool = False) -> StepOutput:
-        self.state, out = self._run(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i],
+        self.state, out = self._run(self.prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i],
                                                        with_prompt_logprobs))
         return out
 
@@ -443,8 +310,8 @@ class ModelRunner:
         one sampled token per row [T]. prev_tokens: as `decode`'s (negative tokens gather from them).
         rounds > 1: that many verify rounds in one launch (atlasjax/verify_rounds.py; drafts proposed on the
         device only), outputs with a leading [rounds] axis."""
-        prev = tuple(self._no_prev_tokens if t is None else t for t in prev_tokens)
-        self.state, out = self._run(self._verify_spec(batch, f, i, prev, plan, rounds))
+        prev = tuple(self.no_prev_tokens if t is None else t for t in prev_tokens)
+        self.state, out = self._run(self.verify_spec(batch, f, i, prev, plan, rounds))
         return out
 
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None,
@@ -469,9 +336,10 @@ class ModelRunner:
                 raise ValueError("warmup before allocate() needs the pool's num_pages")
             self._state_shapes_now = self._state_shapes(num_pages)
         try:
-            self._warmup(num_steps, threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or (
-                1 if jax.default_backend() == "gpu" and not before_pool else min(8, os.cpu_count() or 1)),
-                plans or sampling.SamplingPlan.variants(), max_decode_rows or self.max_num_seqs, max_prefill_tokens)
+            specs = warmup.step_specs(self, num_steps, plans or sampling.SamplingPlan.variants(),
+                                      max_decode_rows or self.max_num_seqs, max_prefill_tokens)
+            self.compile_specs(specs, threads or int(os.environ.get("ATLASJAX_COMPILE_THREADS", "0")) or (
+                1 if jax.default_backend() == "gpu" and not before_pool else min(8, os.cpu_count() or 1)))
         finally:
             self._state_shapes_now = None
 
@@ -479,79 +347,6 @@ class ModelRunner:
     def _state_arg(self):
         """The device state a step is called (or, before `allocate`, compiled) with."""
         return self._state_shapes_now if self.state is None else self.state
-
-    def _warmup(self, num_steps: int, threads: int, plans, max_decode_rows: int, max_prefill_tokens: int | None) -> None:
-        s, p = self.max_num_seqs, self.pages_per_seq
-        z = functools.partial(np.zeros, dtype=np.int32)
-        specs = []
-        for rows in (b for b in self.decode_buckets if b <= max_decode_rows):
-            f, i = sampling.pack_rows([], rows)
-            host = (z(rows), z((rows, p)), z(rows), z(rows), f, i)
-            variants = (None, *self.long_context_split_rows.get(rows, ()))
-            for plan in plans:
-                for split_rows in variants:
-                    specs.append(self._decode_spec(host, (self._no_prev_tokens,) * 2, plan, 1, split_rows))
-                    if num_steps > 1:
-                        specs.append(self._decode_spec(host + (z(rows),), (self._no_prev_tokens,) * 2, plan, num_steps,
-                                                       split_rows))
-        f, i = sampling.pack_rows([], s)
-        serving = max_prefill_tokens is None
-        prefills = [(t, False) for t in self.prefill_buckets if serving or t <= max_prefill_tokens]
-        prefills += [(self.prompt_logprobs_tokens, True)] if serving else []
-        def ragged(t):   # a packed-chunks step's attention inputs, empty
-            return dict(tokens=z(t), positions=z(t), slot_mapping=z(t), page_table=z((s, p)), seq_lens=z(s),
-                        query_start=z(s + 1), num_seqs=np.int32(0))
-        for t, with_prompt_logprobs in prefills:
-            batch = dict(ragged(t), sample_rows=z(s), slot_ids=z(s), commit=np.zeros(s, bool), next_tokens=z(t))
-            specs.append(self._prefill_spec([batch[n] for n in steps.PREFILL_INPUTS] + [f, i], with_prompt_logprobs))
-        if serving:
-            specs.append(self._admit_spec([]))
-        for t in self.verify_buckets if serving else ():
-            f, i = sampling.pack_rows([], t)
-            batch = dict(ragged(t), row_slots=z(t), budgets=z(s), caps=z(s))
-            specs += [self._verify_spec(batch, f, i, (self._no_prev_tokens,) * 2, plan, rounds) for plan in plans
-                      for rounds in dict.fromkeys((1, self.verify_rounds))]
-        specs = [spec for spec in specs if spec.key not in self._compiled]
-        t0 = time.perf_counter()
-        _ = self._program_store, self._execution_devices   # made here, not raced for in the threads
-        stored = [spec for spec in specs if self._is_stored(spec)]
-        stored_keys = {spec.key for spec in stored}
-        # What the store lacks compiles first: an XLA CPU executable compiled after this process loaded
-        # others can come back incomplete from the store (program_store.ProgramStore.save).
-        jobs = self._compile_all([spec for spec in specs if spec.key not in stored_keys], threads)
-        # Stored programs load in threads (0.5-1.2 s each at 8B shapes on an H100, mostly outside the GIL).
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
-            loaded = [spec for spec, found in zip(stored, pool.map(self._load_stored, stored)) if found is not None]
-        jobs += self._compile_all([spec for spec in stored if spec.key not in self._compiled], threads)   # unreadable
-        log.info("warmup %s", json.dumps({"programs": len(jobs) + len(loaded), "loaded": len(loaded),
-                                          "seconds": round(time.perf_counter() - t0, 2),
-                                          "lower_seconds": round(sum(lowered[1] for _, lowered in jobs), 2),
-                                          "kernel_lowering_memo": lowering_memo.stats()}))
-
-    def _compile_all(self, specs: list[StepSpec], threads: int) -> list:
-        """Lower each of `specs` here, one at a time, and compile them in `threads` threads (outside the
-        GIL): programs lowered in concurrent threads came out different from one start to the next on a
-        GPU (session 43), so a restart missed every entry of the compilation cache. Returns each spec with
-        its (Lowered, lowering seconds)."""
-        jobs = []
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="atlasjax-compile") as pool:
-            for spec in specs:
-                lowered = self._lower(spec)
-                jobs.append((spec, lowered, pool.submit(self._compile_lowered, spec, *lowered)))
-        retry = []
-        for spec, lowered, done in jobs:
-            error = done.exception()
-            if error is None:
-                continue
-            if threads == 1 or "RESOURCE_EXHAUSTED" not in str(error):
-                raise error
-            retry.append((spec, lowered))   # concurrent autotuners ran out of device memory: again, one at a time
-        if retry:
-            log.warning("warmup: %d of %d compiles ran out of device memory in %d threads; compiling them one "
-                        "at a time", len(retry), len(jobs), threads)
-        for spec, lowered in retry:
-            self._compile_lowered(spec, *lowered)
-        return [(spec, lowered) for spec, lowered, _ in jobs]
 
     def admit(self, requests) -> None:
         """Reset the sampling state of each request's slot: requests, (slot, token ids so far, prompt_len,
@@ -564,9 +359,9 @@ class ModelRunner:
             token_ids = token_ids[:self.max_model_len]
             if group and (len(group) == self.admit_rows or used + len(token_ids) > self.max_model_len
                           or any(slot == g[0] for g in group)):
-                self.state = self._run(self._admit_spec(group))
+                self.state = self._run(self.admit_spec(group))
                 group, used = [], 0
             group.append((slot, token_ids, prompt_len, bias, bad_seqs))
             used += len(token_ids)
         if group:
-            self.state = self._run(self._admit_spec(group))
+            self.state = self._run(self.admit_spec(group))

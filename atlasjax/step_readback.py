@@ -1,6 +1,6 @@
 """A dispatched step and its one blocking read back to the host.
 
-`LaunchedStep` is what `LLMEngine._launch` dispatched (nothing waited for the device);
+`LaunchedStep` is what `StepLauncher.launch` (step_launch.py) dispatched (nothing waited for the device);
 `arrays_to_read` starts the device-to-host copies of what the host will need at dispatch, and
 `read_back` waits for them, returning a `HostOutput` laid out the same for every kind of step:
 [num_steps, prefill rows (num_slots) then decode rows (the decode bucket's)].

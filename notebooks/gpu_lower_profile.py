@@ -29,7 +29,7 @@ runner = engine.runner
 z = functools.partial(np.zeros, dtype=np.int32)
 f, i = sampling.pack_rows([], 8)
 host = (z(8), z((8, runner.pages_per_seq)), z(8), z(8), f, i)
-specs = [runner._decode_spec(host, (runner._no_prev_tokens,) * 2, plan) for plan in sampling.SamplingPlan.variants()]
+specs = [runner.decode_spec(host, (runner.no_prev_tokens,) * 2, plan) for plan in sampling.SamplingPlan.variants()]
 for spec in specs[:-1]:
     t0 = time.perf_counter()
     runner._lower(spec)
