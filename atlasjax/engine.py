@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -186,6 +187,8 @@ class LLMEngine:
         self.stats = metrics.EngineStats()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self.stats)
         self._async_scheduling = config.async_scheduling
+        # verify-rounds launches scheduled behind one another (verify_rounds.py); off: each read back first (to measure)
+        self._pipeline_verify = os.environ.get("ATLASJAX_PIPELINE_VERIFY", "on") != "off"
         if self.speculative is not None:
             spec = self.speculative
             log.info("speculative decoding: %s drafts, %s", spec.draft_name if spec.uses_draft_model else "n-gram",
@@ -409,9 +412,13 @@ class LLMEngine:
             return paused
         t0 = time.perf_counter()
         first = []
-        if self._in_flight is not None and self._in_flight.spans is not None:
-            # a verify step's accepted drafts move every later position: read it back before scheduling
-            first, self._in_flight = self._process(self._in_flight), None
+        prev = self._in_flight
+        if prev is not None and prev.spans is not None and not (
+                self._pipeline_verify and prev.decode.emitted is not None
+                and self.scheduler.can_pipeline_verify(prev.sched.decodes)):
+            # a verify step's accepted drafts move every later position: read it back before scheduling, unless
+            # the next launch is another verify-rounds launch of the same requests (it moves them on the device)
+            first, self._in_flight = self._process(prev), None
         sched = self.scheduler.schedule()
         launched = None if sched.is_empty else self.launcher.launch(sched, self._in_flight)
         if self._async_scheduling:

@@ -53,6 +53,7 @@ class OutputProcessor:
                 for num_drafts, accepted in host.spec_rounds[r - (host.tokens.shape[1] - len(host.spec_rounds))]:
                     rounds[num_tokens] = num_drafts, accepted   # by the index of its first token
                     num_tokens += accepted + 1
+            appended = 0
             for j in range(num_tokens):
                 # A request finished (or aborted) while this step ran, or at an earlier token of this
                 # step: its tokens from here on are dropped unread (and the rounds after, uncounted).
@@ -61,8 +62,10 @@ class OutputProcessor:
                 if j in rounds:
                     self.stats.spec.record(*rounds[j])
                 delta = merged(delta, self._append_token(req, host, r, j))
+                appended += 1
             if step.spans is not None:
-                req.num_pending_tokens = 0          # the rejected drafts' tokens were never sampled
+                # what it did not emit of its bound was never sampled (a pipelined launch's bound stays pending)
+                req.num_pending_tokens -= step.reach[req] - appended
                 self.scheduler.speculated(req)
             if delta is not None:
                 deltas.append(delta)

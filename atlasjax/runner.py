@@ -228,12 +228,13 @@ class ModelRunner(StepCompiler):
                                           **self._draft_options), (2,),
                         (self.params, self.lora, self._state_arg, self._host(packed), *self._draft_args))
 
-    def verify_spec(self, batch: dict, f, i, prev, plan, rounds: int = 1) -> StepSpec:
+    def verify_spec(self, batch: dict, f, i, prev, plan, rounds: int = 1, prev_emitted=None) -> StepSpec:
         names = steps.VERIFY_INPUTS + (verify_rounds.ROUND_INPUTS if rounds > 1 else ())
         packed, layout = steps.pack_host([batch[n] for n in names] + [f, i])
         key, step = ("verify", batch["tokens"].shape[0], plan), functools.partial(steps.verify_step, self.model, plan)
         if rounds > 1:
             key, step = key + (rounds,), functools.partial(verify_rounds.verify_rounds_step, self.model, plan, rounds)
+            prev = (*prev, self.no_prev_tokens if prev_emitted is None else prev_emitted)
         return StepSpec(key, functools.partial(step, layout, **self._draft_options), (2,),
                         (self.params, self.lora, self._state_arg, self._host(packed), *prev, *self._draft_args))
 
@@ -305,13 +306,14 @@ class ModelRunner(StepCompiler):
         return out
 
     def verify(self, batch: dict, f, i, prev_tokens=(None, None),
-               plan: sampling.SamplingPlan = sampling.FULL, rounds: int = 1) -> StepOutput:
+               plan: sampling.SamplingPlan = sampling.FULL, rounds: int = 1, prev_emitted=None) -> StepOutput:
         """Speculative decoding's verify step (steps.verify_step) over a batch of `step_packing.pack_verify`:
         one sampled token per row [T]. prev_tokens: as `decode`'s (negative tokens gather from them).
         rounds > 1: that many verify rounds in one launch (atlasjax/verify_rounds.py; drafts proposed on the
-        device only), outputs with a leading [rounds] axis."""
+        device only), outputs with a leading [rounds] axis; prev_emitted: the `emitted` of the verify launch in
+        flight, which the batch's `shift_from` indexes (None: zeros)."""
         prev = tuple(self.no_prev_tokens if t is None else t for t in prev_tokens)
-        self.state, out = self._run(self.verify_spec(batch, f, i, prev, plan, rounds))
+        self.state, out = self._run(self.verify_spec(batch, f, i, prev, plan, rounds, prev_emitted))
         return out
 
     def warmup(self, num_steps: int = 1, threads: int | None = None, num_pages: int | None = None,

@@ -86,10 +86,12 @@ class SchedulerOutput:
         return self.decodes + [c.request for c in self.prefills]
 
 
-def verify_reach(req: Request, num_drafts: int, rounds: int) -> int:
+def verify_reach(req: Request, num_drafts: int, rounds: int, generated: int | None = None) -> int:
     """Tokens a verify launch may emit for req, and K/V positions it may write from its last token's on: `rounds`
-    rounds of its last token and drafts, within what its max_tokens leaves."""
-    return min(rounds * (1 + num_drafts), req.max_tokens - req.num_generated)
+    rounds of its last token and drafts, within what its max_tokens leaves after `generated` outputs (default
+    num_generated; a pipelined launch's bound counts only the known ones, since the launch before it may emit
+    fewer than its own bound)."""
+    return min(rounds * (1 + num_drafts), req.max_tokens - (req.num_generated if generated is None else generated))
 
 
 class Scheduler:
@@ -196,9 +198,38 @@ class Scheduler:
 
     def speculated(self, req: Request) -> None:
         """After a verify step is read back: req's K/V is valid up to its last accepted draft (its newest token,
-        sampled by the step, is computed by the next one). A finished request's pages are gone already."""
+        sampled by the step, is computed by the next one; a pipelined launch still in flight computes its pending
+        tokens). A finished request's pages are gone already."""
         if req.status is Status.RUNNING:
-            req.num_computed_tokens = req.num_tokens - 1
+            req.num_computed_tokens = req.num_total_tokens - 1
+
+    def verify_dispatched(self, req: Request, reach: int) -> None:
+        """A verify launch that may emit `reach` tokens for req was dispatched: they are pending (a bound until it
+        is read back), and its K/V counts as computed up to them."""
+        req.num_pending_tokens += reach
+        req.num_computed_tokens = req.num_total_tokens - 1
+
+    def can_pipeline_verify(self, in_flight: list[Request]) -> bool:
+        """Whether the next step may be scheduled before the verify launch in flight (over `in_flight`, drafts
+        proposed on the device, several rounds) is read back: it will be another such launch over the same requests,
+        each with a draft, and none of them retires, preempts or is preempted. Its requests' pending tokens are
+        then only a bound (what that launch may emit), and the next launch is packed from the tokens known now
+        (verify_rounds.py moves each request along on the device)."""
+        spec = self.speculative
+        if (spec is None or not spec.uses_draft_model or self.num_scheduler_steps == 1 or not in_flight
+                or (self.waiting and self.free_slots) or len(self.running) != len(in_flight)
+                or set(self.running) != set(in_flight)):
+            return False
+        if spec.disable_by_batch_size is not None and len(in_flight) >= spec.disable_by_batch_size:
+            return False
+        need = 0
+        for req in in_flight:
+            # room for one draft at least past everything the launch in flight may emit, and its pages now
+            if (req.status is not Status.RUNNING or req.is_prefilling or not speculative.can_speculate(req.params)
+                    or req.num_generated + 2 > req.max_tokens):
+                return False
+            need += max(0, -(-(req.num_total_tokens + 1) // self.pool.page_size) - len(req.pages))
+        return self.max_num_batched_tokens >= 2 * len(in_flight) and self.pool.can_allocate(need)
 
     def _multi_steps(self, decodes: list[Request]) -> dict[Request, int]:
         """Decode iterations per request for a decode-only launch: up to num_scheduler_steps, within

@@ -27,6 +27,7 @@ class StepLauncher:
         self.num_scheduler_steps = num_scheduler_steps
         self.kv_offload = kv_offload
         self.lora = lora
+        self.num_pipelined_verifies = 0   # verify launches dispatched behind another still in flight
 
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """Dispatch the admit, prefill and decode steps (asynchronous: nothing waits for the device). prev: the step
@@ -44,6 +45,8 @@ class StepLauncher:
                 self.lora.assign(sched.admitted)
         if sched.drafts:
             return self._verify(sched, prev)
+        if prev is not None and prev.spans is not None:   # its requests' positions are known only on the device
+            raise RuntimeError("only a verify launch may be dispatched behind a verify launch in flight")
         prefill_out, record_lp = self._prefill(sched) if sched.prefills else (None, [])
         # a multi-step launch runs the compiled K iterations (each request its own sched.steps of them)
         num_steps = self.num_scheduler_steps if sched.num_steps > 1 else 1
@@ -61,19 +64,30 @@ class StepLauncher:
 
     def _verify(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """A speculative step (only decodes, some with drafts): one verify launch (of sched.rounds rounds) samples
-        every row; its output takes the decode's place, read back by request (`LaunchedStep.spans`)."""
+        every row; its output takes the decode's place, read back by request (`LaunchedStep.spans`). Behind a verify
+        launch still in flight (pipelined: the engine checked `Scheduler.can_pipeline_verify`) each request is
+        packed from its known tokens and moved along on the device by what that launch emits for it."""
         t = self.runner.bucket_for(sum(1 + len(sched.drafts.get(r, ())) for r in sched.decodes))
+        pipelined = prev is not None and prev.spans is not None
+        if pipelined and (sched.rounds == 1 or prev.decode.emitted is None or sched.prefills or sched.preempted):
+            raise RuntimeError("a verify launch behind another must be a verify-rounds launch of the same requests")
+        shift_rows = {req: r for r, req in enumerate(prev.sched.decodes)} if pipelined else {}
+        self.num_pipelined_verifies += pipelined
         batch, rows, spans = pack_verify(sched, {} if prev is None else prev.sample_rows, num_tokens=t,
                                          num_slots=self.num_slots, page_size=self.pool.page_size,
-                                         num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq)
+                                         num_pages=self.pool.num_pages, pages_per_seq=self.runner.pages_per_seq,
+                                         shift_rows=shift_rows)
         f, ints = pack_rows(rows, t)
-        out = self.runner.verify(batch, f, ints, self._prev_tokens(prev), plan_rows(rows), sched.rounds)
-        s = self.num_slots
-        for r, req in enumerate(sched.decodes):   # at most: read back as accepted
-            req.num_pending_tokens += verify_reach(req, len(sched.drafts.get(req, ())), sched.rounds)
+        out = self.runner.verify(batch, f, ints, self._prev_tokens(prev), plan_rows(rows), sched.rounds,
+                                 prev.decode.emitted if pipelined else None)
+        s, reach = self.num_slots, {}
+        for req in sched.decodes:   # at most: read back as accepted
+            known = len(req.output_token_ids) if req in shift_rows else None
+            reach[req] = verify_reach(req, len(sched.drafts.get(req, ())), sched.rounds, known)
+            self.scheduler.verify_dispatched(req, reach[req])
         self.scheduler.dispatched(sched)
         launched = LaunchedStep(sched, None, out, [], {req: s + r for r, req in enumerate(sched.decodes)},
-                                any(r.params.logprobs is not None for r in sched.decodes), spans=spans)
+                                any(r.params.logprobs is not None for r in sched.decodes), spans=spans, reach=reach)
         start_copies(launched)
         return launched
 

@@ -85,22 +85,33 @@ def pack_decode(sched: SchedulerOutput, pending_rows: dict, *, num_rows: int, nu
 
 
 def pack_verify(sched: SchedulerOutput, pending_rows: dict, *, num_tokens: int, num_slots: int, page_size: int,
-                num_pages: int, pages_per_seq: int) -> tuple[dict[str, np.ndarray], list, list[tuple[int, int]]]:
+                num_pages: int, pages_per_seq: int, shift_rows: dict | None = None
+                ) -> tuple[dict[str, np.ndarray], list, list[tuple[int, int, int]]]:
     """A speculative verify step (steps.verify_step): request r of sched.decodes is a chunk of its last token and
     its drafts at positions num_total_tokens - 1 onwards, laid end to end as prefill chunks are; a last token
     still on the device is -1 - its row in the step in flight, as in `pack_decode`. Every row is sampled: row j
     of a chunk with the request's settings at output index num_generated + j (its seed stream and min_tokens),
     and its slot (`row_slots`; padding rows num_slots, out of range). Per request, for verify rounds: the tokens
-    its max_tokens leaves (`budgets`) and the positions its pages hold (`caps`).
+    its max_tokens leaves (`budgets`), the positions its pages hold (`caps`) and `shift_from`.
+    shift_rows: {request: its index in the verify launch in flight} for a pipelined launch (verify_rounds.py):
+    such a request is packed from the tokens known now (position num_tokens - 1, output index and budget from
+    its known outputs), and the step moves it along by what that launch emits for it (shift_from; else -1).
     Returns the batch, the sampling rows [num_tokens] and each request's (first row, number of drafts, positions
-    its pages hold from its last token's on)."""
-    t = num_tokens
+    its pages hold from its packed last token's on)."""
+    t, shift_rows = num_tokens, shift_rows or {}
     b = _ragged(t, num_slots, page_size, num_pages, pages_per_seq, len(sched.decodes))
     b["row_slots"] = np.full(t, num_slots, np.int32)
     b["budgets"], b["caps"] = np.zeros(num_slots, np.int32), np.zeros(num_slots, np.int32)   # verify rounds'
+    b["shift_from"] = np.full(num_slots, -1, np.int32)
     rows, spans, row = [None] * t, [], 0
     for i, req in enumerate(sched.decodes):
-        b["budgets"][i], b["caps"][i] = req.max_tokens - req.num_generated, len(req.pages) * page_size
+        shifted = req in shift_rows
+        # tokens before the chunk's first row, and output tokens, as known to the device at this launch's start
+        num_before = req.num_tokens if shifted else req.num_total_tokens
+        generated = len(req.output_token_ids) if shifted else req.num_generated
+        b["budgets"][i], b["caps"][i] = req.max_tokens - generated, len(req.pages) * page_size
+        if shifted:
+            b["shift_from"][i] = shift_rows[req]
         drafts = sched.drafts.get(req, [])
         n = 1 + len(drafts)
         if req.num_pending_tokens:
@@ -108,8 +119,8 @@ def pack_verify(sched: SchedulerOutput, pending_rows: dict, *, num_tokens: int, 
         else:
             last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
         b["row_slots"][row:row + n] = req.slot
-        params, seed, generated, eos = sampling_row(req)
+        params, seed, _, eos = sampling_row(req)
         rows[row:row + n] = [(params, seed, generated + j, eos) for j in range(n)]
-        spans.append((row, len(drafts), len(req.pages) * page_size - req.num_total_tokens + 1))
-        row = _place(b, i, row, req.pages, req.num_total_tokens - 1, [last, *drafts], page_size)
+        spans.append((row, len(drafts), len(req.pages) * page_size - num_before + 1))
+        row = _place(b, i, row, req.pages, num_before - 1, [last, *drafts], page_size)
     return b, rows, spans

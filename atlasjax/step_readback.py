@@ -31,6 +31,7 @@ class LaunchedStep:
     num_steps: int = 1                     # decode iterations the launched decode runs (1, or the compiled K)
     spans: list[tuple[int, int, int]] | None = None   # a speculative verify (in `decode`): per decode row, its
     # first row in the verify's output, its number of drafts and the positions its pages hold from its last token's
+    reach: dict[Request, int] | None = None   # a verify: the tokens it may emit per request (its pending tokens)
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ def arrays_to_read(step: LaunchedStep) -> list[jax.Array]:
     for out in (step.prefill, step.decode):
         if out is not None:
             arrays.append(out.tokens)
-            arrays += [x for x in (out.inputs, out.advance) if x is not None]
+            arrays += [x for x in (out.inputs, out.advance, out.shift) if x is not None]
             if step.with_logprobs:
                 arrays += [out.logprob, out.top_vals, out.top_ids]
     if step.prefill is not None and step.prefill.prompt is not None:
@@ -72,7 +73,7 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
     k, n = MAX_LOGPROBS, step.num_steps
     want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
             for o in (step.prefill, step.decode)]
-    verify = None if step.spans is None else (step.decode.inputs, step.decode.advance)
+    verify = None if step.spans is None else (step.decode.inputs, step.decode.advance, step.decode.shift)
     got, prompt, verify = jax.device_get((want, None if step.prefill is None else step.prefill.prompt, verify))
     if step.spans is not None:
         return _verify_host(step.spans, got[1], *verify, num_slots)
@@ -97,15 +98,17 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
 
 
 def _verify_host(spans: list[tuple[int, int, int]], got, inputs: np.ndarray, advance: np.ndarray | None,
-                 num_slots: int) -> HostOutput:
+                 shift: np.ndarray | None, num_slots: int) -> HostOutput:
     """A verify step's rows ([T], or [rounds, T] with `advance` [rounds, requests]) laid out as a multi-step
     decode's: [most tokens a request emitted, num_slots + requests], request r's tokens down column num_slots + r:
     in each round, its accepted drafts (those equal to the token sampled before them) and the token after them.
-    A round's drafts past the request's pages (verify_rounds.py) were not verified and are not counted."""
+    A round's drafts past the request's pages (verify_rounds.py) were not verified and are not counted; a pipelined
+    launch's pages hold `shift` fewer positions than the spans say (they count from the tokens known at packing)."""
     tokens, lps = got
     tokens, inputs = tokens.reshape(-1, tokens.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
     taken, rounds = [], []   # per request: (round, first row, rows) of each round it emitted tokens in
     for r, (start, n, room) in enumerate(spans):
+        room -= 0 if shift is None else int(shift[r])
         taken.append([])
         rounds.append([])
         done = 0

@@ -64,6 +64,10 @@ class StepOutput:
     # Verify rounds (atlasjax/verify_rounds.py): tokens, logprobs and inputs gain a leading [rounds] axis, and this
     # [rounds, requests] holds the tokens each request emitted in each round (0: it sat that round out)
     advance: jax.Array | None = None
+    # Verify rounds, per request [max_num_seqs]: the tokens the launch emitted, and those the launch before it emitted
+    # that this one moved its rows along by (pipelined launches; its newest token is in `last_tokens`)
+    emitted: jax.Array | None = None
+    shift: jax.Array | None = None
 
     @property
     def gather_tokens(self) -> jax.Array:

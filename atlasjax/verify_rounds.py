@@ -12,6 +12,11 @@ A request sits a round out (no K/V write, no tokens) once it has emitted its bud
 max_tokens leaves) or reached the end of the pages it holds (`caps`: its page count times the page size); rows
 past its pages write nothing, and a draft there is never accepted. Its later rounds emit nothing, and tokens past a
 stop are dropped by the engine, as after a multi-step decode.
+
+Pipelined launches: the host may schedule launch N+1 while launch N still runs (atlasjax/engine.py says when). It
+then packs each request from the tokens it knows (those before launch N) and names the request's index in launch N
+(`shift_from`); the step moves the request along by what launch N emitted for it (`StepOutput.emitted`, gathered
+as `prev_emitted`) and takes its newest token from launch N's `last_tokens`, as a decode gathers a pending token.
 """
 from __future__ import annotations
 
@@ -24,16 +29,18 @@ from atlasjax.steps import (DeviceState, Draft, Eagle3Draft, StepOutput, _accept
 from models.attention import AttentionMetadata
 from models.transformer import Transformer
 
-ROUND_INPUTS = ("budgets", "caps")   # [num_slots] each: after steps.VERIFY_INPUTS
+ROUND_INPUTS = ("budgets", "caps", "shift_from")   # [num_slots] each: after steps.VERIFY_INPUTS
 
 
 def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_rounds: int, layout, params, lora,
-                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, draft_params=None, *,
-                       draft: Draft | Eagle3Draft):
+                       state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, prev_emitted,
+                       draft_params=None, *, draft: Draft | Eagle3Draft):
     """`num_rounds` verify rounds over a batch of `step_packing.pack_verify` (round 0's rows) with each request's
-    budget and cap. Outputs: `StepOutput` with a leading [num_rounds] axis, and `advance`."""
-    (tokens, positions, _, page_table, seq_lens, query_start, num_seqs, row_slots, budgets, caps, f, i) = unpack_host(
-        packed, layout)
+    budget and cap; a request with `shift_from` r >= 0 first moves along by prev_emitted[r] tokens (the launch in
+    flight when this one was scheduled). Outputs: `StepOutput` with a leading [num_rounds] axis, `advance`, and per
+    request [num_slots] `emitted`, `last_tokens` (its newest token) and `shift`."""
+    (tokens, positions, _, page_table, seq_lens, query_start, num_seqs, row_slots, budgets, caps, shift_from, f,
+     i) = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     _, num_pages, page_size, _ = state.kv[0][0].shape
     t = tokens.shape[0]
@@ -41,15 +48,20 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
     row_req = _token_sequences(query_start, t)    # [t] each row's request (num_seqs or more: padding)
     rq = jnp.minimum(row_req, n - 1)
     start, chunk = query_start[:n], query_start[1:n + 1] - query_start[:n]
-    last = seq_lens[:n] - chunk                   # round 0: the position of each request's last token
-    offset = jnp.arange(t) - start[rq]            # each row's place in its request's chunk
     real_row = row_req < num_seqs
     real = jnp.arange(n) < num_seqs
-    budgets, caps = budgets[:n], caps[:n]
+    # tokens the launch before emitted for each request (pipelined: not known to the host when it packed this one)
+    shift_from = shift_from[:n]
+    shift = jnp.where(real & (shift_from >= 0), prev_emitted[jnp.clip(shift_from, 0, prev_emitted.shape[0] - 1)], 0)
+    seq_lens = seq_lens.at[:n].add(shift)
+    last = seq_lens[:n] - chunk                   # round 0: the position of each request's last token
+    offset = jnp.arange(t) - start[rq]            # each row's place in its request's chunk
+    budgets, caps = budgets[:n] - shift, caps[:n]
+    i = i.at[:, sampling.I_STEP].add(jnp.where(real_row, shift[rq], 0))   # each row's output index
     num_drafts = draft.num_tokens
 
     def body(carry, _):
-        kv, draft_kv, draft_hidden, tokens, emitted = carry          # emitted: [n] tokens so far, per request
+        kv, draft_kv, draft_hidden, tokens, emitted, newest = carry   # emitted: [n] tokens so far, per request
         active = real & (emitted < budgets) & (last + emitted < caps)
         pos = jnp.where(real_row, last[rq] + emitted[rq] + offset, positions)
         row_on = real_row & active[rq] & (pos < caps[rq])
@@ -80,10 +92,17 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
             draft_hidden = draft_hidden.at[slots].set(prenorm[rows], mode="drop")
         # the next round starts from each request's newest token (its drafts are proposed into the rows after it)
         next_tokens = jnp.where((offset == 0) & row_on, new_tokens[rows][rq], tokens)
-        return (kv, draft_kv, draft_hidden, next_tokens, emitted + advance), (new_tokens, lp, tv, ti, tokens, advance)
+        newest = jnp.where(active, new_tokens[rows], newest)
+        return (kv, draft_kv, draft_hidden, next_tokens, emitted + advance, newest), (new_tokens, lp, tv, ti, tokens,
+                                                                                      advance)
 
-    (kv, draft_kv, draft_hidden, _, _), (new_tokens, lp, tv, ti, inputs, advance) = jax.lax.scan(
-        body, (state.kv, state.draft_kv, state.draft_hidden, tokens, jnp.zeros(n, jnp.int32)), None,
-        length=num_rounds)
+    s = prev_emitted.shape[0]
+    (kv, draft_kv, draft_hidden, _, emitted, newest), (new_tokens, lp, tv, ti, inputs, advance) = jax.lax.scan(
+        body, (state.kv, state.draft_kv, state.draft_hidden, tokens, jnp.zeros(n, jnp.int32),
+               tokens[jnp.minimum(start, t - 1)]), None, length=num_rounds)
+
+    def per_request(x):   # [n] -> [num_slots]
+        return jnp.zeros(s, jnp.int32).at[:n].set(jnp.where(real, x, 0))
     return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden), StepOutput(
-        new_tokens, lp, tv, ti, inputs=inputs, advance=advance)
+        new_tokens, lp, tv, ti, inputs=inputs, advance=advance, last_tokens=per_request(newest),
+        emitted=per_request(emitted), shift=per_request(shift))

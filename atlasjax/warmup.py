@@ -40,7 +40,7 @@ def step_specs(runner, num_steps: int, plans, max_decode_rows: int, max_prefill_
         specs.append(runner.admit_spec([]))
     for t in runner.verify_buckets if serving else ():
         f, i = sampling.pack_rows([], t)
-        batch = dict(ragged(t), row_slots=z(t), budgets=z(s), caps=z(s))
+        batch = dict(ragged(t), row_slots=z(t), budgets=z(s), caps=z(s), shift_from=z(s))
         specs += [runner.verify_spec(batch, f, i, (runner.no_prev_tokens,) * 2, plan, rounds) for plan in plans
                   for rounds in dict.fromkeys((1, runner.verify_rounds))]
     return specs

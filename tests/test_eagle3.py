@@ -153,7 +153,8 @@ def _recorded_drafts(llm):
         if int(batch["num_seqs"]) == 1:
             inputs = np.asarray(out.inputs).reshape(-1, len(batch["tokens"]))
             advance = np.ones((1, 1), int) if out.advance is None else np.asarray(out.advance)
-            position = int(batch["positions"][0])
+            # a pipelined launch packs the known tokens' position; the step moved it along by `shift`
+            position = int(batch["positions"][0]) + (0 if out.shift is None else int(np.asarray(out.shift)[0]))
             for q in range(len(inputs)):
                 if advance[q, 0]:
                     seen.append((position, inputs[q, 1:n].tolist()))
@@ -255,6 +256,7 @@ def test_several_verify_rounds_per_launch_emit_what_plain_decoding_does(target, 
     finally:
         del engine.runner.verify
     assert _ran_verify_rounds(eagle_rounds, 3)
+    assert engine.launcher.num_pipelined_verifies > 0   # launches scheduled while the one before still ran
     greedy = _tokens(plain, [PROMPTS[1]], GREEDY)[0]
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True,
                              logprobs=3),
@@ -281,6 +283,7 @@ def test_staggered_requests_and_preemption_equal_plain_decoding(target, head, ro
                  enable_prefix_caching=False, num_scheduler_steps=rounds, **{**ENGINE, "num_pages": 24}).engine
     assert _run_staggered(engine, work) == want
     assert engine.scheduler.num_preemptions > 0 and engine.stats.spec.num_draft_tokens > 0
+    assert (engine.launcher.num_pipelined_verifies > 0) == (rounds > 1)
     _assert_idle(engine)
 
 

@@ -387,3 +387,58 @@ def test_verify_rounds_get_their_pages_within_max_tokens_and_never_preempt():
     e = _decoding(s, "e", LOOP, max_tokens=40)
     out = s.schedule()
     assert out.drafts[e] and out.rounds == 1
+
+
+def test_a_verify_launch_is_scheduled_behind_another_only_when_it_can_run_the_same_requests():
+    """Pipelined verify-rounds launches (engine.step, verify_rounds.py): the next launch is scheduled before the one in
+    flight is read back only when it will be another verify-rounds launch of the same requests, each with a draft,
+    with no admission, retirement or preemption; its pages then cover what both launches may write."""
+    from atlasjax.page_pool import PagePool
+    from atlasjax.request import Request
+    from atlasjax.scheduler import Scheduler, verify_reach
+
+    def scheduler(num_pages=64, max_num_seqs=2, **spec):
+        spec = spec or dict(method="draft_model", model="d")
+        return Scheduler(PagePool(num_pages, 4, True), max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                         num_scheduler_steps=4, speculative=SpeculativeConfig(num_speculative_tokens=3, **spec))
+
+    def launch(s, out):   # as the engine's launcher does
+        for req in out.decodes:
+            s.verify_dispatched(req, verify_reach(req, len(out.drafts.get(req, ())), out.rounds))
+        s.dispatched(out)
+        return out
+
+    s = scheduler()
+    a = _decoding(s, "a", LOOP, max_tokens=60)
+    first = launch(s, s.schedule())
+    assert first.rounds == 4 and a.num_pending_tokens == 16 and not a.is_prefilling
+    assert s.can_pipeline_verify(first.decodes)
+    second = s.schedule()
+    assert second.decodes == [a] and second.drafts[a] and second.rounds == 4 and not second.preempted
+    # its pages hold what both launches may write from a's last known token on
+    assert len(a.pages) * 4 >= a.num_tokens - 1 + 16 + 16
+
+    s = scheduler()   # a request arrives that a free slot could take: read back first, then admit it
+    a = _decoding(s, "a", LOOP, max_tokens=60)
+    first = launch(s, s.schedule())
+    s.add(Request("w", [1, 2, 3], SamplingParams(max_tokens=5), 0, 5))
+    assert not s.can_pipeline_verify(first.decodes)
+
+    s = scheduler()   # near max_tokens: what the launch in flight may emit leaves no room for a draft
+    a = _decoding(s, "a", LOOP, max_tokens=18)
+    assert not s.can_pipeline_verify(launch(s, s.schedule()).decodes)
+
+    s = scheduler(num_pages=6)   # the pool cannot hold what the launch in flight may write and a draft after it
+    a = _decoding(s, "a", LOOP, max_tokens=60)
+    first = launch(s, s.schedule())
+    assert len(a.pages) * 4 < a.num_total_tokens + 1 and not s.can_pipeline_verify(first.decodes)
+
+    s = scheduler(max_num_seqs=3)   # another request decodes that the launch in flight does not hold
+    a = _decoding(s, "a", LOOP, max_tokens=60)
+    first = launch(s, s.schedule())
+    _decoding(s, "b", LOOP, max_tokens=60)
+    assert not s.can_pipeline_verify(first.decodes)
+
+    s = scheduler(prompt_lookup_max=3, prompt_lookup_min=1)   # n-gram drafts are looked up on the host
+    a = _decoding(s, "a", LOOP, max_tokens=60)
+    assert not s.can_pipeline_verify(launch(s, s.schedule()).decodes)
