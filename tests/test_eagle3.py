@@ -275,6 +275,32 @@ def test_several_verify_rounds_per_launch_emit_what_plain_decoding_does(target, 
     _assert_idle(engine)
 
 
+def test_a_request_aborted_or_stopped_behind_a_pipelined_launch_frees_everything(plain, eagle_rounds):
+    """A launch is scheduled while the one before still runs (verify_rounds.py): a request aborted, or stopped by a
+    token the launch before emitted, while the next launch in flight still holds it gives its pages and slot back
+    once that launch is read back, and the other request's tokens stay plain decoding's."""
+    engine = eagle_rounds.engine
+    want = _tokens(plain, [PROMPTS[1]], SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))[0]
+    stop = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40, stop_token_ids=[want[20]])
+    for end in ("abort", "stop"):
+        pipelined = engine.launcher.num_pipelined_verifies
+        engine.add_request("kept", PROMPTS[1], SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))
+        engine.add_request("ended", PROMPTS[1], stop)
+        ended = engine.requests["ended"][0]
+        while engine.launcher.num_pipelined_verifies < pipelined + 2:   # well into pipelined launches
+            engine.step()
+        if end == "abort":
+            assert engine.abort("ended")
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.requests["kept"][0].output_token_ids == want
+        if end == "stop":
+            assert ended.finish_reason == "stop" and ended.output_token_ids == want[:want.index(want[20]) + 1]
+        for rid in list(engine.requests):
+            engine.release(rid)
+        _assert_idle(engine)
+
+
 @pytest.mark.parametrize("rounds", [1, 3])
 def test_staggered_requests_and_preemption_equal_plain_decoding(target, head, rounds):
     work = _workload(n=16, seed=3)
