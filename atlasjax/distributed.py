@@ -138,7 +138,7 @@ class BroadcastingRunner:
             out = attr(*args, **kwargs)
             if out is not None and hasattr(out, "tokens"):
                 self._made = {k: v for k, v in self._made.items() if v[0] > step - _KEEP}
-                for field in ("tokens", "last_tokens"):   # what later steps gather (StepOutput.gather_tokens)
+                for field in ("tokens", "last_tokens", "emitted"):   # what later steps gather (gather_tokens, emitted)
                     if getattr(out, field, None) is not None:
                         self._made[id(getattr(out, field))] = (step, field)
             return out
