@@ -20,7 +20,19 @@ def both(label, batch, *flags):
         run(f"{label}, pipelined {mode}", batch, *flags)
 
 
-if __name__ == "__main__":
+def rounds_sweep(batch):
+    """Pipelined, the rounds per launch (num_scheduler_steps) that suit it: ROUNDS=1 python3 ... 1"""
+    for rounds in (2, 8):
+        run(f"eagle3 k=3, all accepted, {rounds} rounds", batch, *eagle("all", 3), "--num-scheduler-steps", str(rounds))
+    run("eagle3 k=3, none accepted, 8 rounds", batch, *eagle("none", 3), "--num-scheduler-steps", "8")
+    run("eagle3 k=5, all accepted, 4 rounds", batch, *eagle("all", 5))
+
+
+if __name__ == "__main__" and os.environ.get("ROUNDS") == "1":
+    for batch in [int(b) for b in sys.argv[1:]] or [1]:
+        rounds_sweep(batch)
+    json.dump(results, open(os.path.join(OUT, "verify_pipelined_rounds.json"), "w"), indent=1)
+elif __name__ == "__main__":
     for batch in [int(b) for b in sys.argv[1:]] or [1]:
         run("default", batch)
         both("eagle3 k=3, all accepted", batch, *eagle("all", 3))
