@@ -233,7 +233,8 @@ def test_cli_flag_reaches_the_engine_config():
 def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_factory, drafts):
     """n-gram drafts (a logit bias makes the random model repeat one token, so the lookup drafts it), or the model
     drafting for itself (atlasjax/draft_model.py: every greedy draft accepted), one verify round per launch or three
-    (verify_rounds.py; the engine compiled at start, as `serve` does, compiles nothing more while serving)."""
+    (verify_rounds.py; the engine compiled at start, as `serve` does, compiles nothing more while serving; its
+    launches pipelined)."""
     import asyncio
 
     import httpx
@@ -280,6 +281,7 @@ def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_f
     if rounds:
         assert runner.num_compiles == compiled and any(k[0] == "verify" and k[-1] == 3 for k in runner._compiled)
         assert drafted == accepted   # every round's drafts accepted: the draft's cache followed every round
+        assert engine.engine.launcher.num_pipelined_verifies > 0   # launches scheduled behind the one in flight
 
 
 def test_compiled_at_start_with_every_sampling_feature(tiny):
