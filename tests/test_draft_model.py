@@ -109,13 +109,16 @@ def test_the_draft_cache_follows_decodes_multi_step_launches_and_the_prefix_cach
     _assert_idle(llm.engine)
 
 
-def test_staggered_requests_and_preemption_equal_plain_decoding(target, hf_model_factory):
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_staggered_requests_and_preemption_equal_plain_decoding(target, hf_model_factory, rounds):
+    """One verify round per launch, or three with launches pipelined (verify_rounds.py)."""
     work = _workload(n=16, seed=3)
     want = _alone(LLM(target, enable_prefix_caching=False, **ENGINE).engine, work)
     engine = LLM(target, speculative_config={"model": hf_model_factory("qwen3")[1], "num_speculative_tokens": 2},
-                 enable_prefix_caching=False, **{**ENGINE, "num_pages": 24}).engine
+                 enable_prefix_caching=False, num_scheduler_steps=rounds, **{**ENGINE, "num_pages": 24}).engine
     assert _run_staggered(engine, work) == want
     assert engine.scheduler.num_preemptions > 0 and engine.stats.spec.num_draft_tokens > 0
+    assert (engine.launcher.num_pipelined_verifies > 0) == (rounds > 1)
     _assert_idle(engine)
 
 
@@ -137,7 +140,7 @@ def test_a_draft_under_tensor_parallelism_is_split_as_the_target(hf_model_factor
                                                                            "num_speculative_tokens": 3},
                         num_scheduler_steps=3, **ENGINE)   # three verify rounds a launch
     assert _tokens(self_drafting, prompts, GREEDY) == want[0]
-    assert _ran_verify_rounds(self_drafting, 3)
+    assert _ran_verify_rounds(self_drafting, 3) and self_drafting.engine.launcher.num_pipelined_verifies > 0
     spec = self_drafting.engine.stats.spec
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
 
