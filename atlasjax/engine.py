@@ -59,6 +59,7 @@ from atlasjax.sleep_mode import SleepState
 from atlasjax.step_options import use_process_flags
 from atlasjax.step_launch import StepLauncher
 from atlasjax.step_readback import LaunchedStep, read_back
+from atlasjax.steps import NgramDraft
 from atlasjax.tokenizer import read_chat_template
 from atlasjax.waiting_queue import check_priority
 
@@ -118,6 +119,9 @@ class LLMEngine:
         # speculative decoding's draft model or EAGLE-3 head (atlasjax/draft_model.py): (config, params, plan, k)
         draft = load_speculative_draft(self.speculative, cfg, self.tokenizer, self.dtype, self.max_model_len,
                                        self.loaded.plan)
+        spec = self.speculative
+        if spec is not None and spec.method == "ngram" and spec.drafts_on_device(config.num_scheduler_steps):
+            draft = NgramDraft(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
                                   prefill_buckets=config.prefill_buckets(),
@@ -419,7 +423,7 @@ class LLMEngine:
             # a verify step's accepted drafts move every later position: read it back before scheduling, unless
             # the next launch is another verify-rounds launch of the same requests (it moves them on the device)
             first, self._in_flight = self._process(prev), None
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(behind_verify=self._in_flight is not None and self._in_flight.spans is not None)
         launched = None if sched.is_empty else self.launcher.launch(sched, self._in_flight)
         if self._async_scheduling:
             done, self._in_flight = self._in_flight, launched

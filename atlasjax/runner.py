@@ -54,7 +54,8 @@ class ModelRunner(StepCompiler):
         per sampling plan); () without speculative decoding.
         verify_rounds: with a draft, also compile the verify step of that many rounds per launch (verify_rounds.py).
         draft: speculative decoding's draft model (atlasjax/draft_model.py): (its config, params, plan, drafts per
-        step); every step then runs it beside the target over a KV pool of its own on the same pages."""
+        step); every step then runs it beside the target over a KV pool of its own on the same pages. Or
+        `steps.NgramDraft`: n-gram drafts looked up on the device, in a token history every step keeps."""
         self.cfg = cfg
         self.dtype = dtype
         self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -77,9 +78,11 @@ class ModelRunner(StepCompiler):
         self.verify_rounds = verify_rounds
         self.model = self._executed_model(cfg, self.params, plan, attn_backend)
         self.lora_slots = None   # LoRA adapters' device slots (atlasjax/lora_slots.py), set by lora.LoRAManager
-        self.draft: steps.Draft | None = None
+        self.draft: steps.Draft | steps.Eagle3Draft | steps.NgramDraft | None = None
         self.draft_cfg = self.draft_params = self.draft_plan = None
-        if draft is not None:
+        if isinstance(draft, steps.NgramDraft):
+            self.draft = draft
+        elif draft is not None:
             self._set_draft(*draft, attn_backend=attn_backend, own_params=own_params)
         self.state: DeviceState | None = None
         self._state_shapes_now: DeviceState | None = None   # what warmup compiles against before `allocate`
@@ -137,14 +140,17 @@ class ModelRunner(StepCompiler):
         exists."""
         cfg, plan = self.cfg, self.plan
         kv = self._kv_pool_shapes(cfg, plan, num_pages)
-        draft_kv = () if self.draft is None else self._kv_pool_shapes(self.draft_cfg, self.draft_plan, num_pages)
+        draft_kv = () if self.draft_cfg is None else self._kv_pool_shapes(self.draft_cfg, self.draft_plan, num_pages)
         shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
         extra = {} if plan is None else dict(sharding=plan.replicated)
         draft_hidden = ()   # an EAGLE-3 head's output at each slot's last position
         if isinstance(self.draft, steps.Eagle3Draft):   # its KV pool and outputs replicated under TP, as the head
             draft_kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **extra), draft_kv)
             draft_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.draft_cfg.hidden_size), self.dtype, **extra)
-        return DeviceState(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden,
+        history = ()   # each slot's tokens, which n-gram drafts on the device look up
+        if isinstance(self.draft, steps.NgramDraft):
+            history = jax.ShapeDtypeStruct((self.max_num_seqs, self.max_model_len), jnp.int32, **extra)
+        return DeviceState(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, history=history,
                            counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
                            prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
                            bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),
@@ -240,8 +246,8 @@ class ModelRunner(StepCompiler):
 
     @property
     def _draft_args(self) -> tuple:
-        """A step's trailing argument with a draft model: its params (steps.Draft)."""
-        return () if self.draft is None else (self.draft_params,)
+        """A step's trailing argument with a draft model or EAGLE-3 head: its params."""
+        return () if self.draft_cfg is None else (self.draft_params,)
 
     @property
     def _draft_options(self) -> dict:

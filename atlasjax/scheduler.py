@@ -27,10 +27,13 @@ without preempting anyone; a step where no request has a draft is a plain (multi
 looked up here, tokens still pending on the device included and passed over (the drafts follow them); a draft
 model's are placeholders (`DRAFT_ON_DEVICE`) that the verify step proposes on the device, and such a step runs
 num_scheduler_steps verify rounds in one launch (`SchedulerOutput.rounds`, atlasjax/verify_rounds.py) under multi-step's
-conditions. The engine reads a verify step back before it schedules the next one: its accepted drafts move every
-later position. Its K/V is written
-for its last token and every draft; once the step is read back, `speculated` sets its computed tokens to
-those the accepted drafts reach. Pages are registered in the prefix cache only for known tokens, never drafts.
+conditions. So do n-gram drafts where such a launch can run (num_scheduler_steps > 1): once a lookup here finds a
+draft for one request (or behind a verify-rounds launch in flight), every request gets placeholders, and each round
+looks its drafts up on the device (atlasjax/ngram_lookup.py). The engine reads a verify step back before it
+schedules the next one (its accepted drafts move every later position), unless the next is another verify-rounds
+launch of the same requests (`can_pipeline_verify`). Its K/V is written for its last token and every draft; once the
+step is read back, `speculated` sets its computed tokens to those the accepted drafts reach. Pages are registered
+in the prefix cache only for known tokens, never drafts.
 
 LoRA (`lora`, atlasjax/lora.py): a waiting request is admitted only when its adapter has a device slot (resident,
 or written into one that no running request uses); while it waits, requests behind it that can run are admitted.
@@ -122,7 +125,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- scheduling
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, behind_verify: bool = False) -> SchedulerOutput:
+        """The next step. behind_verify: it is scheduled behind a verify-rounds launch still in flight (the engine
+        asked `can_pipeline_verify`), so it is another (n-gram drafts too, without a lookup here)."""
         budget = self.max_num_batched_tokens
         decodes, prefills, admitted, preempted = [], [], [], []
         for req in list(self.running):
@@ -144,8 +149,8 @@ class Scheduler:
         prefills = [c for c in prefills if c.request.status is Status.RUNNING]
         if not preempted:  # admit new work only when nothing had to give way this step
             self._admit(budget, prefills, admitted)
-        drafts = self._drafts(decodes) if self.speculative is not None and not prefills else {}
         admitting = bool(self.waiting and self.free_slots)   # a request could be admitted next step: one iteration
+        drafts = {} if self.speculative is None or prefills else self._drafts(decodes, admitting, behind_verify)
         steps = self._multi_steps(decodes) if not prefills and not drafts and not admitting else {}
         rounds = self._verify_rounds(decodes, drafts) if drafts and not admitting else 1
         for chunk in prefills:
@@ -154,9 +159,10 @@ class Scheduler:
             self._computed(req, req.num_total_tokens + steps.get(req, 1) - 1 + len(drafts.get(req, ())))
         return SchedulerOutput(decodes, prefills, admitted, preempted, steps, drafts, rounds)
 
-    def _drafts(self, decodes: list[Request]) -> dict[Request, list[int]]:
+    def _drafts(self, decodes: list[Request], admitting: bool, behind_verify: bool) -> dict[Request, list[int]]:
         """Drafts per request of a decode-only step (atlasjax/speculative.py): n-gram lookups, or a draft model's
-        placeholders (its drafts are proposed inside the verify step); none for a request whose
+        placeholders (its drafts are proposed inside the verify step; so are n-gram drafts where the launch runs
+        several rounds: not `admitting`, and a lookup here found one or `behind_verify`); none for a request whose
         sampling keeps per-token state on the device (penalties, bad words), which a verify step does not
         advance, and none at all in a step of `disable_by_batch_size` requests or more."""
         spec = self.speculative
@@ -165,17 +171,20 @@ class Scheduler:
         if any(not speculative.can_speculate(req.params) for req in decodes):
             return {}      # their penalty counts and bad-word history advance only in a decode step
         drafts, budget, ps = {}, self.max_num_batched_tokens - len(decodes), self.pool.page_size
+        on_device = spec.uses_draft_model
+        if spec.drafts_on_device(self.num_scheduler_steps) and not admitting and not on_device:   # n-gram lookups
+            # on the device, round by round, once one here finds a draft (a request that has none yet may find one
+            # in a later round); with none, no drafts at all
+            on_device = behind_verify or any(self._lookup(req, 1) for req in decodes if req.num_generated + 2
+                                             <= req.max_tokens)
+            if not on_device:
+                return {}
         for req in decodes:
             room = min(spec.num_speculative_tokens, req.max_tokens - req.num_generated - 1, budget)
             if room <= 0:
                 continue
-            if spec.uses_draft_model:   # rows for the draft model's drafts, which the verify step proposes
-                proposed = [speculative.DRAFT_ON_DEVICE] * room
-            else:
-                # tokens still on the device (async scheduling) are predicted by the same lookup, then passed over
-                pending = req.num_pending_tokens
-                proposed = speculative.propose(speculative.request_tokens(req), room + pending,
-                                               spec.prompt_lookup_min, spec.prompt_lookup_max)[pending:]
+            # rows for the drafts the verify step proposes, or the host's n-gram lookup
+            proposed = [speculative.DRAFT_ON_DEVICE] * room if on_device else self._lookup(req, room)
             # draft j writes K/V at position num_total_tokens + j
             if proposed and not self._allocate_for(req, req.num_total_tokens + len(proposed)):
                 proposed = proposed[:len(req.pages) * ps - req.num_total_tokens]
@@ -184,13 +193,20 @@ class Scheduler:
                 budget -= len(proposed)
         return drafts
 
+    def _lookup(self, req: Request, room: int) -> list[int]:
+        """req's n-gram drafts (up to `room`): tokens still on the device (async scheduling) are predicted by the
+        same lookup, then passed over."""
+        spec, pending = self.speculative, req.num_pending_tokens
+        return speculative.propose(speculative.request_tokens(req), room + pending, spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max)[pending:]
+
     def _verify_rounds(self, decodes: list[Request], drafts: dict[Request, list[int]]) -> int:
         """Verify rounds of a launch whose drafts are proposed on the device: num_scheduler_steps (n-gram drafts are
         looked up here, one round at a time). Each request gets the pages for what its rounds may write, within
         its max_tokens, as far as they can be had without preempting anyone (the step writes nothing past its
         pages and accepts no draft there)."""
         rounds = self.num_scheduler_steps
-        if rounds == 1 or not self.speculative.uses_draft_model:
+        if rounds == 1 or not self.speculative.drafts_on_device(rounds):
             return 1
         for req in decodes:   # its K/V positions start at its last token's, num_total_tokens - 1
             self._allocate_for(req, req.num_total_tokens - 1 + verify_reach(req, len(drafts.get(req, ())), rounds))
@@ -216,7 +232,7 @@ class Scheduler:
         then only a bound (what that launch may emit), and the next launch is packed from the tokens known now
         (verify_rounds.py moves each request along on the device)."""
         spec = self.speculative
-        if (spec is None or not spec.uses_draft_model or self.num_scheduler_steps == 1 or not in_flight
+        if (spec is None or self.num_scheduler_steps == 1 or not in_flight
                 or (self.waiting and self.free_slots) or len(self.running) != len(in_flight)
                 or set(self.running) != set(in_flight)):
             return False

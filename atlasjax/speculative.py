@@ -4,7 +4,8 @@ atlasjax/eagle3.py).
 
 Plain Python and numpy, no jax. Each decode-only step, every running request proposes up to
 `num_speculative_tokens` draft tokens. n-gram: the tokens that followed the latest earlier occurrence of its last
-n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output, found on the host.
+n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output, found on the host,
+or, in launches of several verify rounds, by the same rule on the device (atlasjax/ngram_lookup.py).
 Draft model or EAGLE-3 head: its greedy tokens, proposed on the device inside the verify step. The engine
 then runs one verify step (atlasjax/steps.py `verify_step`) over each request's last token and its drafts,
 samples a token at every position from the target model's own distribution, as a decode step would, and
@@ -95,6 +96,12 @@ class SpeculativeConfig:
         """Whether a network proposes the drafts, on the device inside the verify step (a draft model or an
         EAGLE-3 head): the scheduler reserves their rows."""
         return self.method in ("draft_model", "eagle3")
+
+    def drafts_on_device(self, num_scheduler_steps: int) -> bool:
+        """Whether verify-rounds launches propose the drafts on the device (verify_rounds.py): a draft model's or an
+        EAGLE-3 head's always; n-gram lookups where a launch runs several rounds (atlasjax/ngram_lookup.py; with
+        one round per launch the host looks them up)."""
+        return self.uses_draft_model or num_scheduler_steps > 1
 
     @property
     def draft_name(self) -> str:

@@ -54,7 +54,7 @@ def arrays_to_read(step: LaunchedStep) -> list[jax.Array]:
     for out in (step.prefill, step.decode):
         if out is not None:
             arrays.append(out.tokens)
-            arrays += [x for x in (out.inputs, out.advance, out.shift) if x is not None]
+            arrays += [x for x in (out.inputs, out.advance, out.shift, out.proposed) if x is not None]
             if step.with_logprobs:
                 arrays += [out.logprob, out.top_vals, out.top_ids]
     if step.prefill is not None and step.prefill.prompt is not None:
@@ -73,7 +73,8 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
     k, n = MAX_LOGPROBS, step.num_steps
     want = [None if o is None else (o.tokens, (o.logprob, o.top_vals, o.top_ids) if step.with_logprobs else None)
             for o in (step.prefill, step.decode)]
-    verify = None if step.spans is None else (step.decode.inputs, step.decode.advance, step.decode.shift)
+    verify = None if step.spans is None else (step.decode.inputs, step.decode.advance, step.decode.shift,
+                                                step.decode.proposed)
     got, prompt, verify = jax.device_get((want, None if step.prefill is None else step.prefill.prompt, verify))
     if step.spans is not None:
         return _verify_host(step.spans, got[1], *verify, num_slots)
@@ -98,12 +99,13 @@ def read_back(step: LaunchedStep, num_slots: int) -> HostOutput:
 
 
 def _verify_host(spans: list[tuple[int, int, int]], got, inputs: np.ndarray, advance: np.ndarray | None,
-                 shift: np.ndarray | None, num_slots: int) -> HostOutput:
+                 shift: np.ndarray | None, proposed: np.ndarray | None, num_slots: int) -> HostOutput:
     """A verify step's rows ([T], or [rounds, T] with `advance` [rounds, requests]) laid out as a multi-step
     decode's: [most tokens a request emitted, num_slots + requests], request r's tokens down column num_slots + r:
     in each round, its accepted drafts (those equal to the token sampled before them) and the token after them.
     A round's drafts past the request's pages (verify_rounds.py) were not verified and are not counted; a pipelined
-    launch's pages hold `shift` fewer positions than the spans say (they count from the tokens known at packing)."""
+    launch's pages hold `shift` fewer positions than the spans say (they count from the tokens known at packing).
+    n-gram drafts looked up on the device count as `proposed` [rounds, requests] says."""
     tokens, lps = got
     tokens, inputs = tokens.reshape(-1, tokens.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
     taken, rounds = [], []   # per request: (round, first row, rows) of each round it emitted tokens in
@@ -120,7 +122,7 @@ def _verify_host(spans: list[tuple[int, int, int]], got, inputs: np.ndarray, adv
             if not emitted:
                 break   # it sat this round out, and so every later one
             taken[-1].append((q, start, emitted))
-            rounds[-1].append((min(n, room - done - 1), emitted - 1))
+            rounds[-1].append((min(n, room - done - 1) if proposed is None else int(proposed[q, r]), emitted - 1))
             done += emitted
     depth, width = max(sum(e for _, _, e in t) for t in taken), num_slots + len(spans)
 

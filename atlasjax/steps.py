@@ -18,6 +18,10 @@ Device state (donated to every step, so it is updated in place and never copied)
                (one layer) follows the target the same way, one position behind (`_eagle_follow`)
   draft_hidden: [max_num_seqs, hidden] an EAGLE-3 head's output at each slot's last position, which its
                next drafts start from (() without a head)
+  history:     [max_num_seqs, max_model_len] int32, each slot's tokens by position, which n-gram drafts proposed on
+               the device look up (atlasjax/ngram_lookup.py; () without them): written whole by the admit step, then
+               by every step that runs a token at its position (`_record`; a prompt's by the admit step), so a slot's
+               history is valid up to its newest token's position (past it: tokens of drafts not accepted)
 
 A step's small host inputs cross to the device as one packed int32 array (`pack_host`).
 """
@@ -47,6 +51,7 @@ class DeviceState:
     recent: jax.Array
     draft_kv: tuple = ()
     draft_hidden: jax.Array | tuple = ()
+    history: jax.Array | tuple = ()
 
 
 @flax.struct.dataclass
@@ -68,6 +73,7 @@ class StepOutput:
     # that this one moved its rows along by (pipelined launches; its newest token is in `last_tokens`)
     emitted: jax.Array | None = None
     shift: jax.Array | None = None
+    proposed: jax.Array | None = None   # verify rounds with n-gram drafts: [rounds, requests] the drafts looked up
 
     @property
     def gather_tokens(self) -> jax.Array:
@@ -141,6 +147,24 @@ class Eagle3Draft:
     head: Eagle3Head   # or sharding.Replicated(Eagle3Head) beside a tensor-parallel target
     num_tokens: int
     own_embedding: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDraft:
+    """n-gram (prompt lookup) drafts proposed on the device (atlasjax/ngram_lookup.py), static in the step programs:
+    the drafts per request and round, and the suffix n-grams looked up. Only verify-rounds launches propose them; a
+    one-round verify step verifies the host's lookups."""
+    num_tokens: int
+    min_n: int
+    max_n: int
+
+
+def _record(history, slots, positions, tokens):
+    """The token history (DeviceState.history) with each row's token at its slot and position (a slot out of range:
+    dropped); unchanged without one."""
+    if isinstance(history, tuple):
+        return history
+    return history.at[slots, positions].set(tokens, mode="drop")
 
 
 def _run_draft(draft, draft_params, tokens, positions, kv, meta):
@@ -300,7 +324,8 @@ def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: De
                  seq_lens, slots, st, split_rows=None, lora=None, draft=None, draft_params=None, drafting=((), ())):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv, counts, recent and drafting (draft_kv, draft_hidden) are the iteration's own.
+    per-slot sampling state; kv, counts, recent and drafting (draft_kv, draft_hidden, history) are the iteration's
+    own.
     split_rows: AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft: `Draft`,
     `Eagle3Draft` or None. Returns (kv, drafting, counts, recent, StepOutput)."""
     _, num_pages, page_size, _ = kv[0][0].shape
@@ -309,7 +334,8 @@ def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: De
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              split_rows=split_rows)
     hidden, kv, aux = _run_model(model, params, lora, tokens, positions, kv, meta, slots)
-    draft_kv, draft_hidden = drafting
+    draft_kv, draft_hidden, history = drafting
+    history = _record(history, jnp.where(seq_lens > 0, slots, counts.shape[0]), positions, tokens)
     draft_kv = _run_draft(draft, draft_params, tokens, positions, draft_kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, counts, recent, logits, slots, st, plan)
@@ -320,7 +346,7 @@ def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: De
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
     if not plan.greedy:
         recent = _advance_recent(recent, jnp.where(seq_lens > 0, slots, counts.shape[0]), new_tokens)
-    return kv, (draft_kv, draft_hidden), counts, recent, StepOutput(new_tokens, lp, tv, ti)
+    return kv, (draft_kv, draft_hidden, history), counts, recent, StepOutput(new_tokens, lp, tv, ti)
 
 
 def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params, lora, state: DeviceState, packed,
@@ -328,11 +354,13 @@ def decode_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     """One decode iteration (split_rows: the attention's, AttentionMetadata; lora, draft: `_decode_once`'s)."""
     tokens, page_table, seq_lens, slots, f, i = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
-    kv, (draft_kv, draft_hidden), counts, recent, out = _decode_once(
+    kv, (draft_kv, draft_hidden, history), counts, recent, out = _decode_once(
         model, plan, params, state.kv, state.counts, state.recent, state, tokens, page_table, seq_lens, slots,
-        sampling.SamplingTensors(f, i), split_rows, lora, draft, draft_params, (state.draft_kv, state.draft_hidden))
+        sampling.SamplingTensors(f, i), split_rows, lora, draft, draft_params,
+        (state.draft_kv, state.draft_hidden, state.history))
     out = out.replace(last_tokens=_padded_to_slots(out.tokens, counts.shape[0]))
-    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, counts=counts, recent=recent), out
+    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, history=history, counts=counts,
+                         recent=recent), out
 
 
 def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps: int, layout, params, lora,
@@ -355,11 +383,11 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
         tokens = jnp.where(active, out.tokens, tokens)
         return (kv, drafting, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
-    (kv, (draft_kv, draft_hidden), counts, recent, tokens), outs = jax.lax.scan(
-        body, (state.kv, (state.draft_kv, state.draft_hidden), state.counts, state.recent, tokens),
+    (kv, (draft_kv, draft_hidden, history), counts, recent, tokens), outs = jax.lax.scan(
+        body, (state.kv, (state.draft_kv, state.draft_hidden, state.history), state.counts, state.recent, tokens),
         jnp.arange(num_steps))
-    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, counts=counts, recent=recent), StepOutput(
-        *outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
+    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, history=history, counts=counts,
+                         recent=recent), StepOutput(*outs, last_tokens=_padded_to_slots(tokens, counts.shape[0]))
 
 
 PREFILL_INPUTS = ("tokens", "positions", "slot_mapping", "page_table", "seq_lens", "query_start", "num_seqs",
@@ -417,12 +445,13 @@ def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     if isinstance(draft, Draft):
         draft_kv, tokens = _propose(draft, draft_params, draft_kv, tokens, page_table, seq_lens, query_start,
                                     num_seqs)
-    elif draft is not None:
+    elif isinstance(draft, Eagle3Draft):
         draft_kv, tokens = _eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
                                           page_table, seq_lens, query_start, num_seqs, row_slots)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
     hidden, kv, aux = _run_model(model, params, lora, tokens, positions, state.kv, meta, row_slots)
+    state = state.replace(history=_record(state.history, row_slots, positions, tokens))
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots,
                                           sampling.SamplingTensors(f, i), plan)
@@ -445,7 +474,8 @@ def admit_step(layout, state: DeviceState, packed):
     earlier outputs), prompt_lens [A], tokens [L] (all the requests' tokens, one after another), and each
     request's logit bias [A, MAX_LOGIT_BIAS] ids and values and bad-word table [A, MAX_BAD_WORD_SEQS,
     MAX_BAD_WORD_TOKENS]. A slot's prompt mask becomes the tokens of its request, its generated counts those past
-    its prompt, its logit bias and bad words the request's, its recent tokens the last it generated."""
+    its prompt, its logit bias and bad words the request's, its recent tokens the last it generated, and its token
+    history (with n-gram drafts on the device) its tokens."""
     slots, starts, prompt_lens, tokens, bias_ids, bias_vals, bad_words = unpack_host(packed, layout)
     num_slots, rows = state.counts.shape[0], slots.shape[0]
     idx = jnp.arange(tokens.shape[0])
@@ -460,6 +490,7 @@ def admit_step(layout, state: DeviceState, packed):
     at = starts[1:, None] - history + jnp.arange(history)[None, :]          # [A, H] each request's last H tokens
     generated = at >= (starts[:-1] + prompt_lens)[:, None]
     recent = jnp.where(generated, tokens[jnp.clip(at, 0, tokens.shape[0] - 1)], -1)
+    state = state.replace(history=_record(state.history, token_slot, idx - starts[row], tokens))
     return state.replace(counts=counts, prompt_mask=mask, bias_ids=state.bias_ids.at[slots].set(bias_ids, mode="drop"),
                          bias_vals=state.bias_vals.at[slots].set(bias_vals, mode="drop"),
                          bad_words=state.bad_words.at[slots].set(bad_words, mode="drop"),

@@ -1,5 +1,6 @@
-"""Several speculative verify rounds in one launch, for drafts proposed on the device (a draft model's or an EAGLE-3
-head's): the host issues the step once for all of them, as `steps.multi_decode_step` does for plain decoding.
+"""Several speculative verify rounds in one launch, for drafts proposed on the device (a draft model's, an EAGLE-3
+head's, or n-gram lookups in the device's token history, atlasjax/ngram_lookup.py): the host issues the step once
+for all of them, as `steps.multi_decode_step` does for plain decoding.
 
 A verify step reads back before the next is scheduled (its accepted drafts move every later position), so each
 launch pays the host's work of a step in full; with R rounds per launch that work is paid once per R rounds. Each
@@ -23,9 +24,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from atlasjax import sampling
-from atlasjax.steps import (DeviceState, Draft, Eagle3Draft, StepOutput, _accepted_rows, _eagle_follow, _eagle_propose,
-                            _gather_prev, _propose, _run_model, _sample_rows, _token_sequences, unpack_host)
+from atlasjax import ngram_lookup, sampling
+from atlasjax.steps import (DeviceState, Draft, Eagle3Draft, NgramDraft, StepOutput, _accepted_rows, _eagle_follow,
+                            _eagle_propose, _gather_prev, _propose, _record, _run_model, _sample_rows, _token_sequences,
+                            unpack_host)
 from models.attention import AttentionMetadata
 from models.transformer import Transformer
 
@@ -34,11 +36,13 @@ ROUND_INPUTS = ("budgets", "caps", "shift_from")   # [num_slots] each: after ste
 
 def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_rounds: int, layout, params, lora,
                        state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, prev_emitted,
-                       draft_params=None, *, draft: Draft | Eagle3Draft):
+                       draft_params=None, *, draft: Draft | Eagle3Draft | NgramDraft):
     """`num_rounds` verify rounds over a batch of `step_packing.pack_verify` (round 0's rows) with each request's
     budget and cap; a request with `shift_from` r >= 0 first moves along by prev_emitted[r] tokens (the launch in
     flight when this one was scheduled). Outputs: `StepOutput` with a leading [num_rounds] axis, `advance`, and per
-    request [num_slots] `emitted`, `last_tokens` (its newest token) and `shift`."""
+    request [num_slots] `emitted`, `last_tokens` (its newest token) and `shift`; n-gram drafts also `proposed`
+    [num_rounds, requests], the drafts each request's lookup found in each round (the rows past them are never
+    accepted)."""
     (tokens, positions, _, page_table, seq_lens, query_start, num_seqs, row_slots, budgets, caps, shift_from, f,
      i) = unpack_host(packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
@@ -60,11 +64,14 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
     i = i.at[:, sampling.I_STEP].add(jnp.where(real_row, shift[rq], 0))   # each row's output index
     num_drafts = draft.num_tokens
 
+    req_slots = row_slots[jnp.minimum(start, t - 1)]
+
     def body(carry, _):
-        kv, draft_kv, draft_hidden, tokens, emitted, newest = carry   # emitted: [n] tokens so far, per request
+        kv, draft_kv, draft_hidden, history, tokens, emitted, newest = carry   # emitted: [n] tokens so far, per request
         active = real & (emitted < budgets) & (last + emitted < caps)
         pos = jnp.where(real_row, last[rq] + emitted[rq] + offset, positions)
         row_on = real_row & active[rq] & (pos < caps[rq])
+        found = chunk - 1   # drafts proposed per request
         page = page_table[rq, jnp.minimum(pos // page_size, page_table.shape[1] - 1)]
         meta = AttentionMetadata(slot_mapping=jnp.where(row_on, page * page_size + pos % page_size,
                                                         num_pages * page_size),
@@ -73,10 +80,17 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
         if isinstance(draft, Draft):
             draft_kv, tokens = _propose(draft, draft_params, draft_kv, tokens, page_table, meta.seq_lens, query_start,
                                         num_seqs, active, caps)
-        else:
+        elif isinstance(draft, Eagle3Draft):
             draft_kv, tokens = _eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
                                               page_table, meta.seq_lens, query_start, num_seqs, row_slots, active,
                                               caps)
+        else:   # looked up in the history, its newest token (row 0 of its chunk) recorded first
+            history = _record(history, jnp.where(active, req_slots, history.shape[0]), last + emitted, tokens[start])
+            drafts, found = ngram_lookup.propose(history[req_slots], last + emitted,
+                                                 jnp.minimum(chunk - 1, budgets - emitted - 1), num_drafts,
+                                                 draft.min_n, draft.max_n)
+            tokens = jnp.where(real_row & (offset > 0), drafts[rq, jnp.maximum(offset - 1, 0)], tokens)
+            history = _record(history, jnp.where(row_on, row_slots, history.shape[0]), pos, tokens)
         hidden, kv, aux = _run_model(model, params, lora, tokens, pos, kv, meta, row_slots)
         logits = model.apply({"params": params}, hidden, method=Transformer.logits)
         # each row draws with the seed stream and min_tokens of its output index, as one round per launch would
@@ -84,7 +98,9 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
         new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots, st, plan)
         rows, _ = _accepted_rows(tokens, new_tokens, query_start, num_seqs, num_drafts)
         rows = jnp.minimum(rows, start + caps - (last + emitted) - 1)   # no draft past its pages (K/V unwritten)
+        rows = jnp.minimum(rows, start + found)   # nor past those proposed
         advance = jnp.where(active, rows - start + 1, 0)
+        proposed = jnp.where(active, jnp.minimum(found, caps - (last + emitted) - 1), 0)
         if isinstance(draft, Eagle3Draft):   # as verify_step: the slot keeps the head's output at the accepted row
             draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, pos, draft_kv,
                                               meta)
@@ -93,16 +109,18 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
         # the next round starts from each request's newest token (its drafts are proposed into the rows after it)
         next_tokens = jnp.where((offset == 0) & row_on, new_tokens[rows][rq], tokens)
         newest = jnp.where(active, new_tokens[rows], newest)
-        return (kv, draft_kv, draft_hidden, next_tokens, emitted + advance, newest), (new_tokens, lp, tv, ti, tokens,
-                                                                                      advance)
+        return (kv, draft_kv, draft_hidden, history, next_tokens, emitted + advance, newest), (
+            new_tokens, lp, tv, ti, tokens, advance, proposed)
 
     s = prev_emitted.shape[0]
-    (kv, draft_kv, draft_hidden, _, emitted, newest), (new_tokens, lp, tv, ti, inputs, advance) = jax.lax.scan(
-        body, (state.kv, state.draft_kv, state.draft_hidden, tokens, jnp.zeros(n, jnp.int32),
+    (kv, draft_kv, draft_hidden, history, _, emitted, newest), (new_tokens, lp, tv, ti, inputs, advance,
+                                                                proposed) = jax.lax.scan(
+        body, (state.kv, state.draft_kv, state.draft_hidden, state.history, tokens, jnp.zeros(n, jnp.int32),
                tokens[jnp.minimum(start, t - 1)]), None, length=num_rounds)
 
     def per_request(x):   # [n] -> [num_slots]
         return jnp.zeros(s, jnp.int32).at[:n].set(jnp.where(real, x, 0))
-    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden), StepOutput(
+    return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, history=history), StepOutput(
         new_tokens, lp, tv, ti, inputs=inputs, advance=advance, last_tokens=per_request(newest),
-        emitted=per_request(emitted), shift=per_request(shift))
+        emitted=per_request(emitted), shift=per_request(shift),
+        proposed=proposed if isinstance(draft, NgramDraft) else None)

@@ -26,7 +26,8 @@ results = []
 def run(label, batch, *flags):
     args = build_parser().parse_args(["latency", "--preset", "llama-3.1-8b", "--batch-size", str(batch), *flags])
     t0 = time.perf_counter()
-    engine = build_engine(args, max_num_seqs=batch, max_model_len=512, max_num_batched_tokens=256)
+    engine = build_engine(args, max_num_seqs=batch, max_model_len=int(os.environ.get("MAX_MODEL_LEN", "512")),
+                          max_num_batched_tokens=256)
     start_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logit_bias={1000: 100.0})

@@ -361,15 +361,17 @@ def test_drafts_respect_max_tokens_budget_pages_and_batch_size():
 def test_verify_rounds_get_their_pages_within_max_tokens_and_never_preempt():
     """Drafts proposed on the device run num_scheduler_steps verify rounds a launch (verify_rounds.py); each request
     gets pages for what its rounds may write (4 rounds of its last token and 3 drafts, within what its max_tokens
-    leaves), as far as the pool has them, preempting nobody; n-gram drafts run one round a launch."""
+    leaves), as far as the pool has them, preempting nobody. n-gram drafts too, once the host's lookup finds one
+    (then looked up on the device, atlasjax/ngram_lookup.py); with one round a launch the host's lookups are the
+    drafts."""
     from atlasjax.page_pool import PagePool
     from atlasjax.scheduler import Scheduler
     from atlasjax.speculative import DRAFT_ON_DEVICE
 
-    def scheduler(num_pages=32, **spec):
+    def scheduler(num_pages=32, steps=4, **spec):
         spec = spec or dict(method="draft_model", model="d")
         return Scheduler(PagePool(num_pages, 4, True), max_num_seqs=2, max_num_batched_tokens=64,
-                         num_scheduler_steps=4, speculative=SpeculativeConfig(num_speculative_tokens=3, **spec))
+                         num_scheduler_steps=steps, speculative=SpeculativeConfig(num_speculative_tokens=3, **spec))
     s = scheduler()
     a = _decoding(s, "a", LOOP, max_tokens=40)
     out = s.schedule()
@@ -385,10 +387,21 @@ def test_verify_rounds_get_their_pages_within_max_tokens_and_never_preempt():
     c = _decoding(s, "c", LOOP, max_tokens=40)
     assert s.schedule().rounds == 4 and len(c.pages) == 5 and s.num_preemptions == 0   # the step stops it there
 
-    s = scheduler(prompt_lookup_max=3, prompt_lookup_min=1)   # n-gram: looked up on the host, one round a launch
+    s = scheduler(prompt_lookup_max=3, prompt_lookup_min=1)   # n-gram: rows for the device's lookups
     e = _decoding(s, "e", LOOP, max_tokens=40)
     out = s.schedule()
-    assert out.drafts[e] and out.rounds == 1
+    assert out.drafts[e] == [DRAFT_ON_DEVICE] * 3 and out.rounds == 4
+
+    s = scheduler(prompt_lookup_max=3, prompt_lookup_min=1)   # none found by the host: a multi-step decode
+    f = _decoding(s, "f", list(range(20, 40)), max_tokens=40)
+    f.output_token_ids[-1] = 99                               # a token the prompt never had
+    out = s.schedule()
+    assert not out.drafts and out.steps[f] == 4
+
+    s = scheduler(steps=1, prompt_lookup_max=3, prompt_lookup_min=1)   # one round a launch: the host's drafts
+    g = _decoding(s, "g", LOOP, max_tokens=40)
+    out = s.schedule()
+    assert out.drafts[g] == propose(LOOP + g.output_token_ids, 3, 1, 3) and out.rounds == 1
 
 
 def test_a_verify_launch_is_scheduled_behind_another_only_when_it_can_run_the_same_requests():
@@ -398,6 +411,7 @@ def test_a_verify_launch_is_scheduled_behind_another_only_when_it_can_run_the_sa
     from atlasjax.page_pool import PagePool
     from atlasjax.request import Request
     from atlasjax.scheduler import Scheduler, verify_reach
+    from atlasjax.speculative import DRAFT_ON_DEVICE
 
     def scheduler(num_pages=64, max_num_seqs=2, **spec):
         spec = spec or dict(method="draft_model", model="d")
@@ -441,6 +455,9 @@ def test_a_verify_launch_is_scheduled_behind_another_only_when_it_can_run_the_sa
     _decoding(s, "b", LOOP, max_tokens=60)
     assert not s.can_pipeline_verify(first.decodes)
 
-    s = scheduler(prompt_lookup_max=3, prompt_lookup_min=1)   # n-gram drafts are looked up on the host
+    s = scheduler(prompt_lookup_max=3, prompt_lookup_min=1)   # n-gram drafts looked up on the device: the same
     a = _decoding(s, "a", LOOP, max_tokens=60)
-    assert not s.can_pipeline_verify(launch(s, s.schedule()).decodes)
+    first = launch(s, s.schedule())
+    assert first.rounds == 4 and s.can_pipeline_verify(first.decodes)
+    second = s.schedule(behind_verify=True)   # no lookup here (the host lacks the tokens in flight): rows for them
+    assert second.drafts[a] == [DRAFT_ON_DEVICE] * 3 and second.rounds == 4
