@@ -51,7 +51,7 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
         return max(1, min(want, (2 << 30) // bytes_per_page))
     # logits and sampling, activations, and XLA's GEMM autotuner: while compiling a step it allocates
     # copies of a GEMM's operands (the LM head's weight, 1 GB at 8B shapes)
-    reserve = (4 * config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30)
+    reserve = (4 * config.max_num_seqs * cfg.vocab_size * 8 + (1 << 30) + _history_bytes(config, max_model_len)
                + max(_device_bytes(x) for x in jax.tree.leaves(params)))
     pages = kv_pool_pages(stats, bytes_per_page, reserve, config.gpu_memory_utilization)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -60,6 +60,13 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
              pages, ps, jnp.dtype(dtype).name, pages * bytes_per_page / 2**30, free / 2**30,
              stats["bytes_limit"] / 2**30, f", the largest free block {block / 2**30:.2f} GiB" if block else "")
     return pages
+
+
+def _history_bytes(config, max_model_len: int) -> int:
+    """The token history n-gram drafts looked up on the device read (steps.DeviceState.history), if any."""
+    spec = config.speculative_config
+    on_device = spec is not None and spec.method == "ngram" and spec.drafts_on_device(config.num_scheduler_steps or 1)
+    return 4 * config.max_num_seqs * max_model_len if on_device else 0
 
 
 def _local_kv_heads(cfg, plan) -> int:

@@ -198,3 +198,19 @@ def test_staggered_requests_preemption_and_the_prefix_cache_equal_plain_decoding
         assert engine.scheduler.num_preemptions > 0 and engine.stats.spec.num_accepted_tokens > 0
         assert _check_rounds(records, NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"])[0] > 0
         _assert_idle(engine)
+
+
+def test_under_tensor_parallelism_the_history_is_whole_on_every_device(hf_model_factory):
+    """TP=2: the token history is replicated (the lookup runs outside the sharded model) and the tokens are one
+    device's plain decoding's, with launches pipelined."""
+    target = hf_model_factory("qwen2_tp")[1]
+    prompts = [[7, 8, 9, 10, 7, 8], [5, 9, 5, 9, 5, 9]]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+    want = _tokens(LLM(target, **ENGINE), prompts, params)
+    llm = LLM(target, tensor_parallel_size=2, speculative_config=NGRAM, num_scheduler_steps=ROUNDS, **ENGINE)
+    history = llm.engine.runner.state.history
+    assert history.shape == (ENGINE["max_num_seqs"], ENGINE["max_model_len"])
+    assert history.sharding.is_fully_replicated and len(history.sharding.device_set) == 2
+    assert _tokens(llm, prompts, params) == want
+    assert llm.engine.launcher.num_pipelined_verifies > 0 and llm.engine.stats.spec.num_accepted_tokens > 0
+    _assert_idle(llm.engine)
