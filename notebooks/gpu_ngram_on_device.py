@@ -4,7 +4,9 @@ verify launch before) and the device's with each launch read back first (ATLASJA
 Llama-3.1-8B shapes (bf16, random weights, one H200); a +100 logit bias makes the random model repeat one token, so
 every draft is accepted (gpu_spec_step_cost.py's method); 128-token random prompts, 128 out, k=4:
   python3 notebooks/gpu_ngram_on_device.py 1 8      # batch sizes -> $OUT/ngram_on_device_1_8.json
-LONG=1 also runs bs=1 and 8 pipelined with a 32k max_model_len (each round looks up 32k positions per request).
+MIXED=1 instead biases two tokens alike (+100 each: the model picks between them, so drafts are accepted in part) and
+runs the default engine, the host's lookups and the device's pipelined. LONG=1 also runs bs=1 and 8 pipelined with a 32k
+max_model_len (each round looks up 32k positions per request).
 """
 import json
 import os
@@ -21,7 +23,14 @@ def ngram(label, batch, *flags, pipeline="on"):
     cost.run(label, batch, *K4, *flags)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and os.environ.get("MIXED") == "1":
+    os.environ["LOGIT_BIAS"] = '{"1000": 100.0, "1001": 100.0}'
+    for batch in [int(b) for b in sys.argv[1:]] or [1]:
+        cost.run("default, two tokens biased", batch)
+        ngram("ngram k=4, host lookups, 1 round per launch, two tokens biased", batch, "--num-scheduler-steps", "1")
+        ngram("ngram k=4, device lookups, 4 rounds, pipelined, two tokens biased", batch)
+    json.dump(cost.results, open(os.path.join(cost.OUT, "ngram_on_device_mixed.json"), "w"), indent=1)
+elif __name__ == "__main__":
     for batch in [int(b) for b in sys.argv[1:]] or [1]:
         cost.run("default", batch)
         ngram("ngram k=4, host lookups, 1 round per launch", batch, "--num-scheduler-steps", "1")

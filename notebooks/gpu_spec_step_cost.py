@@ -30,7 +30,8 @@ def run(label, batch, *flags):
                           max_num_batched_tokens=256)
     start_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logit_bias={1000: 100.0})
+    bias = {int(t): v for t, v in json.loads(os.environ.get("LOGIT_BIAS", '{"1000": 100.0}')).items()}
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logit_bias=bias)
     per_iter = []
     for it in range(3):   # the first compiles
         ids = [f"{it}-{b}" for b in range(batch)]

@@ -25,8 +25,8 @@ def _record_prefills(engine):
     """[[(request id, start, num_tokens) per chunk] per scheduled step with prefills]."""
     seen, schedule = [], engine.scheduler.schedule
 
-    def record():
-        out = schedule()
+    def record(**kw):
+        out = schedule(**kw)
         if out.prefills:
             seen.append([(c.request.request_id, c.start, c.num_tokens) for c in out.prefills])
         return out

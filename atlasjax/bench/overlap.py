@@ -29,8 +29,8 @@ class _ScheduledSteps:
         self.count = 0
         schedule = scheduler.schedule
 
-        def counted():
-            out = schedule()
+        def counted(**kw):
+            out = schedule(**kw)
             self.count += not out.is_empty
             return out
         scheduler.schedule = counted
