@@ -181,9 +181,11 @@ class EngineConfig:
                                              # "prompt_lookup_max": 4} or {"model": "path/to/draft",
                                              # "num_speculative_tokens": 4} (a draft model), its JSON, or a
                                              # SpeculativeConfig (atlasjax/speculative.py); a step without
-                                             # drafts decodes as usual (num_scheduler_steps iterations per launch); the
-                                             # step after a verify step waits for it to be read back (a draft model's
-                                             # or head's: num_scheduler_steps verify rounds per launch)
+                                             # drafts decodes as usual (num_scheduler_steps iterations per launch);
+                                             # drafts proposed on the device (a draft model's or head's, n-gram
+                                             # lookups with num_scheduler_steps > 1) run num_scheduler_steps verify
+                                             # rounds per launch, launches pipelined; otherwise the step after a
+                                             # verify step waits for it to be read back
     hf_overrides: object = None              # vLLM's (atlasjax/hf_overrides.py): config.json keys over the
                                              # model's: RoPE and positions ({"rope_scaling": {"rope_type": "yarn",
                                              # "factor": 4.0, "original_max_position_embeddings": 32768}}), or
