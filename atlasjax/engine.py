@@ -443,6 +443,8 @@ class LLMEngine:
         host = read_back(step, self.num_slots)
         self.stats.read_wait_seconds += time.perf_counter() - t0
         self.scheduler.completed(step.sched)
+        if step.spans is not None and step.decode.emitted is not None:   # a verify-rounds launch
+            self.scheduler.drafts_accepted = any(a for rounds in host.spec_rounds for _, a in rounds)
         return self.outputs.process(step, host)
 
     def release(self, request_id: str) -> None:

@@ -115,6 +115,9 @@ class Scheduler:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self.held: set[Request] = set()   # arrived during a pause (atlasjax/pause.py): not admitted until resume
+        # the verify-rounds launch read back last accepted a draft: n-gram launches are scheduled behind one another
+        # only then (text that stopped repeating goes back to the host's lookup, which may find no draft)
+        self.drafts_accepted = True
 
     # ---- queue
     def add(self, req: Request) -> None:
@@ -201,8 +204,8 @@ class Scheduler:
                                    spec.prompt_lookup_max)[pending:]
 
     def _verify_rounds(self, decodes: list[Request], drafts: dict[Request, list[int]]) -> int:
-        """Verify rounds of a launch whose drafts are proposed on the device: num_scheduler_steps (n-gram drafts are
-        looked up here, one round at a time). Each request gets the pages for what its rounds may write, within
+        """Verify rounds of a launch whose drafts are proposed on the device: num_scheduler_steps (with one, n-gram
+        drafts are looked up here). Each request gets the pages for what its rounds may write, within
         its max_tokens, as far as they can be had without preempting anyone (the step writes nothing past its
         pages and accepts no draft there)."""
         rounds = self.num_scheduler_steps
@@ -237,6 +240,8 @@ class Scheduler:
                 or set(self.running) != set(in_flight)):
             return False
         if spec.disable_by_batch_size is not None and len(in_flight) >= spec.disable_by_batch_size:
+            return False
+        if not spec.uses_draft_model and not self.drafts_accepted:
             return False
         need = 0
         for req in in_flight:

@@ -321,13 +321,14 @@ def _advance_recent(recent, slots, new_tokens):
 
 
 def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: DeviceState, tokens, page_table,
-                 seq_lens, slots, st, split_rows=None, lora=None, draft=None, draft_params=None, drafting=((), ())):
+                 seq_lens, slots, st, split_rows=None, lora=None, draft=None, draft_params=None,
+                 drafting=((), (), ())):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
     per-slot sampling state; kv, counts, recent and drafting (draft_kv, draft_hidden, history) are the iteration's
     own.
     split_rows: AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft: `Draft`,
-    `Eagle3Draft` or None. Returns (kv, drafting, counts, recent, StepOutput)."""
+    `Eagle3Draft`, `NgramDraft` (nothing to run here) or None. Returns (kv, drafting, counts, recent, StepOutput)."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)

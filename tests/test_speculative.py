@@ -461,3 +461,5 @@ def test_a_verify_launch_is_scheduled_behind_another_only_when_it_can_run_the_sa
     assert first.rounds == 4 and s.can_pipeline_verify(first.decodes)
     second = s.schedule(behind_verify=True)   # no lookup here (the host lacks the tokens in flight): rows for them
     assert second.drafts[a] == [DRAFT_ON_DEVICE] * 3 and second.rounds == 4
+    s.drafts_accepted = False   # the launch read back last accepted nothing: the host's lookup decides again
+    assert not s.can_pipeline_verify(launch(s, second).decodes)
