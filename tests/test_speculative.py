@@ -284,10 +284,12 @@ def test_served_stream_equals_plain_decoding_and_metrics_count_drafts(tmp_path_f
         assert engine.engine.launcher.num_pipelined_verifies > 0   # launches scheduled behind the one in flight
 
 
-def test_compiled_at_start_with_every_sampling_feature(tiny):
+@pytest.mark.parametrize("steps", [None, 4], ids=["default", "4_rounds"])
+def test_compiled_at_start_with_every_sampling_feature(tiny, steps):
     """A server's engine (compile_at_start) warms the verify steps up too: the mixed workload of
     test_async_scheduling (seeded sampling with filters, penalties, logprobs, prompt logprobs, stop strings, n=2,
-    staggered arrivals) compiles nothing more and yields plain decoding's completions."""
+    staggered arrivals) compiles nothing more and yields plain decoding's completions; with 4 rounds a launch (the
+    GPU default: n-gram drafts looked up on the device) too."""
     from atlasjax.engine import LLMEngine
     from tests.test_async_scheduling import _mixed_workload, _run
 
@@ -299,9 +301,12 @@ def test_compiled_at_start_with_every_sampling_feature(tiny):
         return {rid: [seq[:4] for seq in seqs] for rid, seqs in results.items()}
     work = _mixed_workload(n=12, seed=3)
     want, _ = _run(engine(), work)
-    spec = engine(speculative_config=NGRAM, compile_at_start=True)
+    spec = engine(speculative_config=NGRAM, compile_at_start=True, num_scheduler_steps=steps)
     compiled = spec.runner.num_compiles
-    assert sorted(k[1] for k in spec.runner._compiled if k[0] == "verify") == [16] * 4 + [32] * 4   # 4 plans
+    # 4 plans, each one round a launch and (GPU: num_scheduler_steps 4, n-gram drafts looked up on the device) 4
+    rounds = sorted({1, spec.runner.verify_rounds})
+    assert sorted((k[1], k[3] if len(k) > 3 else 1) for k in spec.runner._compiled if k[0] == "verify") == \
+        sorted((t, r) for t in (16, 32) for r in rounds for _ in range(4))
     got, deltas = _run(spec, work)
     assert completions(got) == completions(want)
     assert spec.runner.num_compiles == compiled
