@@ -16,6 +16,7 @@ from atlasjax.eagle3 import make_tensors
 from atlasjax.errors import EngineConfigError
 from tests.test_draft_model import _ran_verify_rounds
 from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
+from tests.test_speculative import end_behind_a_pipelined_launch
 
 # float32: on a GPU in bf16 a verify's rows round unlike a decode's and near-equal tokens of a random model flip
 # num_pages: a full-length sequence per slot (a CPU's default), so that on a GPU the many engines alive in one
@@ -279,26 +280,7 @@ def test_a_request_aborted_or_stopped_behind_a_pipelined_launch_frees_everything
     """A launch is scheduled while the one before still runs (verify_rounds.py): a request aborted, or stopped by a
     token the launch before emitted, while the next launch in flight still holds it gives its pages and slot back
     once that launch is read back, and the other request's tokens stay plain decoding's."""
-    engine = eagle_rounds.engine
-    want = _tokens(plain, [PROMPTS[1]], SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))[0]
-    stop = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40, stop_token_ids=[want[20]])
-    for end in ("abort", "stop"):
-        pipelined = engine.launcher.num_pipelined_verifies
-        engine.add_request("kept", PROMPTS[1], SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))
-        engine.add_request("ended", PROMPTS[1], stop)
-        ended = engine.requests["ended"][0]
-        while engine.launcher.num_pipelined_verifies < pipelined + 2:   # well into pipelined launches
-            engine.step()
-        if end == "abort":
-            assert engine.abort("ended")
-        while engine.has_unfinished():
-            engine.step()
-        assert engine.requests["kept"][0].output_token_ids == want
-        if end == "stop":
-            assert ended.finish_reason == "stop" and ended.output_token_ids == want[:want.index(want[20]) + 1]
-        for rid in list(engine.requests):
-            engine.release(rid)
-        _assert_idle(engine)
+    end_behind_a_pipelined_launch(eagle_rounds.engine, plain, PROMPTS[1])
 
 
 @pytest.mark.parametrize("rounds", [1, 3])

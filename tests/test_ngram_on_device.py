@@ -10,7 +10,7 @@ import pytest
 from atlasjax import LLM, SamplingParams, ngram_lookup
 from atlasjax.speculative import propose
 from tests.test_engine import _alone, _assert_idle, _run_staggered, _workload
-from tests.test_speculative import ENGINE, LOOP, NGRAM
+from tests.test_speculative import ENGINE, LOOP, NGRAM, end_behind_a_pipelined_launch
 
 ROUNDS = 3
 PROMPTS = [LOOP, list(range(3, 40)), [5, 9, 5, 9, 5, 9]]
@@ -162,27 +162,7 @@ def test_a_penalized_request_keeps_its_batch_decoding_plainly(plain, ngram):
 
 
 def test_a_request_aborted_or_stopped_behind_a_pipelined_launch_frees_everything(plain, ngram):
-    engine = ngram.engine
-    want = _tokens(plain, [PROMPTS[2]], SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))[0]
-    stop = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40, stop_token_ids=[want[20]])
-    for end in ("abort", "stop"):
-        pipelined = engine.launcher.num_pipelined_verifies
-        engine.add_request("kept", PROMPTS[2], SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))
-        engine.add_request("ended", PROMPTS[2], stop)
-        ended = engine.requests["ended"][0]
-        while engine.launcher.num_pipelined_verifies < pipelined + 2 and engine.has_unfinished():
-            engine.step()
-        assert engine.launcher.num_pipelined_verifies >= pipelined + 2
-        if end == "abort":
-            assert engine.abort("ended")
-        while engine.has_unfinished():
-            engine.step()
-        assert engine.requests["kept"][0].output_token_ids == want
-        if end == "stop":
-            assert ended.finish_reason == "stop" and ended.output_token_ids == want[:want.index(want[20]) + 1]
-        for rid in list(engine.requests):
-            engine.release(rid)
-        _assert_idle(engine)
+    end_behind_a_pipelined_launch(ngram.engine, plain, PROMPTS[2])
 
 
 def test_staggered_requests_preemption_and_the_prefix_cache_equal_plain_decoding(model_dir):

@@ -100,6 +100,33 @@ def test_config_parsing_and_errors():
             EngineConfig(speculative_config=bad)
 
 
+def end_behind_a_pipelined_launch(engine, plain, prompt):
+    """Two greedy requests of `prompt` well into pipelined verify-rounds launches; one is aborted, or stopped by a
+    token a launch before emitted, while the launch behind still holds it: it gives its pages and slot back once
+    that launch is read back, and the other's tokens stay plain decoding's (`plain`: an LLM without speculation)."""
+    keep = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40)
+    want = plain.generate([prompt], keep)[0].outputs[0].token_ids
+    stop = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40, stop_token_ids=[want[20]])
+    for end in ("abort", "stop"):
+        pipelined = engine.launcher.num_pipelined_verifies
+        engine.add_request("kept", prompt, keep)
+        engine.add_request("ended", prompt, stop)
+        ended = engine.requests["ended"][0]
+        while engine.launcher.num_pipelined_verifies < pipelined + 2 and engine.has_unfinished():
+            engine.step()
+        assert engine.launcher.num_pipelined_verifies >= pipelined + 2
+        if end == "abort":
+            assert engine.abort("ended")
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.requests["kept"][0].output_token_ids == want
+        if end == "stop":
+            assert ended.finish_reason == "stop" and ended.output_token_ids == want[:want.index(want[20]) + 1]
+        for rid in list(engine.requests):
+            engine.release(rid)
+        _assert_idle(engine)
+
+
 # ---- the engine
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_greedy_tokens_equal_plain_decoding_with_drafts_accepted(plain, spec, async_scheduling):
