@@ -120,7 +120,7 @@ class LLMEngine:
         draft = load_speculative_draft(self.speculative, cfg, self.tokenizer, self.dtype, self.max_model_len,
                                        self.loaded.plan)
         spec = self.speculative
-        if spec is not None and spec.method == "ngram" and spec.drafts_on_device(config.num_scheduler_steps):
+        if spec is not None and spec.ngram_on_device(config.num_scheduler_steps):
             draft = NgramDraft(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
                                   max_num_seqs=self.num_slots, max_model_len=self.max_model_len,

@@ -65,7 +65,7 @@ def auto_num_pages(config, model_config, dtype, max_model_len: int, params, plan
 def _history_bytes(config, max_model_len: int) -> int:
     """The token history n-gram drafts looked up on the device read (steps.DeviceState.history), if any."""
     spec = config.speculative_config
-    on_device = spec is not None and spec.method == "ngram" and spec.drafts_on_device(config.num_scheduler_steps or 1)
+    on_device = spec is not None and spec.ngram_on_device(config.num_scheduler_steps or 1)
     return 4 * config.max_num_seqs * max_model_len if on_device else 0
 
 

@@ -103,6 +103,10 @@ class SpeculativeConfig:
         one round per launch the host looks them up)."""
         return self.uses_draft_model or num_scheduler_steps > 1
 
+    def ngram_on_device(self, num_scheduler_steps: int) -> bool:
+        """Whether n-gram drafts are looked up on the device (steps.NgramDraft, in a token history it keeps)."""
+        return self.method == "ngram" and self.drafts_on_device(num_scheduler_steps)
+
     @property
     def draft_name(self) -> str:
         return "EAGLE-3 head" if self.method == "eagle3" else "draft model"

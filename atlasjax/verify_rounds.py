@@ -64,7 +64,7 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
     i = i.at[:, sampling.I_STEP].add(jnp.where(real_row, shift[rq], 0))   # each row's output index
     num_drafts = draft.num_tokens
 
-    req_slots = row_slots[jnp.minimum(start, t - 1)]
+    req_slots = row_slots[jnp.minimum(start, t - 1)]   # each request's engine slot
 
     def body(carry, _):
         kv, draft_kv, draft_hidden, history, tokens, emitted, newest = carry   # emitted: [n] tokens so far, per request
@@ -104,7 +104,7 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
         if isinstance(draft, Eagle3Draft):   # as verify_step: the slot keeps the head's output at the accepted row
             draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, pos, draft_kv,
                                               meta)
-            slots = jnp.where(active, row_slots[jnp.minimum(start, t - 1)], draft_hidden.shape[0])
+            slots = jnp.where(active, req_slots, draft_hidden.shape[0])
             draft_hidden = draft_hidden.at[slots].set(prenorm[rows], mode="drop")
         # the next round starts from each request's newest token (its drafts are proposed into the rows after it)
         next_tokens = jnp.where((offset == 0) & row_on, new_tokens[rows][rq], tokens)
