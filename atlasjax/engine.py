@@ -78,8 +78,6 @@ def resolve_dtype(name: str):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
-        from atlasjax.model_source import (  # noqa: PLC0415
-            load_for_engine, shard_loaded, with_user_settings, with_weight_settings)
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config = dataclasses.replace(
             config, num_scheduler_steps=resolve_scheduler_steps(config.num_scheduler_steps, jax.default_backend()),
@@ -88,89 +86,26 @@ class LLMEngine:
         self.speculative = config.speculative_config
         self.dtype = resolve_dtype(config.dtype)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        # read before the model loads: a missing or broken template fails at once
-        chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
-        check_host_memory(config.kv_offloading_size)
-        check_directory(config.kv_offloading_disk)
-        given = loaded
-        self.loaded = with_user_settings(shard_loaded(loaded or load_for_engine(config, self.dtype),
-                                                      config.tensor_parallel_size, self.dtype), config, chat_template)
-        self.model_config = cfg = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.generation_defaults = self.loaded.generation
-        self.max_model_len = resolve_max_model_len(config.max_model_len, cfg)
-        if config.num_pages:
-            self._check_num_pages(config.num_pages)   # before any device work
         # Rows of the fixed-shape steps: at least 8 on GPU, where XLA runs a one-row matmul as a much
         # slower matrix-vector kernel (8B bs=1 step on an H100: 7.8 ms with 1 row, 6.0 ms with 8).
         min_rows = 8 if jax.default_backend() == "gpu" else 1
         self.num_slots = max(config.max_num_seqs, min_rows)
-        decode_buckets = config.decode_buckets(self.num_slots, min_rows)
-        # The runner holds the params from here on (in its execution layout: `runner.checkpoint_params()`
-        # gives them back as loaded); a tree this engine loaded or sharded itself is handed over whole.
-        params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
-        own_params = given is None or params is not given.params
-        params = with_weight_settings(params, config, cfg, self.tokenizer, self.dtype, self.kv_dtype,
-                                      self.max_model_len, plan=self.loaded.plan)
-        self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
-        if config.load_format == "dummy":
-            self.weights_summary += " (random: load_format dummy)"
-        log.info("%s: %s", self.loaded.source, self.weights_summary)
-        # speculative decoding's draft model or EAGLE-3 head (atlasjax/draft_model.py): (config, params, plan, k)
-        draft = load_speculative_draft(self.speculative, cfg, self.tokenizer, self.dtype, self.max_model_len,
-                                       self.loaded.plan)
-        spec = self.speculative
-        if spec is not None and spec.ngram_on_device(config.num_scheduler_steps):
-            draft = NgramDraft(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.runner = ModelRunner(cfg, params, dtype=self.dtype, kv_dtype=self.kv_dtype, page_size=config.page_size,
-                                  max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
-                                  prefill_buckets=config.prefill_buckets(),
-                                  decode_buckets=decode_buckets,
-                                  attn_backend=config.attention_backend, plan=self.loaded.plan,
-                                  own_params=own_params,
-                                  prompt_logprobs_tokens=config.prompt_logprobs_tokens,
-                                  long_context_split_rows=long_context_decode.resolve(
-                                      config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
-                                      attention_backend=config.attention_backend, decode_buckets=decode_buckets,
-                                      max_model_len=self.max_model_len),
-                                  verify_buckets=self._verify_buckets(config), draft=draft,
-                                  verify_rounds=config.num_scheduler_steps if draft is not None else 1)
-        del params, draft
+        params, own_params = self._load(config, loaded)
+        self.runner = self._build_runner(config, params, own_params, config.decode_buckets(self.num_slots, min_rows))
+        del params
         self.lora = None   # LoRA adapters' device slots and host copies (atlasjax/lora.py)
         if config.enable_lora:
             if distributed.is_multiprocess():
                 raise EngineConfigError("LoRA adapters across several hosts are not supported yet (enable_lora)")
-            self.lora = LoRAManager(self.runner, cfg, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                                    max_cpu_loras=config.max_cpu_loras)
-        # The KV pool is sized from the memory left once the params (and LoRA slots) are in their execution layout.
-        self.pooler = read_pooler_config(config.model, config.pooling_type)
-        cannot_generate = self.loaded.pooling_model or self.loaded.classifier is not None
-        self.pooling_only = config.runner == "pooling" or (config.runner == "auto" and cannot_generate)
-        if self.pooling_only and config.runner == "auto":
-            log.info("runner: pooling (the checkpoint has no LM head: embeddings and classification only; "
-                     "runner='generate' generates anyway)")
-        if self.pooling_only:   # no generation: the pool holds one sequence, the memory goes to embedding batches
-            num_pages = config.num_pages or -(-self.max_model_len // config.page_size)
-        else:
-            num_pages = distributed.broadcast_int(   # all hosts agree
-                config.num_pages or auto_num_pages(config, cfg, self.kv_dtype, self.max_model_len,
-                                                   self.runner.params, self.loaded.plan,
-                                                   self.runner.draft_cfg, self.runner.draft_plan))
-        self._check_num_pages(num_pages)
-        if config.compile_at_start and self.pooling_only:
-            t0 = time.perf_counter()
-            self.embedder.warmup()
-            log.info("compiled %d embedding batch sizes in %.1f s", self.embedder.num_programs,
-                     time.perf_counter() - t0)
-        elif config.compile_at_start:
-            t0 = time.perf_counter()
-            self.runner.warmup(config.num_scheduler_steps, num_pages=num_pages)
-            log.info("compiled %d step shapes and loaded %d from the program store in %.1f s",
-                     self.runner.num_compiles, self.runner.num_loaded, time.perf_counter() - t0)
+            self.lora = LoRAManager(self.runner, self.model_config, max_loras=config.max_loras,
+                                    max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
+        num_pages = self._num_pages(config)
+        if config.compile_at_start:
+            self._compile(config, num_pages)
         self.runner.allocate(num_pages)
         self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_caching)
         self.kv_offload = None if self.pooling_only else host_tier(config, self.pool, self.runner,
-                                                                   weights_named=given is None)
+                                                                   weights_named=loaded is None)
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_scheduler_steps=config.num_scheduler_steps,
@@ -184,7 +119,7 @@ class LLMEngine:
         self.launcher = StepLauncher(self.runner, self.scheduler, self.pool, num_slots=self.num_slots,
                                      num_scheduler_steps=config.num_scheduler_steps, kv_offload=self.kv_offload,
                                      lora=self.lora)
-        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else cfg.eos_token_ids
+        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model_config.eos_token_ids
         self.eos_token_ids = tuple(dict.fromkeys(eos + self.generation_defaults.eos_token_ids))
         self.requests: dict[str, list[Request]] = {}   # request id -> its n sequences
         self._rng = random.Random(config.seed)
@@ -201,6 +136,86 @@ class LLMEngine:
         self.pause_state = pause.PauseState()   # a pause for new weights (atlasjax/pause.py)
         self.profiler = Profiler(profiler_dir(config.profiler_dir))   # start_profile / stop_profile (profiling.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
+
+    # ---- start: load, runner, KV pool size, compiles
+    def _load(self, config: EngineConfig, given) -> tuple[dict, bool]:
+        """Load (or take `given`) and shard the model; the params in the engine's weight settings and whether this
+        engine owns them (a tree it loaded or sharded itself goes to the runner whole)."""
+        from atlasjax.model_source import (  # noqa: PLC0415
+            load_for_engine, shard_loaded, with_user_settings, with_weight_settings)
+        # read before the model loads: a missing or broken template fails at once
+        chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
+        check_host_memory(config.kv_offloading_size)
+        check_directory(config.kv_offloading_disk)
+        self.loaded = with_user_settings(shard_loaded(given or load_for_engine(config, self.dtype),
+                                                      config.tensor_parallel_size, self.dtype), config, chat_template)
+        self.model_config = cfg = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.generation_defaults = self.loaded.generation
+        self.max_model_len = resolve_max_model_len(config.max_model_len, cfg)
+        if config.num_pages:
+            self._check_num_pages(config.num_pages)   # before any device work
+        # The runner holds the params from here on (in its execution layout: `runner.checkpoint_params()`
+        # gives them back as loaded).
+        params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
+        own_params = given is None or params is not given.params
+        params = with_weight_settings(params, config, cfg, self.tokenizer, self.dtype, self.kv_dtype,
+                                      self.max_model_len, plan=self.loaded.plan)
+        self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
+        if config.load_format == "dummy":
+            self.weights_summary += " (random: load_format dummy)"
+        log.info("%s: %s", self.loaded.source, self.weights_summary)
+        return params, own_params
+
+    def _build_runner(self, config: EngineConfig, params, own_params: bool, decode_buckets) -> ModelRunner:
+        # speculative decoding's draft model or EAGLE-3 head (atlasjax/draft_model.py): (config, params, plan, k)
+        draft = load_speculative_draft(self.speculative, self.model_config, self.tokenizer, self.dtype,
+                                       self.max_model_len, self.loaded.plan)
+        spec = self.speculative
+        if spec is not None and spec.ngram_on_device(config.num_scheduler_steps):
+            draft = NgramDraft(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return ModelRunner(self.model_config, params, dtype=self.dtype, kv_dtype=self.kv_dtype,
+                           page_size=config.page_size, max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
+                           prefill_buckets=config.prefill_buckets(), decode_buckets=decode_buckets,
+                           attn_backend=config.attention_backend, plan=self.loaded.plan, own_params=own_params,
+                           prompt_logprobs_tokens=config.prompt_logprobs_tokens,
+                           long_context_split_rows=long_context_decode.resolve(
+                               config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
+                               attention_backend=config.attention_backend, decode_buckets=decode_buckets,
+                               max_model_len=self.max_model_len),
+                           verify_buckets=self._verify_buckets(config), draft=draft,
+                           verify_rounds=config.num_scheduler_steps if draft is not None else 1)
+
+    def _num_pages(self, config: EngineConfig) -> int:
+        """The KV pool's pages, sized from the memory left once the params (and LoRA slots) are in their execution
+        layout; decides whether this engine only pools (embeddings, classification)."""
+        self.pooler = read_pooler_config(config.model, config.pooling_type)
+        cannot_generate = self.loaded.pooling_model or self.loaded.classifier is not None
+        self.pooling_only = config.runner == "pooling" or (config.runner == "auto" and cannot_generate)
+        if self.pooling_only and config.runner == "auto":
+            log.info("runner: pooling (the checkpoint has no LM head: embeddings and classification only; "
+                     "runner='generate' generates anyway)")
+        if self.pooling_only:   # no generation: the pool holds one sequence, the memory goes to embedding batches
+            num_pages = config.num_pages or -(-self.max_model_len // config.page_size)
+        else:
+            num_pages = distributed.broadcast_int(   # all hosts agree
+                config.num_pages or auto_num_pages(config, self.model_config, self.kv_dtype, self.max_model_len,
+                                                   self.runner.params, self.loaded.plan,
+                                                   self.runner.draft_cfg, self.runner.draft_plan))
+        self._check_num_pages(num_pages)
+        return num_pages
+
+    def _compile(self, config: EngineConfig, num_pages: int) -> None:
+        """compile_at_start: every step shape (or embedding batch size) before the pool is allocated."""
+        t0 = time.perf_counter()
+        if self.pooling_only:
+            self.embedder.warmup()
+            log.info("compiled %d embedding batch sizes in %.1f s", self.embedder.num_programs,
+                     time.perf_counter() - t0)
+        else:
+            self.runner.warmup(config.num_scheduler_steps, num_pages=num_pages)
+            log.info("compiled %d step shapes and loaded %d from the program store in %.1f s",
+                     self.runner.num_compiles, self.runner.num_loaded, time.perf_counter() - t0)
 
     def _verify_buckets(self, config: EngineConfig) -> tuple[int, ...]:
         """Token counts of the verify steps speculation can run: prefill buckets up to one that holds every slot's
