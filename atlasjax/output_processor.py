@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from atlasjax import ngram_gate
 from atlasjax.metrics import EngineStats
 from atlasjax.outputs import Logprob, StreamDelta
 from atlasjax.request import Request
@@ -61,6 +62,7 @@ class OutputProcessor:
                     break
                 if j in rounds:
                     self.stats.spec.record(*rounds[j])
+                    ngram_gate.record_round(req, rounds[j][1])
                 delta = merged(delta, self._append_token(req, host, r, j))
                 appended += 1
             if step.spans is not None:

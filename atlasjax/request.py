@@ -48,6 +48,7 @@ class Request:
     text: str = ""
     emitted_chars: int = 0                # text already streamed (the rest may still become a stop string)
     token_history: object = None          # speculative decoding: its tokens as a numpy array (speculative.py)
+    accepted_per_round: float | None = None   # n-gram speculation: recent drafts kept a verify round (ngram_gate.py)
     lora_request: object = None           # its LoRARequest (atlasjax/lora.py), or None: the base model
     lora_adapter: object = None           # that adapter as read and checked when the request was added
     lora_slot: int = -1                   # the device LoRA slot it runs with while admitted (-1: none)

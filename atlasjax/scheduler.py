@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from atlasjax import speculative
+from atlasjax import ngram_gate, speculative
 from atlasjax.page_pool import PagePool
 from atlasjax.request import Request, Status
 from atlasjax.waiting_queue import WaitingQueue, priority_key
@@ -118,6 +118,7 @@ class Scheduler:
         # the verify-rounds launch read back last accepted a draft: n-gram launches are scheduled behind one another
         # only then (text that stopped repeating goes back to the host's lookup, which may find no draft)
         self.drafts_accepted = True
+        self.ngram_gate = ngram_gate.Gate()   # n-gram drafts only while their acceptance pays for them
 
     # ---- queue
     def add(self, req: Request) -> None:
@@ -173,6 +174,8 @@ class Scheduler:
             return {}
         if any(not speculative.can_speculate(req.params) for req in decodes):
             return {}      # their penalty counts and bad-word history advance only in a decode step
+        if not spec.uses_draft_model and not behind_verify and not self.ngram_gate.allow(decodes):
+            return {}      # recent n-gram drafts were rarely accepted: a plain launch (ngram_gate.py)
         drafts, budget, ps = {}, self.max_num_batched_tokens - len(decodes), self.pool.page_size
         on_device = spec.uses_draft_model
         if spec.drafts_on_device(self.num_scheduler_steps) and not admitting and not on_device:   # n-gram lookups
@@ -241,7 +244,7 @@ class Scheduler:
             return False
         if spec.disable_by_batch_size is not None and len(in_flight) >= spec.disable_by_batch_size:
             return False
-        if not spec.uses_draft_model and not self.drafts_accepted:
+        if not spec.uses_draft_model and not (self.drafts_accepted and self.ngram_gate.pays(in_flight)):
             return False
         need = 0
         for req in in_flight:
