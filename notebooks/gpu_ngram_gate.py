@@ -1,0 +1,31 @@
+"""Session 81: the n-gram acceptance gate (atlasjax/ngram_gate.py) against drafting wherever a lookup finds one
+(ATLASJAX_NGRAM_GATE=off). Llama-3.1-8B shapes (bf16, random weights, one H200), 128-token random prompts, 128 out,
+greedy, k=4, n-grams 1-3, 4 verify rounds per launch pipelined (the GPU default). A +100 logit bias on N tokens makes
+the random model pick among them: N=1 every draft is accepted, N=2 about a quarter, N=16 hardly any (drafts are found
+in most rounds: short n-grams recur among 16 tokens):
+  python3 notebooks/gpu_ngram_gate.py 1 8      # batch sizes -> $OUT/ngram_gate.json
+"""
+import json
+import os
+import sys
+
+import notebooks.gpu_spec_step_cost as cost
+
+K4 = ["--speculative-config", json.dumps({"num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                          "prompt_lookup_min": 1})]
+
+
+def biased(n):
+    os.environ["LOGIT_BIAS"] = json.dumps({str(1000 + i): 100.0 for i in range(n)})
+
+
+if __name__ == "__main__":
+    for batch in [int(b) for b in sys.argv[1:]] or [1]:
+        for n in (16, 2, 1):
+            biased(n)
+            if n != 1:
+                cost.run(f"default, {n} biased", batch)
+            for gate in (("on", "off") if n != 1 else ("on",)):
+                os.environ["ATLASJAX_NGRAM_GATE"] = gate
+                cost.run(f"ngram k=4, device lookups, pipelined, gate {gate}, {n} biased", batch, *K4)
+    json.dump(cost.results, open(os.path.join(cost.OUT, "ngram_gate.json"), "w"), indent=1)
