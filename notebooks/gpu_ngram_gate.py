@@ -4,6 +4,7 @@ greedy, k=4, n-grams 1-3, 4 verify rounds per launch pipelined (the GPU default)
 the random model pick among them: N=1 every draft is accepted, N=2 about a quarter, N=16 hardly any (drafts are found
 in most rounds: short n-grams recur among 16 tokens):
   python3 notebooks/gpu_ngram_gate.py 1 8      # batch sizes -> $OUT/ngram_gate.json
+BIASED="16" runs one bias only; WARMUP=2 times two iterations after two untimed ones (one by default).
 """
 import json
 import os
@@ -21,9 +22,9 @@ def biased(n):
 
 if __name__ == "__main__":
     for batch in [int(b) for b in sys.argv[1:]] or [1]:
-        for n in (16, 2, 1):
+        for n in [int(n) for n in os.environ.get("BIASED", "16 2 1").split()]:
             biased(n)
-            if n != 1:
+            if n != 1 and os.environ.get("DEFAULT", "1") == "1":
                 cost.run(f"default, {n} biased", batch)
             for gate in (("on", "off") if n != 1 else ("on",)):
                 os.environ["ATLASJAX_NGRAM_GATE"] = gate

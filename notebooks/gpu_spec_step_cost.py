@@ -33,7 +33,8 @@ def run(label, batch, *flags):
     bias = {int(t): v for t, v in json.loads(os.environ.get("LOGIT_BIAS", '{"1000": 100.0}')).items()}
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logit_bias=bias)
     per_iter = []
-    for it in range(3):   # the first compiles
+    warm = int(os.environ.get("WARMUP", "1"))   # untimed iterations first: they compile
+    for it in range(warm + 2):
         ids = [f"{it}-{b}" for b in range(batch)]
         for rid in ids:
             engine.add_request(rid, rng.integers(0, 128000, 128).tolist(), params)
@@ -48,7 +49,7 @@ def run(label, batch, *flags):
                 steps.append((time.perf_counter() - t0, (sum(len(r.output_token_ids) for r in reqs) - n0) / batch))
         for rid in ids:
             engine.release(rid)
-        if it:
+        if it >= warm:
             per_iter += steps
     step_s = float(np.median([s for s, _ in per_iter]))
     tokens = float(np.mean([n for _, n in per_iter]))
