@@ -8,9 +8,9 @@ few. A verify round then emits about one token, as a decode iteration does, at a
 shapes, bf16, 4 drafts) a pipelined round costs 1.15x a decode iteration at bs=1 and 1.33x at bs=8 (1.4-1.55x read
 back first), so the drafts pay from about 0.15-0.55 accepted per round. Each request keeps a moving average of the
 drafts accepted in its verify rounds (`record_round`); a launch drafts while the batch's mean is at least
-MIN_ACCEPTED_PER_ROUND (a new request starts at one a round, so it drafts a few rounds before the gate can close
-for it). After PROBE_AFTER plain launches in a row the
-next drafts anyway, so acceptance that comes back is found. Outputs never change: only which launches verify.
+MIN_ACCEPTED_PER_ROUND (a new request starts at one a round, so it drafts a few rounds before the gate can close for
+it). After PROBE_AFTER plain launches in a row the next drafts anyway, so acceptance that comes back is found.
+Outputs never change: only which launches verify.
 `ATLASJAX_NGRAM_GATE=off` drafts wherever a lookup finds one (to measure against).
 
 Plain Python, no jax. Draft models and EAGLE-3 heads are not gated (their rounds cost more, by how much depends on the
@@ -52,7 +52,7 @@ class Gate:
     def __init__(self, on: bool | None = None):
         self.on = enabled() if on is None else on
         self.plain_launches = 0       # launches in a row this gate kept plain
-        self.num_gated = 0            # launches it kept plain in all (tests, logs)
+        self.num_gated = 0            # launches it kept plain in all
 
     def pays(self, requests) -> bool:
         """Whether the requests' acceptance pays for drafts (always, switched off)."""

@@ -168,7 +168,8 @@ class Scheduler:
         placeholders (its drafts are proposed inside the verify step; so are n-gram drafts where the launch runs
         several rounds: not `admitting`, and a lookup here found one or `behind_verify`); none for a request whose
         sampling keeps per-token state on the device (penalties, bad words), which a verify step does not
-        advance, and none at all in a step of `disable_by_batch_size` requests or more."""
+        advance, none at all in a step of `disable_by_batch_size` requests or more, and no n-gram drafts while the
+        requests' recent acceptance does not pay for them (ngram_gate.py)."""
         spec = self.speculative
         if spec.disable_by_batch_size is not None and len(decodes) >= spec.disable_by_batch_size:
             return {}
