@@ -99,6 +99,12 @@ class LLMEngine:
                 raise EngineConfigError("LoRA adapters across several hosts are not supported yet (enable_lora)")
             self.lora = LoRAManager(self.runner, self.model_config, max_loras=config.max_loras,
                                     max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
+        self.pooler = read_pooler_config(config.model, config.pooling_type)
+        cannot_generate = self.loaded.pooling_model or self.loaded.classifier is not None
+        self.pooling_only = config.runner == "pooling" or (config.runner == "auto" and cannot_generate)
+        if self.pooling_only and config.runner == "auto":
+            log.info("runner: pooling (the checkpoint has no LM head: embeddings and classification only; "
+                     "runner='generate' generates anyway)")
         num_pages = self._num_pages(config)
         if config.compile_at_start:
             self._compile(config, num_pages)
@@ -188,13 +194,7 @@ class LLMEngine:
 
     def _num_pages(self, config: EngineConfig) -> int:
         """The KV pool's pages, sized from the memory left once the params (and LoRA slots) are in their execution
-        layout; decides whether this engine only pools (embeddings, classification)."""
-        self.pooler = read_pooler_config(config.model, config.pooling_type)
-        cannot_generate = self.loaded.pooling_model or self.loaded.classifier is not None
-        self.pooling_only = config.runner == "pooling" or (config.runner == "auto" and cannot_generate)
-        if self.pooling_only and config.runner == "auto":
-            log.info("runner: pooling (the checkpoint has no LM head: embeddings and classification only; "
-                     "runner='generate' generates anyway)")
+        layout."""
         if self.pooling_only:   # no generation: the pool holds one sequence, the memory goes to embedding batches
             num_pages = config.num_pages or -(-self.max_model_len // config.page_size)
         else:

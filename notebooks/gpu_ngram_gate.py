@@ -11,19 +11,12 @@ import os
 import sys
 
 import notebooks.gpu_spec_step_cost as cost
-
-K4 = ["--speculative-config", json.dumps({"num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                          "prompt_lookup_min": 1})]
-
-
-def biased(n):
-    os.environ["LOGIT_BIAS"] = json.dumps({str(1000 + i): 100.0 for i in range(n)})
-
+from notebooks.gpu_ngram_on_device import K4
 
 if __name__ == "__main__":
     for batch in [int(b) for b in sys.argv[1:]] or [1]:
         for n in [int(n) for n in os.environ.get("BIASED", "16 2 1").split()]:
-            biased(n)
+            cost.bias_tokens(n)
             if n != 1 and os.environ.get("DEFAULT", "1") == "1":
                 cost.run(f"default, {n} biased", batch)
             for gate in (("on", "off") if n != 1 else ("on",)):

@@ -26,7 +26,7 @@ def ngram(label, batch, *flags, pipeline="on"):
 
 if __name__ == "__main__" and os.environ.get("MIXED"):
     biased = max(2, int(os.environ["MIXED"]))
-    os.environ["LOGIT_BIAS"] = json.dumps({str(1000 + i): 100.0 for i in range(biased)})
+    cost.bias_tokens(biased)
     tag = f"{biased} tokens biased"
     for batch in [int(b) for b in sys.argv[1:]] or [1]:
         cost.run(f"default, {tag}", batch)

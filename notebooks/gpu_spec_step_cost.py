@@ -23,6 +23,11 @@ OUT = os.environ.get("OUT", ".")
 results = []
 
 
+def bias_tokens(n):
+    """+100 on n tokens alike for the runs that follow (LOGIT_BIAS): the random model picks among them."""
+    os.environ["LOGIT_BIAS"] = json.dumps({str(1000 + i): 100.0 for i in range(n)})
+
+
 def run(label, batch, *flags):
     args = build_parser().parse_args(["latency", "--preset", "llama-3.1-8b", "--batch-size", str(batch), *flags])
     t0 = time.perf_counter()
