@@ -12,11 +12,9 @@ The same decode step dispatched back to back with inputs already on the device g
 Writes $OUT/profile_<quant or bf16><TAG>.json.
 """
 import collections
-import glob
-import gzip
 import json
 import os
-import re
+import sys
 import time
 
 import jax
@@ -28,6 +26,9 @@ from atlasjax.engine import LLMEngine
 from atlasjax.engine_config import EngineConfig
 from atlasjax.sampling_params import SamplingParams
 from atlasjax.step_options import use_process_flags
+
+sys.path.insert(0, os.path.dirname(__file__))
+import trace_events  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
 QUANT = os.environ.get("QUANT") or None
@@ -52,27 +53,10 @@ def log(key, value):
         json.dump(res, f, indent=1)
 
 
-def category(name):
-    n = name.lower()
-    for cat, pat in (("gemm", r"gemm|gemv|cublas|cutlass|xmma|matmul|dot|sm90"), ("attention", r"attention|paged"),
-                     ("quantized_matmul", r"quant|dequant"), ("memcpy", r"memcpy|memset"),
-                     ("reduce_fusion", r"reduce"), ("scatter", r"scatter|dynamic.update"), ("fusion", r"fusion")):
-        if re.search(pat, n):
-            return cat
-    return "other"
-
-
 def analyse(trace_dir, steps):
-    files = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
-    with gzip.open(sorted(files)[-1]) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = [e for e in events if e.get("ph") == "X" and "dur" in e
-           and ("gpu" in names.get(e["pid"], "").lower() or "/device" in names.get(e["pid"], "").lower())]
+    gpu, events, names = trace_events.load(trace_dir)
     if not gpu:
         return {"error": "no GPU events", "processes": sorted(set(names.values()))[:20]}
-    gpu.sort(key=lambda e: e["ts"])
     busy, end = 0.0, None
     gaps = []
     gap_before = []   # per kernel: idle time since the kernels before it ended (negative: it overlaps them)
@@ -98,7 +82,7 @@ def analyse(trace_dir, steps):
     for e in gpu:
         by_name[e["name"][:90]] += e["dur"]
         count[e["name"][:90]] += 1
-        by_cat[category(e["name"])] += e["dur"]
+        by_cat[trace_events.category(e["name"])] += e["dur"]
     big_gaps = sorted(gaps, reverse=True)[:12]
     # The kernels around each decode attention kernel (offsets -2..+4), median duration by offset:
     # what a change to the attention kernel costs it and what it does to its neighbours (o_proj).
