@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import trace_events  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
-CASES = os.environ.get("CASES", "bf16:2048x1,bf16:128x64,w8a8:2048x1,w8a8:128x64")
+CASES = os.environ.get("CASES", "bf16:2048x1,bf16:128x64,w8a8:2048x1,w8a8:128x64")   # optional :max_model_len
 PRESET = os.environ.get("PRESET", "llama-3.1-8b")   # tiny: a CPU smoke run of the script
 ITERS = int(os.environ.get("ITERS", "5"))
 TRACED = 3
@@ -45,14 +45,16 @@ def save():
 
 def prefill_all(engine, rng, length, prompts):
     for i in range(prompts):
-        engine.add_request(f"p{time.perf_counter_ns()}_{i}", rng.integers(0, PRESETS[PRESET].vocab_size, length).tolist(),
+        prompt = rng.integers(0, PRESETS[PRESET].vocab_size, length).tolist()
+        engine.add_request(f"p{time.perf_counter_ns()}_{i}", prompt,
                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     t = time.perf_counter()
-    steps = 0
+    step_ms = []
     while engine.has_unfinished():
+        s = time.perf_counter()
         engine.step()
-        steps += 1
-    return time.perf_counter() - t, steps
+        step_ms.append(round(1e3 * (time.perf_counter() - s), 2))
+    return time.perf_counter() - t, step_ms
 
 
 def projection_flops(tokens):
@@ -67,8 +69,10 @@ def analyse(tokens):
     if not gpu:
         return {"error": "no GPU events", "processes": sorted(set(names.values()))[:20]}
     busy, end = 0.0, None
+    gap_before = []   # per kernel: idle time since the kernels before it ended
     for e in gpu:
         s, t = e["ts"], e["ts"] + e["dur"]
+        gap_before.append(0.0 if end is None else max(0.0, s - end))
         if end is None or s >= end:
             busy += e["dur"]
             end = t
@@ -88,6 +92,12 @@ def analyse(tokens):
     spans = [gpu[a:b] for a, b in zip(starts, starts[1:]) if b - a == usual]
     one_layer = [(spans[0][p]["name"][:70], round(float(np.median([s[p]["dur"] for s in spans])), 2))
                  for p in range(usual)] if spans else []
+    layer_starts = [a for a, b in zip(starts, starts[1:]) if b - a == usual]
+    gaps_in_layer = [(spans[0][p]["name"][:40], round(float(np.median([gap_before[a + p] for a in layer_starts])), 2))
+                     for p in range(usual)] if spans else []
+    order = sorted(range(len(gpu)), key=lambda j: -gap_before[j])[:15]
+    largest = [(round(gap_before[j], 1), gpu[j - 1]["name"][:40], gpu[j]["name"][:40]) for j in sorted(order)]
+    small = sum(g for g in gap_before if g < 100)
     gemms = [(n, us) for n, us in one_layer if trace_events.category(n) in ("gemm", "quantized_matmul")]
     flops = projection_flops(tokens)
     # a layer's projections run in the order o_proj (after attention), gate_up, down, qkv (before the next attention)
@@ -100,28 +110,33 @@ def analyse(tokens):
     return {"span_ms": span / 1e3 / per, "busy_ms": busy / 1e3 / per, "idle_ms": (span - busy) / 1e3 / per,
             "kernels": len(gpu) / per, "attention_kernels": len(starts) / per,
             "by_category_ms": {k: round(v / 1e3 / per, 3) for k, v in by_cat.most_common()},
-            "one_layer_us": one_layer, "layer_us": round(sum(us for _, us in one_layer), 1), "projections": rates,
+            "one_layer_us": one_layer, "gaps_in_layer_us": gaps_in_layer,
+            "layer_gap_us": round(sum(g for _, g in gaps_in_layer), 1),
+            "gaps_under_100us_ms": round(small / 1e3 / per, 3), "largest_gaps_us": largest,
+            "layer_us": round(sum(us for _, us in one_layer), 1), "projections": rates,
             "top_kernels": [(n, count[n] / per, round(d / 1e3 / per, 3)) for n, d in by_name.most_common(25)]}
 
 
 res["ceilings"] = measure_ceilings()
 save()
 for case in CASES.split(","):
-    weights, shape = case.split(":")
+    weights, shape, *max_len = case.split(":")   # a third field: max_model_len
     length, prompts = map(int, shape.split("x"))
     tokens = length * prompts
+    max_model_len = int(max_len[0]) if max_len else max(length + 16, 256)
     fp8 = weights == "w8a8"
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(prompts, 8), max_model_len=max(length + 16, 256),
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(prompts, 8), max_model_len=max_model_len,
                                     page_size=16, num_pages=tokens // 16 + 64, max_num_batched_tokens=tokens,
                                     enable_prefix_caching=False, quantization="fp8" if fp8 else None,
                                     activation_quantization="fp8" if fp8 else None, quantize_lm_head=fp8),
                        load_preset(PRESET, jnp.bfloat16, "fp8" if fp8 else None, 0, 1, quantize_lm_head=fp8))
     rng = np.random.default_rng(0)
     warm = [prefill_all(engine, rng, length, prompts) for _ in range(2)]
-    times = [prefill_all(engine, rng, length, prompts)[0] for _ in range(ITERS)]
+    timed = [prefill_all(engine, rng, length, prompts) for _ in range(ITERS)]
+    times = [t for t, _ in timed]
     r = {"tokens": tokens, "start_s": round(time.perf_counter() - t0, 1), "warm_s": [round(w[0], 2) for w in warm],
-         "steps": warm[-1][1], "wall_ms_median": round(1e3 * float(np.median(times)), 2),
+         "step_ms": [s for _, s in timed], "wall_ms_median": round(1e3 * float(np.median(times)), 2),
          "wall_ms": [round(1e3 * t, 2) for t in times]}
     jax.profiler.start_trace("/tmp/trace_prefill")
     for _ in range(TRACED):
@@ -132,8 +147,8 @@ for case in CASES.split(","):
     r["projection_tflops_over_wall"] = round(layer_flops / (r["wall_ms_median"] / 1e3) / 1e12, 1)
     res["cases"][case] = r
     save()
-    keys = ("wall_ms_median", "busy_ms", "idle_ms", "by_category_ms", "projections", "layer_us",
-            "projection_tflops_over_wall")
+    keys = ("wall_ms_median", "step_ms", "busy_ms", "idle_ms", "gaps_under_100us_ms", "layer_gap_us",
+            "by_category_ms", "projections", "layer_us", "projection_tflops_over_wall")
     print(case, json.dumps({k: r.get(k) for k in keys}), flush=True)
     del engine
     os.system("rm -rf /tmp/trace_prefill")
