@@ -10,8 +10,11 @@ layers) with TFLOP/s for the four projections, whose FLOPs are known from the sh
   JAX_PLATFORMS=cuda CASES=bf16:2048x1 python notebooks/gpu_profile_prefill.py     # -> $OUT/profile_prefill.json
 """
 import collections
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -43,7 +46,9 @@ def save():
         json.dump(res, f, indent=1)
 
 
-def prefill_all(engine, rng, length, prompts):
+def prefill_all(engine, rng, length, prompts, profile=None):
+    """Prefill `prompts` fresh prompts; (wall seconds, ms per engine step); profile: a cProfile.Profile run over
+    each first step (scheduling, admission, packing and dispatch: the host's work before the device starts)."""
     for i in range(prompts):
         prompt = rng.integers(0, PRESETS[PRESET].vocab_size, length).tolist()
         engine.add_request(f"p{time.perf_counter_ns()}_{i}", prompt,
@@ -52,7 +57,10 @@ def prefill_all(engine, rng, length, prompts):
     step_ms = []
     while engine.has_unfinished():
         s = time.perf_counter()
-        engine.step()
+        if profile is not None and not step_ms:
+            profile.runcall(engine.step)
+        else:
+            engine.step()
         step_ms.append(round(1e3 * (time.perf_counter() - s), 2))
     return time.perf_counter() - t, step_ms
 
@@ -138,6 +146,12 @@ for case in CASES.split(","):
     r = {"tokens": tokens, "start_s": round(time.perf_counter() - t0, 1), "warm_s": [round(w[0], 2) for w in warm],
          "step_ms": [s for _, s in timed], "wall_ms_median": round(1e3 * float(np.median(times)), 2),
          "wall_ms": [round(1e3 * t, 2) for t in times]}
+    host = cProfile.Profile()
+    for _ in range(3):
+        prefill_all(engine, rng, length, prompts, host)
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    r["host_first_step_profile"] = text.getvalue().splitlines()[-40:]
     jax.profiler.start_trace("/tmp/trace_prefill")
     for _ in range(TRACED):
         prefill_all(engine, rng, length, prompts)

@@ -77,17 +77,27 @@ def _check_state(runner, requests):
     np.testing.assert_array_equal(np.asarray(runner.state.recent), recent)
 
 
-def test_a_steps_admissions_run_as_one_program_and_reset_exactly_their_slots(engine):
+def test_a_steps_admissions_run_as_one_program_and_reset_exactly_their_slots(engine, monkeypatch):
+    monkeypatch.setattr("atlasjax.runner.ADMIT_TOKENS", 64)   # a program holds 64 tokens: max_model_len's
     rs = np.random.RandomState(0)
     requests = [(slot, rs.randint(0, VOCAB, size=n).tolist(), p, {int(rs.randint(VOCAB)): 1.5} if slot % 2 else None,
                  [[int(rs.randint(VOCAB)), slot]] if slot % 3 else [])
                 for slot, n, p in [(3, 10, 10), (0, 40, 25), (17, 1, 1), (9, 12, 6), (30, 5, 2)]]
-    assert sum(len(r[1]) for r in requests) > engine.runner.max_model_len   # two programs: the tokens overflow one
+    assert sum(len(r[1]) for r in requests) > engine.runner.admit_tokens   # two programs: the tokens overflow one
     assert _admit_steps(engine.runner, requests) == 2
     _check_state(engine.runner, requests)
     small = requests[:3]
     assert _admit_steps(engine.runner, small) == 1
     _check_state(engine.runner, small)
+
+
+def test_short_prompts_share_a_program_past_max_model_len_tokens(engine):
+    """16 prompts of max_model_len tokens each (16x what one request may hold) reset their slots in one program."""
+    rs = np.random.RandomState(2)
+    rows, length = engine.runner.admit_rows, engine.runner.max_model_len
+    requests = [(slot, rs.randint(0, VOCAB, size=length).tolist(), length - slot % 3, None, []) for slot in range(rows)]
+    assert _admit_steps(engine.runner, requests) == 1
+    _check_state(engine.runner, requests)
 
 
 def test_more_requests_than_one_program_holds_and_a_slot_named_twice(engine):
