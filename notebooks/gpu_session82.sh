@@ -12,9 +12,13 @@ prefill)
   timeout 570 python3 notebooks/gpu_profile_prefill.py > $OUT/profile_prefill.log 2>&1; echo rc=$?
   grep -v "^W\|^I0\|^E0" $OUT/profile_prefill.log | tail -8 ;;
 throughput)
+  [ -n "${PREFILL_RATIO:-}" ] && { timeout 200 python3 -m atlasjax.bench latency --preset llama-3.1-8b --input-len 2048 \
+      --output-len 16 --num-iters 3 --batch-size 1 --max-num-batched-tokens 2048 --quantization int8 \
+      --compare-quantization fp8,none > $OUT/prefill_ratio.log 2>&1; echo prefill ratio rc=$?
+    grep -i "ttft" $OUT/prefill_ratio.log | grep -v "^W\|^I0\|iteration" | tail -8; }
   for v in new old; do
     [ $v = old ] && cp .before/layers.py models/layers.py && cp .before/runner.py atlasjax/runner.py
-    timeout 280 python3 -m atlasjax.bench throughput --preset llama-3.1-8b --num-prompts 1024 --input-len 128 \
+    timeout ${T:-280} python3 -m atlasjax.bench throughput --preset llama-3.1-8b --num-prompts 1024 --input-len 128 \
       --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --output $OUT/tp_$v.json > $OUT/tp_$v.log 2>&1
     echo $v rc=$?; grep -i "tok/s\|compiles\|elapsed" $OUT/tp_$v.log | grep -v "^W\|^I0" | tail -5
   done ;;
