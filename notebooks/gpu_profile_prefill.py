@@ -1,11 +1,12 @@
 """GPU: where a prefill's time goes (Llama-3.1-8B shapes, random weights).
 
-CASES, comma-separated WEIGHTS:LENxPROMPTS, e.g. "bf16:2048x1,bf16:128x64,w8a8:2048x1,w8a8:128x64" (WEIGHTS bf16
-or w8a8: fp8 weights and LM head with fp8 activations, as `bench --quantization fp8 --quantize-lm-head
---activation-quantization fp8`). Each case prefills PROMPTS fresh random prompts of LEN tokens in one engine step
-(max_tokens=1), times ITERS of them after two untimed ones, then traces 3 with `jax.profiler` and reports per
-prefill: wall, GPU busy and idle time, kernels by category, and one layer's kernels in order (median us over the
-layers) with TFLOP/s for the four projections, whose FLOPs are known from the shapes.
+CASES, comma-separated WEIGHTS:LENxPROMPTS[:max_model_len], e.g. "bf16:2048x1,bf16:128x64,w8a8:128x64". WEIGHTS:
+bf16; fp8 (fp8 weights and LM head, bf16 activations: W8A16); w8a8 (the same with fp8 activations, as `bench
+--quantization fp8 --quantize-lm-head --activation-quantization fp8`). Each case prefills PROMPTS fresh random
+prompts of LEN tokens in one engine step (max_tokens=1), times ITERS of them after two untimed ones, profiles
+the host's first engine step of three (cProfile), then traces three with `jax.profiler` and reports per
+prefill: wall, GPU busy and idle time, kernels by category, the gaps between kernels, and one layer's kernels
+in order (median us over the layers) with TFLOP/s for the four projections, whose FLOPs the shapes give.
 
   JAX_PLATFORMS=cuda CASES=bf16:2048x1 python notebooks/gpu_profile_prefill.py     # -> $OUT/profile_prefill.json
 """
@@ -132,12 +133,13 @@ for case in CASES.split(","):
     length, prompts = map(int, shape.split("x"))
     tokens = length * prompts
     max_model_len = int(max_len[0]) if max_len else max(length + 16, 256)
-    fp8 = weights == "w8a8"
+    fp8 = weights in ("w8a8", "fp8")   # fp8: fp8 weights and LM head, bf16 activations (W8A16)
+    acts = "fp8" if weights == "w8a8" else None
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_seqs=max(prompts, 8), max_model_len=max_model_len,
                                     page_size=16, num_pages=tokens // 16 + 64, max_num_batched_tokens=tokens,
                                     enable_prefix_caching=False, quantization="fp8" if fp8 else None,
-                                    activation_quantization="fp8" if fp8 else None, quantize_lm_head=fp8),
+                                    activation_quantization=acts, quantize_lm_head=fp8),
                        load_preset(PRESET, jnp.bfloat16, "fp8" if fp8 else None, 0, 1, quantize_lm_head=fp8))
     rng = np.random.default_rng(0)
     warm = [prefill_all(engine, rng, length, prompts) for _ in range(2)]
