@@ -77,18 +77,9 @@ def analyse(tokens):
     gpu, _, names = trace_events.load("/tmp/trace_prefill")
     if not gpu:
         return {"error": "no GPU events", "processes": sorted(set(names.values()))[:20]}
-    busy, end = 0.0, None
-    gap_before = []   # per kernel: idle time since the kernels before it ended
-    for e in gpu:
-        s, t = e["ts"], e["ts"] + e["dur"]
-        gap_before.append(0.0 if end is None else max(0.0, s - end))
-        if end is None or s >= end:
-            busy += e["dur"]
-            end = t
-        elif t > end:
-            busy += t - end
-            end = t
-    span = end - gpu[0]["ts"]
+    tl = trace_events.timeline(gpu)
+    busy, span = tl["busy"], tl["span"]
+    gap_before = [max(0.0, g) for g in tl["gap_before"]]   # per kernel: idle time since the kernels before it ended
     by_cat, by_name, count = collections.Counter(), collections.Counter(), collections.Counter()
     for e in gpu:
         by_cat[trace_events.category(e["name"])] += e["dur"]

@@ -57,25 +57,10 @@ def analyse(trace_dir, steps):
     gpu, events, names = trace_events.load(trace_dir)
     if not gpu:
         return {"error": "no GPU events", "processes": sorted(set(names.values()))[:20]}
-    busy, end = 0.0, None
-    gaps = []
-    gap_before = []   # per kernel: idle time since the kernels before it ended (negative: it overlaps them)
-    overlaps, overlap_us = 0, 0.0   # kernels that start before the previous ones end (PDL)
-    for e in gpu:
-        s, t = e["ts"], e["ts"] + e["dur"]
-        gap_before.append(0.0 if end is None else s - end)
-        if end is not None and s < end:
-            overlaps += 1
-            overlap_us += min(end, t) - s
-        if end is None or s >= end:
-            if end is not None:
-                gaps.append(s - end)
-            busy += e["dur"]
-            end = t
-        elif t > end:
-            busy += t - end
-            end = t
-    span = end - gpu[0]["ts"]
+    tl = trace_events.timeline(gpu)
+    busy, span, gap_before, overlaps, overlap_us = (tl[k] for k in ("busy", "span", "gap_before", "overlaps",
+                                                                     "overlap_us"))
+    gaps = [g for g in gap_before[1:] if g >= 0]   # idle time before each kernel that starts after the rest end
     by_name = collections.Counter()
     count = collections.Counter()
     by_cat = collections.Counter()

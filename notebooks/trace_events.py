@@ -26,3 +26,23 @@ def category(name: str) -> str:
         if re.search(pat, n):
             return cat
     return "other"
+
+
+def timeline(gpu: list[dict]) -> dict:
+    """Over kernels sorted by start: busy (us in the union of their intervals), span (first start to last end),
+    gap_before (per kernel: us since the kernels before it ended; negative where it overlaps them), overlaps and
+    overlap_us (kernels that start before the earlier ones end, as programmatic dependent launch allows)."""
+    busy, end, gap_before, overlaps, overlap_us = 0.0, None, [], 0, 0.0
+    for e in gpu:
+        s, t = e["ts"], e["ts"] + e["dur"]
+        gap_before.append(0.0 if end is None else s - end)
+        if end is not None and s < end:
+            overlaps += 1
+            overlap_us += min(end, t) - s
+        if end is None or s >= end:
+            busy += e["dur"]
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    return dict(busy=busy, span=end - gpu[0]["ts"], gap_before=gap_before, overlaps=overlaps, overlap_us=overlap_us)
