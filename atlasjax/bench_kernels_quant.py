@@ -30,7 +30,7 @@ from atlasjax.quantization import dequantize, quantize
 from atlasjax.weights_summary import weight_nbytes
 from pallas_kernels import rows_matmul as rows_kernel
 from pallas_kernels.quant_format import is_per_channel, with_float_offsets
-from pallas_kernels.quantized_matmul import QuantMatmulConfig, quantized_matmul
+from pallas_kernels.quantized_matmul import QuantMatmulConfig, dequantized_dot, quantized_matmul, xla_convert_matmul
 
 DECODE_SHAPES = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 128256)]  # (K, N)
 # (format, group size, zeros): "sym", "zp" (integer zero points: what int4 quantizes to at load) or
@@ -174,6 +174,14 @@ SWEEP_PATHS = {
     "fused_prescaled_tm128": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True)),
     "fused_prescaled_tm256": _via(backend="pallas", prefill="pallas", config=QuantMatmulConfig(prescale=True, tile_m=256)),
     "xla_dequant_dot": _via(backend="xla"),
+    # before session 84 past 1,024 rows: XLA's convert-fused GEMM (per channel; f32 out, the channel scale after) and
+    # the weight dequantized to [K, N] for XLA's dot (grouped)
+    "xla_convert": lambda x, w: xla_convert_matmul(x, w).astype(jnp.bfloat16),
+    "xla_kn": lambda x, w: jnp.dot(x, dequantize(w, jnp.bfloat16),
+                                   preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+    # the weight dequantized as stored (W.T, scales multiplied in) and XLA's GEMM writing bf16 itself
+    "xla_nk": lambda x, w: dequantized_dot(x, w, jnp.bfloat16),
+    "xla_nk_barrier": lambda x, w: dequantized_dot(x, w, jnp.bfloat16, barrier=True),
     # pallas_kernels/rows_matmul.py: warp-specialized, M tiles of 128 / 256 rows, K unsplit or in 2 / 4
     "rows_tm128": _rows_kernel(128),
     "rows_tm128_k2": _rows_kernel(128, k_splits=2),

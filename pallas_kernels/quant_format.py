@@ -251,6 +251,23 @@ def natural_codes(qw: QuantizedWeight) -> jax.Array:
     return from_mma_order(qw.qweight, qw.format) if qw.mma_order else qw.qweight
 
 
+def dequantize_nk(qw: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:
+    """The padded weight as stored, W.T [N_pad, K_pad] (K minor), in `dtype` (computed in float32):
+    what a GEMM contracting both operands' minor dims reads without a transpose."""
+    k_pad, n_pad = qw.padded_shape
+    g = qw.group_size
+    q = natural_codes(qw).astype(jnp.float32).reshape(n_pad, k_pad // g, g)  # [N_pad, G, g]
+    s = group_scales(qw).T[:, :, None]
+    z = None if qw.zeros is None else group_zeros(qw).T[:, :, None]
+    if z is not None and qw.zero_point:
+        w = (q - z) * s
+    elif z is not None:
+        w = (q + 8.0) * s + z
+    else:
+        w = q * s
+    return w.reshape(n_pad, k_pad).astype(dtype)
+
+
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The logical weight W[K, N] in `dtype` (computed in float32)."""
     k, n = qw.shape

@@ -39,8 +39,10 @@ on the 8B's shapes, where this kernel ran 0.8-1.8x; at 64-128 rows this kernel w
 slower), with its tile and K split from `rows_matmul.plan_for`. Weights it does not take run this
 kernel as one M tile up to DECODE_ROWS and in M tiles of 128 rows past that up to
 `fused_max_rows` (256-768 by format); above that, and for 8-bit codes
-past 1,024 rows, dequantize-to-bf16 + XLA dot (per-channel: XLA's convert-fused GEMM) measured
-faster (docs/perf_quant.md, session 37). `prefill=` forces any of the paths.
+past 1,024 rows, the weight dequantized to bf16 as stored (W.T) for XLA's GEMM, which writes bf16
+itself (`dequantized_dot`), measured faster (docs/perf_quant.md, sessions 37 and 84; per channel at
+2,048 rows a weight of up to 4096x4096 keeps XLA's convert-fused GEMM: `convert_fused_pays`).
+`prefill=` forces any of the paths.
 
 Per-channel int8 / fp8 take a third path on the GPU, `backend="xla"`: y = (x @ convert(Wq)) * s.
 XLA fuses the int8/fp8 -> bf16 convert into its own (Triton) GEMM, which then streams the 1-byte
@@ -66,7 +68,7 @@ from pallas_kernels import w8a8
 from pallas_kernels.gemm_tiling import SMEM_BUDGET, elem_bits, interpret_params, k_splits, swizzled
 from pallas_kernels.int4_mma_order import mma_tile_to_bf16
 from pallas_kernels.quant_format import (  # noqa: F401 (is_per_channel re-exported)
-    QuantizedWeight, codes_as_bf16, dequantize, group_offsets, is_per_channel, permuted_like_mma_order)
+    QuantizedWeight, codes_as_bf16, dequantize, dequantize_nk, group_offsets, is_per_channel, permuted_like_mma_order)
 from pallas_kernels.quantized_matmul_rules import (  # noqa: F401 (MAX_TILE_M, TILE_N re-exported)
     MAX_TILE_M, TILE_N, QuantMatmulConfig, _can_use_pallas, _folds_zeros, _prescales, _tile_k, _unroll,
     _xla_offsets, default_config, fused_max_rows)
@@ -431,11 +433,10 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight, *, backend: str = "auto"
         prefill = "pallas" if m <= fused_max_rows(qw) else "xla"
     if backend == "int8_mma":
         return int8_mma.int8_mma_matmul(x, qw, out_dtype=out_dtype, interpret=interpret)
-    if backend == "xla" and is_per_channel(qw):
+    if backend == "xla" and convert_fused_pays(qw, m):
         return xla_convert_matmul(x, qw).astype(out_dtype)
     if backend == "xla" or (m > DECODE_ROWS and prefill == "xla") or not _can_use_pallas(qw, config):
-        w = dequantize(qw, jnp.bfloat16)
-        return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32).astype(out_dtype)
+        return dequantized_dot(x, qw, out_dtype)
 
     k_pad, n_pad = qw.padded_shape
     m_tile = -(-m // 8) * 8 if m <= DECODE_ROWS else min(config.tile_m, -(-m // 8) * 8)
@@ -461,6 +462,39 @@ def xla_convert_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
     y = lax.dot_general(xp, qw.qweight.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
                         preferred_element_type=jnp.float32)
     return (y * qw.scales[0])[:, :qw.shape[1]]
+
+
+CONVERT_FUSED_MAX_ELEMS = 4096 * 4096   # weights this small keep the convert-fused GEMM up to 2,048 rows
+
+
+def convert_fused_pays(qw: QuantizedWeight, m: int) -> bool:
+    """Whether XLA's convert-fused GEMM (`xla_convert_matmul`) runs this per-channel weight at m rows,
+    not `dequantized_dot`. H200, the 8B's projections, XLA's GEMMs (docs/perf_quant.md, session 84):
+    at 2,048 rows the dequantized copy ran qkv, gate_up and down 1-10% faster (gate_up fp8 725 against
+    791 us), o_proj (4096x4096) 23% slower (133 against 108 us: cuBLAS's choice for that shape with
+    both minor dims contracted); at 4,096 rows the copy was 1-11% faster on all but o_proj (226
+    against 216 us), at 8,192 rows 12-15% faster on all but down (a tie; o_proj fp8 368 against 425
+    us). Up to 1,024 rows, where the decode matmul or rows kernel does not run, nothing changed."""
+    if not is_per_channel(qw):
+        return False
+    k_pad, n_pad = qw.padded_shape
+    return m <= rows_kernel.MAX_8BIT_ROWS or (m <= 2 * rows_kernel.MAX_8BIT_ROWS
+                                              and k_pad * n_pad <= CONVERT_FUSED_MAX_ELEMS)
+
+
+def dequantized_dot(x: jax.Array, qw: QuantizedWeight, out_dtype, *, barrier: bool = False) -> jax.Array:
+    """y = x @ W through a bf16 copy of W.T as stored ([N_pad, K_pad], every scale and offset
+    multiplied in: `dequantize_nk`), with XLA's GEMM contracting both minor dims and rounding its
+    f32 accumulator to a bf16 out_dtype itself. [M, N] in out_dtype. barrier: keep the copy out of
+    XLA's GEMM fusion (a separate elementwise kernel, then cuBLAS)."""
+    k_pad, _ = qw.padded_shape
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, k_pad - x.shape[1])))
+    w = dequantize_nk(qw, jnp.bfloat16)
+    if barrier:
+        w = lax.optimization_barrier(w)
+    acc = out_dtype if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
+    y = lax.dot_general(xp, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+    return y[:, :qw.shape[1]].astype(out_dtype)
 
 
 def quantized_matmul_reference(x: jax.Array, qw: QuantizedWeight) -> jax.Array:

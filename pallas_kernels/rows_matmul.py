@@ -44,6 +44,7 @@ BLOCK_N = 2 * WG_ROWS     # weight rows (output columns) per block
 STEP_K = 128              # K per pipeline step (one int4 group)
 SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
+MAX_8BIT_ROWS = 1024      # 8-bit codes past this many rows: the weight dequantized for XLA's GEMM (`pays`)
 MIN_ROWS = 32             # up to this many rows the fused kernel (or the decode matmul) runs instead (`pays`)
 # The H100 wave model of `plan_for`, checked on 109 measured (shape, rows, split) cases (sessions 38-39)
 STEP_US = 0.8             # a 128-row block's K step
@@ -102,7 +103,7 @@ def pays(qw: QuantizedWeight, m: int) -> bool:
     - 8-bit codes up to 1,024 rows: per-channel int8 / fp8 0-24% faster than XLA's convert-fused
       GEMM there, Q8_0 and block FP8 faster than the fused kernel or dequantize + dot at 256-512
       rows; at 2,048 rows those were as fast or up to 9% faster (session 37)."""
-    return m > MIN_ROWS and (qw.format == "int4" or m <= 1024)
+    return m > MIN_ROWS and (qw.format == "int4" or m <= MAX_8BIT_ROWS)
 
 
 def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, int]:

@@ -280,11 +280,37 @@ def test_interpret_prefill_xla_path():
 
 
 @pytest.mark.parametrize("fmt,group_size,zeros", CASES)
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 2050])
 def test_xla_backend_matches_reference(fmt, group_size, zeros, m):
     # Per-channel int8/fp8: convert fused into XLA's dot, scale on the output (the GPU default for
-    # them); grouped formats given backend="xla" dequantize + dot. K, N off every tile size.
+    # them) up to 2,048 rows for a weight this small; grouped formats given backend="xla", and per
+    # channel past that, the weight dequantized as stored for XLA's dot. K, N off every tile size.
     _check(fmt, group_size, zeros, m, k=200, n=70, seed=m, backend="xla")
+
+
+@pytest.mark.parametrize("fmt,group_size,zeros", CASES + [("int4", 32, "two_level")])
+def test_dequantize_nk_is_the_padded_transposed_weight(fmt, group_size, zeros):
+    from pallas_kernels.quant_format import dequantize, dequantize_nk
+    w = np.random.default_rng(5).standard_normal((256, 70)).astype(np.float32)
+    qw = like_gguf(w, "Q4_K") if zeros == "two_level" else quantize(w, fmt, group_size=group_size,
+                                                                      symmetric=zeros == "sym")
+    if zeros == "offsets":
+        qw = with_float_offsets(qw)
+    nk = np.asarray(dequantize_nk(qw, jnp.float32))
+    assert nk.shape == qw.padded_shape[::-1]
+    np.testing.assert_allclose(nk[:70, :256], np.asarray(dequantize(qw, jnp.float32)).T, rtol=1e-6, atol=1e-6)
+    assert not nk[70:, :].any() and not nk[:, 256:].any()   # padding contributes nothing
+    assert dequantize_nk(qw).dtype == jnp.bfloat16
+
+
+def test_convert_fused_gemm_runs_per_channel_weights_by_rows_and_size(monkeypatch):
+    import pallas_kernels.quantized_matmul as qm
+    small, large = (quantize(np.ones((256, n), np.float32), "fp8") for n in (128, 256))
+    monkeypatch.setattr(qm, "CONVERT_FUSED_MAX_ELEMS", 256 * 128)
+    assert all(qm.convert_fused_pays(qw, 1024) for qw in (small, large))
+    assert qm.convert_fused_pays(small, 2048) and not qm.convert_fused_pays(large, 2048)
+    assert not qm.convert_fused_pays(small, 2049)
+    assert not qm.convert_fused_pays(quantize(np.ones((256, 128), np.float32), "int8", group_size=32), 8)
 
 
 def test_reference_backend_and_dtypes():

@@ -1,0 +1,22 @@
+# Session 84 on one H200: STAGE=sweep (8-bit weights past 1,024 rows: the weight dequantized as stored, W.T with its
+# scales multiplied in, for XLA's GEMM writing bf16 itself, against what ran before: XLA's convert-fused GEMM with an
+# f32 output and the channel scale after (per channel) or the weight dequantized to [K, N] (grouped); the 8B's four
+# projections at 2,048 and 8,192 rows) and/or STAGE=ratio (the 2,048-token prefill, int8 / fp8 / int4 against bf16 in
+# one process). STAGE="sweep ratio" runs both.
+export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__)"
+for stage in ${STAGE:-sweep ratio}; do
+case $stage in
+sweep)
+  timeout ${T_SWEEP:-330} python3 -m atlasjax.bench_kernels_quant --sweep-rows ${ROWS:-2048,8192} \
+    --formats ${FORMATS:-fp8,int8,int8_g32} --paths ${PATHS:-engine,xla_convert,xla_kn,xla_nk,xla_nk_barrier} \
+    > $OUT/sweep.log 2>&1; echo sweep rc=$?
+  grep -v "^W\|^I0\|^E0" $OUT/sweep.log | tail -40 ;;
+ratio)
+  timeout ${T_RATIO:-300} python3 -m atlasjax.bench latency --preset llama-3.1-8b --input-len 2048 --output-len 16 \
+    --num-iters ${ITERS:-3} --batch-size 1 --max-num-batched-tokens 2048 --quantization int8 \
+    --compare-quantization fp8,int4,gguf-q8_0,none > $OUT/prefill_ratio.log 2>&1; echo ratio rc=$?
+  grep -i "ttft" $OUT/prefill_ratio.log | grep -v "^W\|^I0\|iteration" | tail -10 ;;
+esac
+done
