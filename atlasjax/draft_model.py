@@ -5,7 +5,7 @@ them in one step, as n-gram drafts are (atlasjax/speculative.py: the accept rule
 How it runs (atlasjax/steps.py): the draft has a KV pool of its own on the target's pages (its page tables are the
 target's), and every step that runs the target over tokens (prefill chunks, decodes, verifies) runs the draft over
 the same tokens, so its cache always covers what the target's covers. A verify step first runs k + 1 draft decode
-iterations over its requests (`steps._propose`: the last token, then each draft, the last iteration only writing
+iterations over its requests (`drafting.propose`: the last token, then each draft, the last iteration only writing
 its K/V), fills the drafts into the rows the host reserved, then runs the target over them: one launch per step,
 with the drafts read back beside the sampled tokens. Here: loading the draft and checking that it fits.
 """

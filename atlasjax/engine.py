@@ -59,7 +59,7 @@ from atlasjax.sleep_mode import SleepState
 from atlasjax.step_options import use_process_flags
 from atlasjax.step_launch import StepLauncher
 from atlasjax.step_readback import LaunchedStep, read_back
-from atlasjax.steps import NgramDraft
+from atlasjax.drafting import NgramDraft
 from atlasjax.tokenizer import read_chat_template
 from atlasjax.waiting_queue import check_priority
 

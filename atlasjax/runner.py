@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import bad_words, sampling, steps, verify_rounds, warmup
+from atlasjax import bad_words, drafting, sampling, steps, verify_rounds, warmup
 from atlasjax.bad_words import HISTORY, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS
 from atlasjax.eagle3 import Eagle3Spec
 from atlasjax.sharding import TP_AXIS
@@ -56,7 +56,7 @@ class ModelRunner(StepCompiler):
         verify_rounds: with a draft, also compile the verify step of that many rounds per launch (verify_rounds.py).
         draft: speculative decoding's draft model (atlasjax/draft_model.py): (its config, params, plan, drafts per
         step); every step then runs it beside the target over a KV pool of its own on the same pages. Or
-        `steps.NgramDraft`: n-gram drafts looked up on the device, in a token history every step keeps."""
+        `drafting.NgramDraft`: n-gram drafts looked up on the device, in a token history every step keeps."""
         self.cfg = cfg
         self.dtype = dtype
         self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -79,9 +79,9 @@ class ModelRunner(StepCompiler):
         self.verify_rounds = verify_rounds
         self.model = self._executed_model(cfg, self.params, plan, attn_backend)
         self.lora_slots = None   # LoRA adapters' device slots (atlasjax/lora_slots.py), set by lora.LoRAManager
-        self.draft: steps.Draft | steps.Eagle3Draft | steps.NgramDraft | None = None
+        self.draft: drafting.Draft | drafting.Eagle3Draft | drafting.NgramDraft | None = None
         self.draft_cfg = self.draft_params = self.draft_plan = None
-        if isinstance(draft, steps.NgramDraft):
+        if isinstance(draft, drafting.NgramDraft):
             self.draft = draft
         elif draft is not None:
             self._set_draft(*draft, attn_backend=attn_backend, own_params=own_params)
@@ -101,7 +101,7 @@ class ModelRunner(StepCompiler):
                 from atlasjax.sharding import Replicated  # noqa: PLC0415
                 self.draft_params = jax.device_put(self.draft_params, self.plan.replicated)
                 head = Replicated(head, self.plan.mesh)
-            self.draft = steps.Eagle3Draft(head, num_tokens, "embed_tokens" in params)
+            self.draft = drafting.Eagle3Draft(head, num_tokens, "embed_tokens" in params)
             self.model = self._executed_model(self.cfg, self.params, self.plan, attn_backend, cfg.aux_layers)
             return
         if (plan is None) != (self.plan is None):
@@ -109,7 +109,7 @@ class ModelRunner(StepCompiler):
         self.draft_cfg, self.draft_plan = cfg, plan
         self.draft_params = fuse_projections(params, *(() if plan is None else (plan.mesh, TP_AXIS)),
                                              in_place=own_params)
-        self.draft = steps.Draft(self._executed_model(cfg, self.draft_params, plan, attn_backend), num_tokens,
+        self.draft = drafting.Draft(self._executed_model(cfg, self.draft_params, plan, attn_backend), num_tokens,
                                  min(cfg.vocab_size, self.cfg.vocab_size))
 
     def _executed_model(self, cfg, fused_params, plan, attn_backend: str, aux_layers: tuple[int, ...] = ()):
@@ -145,11 +145,11 @@ class ModelRunner(StepCompiler):
         shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
         extra = {} if plan is None else dict(sharding=plan.replicated)
         draft_hidden = ()   # an EAGLE-3 head's output at each slot's last position
-        if isinstance(self.draft, steps.Eagle3Draft):   # its KV pool and outputs replicated under TP, as the head
+        if isinstance(self.draft, drafting.Eagle3Draft):   # its KV pool and outputs replicated under TP, as the head
             draft_kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **extra), draft_kv)
             draft_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.draft_cfg.hidden_size), self.dtype, **extra)
         history = ()   # each slot's tokens, which n-gram drafts on the device look up
-        if isinstance(self.draft, steps.NgramDraft):
+        if isinstance(self.draft, drafting.NgramDraft):
             history = jax.ShapeDtypeStruct((self.max_num_seqs, self.max_model_len), jnp.int32, **extra)
         return DeviceState(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, history=history,
                            counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),

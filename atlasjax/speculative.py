@@ -104,7 +104,7 @@ class SpeculativeConfig:
         return self.uses_draft_model or num_scheduler_steps > 1
 
     def ngram_on_device(self, num_scheduler_steps: int) -> bool:
-        """Whether n-gram drafts are looked up on the device (steps.NgramDraft, in a token history it keeps)."""
+        """Whether n-gram drafts are looked up on the device (drafting.NgramDraft, in a token history it keeps)."""
         return self.method == "ngram" and self.drafts_on_device(num_scheduler_steps)
 
     @property

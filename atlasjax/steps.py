@@ -14,29 +14,28 @@ Device state (donated to every step, so it is updated in place and never copied)
                the full plan (a request with bad words never runs a greedy-plan step)
   draft_kv:    a draft model's KV pool, as kv (speculative decoding with a draft model; () without): the same
                pages as the target's, and every step that runs the target over tokens runs the draft over them
-               too (`_run_draft`), so the draft's cache always holds what the target's holds. An EAGLE-3 head's
-               (one layer) follows the target the same way, one position behind (`_eagle_follow`)
+               too (`drafting.run_draft`), so the draft's cache always holds what the target's holds. An EAGLE-3 head's
+               (one layer) follows the target the same way, one position behind (`drafting.eagle_follow`)
   draft_hidden: [max_num_seqs, hidden] an EAGLE-3 head's output at each slot's last position, which its
                next drafts start from (() without a head)
   history:     [max_num_seqs, max_model_len] int32, each slot's tokens by position, which n-gram drafts proposed on
                the device look up (atlasjax/ngram_lookup.py; () without them): written whole by the admit step, then
-               by every step that runs a token at its position (`_record`; a prompt's by the admit step), so a slot's
-               history is valid up to its newest token's position (past it: tokens of drafts not accepted)
+               by every step that runs a token at its position (`step_rows.record_tokens`; a prompt's by the admit
+               step), so a slot's history is valid up to its newest token's position (past it: tokens of drafts not
+               accepted)
 
 A step's small host inputs cross to the device as one packed int32 array (`pack_host`).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import sampling
+from atlasjax import drafting, sampling
+from atlasjax.step_rows import record_tokens, slot_rows, token_sequences
 from models.attention import AttentionMetadata
-from models.eagle3 import Eagle3Head
 from models.transformer import Transformer
 from pallas_kernels.kv_write import decode_slots
 
@@ -127,178 +126,8 @@ def _run_model(model: Transformer, params, lora, tokens, positions, kv, meta, to
         out = model.apply({"params": params}, tokens, positions, kv, meta)
     else:
         out = model.apply({"params": params, "lora": lora["layers"]}, tokens, positions, kv, meta,
-                          _slot_rows(lora["adapter_of_slot"], token_slots))
+                          slot_rows(lora["adapter_of_slot"], token_slots))
     return out if len(out) == 3 else (*out, None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Draft:
-    """Speculative decoding's draft model (atlasjax/draft_model.py), static in the step programs: its module, the
-    drafts it proposes per request and step, and the tokens it may propose (the target's vocabulary)."""
-    model: Transformer
-    num_tokens: int
-    vocab: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Eagle3Draft:
-    """Speculative decoding's EAGLE-3 head (atlasjax/eagle3.py), static in the step programs: its module, the drafts
-    it proposes per request and step, and whether it has an embedding of its own (else it reads the target's)."""
-    head: Eagle3Head   # or sharding.Replicated(Eagle3Head) beside a tensor-parallel target
-    num_tokens: int
-    own_embedding: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class NgramDraft:
-    """n-gram (prompt lookup) drafts proposed on the device (atlasjax/ngram_lookup.py), static in the step programs:
-    the drafts per request and round, and the suffix n-grams looked up. Only verify-rounds launches propose them; a
-    one-round verify step verifies the host's lookups."""
-    num_tokens: int
-    min_n: int
-    max_n: int
-
-
-def _record(history, slots, positions, tokens):
-    """The token history (DeviceState.history) with each row's token at its slot and position (a slot out of range:
-    dropped); unchanged without one."""
-    if isinstance(history, tuple):
-        return history
-    return history.at[slots, positions].set(tokens, mode="drop")
-
-
-def _run_draft(draft, draft_params, tokens, positions, kv, meta):
-    """The draft model over the tokens the target runs in this step (the same positions and pages) -> its kv (an
-    EAGLE-3 head runs after the target instead: `_eagle_follow`)."""
-    if not isinstance(draft, Draft):
-        return kv
-    return draft.model.apply({"params": draft_params}, tokens, positions, kv, meta)[1]
-
-
-def _eagle_embed(draft: Eagle3Draft, draft_params, model, params, tokens):
-    tokens = jnp.maximum(tokens, 0)   # -1: a row whose next token is unknown (padding, or past what is accepted)
-    if draft.own_embedding:
-        return draft.head.apply({"params": draft_params}, tokens, method=Eagle3Head.embed)
-    return model.apply({"params": params}, tokens, method=Transformer.embed)
-
-
-def _eagle_follow(draft: Eagle3Draft, draft_params, model, params, aux, next_tokens, positions, draft_kv, meta):
-    """The EAGLE-3 head over the rows the target just ran: row i (position p) takes the token at p + 1 (the next
-    prompt token, or the one sampled at row i) and the target's features at p, and writes the head's K/V at p, so
-    its cache covers what the target's does. -> (draft_kv, the head's output per row [rows, hidden])."""
-    embeds = _eagle_embed(draft, draft_params, model, params, next_tokens)
-    prenorm, draft_kv = draft.head.apply({"params": draft_params}, embeds, aux, positions, draft_kv, meta)
-    return draft_kv, prenorm
-
-
-def _eagle_propose(draft: Eagle3Draft, draft_params, model, params, draft_hidden, kv, tokens, page_table, seq_lens,
-                   query_start, num_seqs, row_slots, active=None, caps=None):
-    """An EAGLE-3 head's greedy drafts, filled into a verify step's rows (as `_propose`): request i's last token
-    sits at position L, and its slot keeps the head's output at L - 1, whose prediction is draft 1; iteration j
-    takes draft j and the previous output at position L + j - 1 and proposes draft j + 1. Its K/V writes
-    (positions L onwards) are overwritten by `_eagle_follow` after the verify. active: [rows] whether request i
-    drafts at all (None: all; an inactive one writes nothing); caps: [rows] the positions its pages hold (None:
-    every one it writes; none past them is written). Returns (kv, tokens)."""
-    _, num_pages, page_size, _ = kv[0][0].shape
-    rows = min(page_table.shape[0], tokens.shape[0])
-    page_table, seq_lens, query_start = page_table[:rows], seq_lens[:rows], query_start[:rows + 1]
-    chunk = _active_chunks(query_start, active)       # [rows] 1 + request i's drafts (past num_seqs: 0)
-    last = seq_lens - chunk                           # position L of its last token
-    slots = row_slots[jnp.minimum(query_start[:-1], tokens.shape[0] - 1)]
-    hidden = _slot_rows(draft_hidden, slots)
-    first = draft.head.apply({"params": draft_params}, hidden, method=Eagle3Head.propose)
-
-    def body(carry, j):
-        kv, x, hidden = carry
-        lens = jnp.where((j + 1 < chunk) & _within(last + j - 1, caps), last + j, 0)   # writes L + j - 1 (lens - 1)
-        meta = AttentionMetadata(slot_mapping=decode_slots(page_table, lens, page_size, num_pages),
-                                 page_table=page_table, seq_lens=lens)
-        embeds = _eagle_embed(draft, draft_params, model, params, x)
-        hidden, kv = draft.head.apply({"params": draft_params}, embeds, hidden, jnp.maximum(lens - 1, 0), kv, meta)
-        proposed = draft.head.apply({"params": draft_params}, hidden, method=Eagle3Head.propose)
-        return (kv, proposed, hidden), proposed
-
-    proposed = first[None]
-    if draft.num_tokens > 1:
-        (kv, _, _), more = jax.lax.scan(body, (kv, first, hidden), jnp.arange(1, draft.num_tokens))
-        proposed = jnp.concatenate([proposed, more])   # [k, rows]
-    return kv, _fill_drafts(proposed, tokens, query_start, num_seqs)
-
-
-def _accepted_rows(tokens, sampled, query_start, num_seqs, max_drafts: int):
-    """[R] the row of each request's last accepted token in a verify step (its first row + the drafts accepted
-    before the first that differs from the token sampled ahead of it: speculative.num_accepted's rule), and [R]
-    whether request i is one (i < num_seqs)."""
-    requests = min(query_start.shape[0] - 1, tokens.shape[0])
-    start, chunk = query_start[:requests], query_start[1:requests + 1] - query_start[:requests]
-    j = jnp.arange(max_drafts)[None, :]
-    at = jnp.minimum(start[:, None] + j, tokens.shape[0] - 2)
-    match = (j + 1 < chunk[:, None]) & (tokens[at + 1] == sampled[at])
-    accepted = jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)
-    return jnp.minimum(start + accepted, tokens.shape[0] - 1), jnp.arange(requests) < num_seqs
-
-
-def _token_sequences(query_start, num_tokens: int):
-    """[num_tokens] the sequence each row of chunks laid end to end belongs to (query_start's length - 1 past the
-    last chunk); one compare of [num_tokens, sequences], no loop."""
-    return jnp.searchsorted(query_start[1:], jnp.arange(num_tokens), side="right", method="compare_all")
-
-
-def _active_chunks(query_start, active):
-    """[rows] each request's rows in a verify step (0 for one that `active` [rows] leaves out)."""
-    chunk = query_start[1:] - query_start[:-1]
-    return chunk if active is None else jnp.where(active, chunk, 0)
-
-
-def _within(positions, caps):
-    return True if caps is None else positions < caps
-
-
-def _propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query_start, num_seqs, active=None,
-             caps=None):
-    """A draft model's greedy drafts, filled into a verify step's rows: request i's chunk (pack_verify) is its last
-    token, then rows that hold draft j at offset j. num_tokens + 1 decode iterations of the draft over the requests:
-    iteration j takes the token at position last + j (the last token, then draft j) and proposes
-    draft j + 1; the last iteration only writes its input's K/V, so the draft's cache ends covering every position
-    the verify writes. A request's iterations past its own chunk are padding (no K/V write), and so are all of an
-    inactive one's (active, caps: as `_eagle_propose`'s). Returns (kv, tokens with the drafts in place)."""
-    _, num_pages, page_size, _ = kv[0][0].shape
-    # a request has one row at least: no more requests than the step's rows (a 256-slot engine's 16-token verify
-    # runs the draft over 16 rows, not 256)
-    rows = min(page_table.shape[0], tokens.shape[0])
-    page_table, seq_lens, query_start = page_table[:rows], seq_lens[:rows], query_start[:rows + 1]
-    chunk = _active_chunks(query_start, active)       # [rows] request i's rows: 1 + its drafts (past num_seqs: 0)
-    first = seq_lens - chunk                          # the position of its last token
-    last = tokens[jnp.minimum(query_start[:-1], tokens.shape[0] - 1)]
-
-    def body(carry, j):
-        kv, x = carry
-        lens = jnp.where((j < chunk) & _within(first + j, caps), first + j + 1, 0)
-        meta = AttentionMetadata(slot_mapping=decode_slots(page_table, lens, page_size, num_pages),
-                                 page_table=page_table, seq_lens=lens)
-        hidden, kv = draft.model.apply({"params": draft_params}, x, jnp.maximum(lens - 1, 0), kv, meta)
-        logits = draft.model.apply({"params": draft_params}, hidden, method=Transformer.logits)
-        proposed = jnp.argmax(logits[:, :draft.vocab], axis=-1).astype(jnp.int32)
-        return (kv, proposed), proposed
-
-    (kv, _), proposed = jax.lax.scan(body, (kv, last), jnp.arange(draft.num_tokens + 1))   # [k + 1, rows]
-    return kv, _fill_drafts(proposed[:draft.num_tokens], tokens, query_start, num_seqs)
-
-
-def _fill_drafts(proposed, tokens, query_start, num_seqs):
-    """tokens with each request's rows after its first (pack_verify's reserved rows) holding its drafts:
-    proposed [k, requests], draft j of request i at proposed[j, i]."""
-    k, rows = proposed.shape
-    seq = _token_sequences(query_start[:rows + 1], tokens.shape[0])
-    at = jnp.minimum(seq, rows - 1)
-    offset = jnp.arange(tokens.shape[0]) - query_start[at]
-    fill = (seq < num_seqs) & (offset >= 1)
-    return jnp.where(fill, proposed[jnp.clip(offset - 1, 0, k - 1), at], tokens)
-
-
-def _slot_rows(state_rows, slots):
-    """Per-slot state [max_num_seqs, ...] at a step's rows (padding rows, slot max_num_seqs: the last slot's)."""
-    return state_rows[jnp.minimum(slots, state_rows.shape[0] - 1)]
 
 
 def _padded_to_slots(tokens, num_slots: int):
@@ -308,41 +137,42 @@ def _padded_to_slots(tokens, num_slots: int):
 def _sample_rows(state: DeviceState, counts, recent, logits, slots, st, plan=sampling.FULL):
     """Sample each row with its slot's penalty state, logit bias and bad words (the greedy plans read none,
     and XLA drops these gathers from them)."""
-    bias = (_slot_rows(state.bias_ids, slots), _slot_rows(state.bias_vals, slots))
-    bad = (_slot_rows(state.bad_words, slots), _slot_rows(recent, slots))
-    return sampling.sample(logits, _slot_rows(counts, slots), _slot_rows(state.prompt_mask, slots), st, plan, bias,
+    bias = (slot_rows(state.bias_ids, slots), slot_rows(state.bias_vals, slots))
+    bad = (slot_rows(state.bad_words, slots), slot_rows(recent, slots))
+    return sampling.sample(logits, slot_rows(counts, slots), slot_rows(state.prompt_mask, slots), st, plan, bias,
                            bad)
 
 
 def _advance_recent(recent, slots, new_tokens):
     """Each sampled row's slot history with its new token last (rows whose slot is out of range: dropped)."""
-    rows = _slot_rows(recent, slots)
+    rows = slot_rows(recent, slots)
     return recent.at[slots].set(jnp.concatenate([rows[:, 1:], new_tokens[:, None]], axis=1), mode="drop")
 
 
 def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: DeviceState, tokens, page_table,
                  seq_lens, slots, st, split_rows=None, lora=None, draft=None, draft_params=None,
-                 drafting=((), (), ())):
+                 draft_state=((), (), ())):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv, counts, recent and drafting (draft_kv, draft_hidden, history) are the iteration's
+    per-slot sampling state; kv, counts, recent and draft_state (draft_kv, draft_hidden, history) are the iteration's
     own.
-    split_rows: AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft: `Draft`,
-    `Eagle3Draft`, `NgramDraft` (nothing to run here) or None. Returns (kv, drafting, counts, recent, StepOutput)."""
+    split_rows: AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft:
+    `drafting.Draft`, `drafting.Eagle3Draft`, `drafting.NgramDraft` (nothing to run here) or None.
+    Returns (kv, draft_state, counts, recent, StepOutput)."""
     _, num_pages, page_size, _ = kv[0][0].shape
     positions = jnp.maximum(seq_lens - 1, 0)
     slot_mapping = decode_slots(page_table, seq_lens, page_size, num_pages)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              split_rows=split_rows)
     hidden, kv, aux = _run_model(model, params, lora, tokens, positions, kv, meta, slots)
-    draft_kv, draft_hidden, history = drafting
-    history = _record(history, jnp.where(seq_lens > 0, slots, counts.shape[0]), positions, tokens)
-    draft_kv = _run_draft(draft, draft_params, tokens, positions, draft_kv, meta)
+    draft_kv, draft_hidden, history = draft_state
+    history = record_tokens(history, jnp.where(seq_lens > 0, slots, counts.shape[0]), positions, tokens)
+    draft_kv = drafting.run_draft(draft, draft_params, tokens, positions, draft_kv, meta)
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, counts, recent, logits, slots, st, plan)
-    if isinstance(draft, Eagle3Draft):
-        draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, positions, draft_kv,
-                                          meta)
+    if isinstance(draft, drafting.Eagle3Draft):
+        draft_kv, prenorm = drafting.eagle_follow(draft, draft_params, model, params, aux, new_tokens, positions,
+                                                  draft_kv, meta)
         draft_hidden = draft_hidden.at[jnp.where(seq_lens > 0, slots, counts.shape[0])].set(prenorm, mode="drop")
     counts = counts.at[slots, new_tokens].add((seq_lens > 0).astype(jnp.int32), mode="drop")
     if not plan.greedy:
@@ -374,15 +204,15 @@ def multi_decode_step(model: Transformer, plan: sampling.SamplingPlan, num_steps
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
 
     def body(carry, j):
-        kv, drafting, counts, recent, tokens = carry
+        kv, draft_state, counts, recent, tokens = carry
         active = (seq_lens > 0) & (j < row_steps)
         # the seeded draw and min_tokens follow the row's output index, as one step per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(j))
-        kv, drafting, counts, recent, out = _decode_once(
+        kv, draft_state, counts, recent, out = _decode_once(
             model, plan, params, kv, counts, recent, state, tokens, page_table, jnp.where(active, seq_lens + j, 0),
-            slots, st, split_rows, lora, draft, draft_params, drafting)
+            slots, st, split_rows, lora, draft, draft_params, draft_state)
         tokens = jnp.where(active, out.tokens, tokens)
-        return (kv, drafting, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
+        return (kv, draft_state, counts, recent, tokens), (tokens, out.logprob, out.top_vals, out.top_ids)
 
     (kv, (draft_kv, draft_hidden, history), counts, recent, tokens), outs = jax.lax.scan(
         body, (state.kv, (state.draft_kv, state.draft_hidden, state.history), state.counts, state.recent, tokens),
@@ -405,16 +235,16 @@ def prefill_step(model: Transformer, with_prompt_logprobs: bool, layout, params,
                              query_start=query_start, num_seqs=num_seqs)
     token_slots = None
     if lora is not None:   # each token's engine slot: its sequence's (tokens past the sequences: the last's)
-        token_slots = slot_ids[jnp.minimum(_token_sequences(query_start, tokens.shape[0]), slot_ids.shape[0] - 1)]
+        token_slots = slot_ids[jnp.minimum(token_sequences(query_start, tokens.shape[0]), slot_ids.shape[0] - 1)]
     hidden, kv, aux = _run_model(model, params, lora, tokens, positions, state.kv, meta, token_slots)
-    state = state.replace(draft_kv=_run_draft(draft, draft_params, tokens, positions, state.draft_kv, meta))
+    state = state.replace(draft_kv=drafting.run_draft(draft, draft_params, tokens, positions, state.draft_kv, meta))
     logits = model.apply({"params": params}, hidden[sample_rows], method=Transformer.logits)
     slots = jnp.where(commit, slot_ids, state.counts.shape[0])   # out of range: the count's scatter drops it
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, slots, st)
-    if isinstance(draft, Eagle3Draft):   # a completed prompt's last row is followed by the token just sampled
+    if isinstance(draft, drafting.Eagle3Draft):   # a completed prompt's last row is followed by the token just sampled
         follow = next_tokens.at[jnp.where(commit, sample_rows, tokens.shape[0])].set(new_tokens, mode="drop")
-        draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, follow, positions,
-                                          state.draft_kv, meta)
+        draft_kv, prenorm = drafting.eagle_follow(draft, draft_params, model, params, aux, follow, positions,
+                                                  state.draft_kv, meta)
         ends = jnp.where(jnp.arange(slot_ids.shape[0]) < num_seqs, slot_ids, state.counts.shape[0])   # each chunk's
         state = state.replace(draft_kv=draft_kv,
                               draft_hidden=state.draft_hidden.at[ends].set(prenorm[sample_rows], mode="drop"))
@@ -436,31 +266,31 @@ def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     """Speculative decoding's verify (atlasjax/speculative.py): chunks of each request's last token and its
     drafts, packed as prefill chunks are, write their K/V and sample a token at every row with the row's
     settings (`step_packing.pack_verify`); a last token still on the device is gathered as a decode's is.
-    With a draft model (`Draft`) its drafts are proposed first, here (`_propose`), into the rows the host
-    reserved. Only requests without penalties or bad words speculate, so the per-slot counts and recent tokens
+    With a draft model (`drafting.Draft`) its drafts are proposed first, here (`drafting.propose`), into the rows
+    the host reserved. Only requests without penalties or bad words speculate, so the per-slot counts and recent tokens
     are read (bias tables) but not advanced. The output's `inputs` are the rows' tokens, drafts included."""
     tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, row_slots, f, i = unpack_host(
         packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     draft_kv, draft_hidden = state.draft_kv, state.draft_hidden
-    if isinstance(draft, Draft):
-        draft_kv, tokens = _propose(draft, draft_params, draft_kv, tokens, page_table, seq_lens, query_start,
+    if isinstance(draft, drafting.Draft):
+        draft_kv, tokens = drafting.propose(draft, draft_params, draft_kv, tokens, page_table, seq_lens, query_start,
                                     num_seqs)
-    elif isinstance(draft, Eagle3Draft):
-        draft_kv, tokens = _eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
+    elif isinstance(draft, drafting.Eagle3Draft):
+        draft_kv, tokens = drafting.eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
                                           page_table, seq_lens, query_start, num_seqs, row_slots)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
     hidden, kv, aux = _run_model(model, params, lora, tokens, positions, state.kv, meta, row_slots)
-    state = state.replace(history=_record(state.history, row_slots, positions, tokens))
+    state = state.replace(history=record_tokens(state.history, row_slots, positions, tokens))
     logits = model.apply({"params": params}, hidden, method=Transformer.logits)
     new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots,
                                           sampling.SamplingTensors(f, i), plan)
-    if isinstance(draft, Eagle3Draft):   # each row is followed by the token sampled at it; the slot keeps the
+    if isinstance(draft, drafting.Eagle3Draft):   # each row is followed by the token sampled at it; the slot keeps the
         # head's output at the request's last accepted row
-        draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, positions, draft_kv,
-                                          meta)
-        rows, real = _accepted_rows(tokens, new_tokens, query_start, num_seqs, draft.num_tokens)
+        draft_kv, prenorm = drafting.eagle_follow(draft, draft_params, model, params, aux, new_tokens, positions,
+                                                  draft_kv, meta)
+        rows, real = drafting.accepted_rows(tokens, new_tokens, query_start, num_seqs, draft.num_tokens)
         slots = jnp.where(real, row_slots[jnp.minimum(query_start[:rows.shape[0]], tokens.shape[0] - 1)],
                           draft_hidden.shape[0])
         draft_hidden = draft_hidden.at[slots].set(prenorm[rows], mode="drop")
@@ -480,7 +310,7 @@ def admit_step(layout, state: DeviceState, packed):
     slots, starts, prompt_lens, tokens, bias_ids, bias_vals, bad_words = unpack_host(packed, layout)
     num_slots, rows = state.counts.shape[0], slots.shape[0]
     idx = jnp.arange(tokens.shape[0])
-    row = _token_sequences(starts, tokens.shape[0])   # [L] each token's request (`rows` past the last)
+    row = token_sequences(starts, tokens.shape[0])   # [L] each token's request (`rows` past the last)
     in_seq = row < rows
     row = jnp.minimum(row, rows - 1)
     token_slot = jnp.where(in_seq, slots[row], num_slots)   # out of range: dropped
@@ -491,7 +321,7 @@ def admit_step(layout, state: DeviceState, packed):
     at = starts[1:, None] - history + jnp.arange(history)[None, :]          # [A, H] each request's last H tokens
     generated = at >= (starts[:-1] + prompt_lens)[:, None]
     recent = jnp.where(generated, tokens[jnp.clip(at, 0, tokens.shape[0] - 1)], -1)
-    state = state.replace(history=_record(state.history, token_slot, idx - starts[row], tokens))
+    state = state.replace(history=record_tokens(state.history, token_slot, idx - starts[row], tokens))
     return state.replace(counts=counts, prompt_mask=mask, bias_ids=state.bias_ids.at[slots].set(bias_ids, mode="drop"),
                          bias_vals=state.bias_vals.at[slots].set(bias_vals, mode="drop"),
                          bad_words=state.bad_words.at[slots].set(bad_words, mode="drop"),

@@ -24,10 +24,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from atlasjax import ngram_lookup, sampling
-from atlasjax.steps import (DeviceState, Draft, Eagle3Draft, NgramDraft, StepOutput, _accepted_rows, _eagle_follow,
-                            _eagle_propose, _gather_prev, _propose, _record, _run_model, _sample_rows, _token_sequences,
-                            unpack_host)
+from atlasjax import drafting, ngram_lookup, sampling
+from atlasjax.step_rows import record_tokens, token_sequences
+from atlasjax.steps import DeviceState, StepOutput, _gather_prev, _run_model, _sample_rows, unpack_host
 from models.attention import AttentionMetadata
 from models.transformer import Transformer
 
@@ -36,7 +35,7 @@ ROUND_INPUTS = ("budgets", "caps", "shift_from")   # [num_slots] each: after ste
 
 def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_rounds: int, layout, params, lora,
                        state: DeviceState, packed, prev_prefill_tokens, prev_decode_tokens, prev_emitted,
-                       draft_params=None, *, draft: Draft | Eagle3Draft | NgramDraft):
+                       draft_params=None, *, draft: drafting.Draft | drafting.Eagle3Draft | drafting.NgramDraft):
     """`num_rounds` verify rounds over a batch of `step_packing.pack_verify` (round 0's rows) with each request's
     budget and cap; a request with `shift_from` r >= 0 first moves along by prev_emitted[r] tokens (the launch in
     flight when this one was scheduled). Outputs: `StepOutput` with a leading [num_rounds] axis, `advance`, and per
@@ -49,7 +48,7 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
     _, num_pages, page_size, _ = state.kv[0][0].shape
     t = tokens.shape[0]
     n = min(seq_lens.shape[0], t)   # requests a step of t rows can hold (each has one row at least)
-    row_req = _token_sequences(query_start, t)    # [t] each row's request (num_seqs or more: padding)
+    row_req = token_sequences(query_start, t)    # [t] each row's request (num_seqs or more: padding)
     rq = jnp.minimum(row_req, n - 1)
     start, chunk = query_start[:n], query_start[1:n + 1] - query_start[:n]
     real_row = row_req < num_seqs
@@ -77,33 +76,35 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
                                                         num_pages * page_size),
                                  page_table=page_table, seq_lens=seq_lens.at[:n].add(emitted),
                                  query_start=query_start, num_seqs=num_seqs)
-        if isinstance(draft, Draft):
-            draft_kv, tokens = _propose(draft, draft_params, draft_kv, tokens, page_table, meta.seq_lens, query_start,
-                                        num_seqs, active, caps)
-        elif isinstance(draft, Eagle3Draft):
-            draft_kv, tokens = _eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
-                                              page_table, meta.seq_lens, query_start, num_seqs, row_slots, active,
-                                              caps)
+        if isinstance(draft, drafting.Draft):
+            draft_kv, tokens = drafting.propose(draft, draft_params, draft_kv, tokens, page_table, meta.seq_lens,
+                                                query_start, num_seqs, active, caps)
+        elif isinstance(draft, drafting.Eagle3Draft):
+            draft_kv, tokens = drafting.eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv,
+                                                      tokens, page_table, meta.seq_lens, query_start, num_seqs,
+                                                      row_slots, active, caps)
         else:   # looked up in the history, its newest token (row 0 of its chunk) recorded first
-            history = _record(history, jnp.where(active, req_slots, history.shape[0]), last + emitted, tokens[start])
+            history = record_tokens(history, jnp.where(active, req_slots, history.shape[0]), last + emitted,
+                                    tokens[start])
             drafts, found = ngram_lookup.propose(history[req_slots], last + emitted,
                                                  jnp.minimum(chunk - 1, budgets - emitted - 1), num_drafts,
                                                  draft.min_n, draft.max_n)
             tokens = jnp.where(real_row & (offset > 0), drafts[rq, jnp.maximum(offset - 1, 0)], tokens)
-            history = _record(history, jnp.where(row_on, row_slots, history.shape[0]), pos, tokens)
+            history = record_tokens(history, jnp.where(row_on, row_slots, history.shape[0]), pos, tokens)
         hidden, kv, aux = _run_model(model, params, lora, tokens, pos, kv, meta, row_slots)
         logits = model.apply({"params": params}, hidden, method=Transformer.logits)
         # each row draws with the seed stream and min_tokens of its output index, as one round per launch would
         st = sampling.SamplingTensors(f, i.at[:, sampling.I_STEP].add(emitted[rq]))
         new_tokens, lp, tv, ti = _sample_rows(state, state.counts, state.recent, logits, row_slots, st, plan)
-        rows, _ = _accepted_rows(tokens, new_tokens, query_start, num_seqs, num_drafts)
+        rows, _ = drafting.accepted_rows(tokens, new_tokens, query_start, num_seqs, num_drafts)
         rows = jnp.minimum(rows, start + caps - (last + emitted) - 1)   # no draft past its pages (K/V unwritten)
         rows = jnp.minimum(rows, start + found)   # nor past those proposed
         advance = jnp.where(active, rows - start + 1, 0)
         proposed = jnp.where(active, jnp.minimum(found, caps - (last + emitted) - 1), 0)
-        if isinstance(draft, Eagle3Draft):   # as verify_step: the slot keeps the head's output at the accepted row
-            draft_kv, prenorm = _eagle_follow(draft, draft_params, model, params, aux, new_tokens, pos, draft_kv,
-                                              meta)
+        if isinstance(draft, drafting.Eagle3Draft):   # as verify_step: the slot keeps the head's output at the
+            # accepted row
+            draft_kv, prenorm = drafting.eagle_follow(draft, draft_params, model, params, aux, new_tokens, pos,
+                                                      draft_kv, meta)
             slots = jnp.where(active, req_slots, draft_hidden.shape[0])
             draft_hidden = draft_hidden.at[slots].set(prenorm[rows], mode="drop")
         # the next round starts from each request's newest token (its drafts are proposed into the rows after it)
@@ -123,4 +124,4 @@ def verify_rounds_step(model: Transformer, plan: sampling.SamplingPlan, num_roun
     return state.replace(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, history=history), StepOutput(
         new_tokens, lp, tv, ti, inputs=inputs, advance=advance, last_tokens=per_request(newest),
         emitted=per_request(emitted), shift=per_request(shift),
-        proposed=proposed if isinstance(draft, NgramDraft) else None)
+        proposed=proposed if isinstance(draft, drafting.NgramDraft) else None)

@@ -3,7 +3,9 @@
 # f32 output and the channel scale after (per channel) or the weight dequantized to [K, N] (grouped); the 8B's four
 # projections at 2,048 and 8,192 rows) and/or STAGE=ratio (the 2,048-token prefill, int8 / fp8 / int4 against bf16 in
 # one process) and/or STAGE=throughput (`bench throughput`, FMT=fp8 weights, 1,024 x 128 in / 128 out, 256
-# sequences, 8,192-token steps: this tree, then .before/quantized_matmul.py, carried: the routing before).
+# sequences, 8,192-token steps: this tree, then .before/quantized_matmul.py, carried: the routing before) and/or
+# STAGE=profile (where the fp8 W8A16 2,048-token prefill's time goes now, notebooks/gpu_profile_prefill.py) and/or
+# STAGE=tests (the quantized-matmul tests of the XLA paths, natively: pytest needs to be installed there).
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__)"
@@ -19,6 +21,14 @@ ratio)
     --num-iters ${ITERS:-3} --batch-size 1 --max-num-batched-tokens 2048 --quantization int8 \
     --compare-quantization fp8,int4,gguf-q8_0,none > $OUT/prefill_ratio.log 2>&1; echo ratio rc=$?
   grep -i "ttft" $OUT/prefill_ratio.log | grep -v "^W\|^I0\|iteration" | tail -10 ;;
+profile)
+  CASES=${CASES:-fp8:2048x1,bf16:2048x1} timeout ${T_PROFILE:-300} python3 notebooks/gpu_profile_prefill.py \
+    > $OUT/profile_prefill.log 2>&1; echo profile rc=$?
+  grep -v "^W\|^I0\|^E0" $OUT/profile_prefill.log | grep -i "^fp8\|^bf16" | cut -c1-300 ;;
+tests)
+  timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider tests/test_quantized_matmul.py \
+    -k "xla_backend or dequantize_nk or convert_fused or gpu_prefill" > $OUT/tests.log 2>&1; echo tests rc=$?
+  tail -3 $OUT/tests.log ;;
 throughput)
   cp pallas_kernels/quantized_matmul.py /tmp/quantized_matmul.new.py
   for v in new old; do
