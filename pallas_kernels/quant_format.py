@@ -271,15 +271,4 @@ def dequantize_nk(qw: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The logical weight W[K, N] in `dtype` (computed in float32)."""
     k, n = qw.shape
-    k_pad, n_pad = qw.padded_shape
-    g = qw.group_size
-    q = natural_codes(qw).T.astype(jnp.float32).reshape(k_pad // g, g, n_pad)  # [G, g, N_pad]
-    s = group_scales(qw)[:, None, :]
-    z = None if qw.zeros is None else group_zeros(qw)[:, None, :]
-    if z is not None and qw.zero_point:
-        w = (q - z) * s
-    elif z is not None:
-        w = (q + 8.0) * s + z
-    else:
-        w = q * s
-    return w.reshape(k_pad, n_pad)[:k, :n].astype(dtype)
+    return dequantize_nk(qw, jnp.float32).T[:k, :n].astype(dtype)

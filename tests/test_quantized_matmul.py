@@ -290,6 +290,8 @@ def test_xla_backend_matches_reference(fmt, group_size, zeros, m):
 
 @pytest.mark.parametrize("fmt,group_size,zeros", CASES + [("int4", 32, "two_level")])
 def test_dequantize_nk_is_the_padded_transposed_weight(fmt, group_size, zeros):
+    # dequantize (W [K, N]) is read from it; its values are checked against the float weights and gguf's own
+    # dequantization in tests/test_quantization.py: this checks the layout and the padding
     from pallas_kernels.quant_format import dequantize, dequantize_nk
     w = np.random.default_rng(5).standard_normal((256, 70)).astype(np.float32)
     qw = like_gguf(w, "Q4_K") if zeros == "two_level" else quantize(w, fmt, group_size=group_size,
