@@ -288,6 +288,19 @@ def test_xla_backend_matches_reference(fmt, group_size, zeros, m):
     _check(fmt, group_size, zeros, m, k=200, n=70, seed=m, backend="xla")
 
 
+@pytest.mark.parametrize("m", [5, 2050])
+def test_xla_backend_of_int8_in_mma_order(m):
+    # int8 stored in mma order (K permuted in blocks of 32, for the decode matmul): x is permuted alike before
+    # XLA's convert-fused GEMM (few rows) or the dequantized copy (past 2,048 rows)
+    rng = np.random.default_rng(m)
+    qw = with_mma_order(quantize(rng.standard_normal((200, 70)).astype(np.float32), "int8"), True)
+    assert qw.mma_order
+    x = jnp.asarray(rng.standard_normal((m, 200)), jnp.bfloat16)
+    y = np.asarray(quantized_matmul(x, qw, backend="xla", out_dtype=jnp.float32))
+    ref = np.asarray(quantized_matmul_reference(x, qw))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 4e-3
+
+
 @pytest.mark.parametrize("fmt,group_size,zeros", CASES + [("int4", 32, "two_level")])
 def test_dequantize_nk_is_the_padded_transposed_weight(fmt, group_size, zeros):
     # dequantize (W [K, N]) is read from it; its values are checked against the float weights and gguf's own
