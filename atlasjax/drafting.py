@@ -69,7 +69,7 @@ def eagle_follow(draft: Eagle3Draft, draft_params, model, params, aux, next_toke
 
 
 def eagle_propose(draft: Eagle3Draft, draft_params, model, params, draft_hidden, kv, tokens, page_table, seq_lens,
-                   query_start, num_seqs, row_slots, active=None, caps=None):
+                  query_start, num_seqs, row_slots, active=None, caps=None):
     """An EAGLE-3 head's greedy drafts, filled into a verify step's rows (as `propose`): request i's last token
     sits at position L, and its slot keeps the head's output at L - 1, whose prediction is draft 1; iteration j
     takes draft j and the previous output at position L + j - 1 and proposes draft j + 1. Its K/V writes
@@ -126,7 +126,7 @@ def _within(positions, caps):
 
 
 def propose(draft: Draft, draft_params, kv, tokens, page_table, seq_lens, query_start, num_seqs, active=None,
-             caps=None):
+            caps=None):
     """A draft model's greedy drafts, filled into a verify step's rows: request i's chunk (pack_verify) is its last
     token, then rows that hold draft j at offset j. num_tokens + 1 decode iterations of the draft over the requests:
     iteration j takes the token at position last + j (the last token, then draft j) and proposes

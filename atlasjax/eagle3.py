@@ -10,9 +10,9 @@ target's layers), its vocabulary, one decoder layer.
 How it runs (atlasjax/steps.py): the target returns its residual stream entering three layers (`aux_layers`: the
 checkpoint's, else 2, L // 2 and L - 3 of L layers, as vLLM's and SGLang's). After the target,
 every step runs the head over the step's rows with each row's next token (the next prompt token, or the token just
-sampled; `drafting.eagle_follow`): its KV pool (one layer, on the target's pages) then covers every position the target's
-does, and each slot keeps the head's output at its request's last position (`DeviceState.draft_hidden`). A verify
-step proposes from there before the target runs: draft 1 from the kept output, then k - 1 draft iterations.
+sampled; `drafting.eagle_follow`): its KV pool (one layer, on the target's pages) then covers every position the
+target's does, and each slot keeps the head's output at its request's last position (`DeviceState.draft_hidden`). A
+verify step proposes from there before the target runs: draft 1 from the kept output, then k - 1 draft iterations.
 """
 from __future__ import annotations
 

@@ -154,8 +154,8 @@ def _decode_once(model: Transformer, plan, params, kv, counts, recent, state: De
                  draft_state=((), (), ())):
     """One decode iteration over the step's rows: row r continues the request in slot slots[r];
     seq_lens == 0 marks a padding row (no K/V write, no count; its slot is out of range). `state` gives the
-    per-slot sampling state; kv, counts, recent and draft_state (draft_kv, draft_hidden, history) are the iteration's
-    own.
+    per-slot sampling state; kv, counts, recent and draft_state (draft_kv, draft_hidden, history) are the
+    iteration's own.
     split_rows: AttentionMetadata's. lora: the runner's LoRA tree (atlasjax/lora.py), or None. draft:
     `drafting.Draft`, `drafting.Eagle3Draft`, `drafting.NgramDraft` (nothing to run here) or None.
     Returns (kv, draft_state, counts, recent, StepOutput)."""
@@ -267,18 +267,18 @@ def verify_step(model: Transformer, plan: sampling.SamplingPlan, layout, params,
     drafts, packed as prefill chunks are, write their K/V and sample a token at every row with the row's
     settings (`step_packing.pack_verify`); a last token still on the device is gathered as a decode's is.
     With a draft model (`drafting.Draft`) its drafts are proposed first, here (`drafting.propose`), into the rows
-    the host reserved. Only requests without penalties or bad words speculate, so the per-slot counts and recent tokens
-    are read (bias tables) but not advanced. The output's `inputs` are the rows' tokens, drafts included."""
+    the host reserved. Only requests without penalties or bad words speculate, so the per-slot counts and recent
+    tokens are read (bias tables) but not advanced. The output's `inputs` are the rows' tokens, drafts included."""
     tokens, positions, slot_mapping, page_table, seq_lens, query_start, num_seqs, row_slots, f, i = unpack_host(
         packed, layout)
     tokens = _gather_prev(tokens, prev_prefill_tokens, prev_decode_tokens)
     draft_kv, draft_hidden = state.draft_kv, state.draft_hidden
     if isinstance(draft, drafting.Draft):
-        draft_kv, tokens = drafting.propose(draft, draft_params, draft_kv, tokens, page_table, seq_lens, query_start,
-                                    num_seqs)
+        draft_kv, tokens = drafting.propose(draft, draft_params, draft_kv, tokens, page_table, seq_lens,
+                                            query_start, num_seqs)
     elif isinstance(draft, drafting.Eagle3Draft):
-        draft_kv, tokens = drafting.eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv, tokens,
-                                          page_table, seq_lens, query_start, num_seqs, row_slots)
+        draft_kv, tokens = drafting.eagle_propose(draft, draft_params, model, params, draft_hidden, draft_kv,
+                                                  tokens, page_table, seq_lens, query_start, num_seqs, row_slots)
     meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=page_table, seq_lens=seq_lens,
                              query_start=query_start, num_seqs=num_seqs)
     hidden, kv, aux = _run_model(model, params, lora, tokens, positions, state.kv, meta, row_slots)

@@ -71,7 +71,7 @@ from pallas_kernels.quant_format import (  # noqa: F401 (is_per_channel re-expor
     QuantizedWeight, codes_as_bf16, dequantize, dequantize_nk, group_offsets, is_per_channel, permuted_like_mma_order)
 from pallas_kernels.quantized_matmul_rules import (  # noqa: F401 (MAX_TILE_M, TILE_N re-exported)
     MAX_TILE_M, TILE_N, QuantMatmulConfig, _can_use_pallas, _folds_zeros, _prescales, _tile_k, _unroll,
-    _xla_offsets, default_config, fused_max_rows)
+    _xla_offsets, convert_fused_pays, default_config, fused_max_rows)
 
 DECODE_ROWS = 128  # up to this many rows (a decode batch) the fused kernel runs as one M tile
 
@@ -462,24 +462,6 @@ def xla_convert_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
     y = lax.dot_general(xp, qw.qweight.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
                         preferred_element_type=jnp.float32)
     return (y * qw.scales[0])[:, :qw.shape[1]]
-
-
-CONVERT_FUSED_MAX_ELEMS = 4096 * 4096   # weights this small keep the convert-fused GEMM up to 2,048 rows
-
-
-def convert_fused_pays(qw: QuantizedWeight, m: int) -> bool:
-    """Whether XLA's convert-fused GEMM (`xla_convert_matmul`) runs this per-channel weight at m rows,
-    not `dequantized_dot`. H200, the 8B's projections, XLA's GEMMs (docs/perf_quant.md, session 84):
-    at 2,048 rows the dequantized copy ran qkv, gate_up and down 1-10% faster (gate_up fp8 725 against
-    791 us), o_proj (4096x4096) 23% slower (133 against 108 us: cuBLAS's choice for that shape with
-    both minor dims contracted); at 4,096 rows the copy was 1-11% faster on all but o_proj (226
-    against 216 us), at 8,192 rows 12-15% faster on all but down (a tie; o_proj fp8 368 against 425
-    us). Up to 1,024 rows, where the decode matmul or rows kernel does not run, nothing changed."""
-    if not is_per_channel(qw):
-        return False
-    k_pad, n_pad = qw.padded_shape
-    return m <= rows_kernel.MAX_8BIT_ROWS or (m <= 2 * rows_kernel.MAX_8BIT_ROWS
-                                              and k_pad * n_pad <= CONVERT_FUSED_MAX_ELEMS)
 
 
 def dequantized_dot(x: jax.Array, qw: QuantizedWeight, out_dtype, *, barrier: bool = False) -> jax.Array:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.gemm_tiling import elem_bits
-from pallas_kernels.quant_format import QuantizedWeight
+from pallas_kernels.quant_format import QuantizedWeight, is_per_channel
+from pallas_kernels.rows_matmul import MAX_8BIT_ROWS
 
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
@@ -197,3 +198,22 @@ def _can_use_pallas(qw: QuantizedWeight, config: QuantMatmulConfig) -> bool:
         ok = ((step_k % sg == 0 or sg % step_k == 0) and (_prescales(qw, config) or tile_k == qw.group_size)
               and qw.super_scales.shape == (k_pad // sg, n_pad) and not qw.zero_point)
     return ok
+
+
+CONVERT_FUSED_MAX_ROWS = 2048          # up to this many rows per-channel weights of up to
+CONVERT_FUSED_MAX_ELEMS = 4096 * 4096   # this many elements keep the convert-fused GEMM (`convert_fused_pays`)
+
+
+def convert_fused_pays(qw: QuantizedWeight, m: int) -> bool:
+    """Whether XLA's convert-fused GEMM (`quantized_matmul.xla_convert_matmul`) runs this per-channel
+    weight at m rows, not `quantized_matmul.dequantized_dot`. H200, the 8B's projections, XLA's GEMMs
+    (docs/perf_quant.md, session 84): at 2,048 rows the dequantized copy ran qkv, gate_up and down
+    1-10% faster (gate_up fp8 725 against 791 us), o_proj (4096x4096) 23% slower (133 against 108
+    us: cuBLAS's choice for that shape with both minor dims contracted); at 4,096 rows the copy was
+    1-11% faster on all but o_proj (226 against 216 us), at 8,192 rows 12-15% faster on all but down
+    (a tie; o_proj fp8 368 against 425 us). Up to 1,024 rows, where the decode matmul or rows kernel
+    does not run, nothing changed."""
+    if not is_per_channel(qw):
+        return False
+    k_pad, n_pad = qw.padded_shape
+    return m <= MAX_8BIT_ROWS or (m <= CONVERT_FUSED_MAX_ROWS and k_pad * n_pad <= CONVERT_FUSED_MAX_ELEMS)

@@ -319,7 +319,7 @@ def test_dequantize_nk_is_the_padded_transposed_weight(fmt, group_size, zeros):
 
 
 def test_convert_fused_gemm_runs_per_channel_weights_by_rows_and_size(monkeypatch):
-    import pallas_kernels.quantized_matmul as qm
+    import pallas_kernels.quantized_matmul_rules as qm
     small, large = (quantize(np.ones((256, n), np.float32), "fp8") for n in (128, 256))
     monkeypatch.setattr(qm, "CONVERT_FUSED_MAX_ELEMS", 256 * 128)
     assert all(qm.convert_fused_pays(qw, 1024) for qw in (small, large))
