@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 
 from atlasjax import long_context_decode
+from atlasjax.draft_scheduling import verify_reach
 from atlasjax.sampling import pack_rows, plan_rows
-from atlasjax.scheduler import SchedulerOutput, verify_reach
+from atlasjax.scheduler_output import SchedulerOutput
 from atlasjax.step_packing import pack_decode, pack_prefill, pack_verify
 from atlasjax.step_readback import LaunchedStep, start_copies
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atlasjax.scheduler import SchedulerOutput
+from atlasjax.scheduler_output import SchedulerOutput
 
 
 def sampling_row(req) -> tuple:

@@ -14,7 +14,7 @@ import numpy as np
 
 from atlasjax.request import Request
 from atlasjax.sampling_params import MAX_LOGPROBS
-from atlasjax.scheduler import SchedulerOutput
+from atlasjax.scheduler_output import SchedulerOutput
 from atlasjax.speculative import num_accepted
 from atlasjax.steps import StepOutput
 

@@ -440,9 +440,10 @@ def test_a_verify_launch_is_scheduled_behind_another_only_when_it_can_run_the_sa
     """Pipelined verify-rounds launches (engine.step, verify_rounds.py): the next launch is scheduled before the one in
     flight is read back only when it will be another verify-rounds launch of the same requests, each with a draft,
     with no admission, retirement or preemption; its pages then cover what both launches may write."""
+    from atlasjax.draft_scheduling import verify_reach
     from atlasjax.page_pool import PagePool
     from atlasjax.request import Request
-    from atlasjax.scheduler import Scheduler, verify_reach
+    from atlasjax.scheduler import Scheduler
     from atlasjax.speculative import DRAFT_ON_DEVICE
 
     def scheduler(num_pages=64, max_num_seqs=2, **spec):

@@ -4,7 +4,7 @@ import numpy as np
 from atlasjax.output_processor import find_stop
 from atlasjax.request import Request
 from atlasjax.sampling_params import SamplingParams
-from atlasjax.scheduler import PrefillChunk, SchedulerOutput
+from atlasjax.scheduler_output import PrefillChunk, SchedulerOutput
 from atlasjax.step_packing import pack_decode, pack_prefill
 
 
