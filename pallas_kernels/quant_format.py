@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 @functools.partial(
@@ -253,19 +254,34 @@ def natural_codes(qw: QuantizedWeight) -> jax.Array:
 
 def dequantize_nk(qw: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:
     """The padded weight as stored, W.T [N_pad, K_pad] (K minor), in `dtype` (computed in float32):
-    what a GEMM contracting both operands' minor dims reads without a transpose."""
+    what a GEMM contracting both operands' minor dims reads without a transpose.
+
+    A bf16 result is computed two values per 32-bit word (`_bf16_pairs`): XLA's elementwise kernels
+    run one output element per thread, and 2-byte elements write at ~3.3 TB/s on an H200 against
+    ~4.2 for 4-byte ones (docs/performance.md, sessions 84-85). The values are the same."""
     k_pad, n_pad = qw.padded_shape
     g = qw.group_size
-    q = natural_codes(qw).astype(jnp.float32).reshape(n_pad, k_pad // g, g)  # [N_pad, G, g]
-    s = group_scales(qw).T[:, :, None]
-    z = None if qw.zeros is None else group_zeros(qw).T[:, :, None]
+    pairs = jnp.dtype(dtype) == jnp.bfloat16 and g % 2 == 0
+    q = natural_codes(qw).astype(jnp.float32)
+    q = q.reshape(n_pad, k_pad // g, g // 2, 2) if pairs else q.reshape(n_pad, k_pad // g, 1, g)
+    s = group_scales(qw).T[:, :, None, None]   # [N_pad, G, 1, 1]
+    z = None if qw.zeros is None else group_zeros(qw).T[:, :, None, None]
     if z is not None and qw.zero_point:
         w = (q - z) * s
     elif z is not None:
         w = (q + 8.0) * s + z
     else:
         w = q * s
-    return w.reshape(n_pad, k_pad).astype(dtype)
+    w = w.astype(dtype)
+    return (_bf16_pairs(w) if pairs else w).reshape(n_pad, k_pad)
+
+
+def _bf16_pairs(w: jax.Array) -> jax.Array:
+    """[..., 2] bf16 through one uint32 word per pair (the first value in the low half, as a
+    little-endian bitcast reads it back): the same array, computed by a kernel writing words."""
+    halves = lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32)
+    words = halves[..., 0] | (halves[..., 1] << 16)
+    return lax.bitcast_convert_type(words, jnp.bfloat16)
 
 
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:

@@ -315,7 +315,10 @@ def test_dequantize_nk_is_the_padded_transposed_weight(fmt, group_size, zeros):
     assert nk.shape == qw.padded_shape[::-1]
     np.testing.assert_allclose(nk[:70, :256], np.asarray(dequantize(qw, jnp.float32)).T, rtol=1e-6, atol=1e-6)
     assert not nk[70:, :].any() and not nk[:, 256:].any()   # padding contributes nothing
-    assert dequantize_nk(qw).dtype == jnp.bfloat16
+    bf16 = dequantize_nk(qw)   # computed two values per 32-bit word: the f32 values rounded once, bit for bit
+    assert bf16.dtype == jnp.bfloat16
+    rounded = np.asarray(jnp.asarray(nk, jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(bf16).view(np.uint16), rounded.view(np.uint16))
 
 
 def test_convert_fused_gemm_runs_per_channel_weights_by_rows_and_size(monkeypatch):

@@ -1,0 +1,28 @@
+# Session 85 on one H200: STAGE=words (the prefill's dequantizing pass two bf16 values per uint32 word against one
+# per element and four codes per input word, alone and feeding the GEMM: notebooks/gpu_dequant_words.py) and/or
+# STAGE=ratio (#5's 2,048-token prefill, int8 / fp8 / int4 / GGUF Q8_0 against bf16 in one process) and/or
+# STAGE=profile (where the fp8 W8A16 2,048-token prefill's time goes, notebooks/gpu_profile_prefill.py) and/or
+# STAGE=tests (the quantized-matmul tests of the XLA paths, natively: pytest needs to be installed there).
+export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__)"
+for stage in ${STAGE:-words ratio}; do
+case $stage in
+words)
+  timeout ${T_WORDS:-300} python3 notebooks/gpu_dequant_words.py > $OUT/words.log 2>&1; echo words rc=$?
+  grep "^{\|^copy" $OUT/words.log | cut -c1-220 ;;
+ratio)
+  timeout ${T_RATIO:-300} python3 -m atlasjax.bench latency --preset llama-3.1-8b --input-len 2048 --output-len 16 \
+    --num-iters ${ITERS:-3} --batch-size 1 --max-num-batched-tokens 2048 --quantization int8 \
+    --compare-quantization fp8,int4,gguf-q8_0,none > $OUT/prefill_ratio.log 2>&1; echo ratio rc=$?
+  grep -i "ttft" $OUT/prefill_ratio.log | grep -v "^W\|^I0\|iteration" | tail -10 ;;
+profile)
+  CASES=${CASES:-fp8:2048x1} timeout ${T_PROFILE:-300} python3 notebooks/gpu_profile_prefill.py \
+    > $OUT/profile_prefill.log 2>&1; echo profile rc=$?
+  grep -v "^W\|^I0\|^E0" $OUT/profile_prefill.log | grep -i "^fp8\|^bf16" | cut -c1-300 ;;
+tests)
+  timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider tests/test_quantized_matmul.py \
+    -k "xla_backend or dequantize_nk or convert_fused or gpu_prefill" > $OUT/tests.log 2>&1; echo tests rc=$?
+  tail -3 $OUT/tests.log ;;
+esac
+done
