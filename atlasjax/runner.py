@@ -5,6 +5,9 @@ points) where `jax.jit` appears.
 Steps are compiled ahead of time per shape bucket (atlasjax/step_compiler.py), so every compile is explicit, logged
 and counted, and a shape outside the buckets is an error rather than a silent recompile; `warmup` compiles every
 shape serving can reach (atlasjax/warmup.py) before the first request.
+
+`ModelRunner`'s bases: the device state's shapes (atlasjax/state_shapes.py), the admit steps that reset a newly
+admitted request's slot (atlasjax/admit_steps.py), and compiling and running step programs (step_compiler.py).
 """
 from __future__ import annotations
 
@@ -15,22 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import bad_words, drafting, sampling, steps, verify_rounds, warmup
-from atlasjax.bad_words import HISTORY, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS
+from atlasjax import drafting, sampling, steps, verify_rounds, warmup
+from atlasjax.admit_steps import AdmitSteps
 from atlasjax.eagle3 import Eagle3Spec
 from atlasjax.sharding import TP_AXIS
-from atlasjax.sampling_params import MAX_LOGIT_BIAS
+from atlasjax.state_shapes import StateShapes
 from atlasjax.step_compiler import StepCompiler, StepSpec
 from atlasjax.steps import DeviceState, StepOutput
 from models.eagle3 import Eagle3Head
 from models.fused import fuse_logical_axes, fuse_projections, unfuse_projections
-from models.transformer import Transformer, init_kv_cache
-
-ADMIT_ROWS = 16   # requests one admit step resets (runner.admit_rows)
-ADMIT_TOKENS = 4096   # tokens one admit step holds at least (runner.admit_tokens): 16 requests of 256 tokens
+from models.transformer import Transformer
 
 
-class ModelRunner(StepCompiler):
+class ModelRunner(StateShapes, AdmitSteps, StepCompiler):
     """Holds params and device state; compiles and runs the decode / prefill / admit steps."""
 
     def __init__(self, cfg, params, *, dtype, page_size: int, max_num_seqs: int, kv_dtype=None,
@@ -135,39 +135,6 @@ class ModelRunner(StepCompiler):
             zeros, out_shardings=jax.tree.map(lambda x: x.sharding, shapes))()
         self.num_pages = num_pages
 
-    def _state_shapes(self, num_pages: int) -> DeviceState:
-        """What `allocate(num_pages)` makes, as shapes (with their shardings under TP): the KV pool
-        split over KV heads, the per-slot state replicated. Steps compile against it before the pool
-        exists."""
-        cfg, plan = self.cfg, self.plan
-        kv = self._kv_pool_shapes(cfg, plan, num_pages)
-        draft_kv = () if self.draft_cfg is None else self._kv_pool_shapes(self.draft_cfg, self.draft_plan, num_pages)
-        shape, bias = (self.max_num_seqs, cfg.vocab_size), (self.max_num_seqs, MAX_LOGIT_BIAS)
-        extra = {} if plan is None else dict(sharding=plan.replicated)
-        draft_hidden = ()   # an EAGLE-3 head's output at each slot's last position
-        if isinstance(self.draft, drafting.Eagle3Draft):   # its KV pool and outputs replicated under TP, as the head
-            draft_kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, **extra), draft_kv)
-            draft_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, self.draft_cfg.hidden_size), self.dtype, **extra)
-        history = ()   # each slot's tokens, which n-gram drafts on the device look up
-        if isinstance(self.draft, drafting.NgramDraft):
-            history = jax.ShapeDtypeStruct((self.max_num_seqs, self.max_model_len), jnp.int32, **extra)
-        return DeviceState(kv=kv, draft_kv=draft_kv, draft_hidden=draft_hidden, history=history,
-                           counts=jax.ShapeDtypeStruct(shape, jnp.int32, **extra),
-                           prompt_mask=jax.ShapeDtypeStruct(shape, jnp.bool_, **extra),
-                           bias_ids=jax.ShapeDtypeStruct(bias, jnp.int32, **extra),
-                           bias_vals=jax.ShapeDtypeStruct(bias, jnp.float32, **extra),
-                           bad_words=jax.ShapeDtypeStruct((self.max_num_seqs, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS),
-                                                          jnp.int32, **extra),
-                           recent=jax.ShapeDtypeStruct((self.max_num_seqs, HISTORY), jnp.int32, **extra))
-
-    def _kv_pool_shapes(self, cfg, plan, num_pages: int):
-        """A model's KV pool of `num_pages` pages as shapes; under tensor parallelism (`plan`) split over KV heads."""
-        heads = () if plan is None else (plan.num_kv_heads,)
-        kv = jax.eval_shape(functools.partial(init_kv_cache, cfg, num_pages, self.page_size, self.kv_dtype, *heads))
-        if plan is None:
-            return kv
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.kv_sharding), kv)
-
     @property
     def lora(self) -> dict | None:
         """The LoRA slots' tree every step reads (atlasjax/lora_slots.py), or None without LoRA."""
@@ -254,40 +221,6 @@ class ModelRunner(StepCompiler):
     def _draft_options(self) -> dict:
         return {} if self.draft is None else dict(draft=self.draft)
 
-    @property
-    def admit_rows(self) -> int:
-        """Requests one admit step takes (more admitted in one engine step run more admit steps)."""
-        return min(self.max_num_seqs, ADMIT_ROWS)
-
-    @property
-    def admit_tokens(self) -> int:
-        """Tokens one admit step holds: a request of max_model_len, or ADMIT_TOKENS of shorter ones. (Sized
-        max_model_len alone, a step admitting 64 prompts of 128 tokens at max_model_len 257 ran 32 admit programs,
-        45 ms of host time before its prefill could start, against 11 ms with 4 programs; H200, session 82.)"""
-        return max(self.max_model_len, ADMIT_TOKENS)
-
-    def admit_spec(self, group) -> StepSpec:
-        """group: (slot, token ids, prompt_len, bias table, bad-word sequences) of up to `admit_rows` requests,
-        distinct slots, `admit_tokens` tokens in all (`admit` packs them so)."""
-        rows = self.admit_rows
-        slots = np.full(rows, self.max_num_seqs, np.int32)
-        starts = np.zeros(rows + 1, np.int32)
-        prompt_lens = np.zeros(rows, np.int32)
-        tokens = np.zeros(self.admit_tokens, np.int32)
-        bias_ids = np.zeros((rows, MAX_LOGIT_BIAS), np.int32)
-        bias_vals = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
-        bad = np.full((rows, MAX_BAD_WORD_SEQS, MAX_BAD_WORD_TOKENS), -1, np.int32)
-        for r, (slot, token_ids, prompt_len, bias, bad_seqs) in enumerate(group):
-            slots[r], prompt_lens[r] = slot, prompt_len
-            starts[r + 1] = starts[r] + len(token_ids)
-            tokens[starts[r]:starts[r + 1]] = token_ids
-            bias_ids[r], bias_vals[r] = sampling.logit_bias_row(bias)
-            bad[r] = bad_words.table(bad_seqs)
-        starts[len(group) + 1:] = starts[len(group)]   # padding rows: empty
-        packed, layout = steps.pack_host((slots, starts, prompt_lens, tokens, bias_ids, bias_vals, bad))
-        return StepSpec(("admit", self.admit_tokens, rows), functools.partial(steps.admit_step, layout), (0,),
-                        (self._state_arg, self._host(packed)))
-
     def decode(self, tokens, page_table, seq_lens, f, i, prev_tokens=(None, None),
                plan: sampling.SamplingPlan = sampling.FULL, row_steps=None, num_steps: int = 1,
                slots=None, split_rows: float | None = None) -> StepOutput:
@@ -358,26 +291,3 @@ class ModelRunner(StepCompiler):
                 1 if jax.default_backend() == "gpu" and not before_pool else min(8, os.cpu_count() or 1)))
         finally:
             self._state_shapes_now = None
-
-    @property
-    def _state_arg(self):
-        """The device state a step is called (or, before `allocate`, compiled) with."""
-        return self._state_shapes_now if self.state is None else self.state
-
-    def admit(self, requests) -> None:
-        """Reset the sampling state of each request's slot: requests, (slot, token ids so far, prompt_len,
-        SamplingParams.bias_table(), bad-word token sequences) each (the first prompt_len tokens its prompt; a
-        request's tokens past max_model_len are left out). They run in as few admit steps as hold them: up to
-        `admit_rows` requests and `admit_tokens` tokens each, in order (a slot named twice starts a new step, so
-        the later one wins)."""
-        group, used = [], 0
-        for slot, token_ids, prompt_len, bias, bad_seqs in requests:
-            token_ids = token_ids[:self.max_model_len]
-            if group and (len(group) == self.admit_rows or used + len(token_ids) > self.admit_tokens
-                          or any(slot == g[0] for g in group)):
-                self.state = self._run(self.admit_spec(group))
-                group, used = [], 0
-            group.append((slot, token_ids, prompt_len, bias, bad_seqs))
-            used += len(token_ids)
-        if group:
-            self.state = self._run(self.admit_spec(group))

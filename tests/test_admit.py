@@ -78,7 +78,7 @@ def _check_state(runner, requests):
 
 
 def test_a_steps_admissions_run_as_one_program_and_reset_exactly_their_slots(engine, monkeypatch):
-    monkeypatch.setattr("atlasjax.runner.ADMIT_TOKENS", 64)   # a program holds 64 tokens: max_model_len's
+    monkeypatch.setattr("atlasjax.admit_steps.ADMIT_TOKENS", 64)   # a program holds 64 tokens: max_model_len's
     rs = np.random.RandomState(0)
     requests = [(slot, rs.randint(0, VOCAB, size=n).tolist(), p, {int(rs.randint(VOCAB)): 1.5} if slot % 2 else None,
                  [[int(rs.randint(VOCAB)), slot]] if slot % 3 else [])
