@@ -3,7 +3,8 @@
 A step asks the scheduler for work, dispatches it (step_launch.py: packed into the fixed bucket shapes by
 step_packing.py, run by the runner), reads its tokens back (step_readback.py) and turns them
 into text deltas with incremental detokenization and stop checks (output_processor.py). `LLM`
-drives it synchronously; `AsyncLLM` runs it in a thread.
+drives it synchronously; `AsyncLLM` runs it in a thread. Its bases: start-up (loading, the runner, the KV pool's
+size, compiles: engine_startup.py) and the requests (adding, aborting, releasing: engine_requests.py).
 
 Asynchronous scheduling (the default): `step()` schedules and dispatches step N+1 before it reads
 step N back, so the host work (scheduling, packing, detokenization, stop checks) runs while the
@@ -36,32 +37,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from atlasjax import bad_words, distributed, hub, long_context_decode, metrics, pause, weights_summary
-from atlasjax.engine_config import (EngineConfig, resolve_kv_cache_dtype, resolve_max_model_len,
-                                    resolve_scheduler_steps)
-from atlasjax.draft_model import load_speculative_draft
+from atlasjax import distributed, hub, metrics, pause
+from atlasjax.engine_config import EngineConfig, resolve_kv_cache_dtype, resolve_scheduler_steps
+from atlasjax.engine_requests import EngineRequests
+from atlasjax.engine_startup import EngineStartup
 from atlasjax.errors import EngineConfigError, InvalidRequestError
-from atlasjax.kv_budget import auto_num_pages
-from atlasjax.kv_disk import check_directory
-from atlasjax.kv_offload import check_host_memory, host_tier
-from atlasjax.lora import LoRAManager, LoRARequest
+from atlasjax.kv_offload import host_tier
+from atlasjax.lora import LoRAManager
 from atlasjax.output_processor import OutputProcessor
 from atlasjax.outputs import StreamDelta
 from atlasjax.page_pool import PagePool
 from atlasjax.pooling import PoolingParams, read_pooler_config
 from atlasjax.profiling import Profiler, profiler_dir
-from atlasjax.prompts import check_cache_salt
 from atlasjax.request import Request
-from atlasjax.runner import ModelRunner
-from atlasjax.sampling_params import SamplingParams
 from atlasjax.scheduler import Scheduler
 from atlasjax.sleep_mode import SleepState
 from atlasjax.step_options import use_process_flags
 from atlasjax.step_launch import StepLauncher
 from atlasjax.step_readback import LaunchedStep, read_back
-from atlasjax.drafting import NgramDraft
-from atlasjax.tokenizer import read_chat_template
-from atlasjax.waiting_queue import check_priority
 
 log = logging.getLogger("atlasjax.engine")
 # tokens per embedding batch on a GPU, beside generation / on a pooling runner (elsewhere: max_num_batched_tokens;
@@ -76,7 +69,7 @@ def resolve_dtype(name: str):
     return jnp.dtype(name)
 
 
-class LLMEngine:
+class LLMEngine(EngineStartup, EngineRequests):
     def __init__(self, config: EngineConfig, loaded=None):
         use_process_flags(config.tensor_parallel_size)   # before anything starts the jax backend
         self.config = config = dataclasses.replace(
@@ -143,97 +136,6 @@ class LLMEngine:
         self.profiler = Profiler(profiler_dir(config.profiler_dir))   # start_profile / stop_profile (profiling.py)
         self._in_flight: LaunchedStep | None = None     # async: the step dispatched by the previous step() call
 
-    # ---- start: load, runner, KV pool size, compiles
-    def _load(self, config: EngineConfig, given) -> tuple[dict, bool]:
-        """Load (or take `given`) and shard the model; the params in the engine's weight settings and whether this
-        engine owns them (a tree it loaded or sharded itself goes to the runner whole)."""
-        from atlasjax.model_source import (  # noqa: PLC0415
-            load_for_engine, shard_loaded, with_user_settings, with_weight_settings)
-        # read before the model loads: a missing or broken template fails at once
-        chat_template = None if config.chat_template is None else read_chat_template(config.chat_template)
-        check_host_memory(config.kv_offloading_size)
-        check_directory(config.kv_offloading_disk)
-        self.loaded = with_user_settings(shard_loaded(given or load_for_engine(config, self.dtype),
-                                                      config.tensor_parallel_size, self.dtype), config, chat_template)
-        self.model_config = cfg = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.generation_defaults = self.loaded.generation
-        self.max_model_len = resolve_max_model_len(config.max_model_len, cfg)
-        if config.num_pages:
-            self._check_num_pages(config.num_pages)   # before any device work
-        # The runner holds the params from here on (in its execution layout: `runner.checkpoint_params()`
-        # gives them back as loaded).
-        params, self.loaded = self.loaded.params, dataclasses.replace(self.loaded, params=None)
-        own_params = given is None or params is not given.params
-        params = with_weight_settings(params, config, cfg, self.tokenizer, self.dtype, self.kv_dtype,
-                                      self.max_model_len, plan=self.loaded.plan)
-        self.weights_summary = weights_summary.describe(params)   # which format each weight runs in
-        if config.load_format == "dummy":
-            self.weights_summary += " (random: load_format dummy)"
-        log.info("%s: %s", self.loaded.source, self.weights_summary)
-        return params, own_params
-
-    def _build_runner(self, config: EngineConfig, params, own_params: bool, decode_buckets) -> ModelRunner:
-        # speculative decoding's draft model or EAGLE-3 head (atlasjax/draft_model.py): (config, params, plan, k)
-        draft = load_speculative_draft(self.speculative, self.model_config, self.tokenizer, self.dtype,
-                                       self.max_model_len, self.loaded.plan)
-        spec = self.speculative
-        if spec is not None and spec.ngram_on_device(config.num_scheduler_steps):
-            draft = NgramDraft(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return ModelRunner(self.model_config, params, dtype=self.dtype, kv_dtype=self.kv_dtype,
-                           page_size=config.page_size, max_num_seqs=self.num_slots, max_model_len=self.max_model_len,
-                           prefill_buckets=config.prefill_buckets(), decode_buckets=decode_buckets,
-                           attn_backend=config.attention_backend, plan=self.loaded.plan, own_params=own_params,
-                           prompt_logprobs_tokens=config.prompt_logprobs_tokens,
-                           long_context_split_rows=long_context_decode.resolve(
-                               config.long_context_decode, on_gpu=jax.default_backend() == "gpu",
-                               attention_backend=config.attention_backend, decode_buckets=decode_buckets,
-                               max_model_len=self.max_model_len),
-                           verify_buckets=self._verify_buckets(config), draft=draft,
-                           verify_rounds=config.num_scheduler_steps if draft is not None else 1)
-
-    def _num_pages(self, config: EngineConfig) -> int:
-        """The KV pool's pages, sized from the memory left once the params (and LoRA slots) are in their execution
-        layout."""
-        if self.pooling_only:   # no generation: the pool holds one sequence, the memory goes to embedding batches
-            num_pages = config.num_pages or -(-self.max_model_len // config.page_size)
-        else:
-            num_pages = distributed.broadcast_int(   # all hosts agree
-                config.num_pages or auto_num_pages(config, self.model_config, self.kv_dtype, self.max_model_len,
-                                                   self.runner.params, self.loaded.plan,
-                                                   self.runner.draft_cfg, self.runner.draft_plan))
-        self._check_num_pages(num_pages)
-        return num_pages
-
-    def _compile(self, config: EngineConfig, num_pages: int) -> None:
-        """compile_at_start: every step shape (or embedding batch size) before the pool is allocated."""
-        t0 = time.perf_counter()
-        if self.pooling_only:
-            self.embedder.warmup()
-            log.info("compiled %d embedding batch sizes in %.1f s", self.embedder.num_programs,
-                     time.perf_counter() - t0)
-        else:
-            self.runner.warmup(config.num_scheduler_steps, num_pages=num_pages)
-            log.info("compiled %d step shapes and loaded %d from the program store in %.1f s",
-                     self.runner.num_compiles, self.runner.num_loaded, time.perf_counter() - t0)
-
-    def _verify_buckets(self, config: EngineConfig) -> tuple[int, ...]:
-        """Token counts of the verify steps speculation can run: prefill buckets up to one that holds every slot's
-        last token and drafts (within the step budget)."""
-        if config.speculative_config is None:
-            return ()
-        most = min(self.num_slots * (1 + config.speculative_config.num_speculative_tokens),
-                   config.max_num_batched_tokens)
-        buckets = config.prefill_buckets()
-        return tuple(b for b in buckets if b < most) + (next(b for b in buckets if b >= most),)
-
-    def _check_num_pages(self, num_pages: int) -> None:
-        pages_per_seq = -(-self.max_model_len // self.config.page_size)
-        if num_pages < pages_per_seq:
-            raise EngineConfigError(
-                f"the KV pool ({num_pages} pages of {self.config.page_size} tokens) cannot hold one sequence of "
-                f"max_model_len={self.max_model_len} ({pages_per_seq} pages): lower max_model_len or add pages")
-
     # ---- multi-host (atlasjax/distributed.py)
     def follow(self) -> None:
         """On a process other than 0: run process 0's device steps until it stops the followers."""
@@ -251,76 +153,7 @@ class LLMEngine:
     def scheduling_policy(self) -> str:
         return self.config.scheduling_policy
 
-    # ---- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
-                    cache_salt: str | None = None) -> list[Request]:
-        """priority: with `scheduling_policy="priority"`, lower is admitted sooner and preempted later
-        (any integer; 0 by default); with fcfs it must be 0, as in vLLM. arrival_time: a time.monotonic()
-        reading (default: now); it orders equal priorities and starts the request's queue time.
-        lora_request: run it with that LoRA adapter (an engine with enable_lora), read and checked now.
-        cache_salt: vLLM's; it reuses prefix-cache pages only from requests with the same salt (None: the shared
-        cache)."""
-        params = params or SamplingParams()
-        self.sleep_state.check_awake()
-        if self.pooling_only:
-            raise InvalidRequestError("this engine runs its model for embeddings only (runner='pooling'): it "
-                                      "does not generate")
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        check_priority(priority, self.config.scheduling_policy)
-        adapter = self._lora_adapter(lora_request)
-        check_cache_salt(cache_salt)
-        token_ids = params.truncated_prompt(self.tokenize_prompt(prompt), self.max_model_len)
-        vocab = self.model_config.vocab_size
-        for name in ("logit_bias", "allowed_token_ids"):
-            if getattr(params, name) and max(getattr(params, name)) >= vocab:
-                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab})")
-        max_tokens = self._check_length(len(token_ids), params)
-        bad_seqs = bad_words.token_sequences(params.bad_words, self.tokenizer)
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        seqs = []
-        for i in range(params.n):
-            seed = base_seed if i == 0 else hash((base_seed, i)) & 0x7FFFFFFF
-            req = Request(f"{request_id}" if params.n == 1 else f"{request_id}#{i}", list(token_ids), params, seed,
-                          max_tokens, self.eos_token_ids, arrival_time or time.monotonic(), priority)
-            req.index, req.parent_id, req.bad_word_ids = i, request_id, bad_seqs
-            req.lora_request, req.lora_adapter, req.cache_salt = lora_request, adapter, cache_salt
-            self.outputs.add(req)
-            seqs.append(req)
-            self.scheduler.add(req)
-            if self.pause_state.is_paused:
-                self.scheduler.held.add(req)     # waits for resume
-        self.requests[request_id] = seqs
-        self.stats.num_requests += 1
-        return seqs
-
-    def _lora_adapter(self, lora_request):
-        """The adapter a request names (read and checked), or None for the base model (lora_request None)."""
-        if lora_request is None:
-            return None
-        if not isinstance(lora_request, LoRARequest):
-            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.lora is None:
-            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
-                                      "(LLM(..., enable_lora=True) / serve --enable-lora)")
-        return self.lora.check(lora_request)
-
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids (text is tokenized; ids are checked against the vocabulary)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        return ids
-
+    # ---- embeddings (atlasjax/embedding.py)
     def embed(self, prompts: list, params: PoolingParams | list[PoolingParams] | None = None
               ) -> list[tuple[list[int], np.ndarray]]:
         """(token ids embedded, float32 vector) per prompt (text or token ids), pooled as `self.pooler` says
@@ -353,31 +186,7 @@ class LLMEngine:
         """The labels of the model's classification head (a *ForSequenceClassification checkpoint), else ()."""
         return self.loaded.classifier.labels if self.loaded.classifier is not None else ()
 
-    def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise InvalidRequestError(f"the prompt has {prompt_len} tokens, more than max_model_len={limit} allows "
-                                      f"(at most {limit - 1} leaving room for one generated token)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise InvalidRequestError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                                      f"{prompt_len + max_tokens} exceeds max_model_len={limit}")
-        if -(-(prompt_len + max_tokens) // self.pool.page_size) > self.pool.num_pages:
-            raise InvalidRequestError("the request cannot fit in the KV cache even on its own")
-        return max_tokens
-
-    def abort(self, request_id: str) -> bool:
-        seqs = self.requests.pop(request_id, None)
-        if seqs is None:
-            return False
-        for req in seqs:
-            if not req.is_finished:
-                self.scheduler.finish(req, "abort")
-            self.outputs.forget(req)
-        self.stats.num_aborted += 1
-        self.stats.refresh(self)
-        return True
-
+    # ---- steps in flight
     def has_unfinished(self) -> bool:
         """Whether `step()` has work: requests to run (none while a pause is in effect) or a step to read back."""
         return self._in_flight is not None or (self.scheduler.has_work and not self.pause_state.settled)
@@ -461,9 +270,3 @@ class LLMEngine:
         if step.spans is not None and step.decode.emitted is not None:   # a verify-rounds launch
             self.scheduler.drafts_accepted = any(a for rounds in host.spec_rounds for _, a in rounds)
         return self.outputs.process(step, host)
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request's bookkeeping (its pages are already free)."""
-        for req in self.requests.pop(request_id, []):
-            self.outputs.forget(req)
-
