@@ -127,4 +127,3 @@ class DraftScheduling:
                 return False
             need += max(0, -(-(req.num_total_tokens + 1) // self.pool.page_size) - len(req.pages))
         return self.max_num_batched_tokens >= 2 * len(in_flight) and self.pool.can_allocate(need)
-
