@@ -26,3 +26,16 @@ tests)
   tail -3 $OUT/tests.log ;;
 esac
 done
+# STAGE=layout: notebooks/gpu_bf16_layout.py (bf16 GEMMs on [K, N] against [N, K] weights); STAGE=sweep: per-channel
+# 8-bit weights at ROWS rows, XLA's convert-fused GEMM against the word-wise dequantized copy (`convert_fused_pays`)
+for stage in ${STAGE2:-}; do
+case $stage in
+layout)
+  timeout ${T_LAYOUT:-200} python3 notebooks/gpu_bf16_layout.py > $OUT/layout.log 2>&1; echo layout rc=$?
+  grep "^{" $OUT/layout.log | cut -c1-200 ;;
+sweep)
+  timeout ${T_SWEEP:-250} python3 -m atlasjax.bench_kernels_quant --sweep-rows ${ROWS:-512,1024,2048,4096} \
+    --formats ${FORMATS:-fp8,int8} --paths ${PATHS:-engine,xla_convert,xla_nk} > $OUT/sweep.log 2>&1; echo sweep rc=$?
+  grep -v "^W\|^I0\|^E0" $OUT/sweep.log | tail -45 ;;
+esac
+done
