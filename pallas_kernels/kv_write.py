@@ -9,6 +9,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.words import from_words, packs, to_words
+
 
 def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
@@ -27,14 +29,23 @@ def as_pool_dtype(x, dtype):
     return saturating_cast(x, dtype) if is_fp8(dtype) else x.astype(dtype)
 
 
+def _scatter_rows(pages, rows, slot_mapping):
+    """rows [kv_heads, tokens, W] into their slots of pages [kv_heads, num_pages, page_size, W]."""
+    kvh, num_pages, page_size, _ = pages.shape
+    flat = pages.reshape(kvh, num_pages * page_size, -1).at[:, slot_mapping].set(rows, mode="drop")
+    return flat.reshape(kvh, num_pages, page_size, -1)
+
+
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Scatter K/V [num_tokens, kv_heads, head_dim] into their slots, in place when the pool is donated."""
-    kvh, num_pages, page_size, hd = k_pages.shape
-    flat_k = k_pages.reshape(kvh, num_pages * page_size, hd)
-    flat_v = v_pages.reshape(kvh, num_pages * page_size, hd)
-    flat_k = flat_k.at[:, slot_mapping].set(as_pool_dtype(k.swapaxes(0, 1), k_pages.dtype), mode="drop")
-    flat_v = flat_v.at[:, slot_mapping].set(as_pool_dtype(v.swapaxes(0, 1), v_pages.dtype), mode="drop")
-    return flat_k.reshape(k_pages.shape), flat_v.reshape(v_pages.shape)
+    """Scatter K/V [num_tokens, kv_heads, head_dim] into their slots, in place when the pool is donated.
+    Rows move as uint32 words (pallas_kernels/words.py): half (bf16) or a quarter (fp8) of the elements."""
+    def write(pages, x):
+        rows = as_pool_dtype(x.swapaxes(0, 1), pages.dtype)   # [kv_heads, tokens, head_dim]
+        if not packs(rows):
+            return _scatter_rows(pages, rows, slot_mapping)
+        return from_words(_scatter_rows(to_words(pages), to_words(rows), slot_mapping), pages.dtype)
+
+    return write(k_pages, k), write(v_pages, v)
 
 
 def decode_slots(page_table, seq_lens, page_size: int, num_pages: int):

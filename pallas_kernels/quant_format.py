@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.words import from_words
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -277,11 +279,10 @@ def dequantize_nk(qw: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:
 
 
 def _bf16_pairs(w: jax.Array) -> jax.Array:
-    """[..., 2] bf16 through one uint32 word per pair (the first value in the low half, as a
-    little-endian bitcast reads it back): the same array, computed by a kernel writing words."""
+    """[..., 2] bf16 -> [..., 2] through one uint32 word per pair (the first value in the low half, as
+    `from_words` reads it back): the same values, computed by a kernel writing words."""
     halves = lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32)
-    words = halves[..., 0] | (halves[..., 1] << 16)
-    return lax.bitcast_convert_type(words, jnp.bfloat16)
+    return from_words(halves[..., 0] | (halves[..., 1] << 16), jnp.bfloat16)
 
 
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:

@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.online_softmax import (KV_DTYPES, as_compute_dtype, attend_kv_blocks, fetch_kv_block,
                                            kv_pipeline_scratch, resolve_interpret)
+from pallas_kernels.words import as_words
 
 _ROWS = 64  # wgmma M
 _LOG2E = math.log2(math.e)
@@ -120,10 +121,12 @@ def _ragged_pallas(q, k_pages, v_pages, page_table, seq_lens, query_start, num_s
       query_start, seq_lens, num_seqs, num_tokens, tile_tokens)
   max_tiles = meta.shape[0]
   # [kv_heads, tiles, 64, D]: row = token_in_tile * group + head_in_group.
+  # Both regroupings move whole head_dim rows: as uint32 words (pallas_kernels/words.py), half the elements.
+  def regroup(qg):
+    q_tiles = qg[tok].transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, max_tiles, tile_tokens * group, -1)
+    return jnp.pad(q_tiles, ((0, 0), (0, 0), (0, _ROWS - tile_tokens * group), (0, 0)))
   qg = as_compute_dtype(q, k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
-  q_tiles = qg[tok].transpose(2, 0, 1, 3, 4).reshape(
-      num_kv_heads, max_tiles, tile_tokens * group, head_dim)
-  q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, _ROWS - tile_tokens * group), (0, 0)))
+  q_tiles = as_words(regroup, qg)
   max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_kv)
   pages_needed = max_blocks * (block_kv // page_size)
   table = jnp.pad(page_table, ((0, 0), (0, max(0, pages_needed - page_table.shape[1]))))
@@ -139,9 +142,12 @@ def _ragged_pallas(q, k_pages, v_pages, page_table, seq_lens, query_start, num_s
       interpret=interpret,
   )(q_tiles, k_pages, v_pages, table, meta)
   rows = tok_row[:, None] * group + jnp.arange(group)[None, :]  # [tokens, group]
-  out = o_tiles[:, tok_tile[:, None], rows]  # [kv_heads, tokens, group, D]
-  out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
-  return jnp.where(tok_valid[:, None, None], out, 0).astype(q.dtype)
+
+  def ungroup(o_tiles):
+    out = o_tiles[:, tok_tile[:, None], rows]  # [kv_heads, tokens, group, D]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, -1)
+    return jnp.where(tok_valid[:, None, None], out, 0)
+  return as_words(ungroup, o_tiles).astype(q.dtype)
 
 
 def can_use_pallas(q, k_pages):
