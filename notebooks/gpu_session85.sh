@@ -39,3 +39,21 @@ sweep)
   grep -v "^W\|^I0\|^E0" $OUT/sweep.log | tail -45 ;;
 esac
 done
+# STAGE3=throughput: `bench throughput` (FMTS weights, 1,024 x 128 in / 128 out, 256 sequences, 8,192-token steps) of
+# this tree and of the tree in .before/old.tar (the session's start, a3f39a7), one process each, alternating
+for stage in ${STAGE3:-}; do
+case $stage in
+throughput)
+  mkdir -p /tmp/old && tar -xf .before/old.tar -C /tmp/old
+  for fmt in ${FMTS:-none fp8}; do
+    for v in new old; do
+      dir=$PWD; [ $v = old ] && dir=/tmp/old
+      q=""; [ $fmt != none ] && q="--quantization $fmt"
+      (cd $dir && PYTHONPATH=$dir:${PYTHONPATH#.:} timeout ${T:-150} python3 -m atlasjax.bench throughput \
+        --preset llama-3.1-8b --num-prompts 1024 --input-len 128 --output-len 128 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 $q --output $OUT/tp_${fmt}_$v.json > $OUT/tp_${fmt}_$v.log 2>&1)
+      echo $fmt $v rc=$?; grep -i "output tok/s\|compiles" $OUT/tp_${fmt}_$v.log | grep -v "^W\|^I0" | tail -3
+    done
+  done ;;
+esac
+done
