@@ -14,12 +14,13 @@ import numpy as np
 from atlasjax.bench.__main__ import build_parser
 from atlasjax.bench.presets import build_engine
 from atlasjax.sampling_params import SamplingParams
-from atlasjax.scheduler import SchedulerOutput
+from atlasjax.scheduler_output import SchedulerOutput
 from atlasjax.step_readback import read_back
 
 args = build_parser().parse_args(["latency", "--preset", "llama-3.1-8b", "--batch-size", "1", "--speculative-config",
                                   json.dumps({"num_speculative_tokens": 15, "prompt_lookup_min": 1})])
 engine = build_engine(args, max_num_seqs=1, max_model_len=512, max_num_batched_tokens=256)
+engine.async_scheduling = False   # step() reads its own step back: the prefill's token is known after it
 rows = []
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=64, ignore_eos=True)
@@ -40,10 +41,10 @@ for label, params in (("greedy", GREEDY), ("sampled", SAMPLED), ("greedy2", GREE
             if i >= 3:
                 out.append(dt)
         return float(np.median(out)) * 1e3
-    row = dict(plan=label, decode_ms=timed(lambda: engine._launch(SchedulerOutput([req], [], [], []))))
+    row = dict(plan=label, decode_ms=timed(lambda: engine.launcher.launch(SchedulerOutput([req], [], [], []), None)))
     for k in (1, 4, 8, 15):
         sched = SchedulerOutput([req], [], [], [], drafts={req: list(range(5, 5 + k))})
-        row[f"verify_k{k}_ms"] = timed(lambda: engine._launch_verify(sched))
+        row[f"verify_k{k}_ms"] = timed(lambda: engine.launcher.launch(sched, None))
     print(json.dumps(row), flush=True)
     rows.append(row)
     engine.abort(label)
