@@ -19,7 +19,7 @@ tests)
 sweep)
   timeout ${T_SWEEP:-280} python3 -m atlasjax.bench_kernels_quant --sweep-rows ${ROWS:-1024} \
     --shapes ${SHAPES:-0,1,2,3} --formats ${FORMATS:-fp8,int8,int8_g32} \
-    --paths ${PATHS:-engine,xla_nk} --out $OUT/sweep.json > $OUT/sweep.log 2>&1; echo sweep rc=$?
+    --paths ${PATHS:-engine,xla_nk} --out $OUT > $OUT/sweep.log 2>&1; echo sweep rc=$?
   grep -v "^W\|^I0\|^E0" $OUT/sweep.log | tail -60 ;;
 ratio)
   timeout ${T_RATIO:-400} python3 -m atlasjax.bench latency --preset llama-3.1-8b --input-len ${LEN:-1024} \
