@@ -10,7 +10,7 @@ import dataclasses
 
 from pallas_kernels.gemm_tiling import elem_bits
 from pallas_kernels.quant_format import QuantizedWeight, is_per_channel
-from pallas_kernels.rows_matmul import MAX_8BIT_ROWS
+from pallas_kernels.rows_matmul import max_8bit_rows
 
 MAX_TILE_M = 256  # activation rows per tile: the largest wgmma N
 TILE_N = 64  # weight rows per warpgroup: the M of one wgmma
@@ -212,9 +212,10 @@ def convert_fused_pays(qw: QuantizedWeight, m: int) -> bool:
     us: cuBLAS's choice for that shape with both minor dims contracted); at 4,096 rows the copy was
     1-11% faster on all but o_proj (226 against 216 us), at 8,192 rows 12-15% faster on all but down
     (a tie; o_proj fp8 368 against 425 us). Up to 1,024 rows, where the decode matmul or rows kernel
-    does not run, nothing changed. Re-measured with the copy written as uint32 words (session 85):
+    does not run, nothing changed (`rows_matmul.max_8bit_rows`: 512 rows for weights of 16,384 or more
+    columns since session 86). Re-measured with the copy written as uint32 words (session 85):
     o_proj at 2,048 rows still 108 us convert-fused against 127 via the copy."""
     if not is_per_channel(qw):
         return False
     k_pad, n_pad = qw.padded_shape
-    return m <= MAX_8BIT_ROWS or (m <= CONVERT_FUSED_MAX_ROWS and k_pad * n_pad <= CONVERT_FUSED_MAX_ELEMS)
+    return m <= max_8bit_rows(qw) or (m <= CONVERT_FUSED_MAX_ROWS and k_pad * n_pad <= CONVERT_FUSED_MAX_ELEMS)

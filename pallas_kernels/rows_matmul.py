@@ -45,6 +45,8 @@ STEP_K = 128              # K per pipeline step (one int4 group)
 SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 allows 227 KB per block)
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
 MAX_8BIT_ROWS = 1024      # 8-bit codes past this many rows: the weight dequantized for XLA's GEMM (`pays`)
+WIDE_8BIT_N = 16384       # 8-bit weights at least this wide (after padding) ...
+WIDE_8BIT_MAX_ROWS = 512  # ... leave the kernel past this many rows (`max_8bit_rows`)
 MIN_ROWS = 32             # up to this many rows the fused kernel (or the decode matmul) runs instead (`pays`)
 # The H100 wave model of `plan_for`, checked on 109 measured (shape, rows, split) cases (sessions 38-39)
 STEP_US = 0.8             # a 128-row block's K step
@@ -103,7 +105,18 @@ def pays(qw: QuantizedWeight, m: int) -> bool:
     - 8-bit codes up to 1,024 rows: per-channel int8 / fp8 0-24% faster than XLA's convert-fused
       GEMM there, Q8_0 and block FP8 faster than the fused kernel or dequantize + dot at 256-512
       rows; at 2,048 rows those were as fast or up to 9% faster (session 37)."""
-    return m > MIN_ROWS and (qw.format == "int4" or m <= MAX_8BIT_ROWS)
+    return m > MIN_ROWS and (qw.format == "int4" or m <= max_8bit_rows(qw))
+
+
+def max_8bit_rows(qw: QuantizedWeight) -> int:
+    """The most rows at which an 8-bit weight (per channel or in groups) takes this kernel; past them the
+    weight is dequantized for XLA's GEMM (`quantized_matmul.dequantized_dot`). H200, 1,024 rows
+    (docs/perf_quant.md, session 86), us, this kernel against the dequantized copy: weights 16,384 or
+    more wide ran 4-20% faster as the copy in every 8-bit format (gate_up 4096x28672 fp8 410 / 386, int8
+    444 / 387, Q8_0 468 / 397; 4096x24576, 3072x16384, 2048x16384 and 8192x57344 alike); narrower ones
+    (qkv, o_proj, down of the 1B-70B shapes) ran up to 1.48x faster on this kernel, or within 4%. At 512
+    rows this kernel won on all four 8B shapes (session 85); in between nothing was measured."""
+    return WIDE_8BIT_MAX_ROWS if qw.padded_shape[1] >= WIDE_8BIT_N else MAX_8BIT_ROWS
 
 
 def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, int]:
