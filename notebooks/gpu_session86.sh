@@ -28,3 +28,18 @@ ratio)
   grep -i "ttft" $OUT/ratio.log | grep -v "^W\|^I0\|iteration" | tail -10 ;;
 esac
 done
+# STAGE2=ab: STAGE's ratio stage for this tree and for the tree in .before/old.tar, one process each
+for stage in ${STAGE2:-}; do
+case $stage in
+ab)
+  mkdir -p /tmp/old && tar -xf .before/old.tar -C /tmp/old
+  for v in new old; do
+    dir=$PWD; [ $v = old ] && dir=/tmp/old
+    (cd $dir && PYTHONPATH=$dir:${PYTHONPATH#.:} timeout ${T_RATIO:-250} python3 -m atlasjax.bench latency \
+      --preset llama-3.1-8b --input-len ${LEN:-1024} --output-len 16 --num-iters ${ITERS:-10} --batch-size 1 \
+      --max-num-batched-tokens ${LEN:-1024} --quantization int8 --compare-quantization ${CMP:-gguf-q8_0,none} \
+      > $OUT/ab_$v.log 2>&1); echo $v rc=$?
+    grep -i "ttft" $OUT/ab_$v.log | grep -v "^W\|^I0\|iteration" | tail -6
+  done ;;
+esac
+done
