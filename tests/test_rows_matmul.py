@@ -180,3 +180,20 @@ def test_native_per_channel_8_bit(fmt, k, n, m):
 def test_native_grouped_formats(fmt, group_size, zeros):
     assert _error(300, 14336, 4096, fmt=fmt, group_size=group_size, zeros=zeros, m_tile=128, interpret=False,
                   out_dtype=jnp.bfloat16) < 7e-3
+
+
+def test_wide_8bit_weights_leave_the_kernel_past_512_rows(monkeypatch):
+    # H200, 1,024 rows (session 86): weights of 16,384+ columns ran 4-20% faster as the dequantized copy
+    # through XLA's GEMM, narrower ones on this kernel; int4 stays on the kernel at any count
+    import pallas_kernels.quantized_matmul_rules as qm
+    monkeypatch.setattr(rows, "WIDE_8BIT_N", 256)
+    monkeypatch.setattr(qm, "CONVERT_FUSED_MAX_ELEMS", 256 * 128)   # the wide weight is past the o_proj-sized exception
+    for fmt, group_size in (("fp8", None), ("int8", None), ("int8", 32)):
+        narrow, wide = (quantize(np.ones((256, n), np.float32), fmt, group_size=group_size) for n in (128, 256))
+        assert rows.pays(narrow, 512) and rows.pays(narrow, rows.MAX_8BIT_ROWS), fmt
+        assert rows.pays(wide, rows.WIDE_8BIT_MAX_ROWS) and not rows.pays(wide, rows.WIDE_8BIT_MAX_ROWS + 1), fmt
+        assert not rows.pays(narrow, rows.MAX_8BIT_ROWS + 1), fmt
+        if group_size is None:   # nor XLA's convert-fused GEMM: the copy runs them
+            assert qm.convert_fused_pays(wide, 512) and not qm.convert_fused_pays(wide, 1024)
+            assert qm.convert_fused_pays(narrow, 1024)
+    assert rows.pays(_int4(256, 256), 4096)
