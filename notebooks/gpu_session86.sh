@@ -28,11 +28,11 @@ ratio)
   grep -i "ttft" $OUT/ratio.log | grep -v "^W\|^I0\|iteration" | tail -10 ;;
 esac
 done
-# STAGE2=ab: STAGE's ratio stage for this tree and for the tree in .before/old.tar, one process each
+# STAGE2=ab: STAGE's ratio stage for this tree and for the tree in OLD_TAR (.before/old.tar), one process each
 for stage in ${STAGE2:-}; do
 case $stage in
 ab)
-  mkdir -p /tmp/old && tar -xf .before/old.tar -C /tmp/old
+  rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf ${OLD_TAR:-.before/old.tar} -C /tmp/old
   for v in new old; do
     dir=$PWD; [ $v = old ] && dir=/tmp/old
     (cd $dir && PYTHONPATH=$dir:${PYTHONPATH#.:} timeout ${T_RATIO:-250} python3 -m atlasjax.bench latency \

@@ -46,7 +46,8 @@ SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 all
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
 MAX_8BIT_ROWS = 1024      # 8-bit codes past this many rows: the weight dequantized for XLA's GEMM (`pays`)
 WIDE_8BIT_N = 16384       # 8-bit weights at least this wide (after padding) ...
-WIDE_8BIT_MAX_ROWS = 512  # ... leave the kernel past this many rows (`max_8bit_rows`)
+WIDE_8BIT_MAX_ROWS = 512  # ... leave the kernel past this many rows (`max_8bit_rows`), as do
+DEEP_INT8_K = 12288       # int8 weights (per channel or in groups) at least this deep (after padding)
 MIN_ROWS = 32             # up to this many rows the fused kernel (or the decode matmul) runs instead (`pays`)
 # The H100 wave model of `plan_for`, checked on 109 measured (shape, rows, split) cases (sessions 38-39)
 STEP_US = 0.8             # a 128-row block's K step
@@ -114,9 +115,14 @@ def max_8bit_rows(qw: QuantizedWeight) -> int:
     (docs/perf_quant.md, session 86), us, this kernel against the dequantized copy: weights 16,384 or
     more wide ran 4-20% faster as the copy in every 8-bit format (gate_up 4096x28672 fp8 410 / 386, int8
     444 / 387, Q8_0 468 / 397; 4096x24576, 3072x16384, 2048x16384 and 8192x57344 alike); narrower ones
-    (qkv, o_proj, down of the 1B-70B shapes) ran up to 1.48x faster on this kernel, or within 4%. At 512
-    rows this kernel won on all four 8B shapes (session 85); in between nothing was measured."""
-    return WIDE_8BIT_MAX_ROWS if qw.padded_shape[1] >= WIDE_8BIT_N else MAX_8BIT_ROWS
+    (qkv, o_proj and the 1B / 3B downs, K <= 8,192) ran up to 1.48x faster on this kernel. The deep downs
+    (K 12,288 / 14,336 / 28,672) ran faster on this kernel in fp8 (181 / 194 us on the 8B's) but 2-5% faster
+    as the copy in int8 (199 / 194) and 6-9% in Q8_0's groups (212 / 199), so int8 codes that deep leave it
+    too (session 87). At 512 rows this kernel won on all four 8B shapes (session 85); in between nothing was
+    measured."""
+    k_pad, n_pad = qw.padded_shape
+    leaves = n_pad >= WIDE_8BIT_N or (qw.format == "int8" and k_pad >= DEEP_INT8_K)
+    return WIDE_8BIT_MAX_ROWS if leaves else MAX_8BIT_ROWS
 
 
 def plan_for(m: int, qw: QuantizedWeight, out_dtype=jnp.bfloat16) -> tuple[int, int]:
