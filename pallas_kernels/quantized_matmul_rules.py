@@ -212,8 +212,8 @@ def convert_fused_pays(qw: QuantizedWeight, m: int) -> bool:
     us: cuBLAS's choice for that shape with both minor dims contracted); at 4,096 rows the copy was
     1-11% faster on all but o_proj (226 against 216 us), at 8,192 rows 12-15% faster on all but down
     (a tie; o_proj fp8 368 against 425 us). Up to 1,024 rows, where the decode matmul or rows kernel
-    does not run, nothing changed (`rows_matmul.max_8bit_rows`: 512 rows for weights of 16,384 or more
-    columns since session 86, and for int8 weights 12,288 or more deep since session 87). Re-measured with
+    does not run, nothing changed (`rows_matmul.max_8bit_rows`: weights of 16,384 or more columns, and
+    int8 weights 12,288 or more deep, take the copy from 1,024 rows; sessions 86-88). Re-measured with
     the copy written as uint32 words (session 85): o_proj at 2,048 rows still 108 us convert-fused against
     127 via the copy."""
     if not is_per_channel(qw):

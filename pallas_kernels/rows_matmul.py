@@ -46,7 +46,7 @@ SMEM_BUDGET = 220 * 1024  # the pipeline ring and the output tiles (the H100 all
 MEMORY_REGISTERS = 40     # per thread of the TMA warpgroup (the compute warpgroups get the rest)
 MAX_8BIT_ROWS = 1024      # 8-bit codes past this many rows: the weight dequantized for XLA's GEMM (`pays`)
 WIDE_8BIT_N = 16384       # 8-bit weights at least this wide (after padding) ...
-WIDE_8BIT_MAX_ROWS = 512  # ... leave the kernel past this many rows (`max_8bit_rows`), as do
+WIDE_8BIT_MAX_ROWS = 1023 # ... take the dequantized copy from 1,024 rows (`max_8bit_rows`), as do
 DEEP_INT8_K = 12288       # int8 weights (per channel or in groups) at least this deep (after padding)
 MIN_ROWS = 32             # up to this many rows the fused kernel (or the decode matmul) runs instead (`pays`)
 # The H100 wave model of `plan_for`, checked on 109 measured (shape, rows, split) cases (sessions 38-39)
@@ -118,8 +118,14 @@ def max_8bit_rows(qw: QuantizedWeight) -> int:
     (qkv, o_proj and the 1B / 3B downs, K <= 8,192) ran up to 1.48x faster on this kernel. The deep downs
     (K 12,288 / 14,336 / 28,672) ran faster on this kernel in fp8 (181 / 194 us on the 8B's) but 2-5% faster
     as the copy in int8 (199 / 194) and 6-9% in Q8_0's groups (212 / 199), so int8 codes that deep leave it
-    too (session 87). At 512 rows this kernel won on all four 8B shapes (session 85); in between nothing was
-    measured."""
+    too (session 87). Below 1,024 rows they stay (H100, session 88): at 640 rows this kernel ran the 8B
+    gate_up 7-13% faster than the copy (fp8 274 / 313 us), at 768-896 within 5% either way (fp8 ahead), and
+    the down as fast or faster at 768-896 rows (int8 169 / 174 with its K split; at 640 rows unsplit 195 / 154,
+    and the 4-way split `plan_for` picks there was not measured); at 1,024 rows the copy
+    won gate_up there too (fp8 429 / 417, int8 451 / 417, Q8_0 475 / 430), while the H100's int8 down
+    stayed 1.5-5% faster on this kernel (197 / 207), a cost the gate_up's gain outweighs. A prefill's rows
+    are a power of two or the token budget, so below 1,024 only a budget set between 512 and 1,024 meets
+    the difference."""
     k_pad, n_pad = qw.padded_shape
     leaves = n_pad >= WIDE_8BIT_N or (qw.format == "int8" and k_pad >= DEEP_INT8_K)
     return WIDE_8BIT_MAX_ROWS if leaves else MAX_8BIT_ROWS
